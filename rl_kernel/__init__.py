@@ -1,0 +1,26 @@
+"""rl_kernel: strict numerical ops under explicit numeric execution contracts.
+
+In strict mode (the default) every op computes each output element by a fixed sequence of IEEE
+operations that depends on that element's logical inputs only, so the trainer and the rollout
+engine, calling the same ops, produce the same bits for the same token. See `rl_kernel.contracts`
+for what a contract pins and `python -m rl_kernel.selftest` to check the guarantee on a machine.
+"""
+
+from rl_kernel import contracts, evidence
+from rl_kernel.backends import get_backend, set_backend
+from rl_kernel.errors import StrictModeError
+from rl_kernel.modes import BOUNDARIES, current_modes, get_mode, mode, set_mode
+from rl_kernel.ops.activation import silu_and_mul
+from rl_kernel.ops.attention import attention_varlen, paged_attention, write_kv_cache
+from rl_kernel.ops.collective import all_reduce
+from rl_kernel.ops.gemm import linear, linear_fp32, row_parallel_linear
+from rl_kernel.ops.logprob import logprobs
+from rl_kernel.ops.norm import rms_norm
+from rl_kernel.ops.rope import rope
+
+__all__ = [
+    "BOUNDARIES", "StrictModeError", "all_reduce", "attention_varlen", "contracts", "current_modes",
+    "evidence", "get_backend", "get_mode", "linear", "linear_fp32", "logprobs", "mode",
+    "paged_attention", "rms_norm", "rope", "row_parallel_linear", "set_backend", "set_mode",
+    "silu_and_mul", "write_kv_cache",
+]

@@ -1,0 +1,1 @@
+"""The torch backend: strict kernels from single IEEE operations, on CPU and CUDA alike."""

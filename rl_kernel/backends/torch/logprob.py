@@ -1,0 +1,61 @@
+"""Strict selected-token log-probability on the torch backend, optionally vocab-parallel.
+
+The log-sum-exp is made exact and order-free: with M the (exact) max of z = logits / temperature,
+every term exp(z - M) in (0, 1] is rounded to a fixed-point integer with FIXED_POINT_BITS
+fractional bits and the terms are added as int64. Integer addition is associative, so the sum is
+the same for any vocab tiling, any sharding over ranks and any reduction order, and the max is
+exact too. This is what lets a vocab-parallel logprob equal the unsharded one bit for bit.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from rl_kernel.backends.torch.numerics import exp64, log64
+
+FIXED_POINT_BITS = 44
+MAX_VOCAB = 1 << (62 - FIXED_POINT_BITS)  # the int64 sum of MAX_VOCAB terms <= 1 cannot overflow
+TILE_ELEMENTS = 1 << 22
+
+
+def _all_reduce(x: torch.Tensor, op: dist.ReduceOp, group: dist.ProcessGroup | None) -> torch.Tensor:
+    # Exact reductions only (max; int64 sum; a sum with a single non-zero term): order cannot matter.
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(x, op=op, group=group)
+    return x
+
+
+def scaled_logits(logits32: torch.Tensor, temperature: torch.Tensor, vocab_start: int, vocab_size: int) -> torch.Tensor:
+    """z = logits / temperature in fp64, -inf on padded columns (global index >= vocab_size)."""
+    z = logits32.to(torch.float64) / temperature.to(torch.float64).unsqueeze(-1)
+    column = vocab_start + torch.arange(z.shape[-1], device=z.device)
+    return torch.where(column < vocab_size, z, -math.inf)
+
+
+def logprobs_and_lse(
+    logits_fn, rows: int, vocab_local: int, targets: torch.Tensor, temperature: torch.Tensor,
+    vocab_start: int, vocab_size: int, group: dist.ProcessGroup | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 logprobs [T] and fp64 lse [T]. `logits_fn(a, b)` gives the fp32 logits of rows a:b of
+    this rank's vocab slice [b - a, vocab_local] under the GEMM contract."""
+    device = targets.device
+    out = torch.empty(rows, dtype=torch.float32, device=device)
+    lse_out = torch.empty(rows, dtype=torch.float64, device=device)
+    tile = max(1, TILE_ELEMENTS // max(1, vocab_local))
+    for a in range(0, rows, tile):
+        b = min(rows, a + tile)
+        z = scaled_logits(logits_fn(a, b), temperature[a:b], vocab_start, vocab_size)
+        m = _all_reduce(z.amax(-1), dist.ReduceOp.MAX, group)
+        terms = torch.round(exp64(z - m.unsqueeze(-1)) * float(1 << FIXED_POINT_BITS)).to(torch.int64)
+        total = _all_reduce(terms.sum(-1), dist.ReduceOp.SUM, group)  # int64: exact in any order
+        local = targets[a:b] - vocab_start
+        owned = (local >= 0) & (local < vocab_local)
+        z_t = torch.where(owned, z.gather(-1, local.clamp(0, vocab_local - 1).unsqueeze(-1)).squeeze(-1), 0.0)
+        z_t = _all_reduce(z_t, dist.ReduceOp.SUM, group)  # one owner: x + 0 + ... + 0 is exact
+        lse = m + log64(total.to(torch.float64) * (1.0 / (1 << FIXED_POINT_BITS)))
+        out[a:b] = (z_t - lse).to(torch.float32)
+        lse_out[a:b] = lse
+    return out, lse_out

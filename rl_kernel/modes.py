@@ -1,0 +1,65 @@
+"""Numeric modes, per boundary and per process.
+
+`strict` runs an op under its numeric execution contract (rl_kernel's kernels); `native` runs the
+framework's own kernels (the production baseline). The process default comes from the environment
+(`RL_KERNEL_MODE`, and `RL_KERNEL_MODE_<BOUNDARY>` per boundary, e.g. `RL_KERNEL_MODE_ATTENTION=native`),
+so spawned workers inherit it; `set_mode` changes it for the process and `mode(...)` for a `with` block.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+
+BOUNDARIES = ("norm", "gemm", "activation", "rope", "attention", "logprob", "collective")
+MODES = ("strict", "native")
+
+
+def _check(name: str, boundaries: tuple[str, ...]) -> tuple[str, ...]:
+    if name not in MODES:
+        raise ValueError(f"unknown rl_kernel mode {name!r}; choose one of {MODES}")
+    for b in boundaries:
+        if b not in BOUNDARIES:
+            raise ValueError(f"unknown rl_kernel boundary {b!r}; choose from {BOUNDARIES}")
+    return boundaries or BOUNDARIES
+
+
+def _from_env() -> dict[str, str]:
+    default = os.environ.get("RL_KERNEL_MODE", "strict")
+    state = {}
+    for b in BOUNDARIES:
+        value = os.environ.get(f"RL_KERNEL_MODE_{b.upper()}", default)
+        _check(value, (b,))
+        state[b] = value
+    return state
+
+
+_state: dict[str, str] = _from_env()
+
+
+def get_mode(boundary: str) -> str:
+    """The mode ('strict' or 'native') in force for `boundary` in this process."""
+    return _state[boundary]
+
+
+def current_modes() -> dict[str, str]:
+    return dict(_state)
+
+
+def set_mode(name: str, *boundaries: str) -> None:
+    """Set the mode for the given boundaries (all when none are named) for this process."""
+    for b in _check(name, boundaries):
+        _state[b] = name
+
+
+@contextlib.contextmanager
+def mode(name: str, *boundaries: str) -> Iterator[None]:
+    """`with rl_kernel.mode("native", "attention"):` runs the block with that mode, then restores."""
+    saved = dict(_state)
+    set_mode(name, *boundaries)
+    try:
+        yield
+    finally:
+        _state.clear()
+        _state.update(saved)

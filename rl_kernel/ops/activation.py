@@ -1,0 +1,59 @@
+"""Activation boundary: SwiGLU, `silu(x[..., :I]) * x[..., I:]`.
+
+Strict contract (torch backend): elementwise in fp32; silu(g) = g / (1 + exp(-g)) with rl_kernel's
+exp (fp64 Cody-Waite + polynomial, rounded to fp32); the product rounded once to x's dtype.
+No intermediate is materialised in x's dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from rl_kernel.backends.torch import activation as torch_activation
+from rl_kernel.contracts import Contract, register
+from rl_kernel.ops._common import check_float, is_strict, record_native, strict_contract
+
+CONTRACTS = {
+    "torch": register(Contract(
+        op="silu_and_mul", backend="torch", version=1,
+        input_dependency="out[..., i] depends on x[..., i] and x[..., I + i] only",
+        partition="none (elementwise)",
+        merge_order="none (elementwise)",
+        precision="fp32 gate, up, silu and product",
+        rounding="product rounded once to x's dtype",
+        primitives="exp: rl_kernel exp64 (Cody-Waite + degree-13 polynomial, fp64) rounded to fp32; IEEE add, div, mul",
+    )),
+}
+
+
+class _StrictSiluAndMul(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        contract = strict_contract("silu_and_mul", x.device, CONTRACTS)
+        check_float("silu_and_mul", contract.backend, x)
+        ctx.save_for_backward(x)
+        if contract.backend == "triton":
+            from rl_kernel.backends.triton.activation import silu_and_mul as triton_silu_and_mul
+            return triton_silu_and_mul(x)
+        return torch_activation.silu_and_mul(x)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (x,) = ctx.saved_tensors
+        half = x.shape[-1] // 2
+        g, u = x[..., :half].to(torch.float32), x[..., half:].to(torch.float32)
+        sig = torch.sigmoid(g)
+        dout = grad_out.to(torch.float32)
+        grad_g = dout * u * sig * (1.0 + g * (1.0 - sig))
+        grad_u = dout * g * sig
+        return torch.cat([grad_g, grad_u], dim=-1).to(x.dtype)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [..., 2I] -> silu(x[..., :I]) * x[..., I:] in x's dtype."""
+    if not is_strict("activation"):
+        record_native("silu_and_mul", x.device)
+        half = x.shape[-1] // 2
+        return F.silu(x[..., :half]) * x[..., half:]
+    return _StrictSiluAndMul.apply(x)

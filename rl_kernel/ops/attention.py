@@ -1,0 +1,137 @@
+"""Attention boundary: causal GQA attention for packed varlen prefill and over a paged KV cache.
+
+Strict contract (torch backend): see `rl_kernel.backends.torch.attention`. Scores q.k in fp32
+(head dim in blocks of 64, pairwise tree), times `scale` in fp32; keys in chunks of 64 positions
+counted from position 0 of the sequence, masked beyond the query's position; per chunk an fp32
+(max, sum exp, sum exp*v) partial with rl_kernel's exp; partials merged left to right inside KV
+splits of 1024 keys and the splits left to right; output o / l rounded once to q's dtype. The
+result for a query depends only on its sequence's keys at positions <= its own, so packed prefill,
+paged decode, chunked prefill, any page size and any block-table order give the same bits.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from rl_kernel.backends.torch import attention as torch_attention
+from rl_kernel.contracts import Contract, register
+from rl_kernel.ops._common import check_float, is_strict, record_native, strict_contract
+
+CONTRACTS = {
+    "torch": register(Contract(
+        op="attention", backend="torch", version=1,
+        input_dependency="out[t, h] depends on q[t, h] and k, v of its sequence at positions <= pos(t), "
+                         "kv head h // (H / Hkv), and scale",
+        partition=f"keys in chunks of {torch_attention.CHUNK} positions from position 0 (masked past the "
+                  f"query); KV splits of {torch_attention.SPLIT_CHUNKS} chunks; head dim in blocks of 64",
+        merge_order="chunk partials (m, l, o) left to right within a split, splits left to right; "
+                    "sums inside a chunk by pairwise tree",
+        precision="fp32 scores, max, exp, l and o; masked keys contribute exactly 0 (value zeroed)",
+        rounding="o / l rounded once to q's dtype",
+        primitives="rl_kernel exp64 rounded to fp32; IEEE fp32 mul, add, div, max",
+        params=(("chunk", torch_attention.CHUNK), ("split_chunks", torch_attention.SPLIT_CHUNKS)),
+    )),
+}
+
+
+def _check(op: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str:
+    contract = strict_contract(op, q.device, CONTRACTS)
+    check_float(op, contract.backend, q, k, v)
+    if q.shape[1] % k.shape[-2]:
+        raise ValueError(f"{op}: {q.shape[1]} query heads are not a multiple of {k.shape[-2]} kv heads")
+    return contract.backend
+
+
+def attention_varlen(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: float,
+) -> torch.Tensor:
+    """Causal attention over packed sequences (positions 0..len-1 each).
+
+    q [T, H, d], k and v [T, Hkv, d] with H a multiple of Hkv; cu_seqlens [B+1] int, cumulative
+    sequence lengths starting at 0; `scale` multiplies q.k. Returns [T, H, d] in q's dtype.
+    """
+    if not is_strict("attention"):
+        record_native("attention", q.device)
+        return _native_varlen(q, k, v, cu_seqlens, scale)
+    return _StrictVarlenAttention.apply(q, k, v, cu_seqlens, scale)
+
+
+class _StrictVarlenAttention(torch.autograd.Function):
+    """Forward under the contract; backward by autograd through fp32 SDPA (no bit contract)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens, scale):
+        ctx.save_for_backward(q, k, v, cu_seqlens)
+        ctx.scale = scale
+        if _check("attention", q, k, v) == "triton":
+            from rl_kernel.backends.triton.attention import varlen_attention
+            return varlen_attention(q, k, v, cu_seqlens, scale)
+        return torch_attention.varlen_attention(q, k, v, cu_seqlens, scale)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, cu_seqlens = ctx.saved_tensors
+        with torch.enable_grad():
+            inputs = [t.detach().to(torch.float32).requires_grad_() for t in (q, k, v)]
+            out = _native_varlen(*inputs, cu_seqlens, ctx.scale)
+            grads = torch.autograd.grad(out, inputs, grad_out.to(torch.float32))
+        return grads[0].to(q.dtype), grads[1].to(k.dtype), grads[2].to(v.dtype), None, None
+
+
+def paged_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
+) -> torch.Tensor:
+    """Causal attention of new queries over a paged KV cache (decode, chunked prefill, prefill).
+
+    q [Tq, H, d]: the new tokens of B sequences, packed; query_start_loc [B+1] int delimits them.
+    k_cache, v_cache [num_blocks, block_size, Hkv, d]; block_table [B, max_blocks] int maps logical
+    block i of a sequence to a physical block; seq_lens [B] int is each sequence's context length
+    including its new tokens, whose K/V must already be in the cache (`write_kv_cache`). Query j of
+    sequence b sits at position seq_lens[b] - q_len[b] + j. Returns [Tq, H, d] in q's dtype.
+    """
+    if not is_strict("attention"):
+        record_native("attention", q.device)
+        return _native_paged(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale)
+    if _check("attention", q, k_cache, v_cache) == "triton":
+        from rl_kernel.backends.triton.attention import paged_attention as triton_paged
+        return triton_paged(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale)
+    return torch_attention.paged_attention(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale)
+
+
+def write_kv_cache(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+) -> None:
+    """Store k, v [T, Hkv, d] at flat slots (block * block_size + offset) of the paged caches: a copy."""
+    k_cache.view(-1, *k_cache.shape[2:])[slot_mapping.to(torch.int64)] = k.to(k_cache.dtype)
+    v_cache.view(-1, *v_cache.shape[2:])[slot_mapping.to(torch.int64)] = v.to(v_cache.dtype)
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, q_offset: int) -> torch.Tensor:
+    """PyTorch SDPA for one sequence: q [Lq, H, d] at positions q_offset.., k, v [Lk, Hkv, d]."""
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    q_pos = q_offset + torch.arange(q.shape[0], device=q.device)
+    mask = torch.arange(k.shape[0], device=q.device) <= q_pos.unsqueeze(1)
+    out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                         attn_mask=mask, scale=scale)
+    return out.transpose(0, 1)
+
+
+def _native_varlen(q, k, v, cu_seqlens, scale):
+    cu = cu_seqlens.tolist()
+    return torch.cat([_sdpa(q[a:b], k[a:b], v[a:b], scale, 0) for a, b in zip(cu[:-1], cu[1:])])
+
+
+def _native_paged(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale):
+    block_size = k_cache.shape[1]
+    outs = []
+    qsl = query_start_loc.tolist()
+    for b, (a, e) in enumerate(zip(qsl[:-1], qsl[1:])):
+        n = int(seq_lens[b])
+        blocks = block_table[b, : -(-n // block_size)].to(torch.int64)
+        k = k_cache[blocks].reshape(-1, *k_cache.shape[2:])[:n]
+        v = v_cache[blocks].reshape(-1, *v_cache.shape[2:])[:n]
+        outs.append(_sdpa(q[a:e], k, v, scale, n - (e - a)))
+    return torch.cat(outs)

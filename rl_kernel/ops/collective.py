@@ -1,0 +1,51 @@
+"""Collective boundary: a deterministic all-reduce over a process group.
+
+Strict contract: every rank gathers every rank's tensor (all_gather moves bits, it adds nothing),
+then sums them by a pairwise tree of neighbours in rank order, in the tensor's dtype. Every rank
+therefore holds the same bits, and the result does not depend on the transport's reduction order
+(NCCL rings and trees, gloo's algorithms). For fp32 partials of the GEMM contract, the tree is the
+top of the GEMM's own group tree.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from rl_kernel.backends.torch.numerics import tree_sum
+from rl_kernel.contracts import Contract, register
+from rl_kernel.ops._common import is_strict, record_native, strict_contract
+
+CONTRACTS = {
+    "torch": register(Contract(
+        op="all_reduce", backend="torch", version=1,
+        input_dependency="out depends on the same element of every rank's input",
+        partition="one partial per rank",
+        merge_order="all_gather, then a pairwise tree of neighbours in rank order (rank 2i + rank 2i+1, ...)",
+        precision="the input dtype throughout",
+        rounding="one rounding per tree addition, in the input dtype",
+        primitives="IEEE add; all_gather is a bit copy",
+    )),
+}
+
+
+def tree_all_reduce(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """The strict reduction (no mode check): gather, then tree-sum in rank order."""
+    world = dist.get_world_size(group)
+    parts = [torch.empty_like(x) for _ in range(world)]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return tree_sum(torch.stack(parts, dim=-1))
+
+
+def all_reduce(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Sum of `x` over the ranks of `group`; returns a new tensor, same on every rank.
+
+    Strict: gather then tree in rank order (see module docstring). Native: `dist.all_reduce`.
+    """
+    if not is_strict("collective"):
+        record_native("all_reduce", x.device)
+        y = x.clone()
+        dist.all_reduce(y, group=group)
+        return y
+    strict_contract("all_reduce", x.device, CONTRACTS)
+    return tree_all_reduce(x, group)

@@ -1,0 +1,143 @@
+"""Logprob boundary: the fp32 log-probability of chosen tokens under softmax(hidden @ W.T / T).
+
+Strict contract (torch backend): logits in fp32 by the GEMM contract, never rounded and never held
+for all rows at once (row tiles; columns of this rank only); z = logits / temperature in fp64;
+padded vocab columns (index >= vocab_size) excluded; M = max z (exact; across ranks by a max
+all-reduce, exact in any order); S = sum of round(exp(z - M) * 2^44) in int64 (exact, so the same
+for any vocab tiling and sharding); lse = M + log(S * 2^-44) in fp64 with rl_kernel's exp/log;
+logprob = z[target] - lse rounded once to fp32. Vocab-parallel: `weight` is rank r's contiguous
+slice [r * V_local, (r + 1) * V_local) and every rank returns the full [T] result, bit-identical to
+the unsharded one.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from rl_kernel.backends.torch import logprob as torch_logprob
+from rl_kernel.contracts import Contract, register
+from rl_kernel.errors import StrictModeError
+from rl_kernel.ops._common import check_float, is_strict, record_native, strict_contract
+from rl_kernel.ops.gemm import linear_fp32
+
+CONTRACTS = {
+    "torch": register(Contract(
+        op="logprobs", backend="torch", version=1,
+        input_dependency="out[t] depends on hidden[t], the real vocab rows of weight (all ranks), "
+                         "targets[t], temperature[t]",
+        partition="rows in tiles; vocab by rank slices; tiles and slices do not affect any bit",
+        merge_order="order-free by construction: exact max; exact int64 fixed-point sum of exp terms",
+        precision="fp32 logits (GEMM contract); fp64 z, exp, lse; 2^-44 fixed-point exp terms",
+        rounding="logprob rounded once from fp64 to fp32",
+        primitives="rl_kernel exp64/log64; IEEE fp64 div, sub, round; int64 add",
+        params=(("fixed_point_bits", torch_logprob.FIXED_POINT_BITS),),
+    )),
+}
+
+
+def _temperatures(temperature: float | torch.Tensor, rows: int, device: torch.device) -> torch.Tensor:
+    t = torch.as_tensor(temperature, dtype=torch.float64, device=device)
+    t = t.expand(rows) if t.dim() == 0 else t
+    if t.shape != (rows,):
+        raise ValueError(f"temperature must be a scalar or have shape [{rows}], got {tuple(t.shape)}")
+    if not bool((t > 0).all()):
+        raise ValueError("temperature must be > 0 (greedy sampling has no logprob under T=0)")
+    return t
+
+
+def _vocab_layout(weight: torch.Tensor, vocab_size: int | None, group) -> tuple[int, int, int]:
+    world = dist.get_world_size(group) if group is not None else 1
+    rank = dist.get_rank(group) if group is not None else 0
+    vocab_local = weight.shape[0]
+    vocab_size = vocab_local * world if vocab_size is None else vocab_size
+    if vocab_size > vocab_local * world:
+        raise ValueError(f"vocab_size={vocab_size} exceeds the LM head's {vocab_local * world} rows")
+    return rank * vocab_local, vocab_local, vocab_size
+
+
+def _check_targets(targets: torch.Tensor, vocab_size: int) -> None:
+    if targets.numel() and (int(targets.min()) < 0 or int(targets.max()) >= vocab_size):
+        raise ValueError(f"targets must lie in [0, {vocab_size}) (the real vocab); got "
+                         f"[{int(targets.min())}, {int(targets.max())}]: tokenizer and model vocab disagree?")
+
+
+class _StrictLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, temps, vocab_start, vocab_size, group):
+        logits_fn = lambda a, b: linear_fp32(hidden[a:b], weight)  # noqa: E731
+        out, lse = torch_logprob.logprobs_and_lse(
+            logits_fn, hidden.shape[0], weight.shape[0], targets, temps, vocab_start, vocab_size, group)
+        ctx.save_for_backward(hidden, weight, targets, temps, lse)
+        ctx.vocab_start, ctx.vocab_size, ctx.group = vocab_start, vocab_size, group
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        hidden, weight, targets, temps, lse = ctx.saved_tensors
+        w32 = weight.to(torch.float32)
+        grad_h = torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device)
+        grad_w = torch.zeros_like(w32)
+        tile = max(1, torch_logprob.TILE_ELEMENTS // weight.shape[0])
+        for a in range(0, hidden.shape[0], tile):  # row tiles: never all logits at once
+            h32 = hidden[a:a + tile].to(torch.float32)
+            z = torch_logprob.scaled_logits(h32 @ w32.T, temps[a:a + tile], ctx.vocab_start, ctx.vocab_size)
+            p = torch.exp(z - lse[a:a + tile].unsqueeze(-1))
+            local = targets[a:a + tile] - ctx.vocab_start
+            owned = (local >= 0) & (local < weight.shape[0])
+            onehot = F.one_hot(local.clamp(0, weight.shape[0] - 1), weight.shape[0]) * owned.unsqueeze(-1)
+            g = grad_out[a:a + tile].to(torch.float64).unsqueeze(-1)
+            dlogits = ((onehot - p) * g / temps[a:a + tile].unsqueeze(-1)).to(torch.float32)
+            grad_h[a:a + tile] = dlogits @ w32
+            grad_w += dlogits.T @ h32
+        if ctx.group is not None and dist.get_world_size(ctx.group) > 1:
+            dist.all_reduce(grad_h, group=ctx.group)
+        return grad_h.to(hidden.dtype), grad_w.to(weight.dtype), None, None, None, None, None
+
+
+def logprobs(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+    temperature: float | torch.Tensor = 1.0, vocab_size: int | None = None,
+    group: dist.ProcessGroup | None = None,
+) -> torch.Tensor:
+    """fp32 log p(targets[t] | hidden[t]) under softmax((hidden @ weight.T) / temperature), over the
+    first `vocab_size` vocab entries (padded LM-head rows excluded).
+
+    hidden [T, D]; weight [V_local, D], this rank's contiguous vocab slice when `group` is given
+    (rank order); targets [T] int token ids in [0, vocab_size); temperature a float > 0 or a [T]
+    tensor. Every rank returns the full [T] result. Differentiable in strict mode.
+    """
+    vocab_start, vocab_local, vocab_size = _vocab_layout(weight, vocab_size, group)
+    temps = _temperatures(temperature, hidden.shape[0], hidden.device)
+    _check_targets(targets, vocab_size)
+    if not is_strict("logprob"):
+        record_native("logprobs", hidden.device)
+        return _native_logprobs(hidden, weight, targets, temps, vocab_start, vocab_size, group)
+    contract = strict_contract("logprobs", hidden.device, CONTRACTS)
+    check_float("logprobs", contract.backend, hidden, weight)
+    if vocab_size > torch_logprob.MAX_VOCAB:
+        raise StrictModeError("logprobs", contract.backend, f"vocab {vocab_size} > {torch_logprob.MAX_VOCAB}: "
+                              "the int64 fixed-point sum could overflow")
+    if contract.backend == "triton":
+        from rl_kernel.backends.triton.logprob import logprobs as triton_logprobs
+        return triton_logprobs(hidden, weight, targets, temps, vocab_start, vocab_size, group)
+    return _StrictLogprobs.apply(hidden, weight, targets.to(torch.int64), temps, vocab_start, vocab_size, group)
+
+
+def _native_logprobs(hidden, weight, targets, temps, vocab_start, vocab_size, group):
+    """Framework-style: F.linear in the model dtype, fp32 log-softmax (vocab-parallel as Megatron)."""
+    logits = F.linear(hidden, weight.to(hidden.dtype)).to(torch.float32) / temps.to(torch.float32).unsqueeze(-1)
+    column = vocab_start + torch.arange(logits.shape[-1], device=logits.device)
+    logits = logits.masked_fill(column >= vocab_size, float("-inf"))
+    if group is None or dist.get_world_size(group) == 1:
+        return torch.log_softmax(logits, dim=-1).gather(-1, targets.to(torch.int64).unsqueeze(-1)).squeeze(-1)
+    m = logits.amax(-1)
+    dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+    sum_exp = torch.exp(logits - m.unsqueeze(-1)).sum(-1)
+    dist.all_reduce(sum_exp, group=group)
+    local = targets.to(torch.int64) - vocab_start
+    owned = (local >= 0) & (local < logits.shape[-1])
+    z_t = torch.where(owned, logits.gather(-1, local.clamp(0, logits.shape[-1] - 1).unsqueeze(-1)).squeeze(-1), 0.0)
+    dist.all_reduce(z_t, group=group)
+    return z_t - m - torch.log(sum_exp)

@@ -1,0 +1,71 @@
+"""Norm boundary: RMSNorm, with the fused residual form of vLLM and Megatron.
+
+Strict contract (torch backend): the residual sum x + residual is taken in x's dtype (one
+rounding) and is what gets normalised; the sum of squares is fp32 in blocks of 64 over the last
+dim (pairwise tree inside a block, blocks left to right); mean = sum / D; r = 1 / sqrt(mean + eps)
+(IEEE div and sqrt); y = round(round(x * r) * w) - rounded to x's dtype before and after the weight,
+as the HF Qwen3 / vLLM kernels do.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rl_kernel.backends.torch import norm as torch_norm
+from rl_kernel.contracts import Contract, register
+from rl_kernel.ops._common import check_float, is_strict, record_native, strict_contract
+
+CONTRACTS = {
+    "torch": register(Contract(
+        op="rms_norm", backend="torch", version=1,
+        input_dependency="y[t, :] depends on x[t, :] (+ residual[t, :]), weight, eps",
+        partition="last dim in blocks of 64, last block zero-padded",
+        merge_order="pairwise tree inside a block, blocks left to right",
+        precision="fp32 sum of squares, mean, inverse rms",
+        rounding="residual sum in x's dtype; x*r rounded to x's dtype; times weight rounded to x's dtype",
+        primitives="IEEE mul, add, div, sqrt; 1/sqrt (not rsqrt)",
+    )),
+}
+
+
+def _native_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x32 = x.to(torch.float32)
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight.to(x.dtype) * normed.to(x.dtype)
+
+
+class _StrictRMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        contract = strict_contract("rms_norm", x.device, CONTRACTS)
+        check_float("rms_norm", contract.backend, x, weight)
+        ctx.save_for_backward(x, weight)
+        ctx.eps = eps
+        if contract.backend == "triton":
+            from rl_kernel.backends.triton.norm import rms_norm as triton_rms_norm
+            return triton_rms_norm(x, weight, eps)
+        return torch_norm.rms_norm(x, weight, eps)
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        x, weight = ctx.saved_tensors
+        with torch.enable_grad():
+            x_ = x.detach().to(torch.float32).requires_grad_()
+            w_ = weight.detach().to(torch.float32).requires_grad_()
+            y = _native_rms_norm(x_, w_, ctx.eps)
+            gx, gw = torch.autograd.grad(y, (x_, w_), grad_y.to(torch.float32))
+        return gx.to(x.dtype), gw.to(weight.dtype), None
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm over the last dim. With `residual`, normalises s = x + residual and returns (y, s)."""
+    if residual is not None:
+        x = x + residual
+    if is_strict("norm"):
+        y = _StrictRMSNorm.apply(x, weight, eps)
+    else:
+        record_native("rms_norm", x.device)
+        y = _native_rms_norm(x, weight, eps)
+    return y if residual is None else (y, x)

@@ -1,0 +1,70 @@
+"""RoPE boundary: Qwen3's rotary embedding (neox layout: the two halves of the rotary dims rotate).
+
+Strict contract (torch backend): inv_freq_i = theta^(-2i/d) = exp(-(2i/d) ln theta) and the angle
+pos * inv_freq in fp64 with rl_kernel's exp/log; sin/cos by rl_kernel's fp64 Cody-Waite reduction
+and polynomials, rounded to fp32; the rotation x1 cos - x2 sin, x2 cos + x1 sin in fp32 (each
+product and the sum rounded, no FMA); the result rounded once to x's dtype. An element depends on
+its own position only, so prefill, decode and any chunking give the same bits.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rl_kernel.backends.torch import rope as torch_rope
+from rl_kernel.contracts import Contract, register
+from rl_kernel.ops._common import check_float, is_strict, record_native, strict_contract
+
+CONTRACTS = {
+    "torch": register(Contract(
+        op="rope", backend="torch", version=1,
+        input_dependency="out[t, h, :] depends on x[t, h, :], positions[t], theta, rotary_dim",
+        partition="none (elementwise pairs i, i + d/2)",
+        merge_order="none",
+        precision="angle and sin/cos in fp64, rounded to fp32; rotation in fp32",
+        rounding="cos/sin to fp32; rotation result rounded once to x's dtype",
+        primitives="rl_kernel exp64/log64/sincos64 (IEEE add/mul/div, no FMA); IEEE fp32 mul, add, sub",
+    )),
+}
+
+
+class _StrictRope(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, positions, theta, rotary_dim):
+        contract = strict_contract("rope", x.device, CONTRACTS)
+        check_float("rope", contract.backend, x)
+        cos, sin = torch_rope.cos_sin(positions, rotary_dim, theta)
+        ctx.save_for_backward(cos, sin)
+        ctx.rotary_dim = rotary_dim
+        if contract.backend == "triton":
+            from rl_kernel.backends.triton.rope import rotate as triton_rotate
+            return triton_rotate(x, cos, sin, rotary_dim)
+        return torch_rope.rotate(x, cos, sin, rotary_dim)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        cos, sin = ctx.saved_tensors
+        # The rotation is orthogonal: its adjoint is the rotation by -angle.
+        return torch_rope.rotate(grad_out, cos, -sin, ctx.rotary_dim), None, None, None
+
+
+def _native_rope(x: torch.Tensor, positions: torch.Tensor, theta: float, rotary_dim: int) -> torch.Tensor:
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64, device=x.device).float() / rotary_dim
+    inv_freq = 1.0 / (theta**exponents)
+    freqs = positions.to(torch.float32).unsqueeze(-1) * inv_freq
+    emb = torch.cat([freqs, freqs], dim=-1)
+    cos, sin = emb.cos().to(x.dtype).unsqueeze(-2), emb.sin().to(x.dtype).unsqueeze(-2)
+    rot, rest = x[..., :rotary_dim], x[..., rotary_dim:]
+    half = rotary_dim // 2
+    rotated = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
+    return torch.cat([rot * cos + rotated * sin, rest], dim=-1)
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, theta: float, rotary_dim: int | None = None) -> torch.Tensor:
+    """Rotate x [T, H, d] (queries or keys) by the angles of `positions` [T] (int, absolute
+    positions in the sequence); rotary_dim defaults to d. Returns x's shape and dtype."""
+    rotary_dim = x.shape[-1] if rotary_dim is None else rotary_dim
+    if not is_strict("rope"):
+        record_native("rope", x.device)
+        return _native_rope(x, positions, theta, rotary_dim)
+    return _StrictRope.apply(x, positions, theta, rotary_dim)
