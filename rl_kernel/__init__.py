@@ -14,13 +14,13 @@ from rl_kernel.ops.activation import silu_and_mul
 from rl_kernel.ops.attention import attention_varlen, paged_attention, write_kv_cache
 from rl_kernel.ops.collective import all_reduce
 from rl_kernel.ops.gemm import linear, linear_fp32, row_parallel_linear
-from rl_kernel.ops.logprob import logprobs
+from rl_kernel.ops.logprob import log_softmax, logprobs
 from rl_kernel.ops.norm import rms_norm
 from rl_kernel.ops.rope import rope
 
 __all__ = [
     "BOUNDARIES", "StrictModeError", "all_reduce", "attention_varlen", "contracts", "current_modes",
-    "evidence", "get_backend", "get_mode", "linear", "linear_fp32", "logprobs", "mode",
+    "evidence", "get_backend", "get_mode", "linear", "linear_fp32", "log_softmax", "logprobs", "mode",
     "paged_attention", "rms_norm", "rope", "row_parallel_linear", "set_backend", "set_mode",
     "silu_and_mul", "write_kv_cache",
 ]

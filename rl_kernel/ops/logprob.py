@@ -125,6 +125,29 @@ def logprobs(
     return _StrictLogprobs.apply(hidden, weight, targets.to(torch.int64), temps, vocab_start, vocab_size, group)
 
 
+def log_softmax(
+    logits: torch.Tensor, temperature: float | torch.Tensor = 1.0, vocab_size: int | None = None,
+    group: dist.ProcessGroup | None = None,
+) -> torch.Tensor:
+    """fp32 log-probabilities of every vocab entry from fp32 logits [T, V_local] (this rank's slice
+    when `group` is given), under the logprob contract: for a token t, entry t equals
+    `logprobs(hidden, weight, t, ...)` bit for bit when `logits == linear_fp32(hidden, weight)`.
+    Padded columns (index >= vocab_size) are -inf. Engines that sample from full logits use this.
+    """
+    vocab_start, _, vocab_size = _vocab_layout(logits, vocab_size, group)
+    temps = _temperatures(temperature, logits.shape[0], logits.device)
+    if not is_strict("logprob"):
+        record_native("log_softmax", logits.device)
+        z = logits.to(torch.float32) / temps.to(torch.float32).unsqueeze(-1)
+        column = vocab_start + torch.arange(z.shape[-1], device=z.device)
+        return torch.log_softmax(z.masked_fill(column >= vocab_size, float("-inf")), dim=-1)
+    contract = strict_contract("logprobs", logits.device, CONTRACTS)
+    if logits.dtype != torch.float32:
+        raise StrictModeError("logprobs", contract.backend, f"logits must be the fp32 GEMM-contract output, "
+                              f"got {logits.dtype} (use rl_kernel.linear_fp32 for the LM head)")
+    return torch_logprob.full_log_softmax(logits, temps, vocab_start, vocab_size, group)
+
+
 def _native_logprobs(hidden, weight, targets, temps, vocab_start, vocab_size, group):
     """Framework-style: F.linear in the model dtype, fp32 log-softmax (vocab-parallel as Megatron)."""
     logits = F.linear(hidden, weight.to(hidden.dtype)).to(torch.float32) / temps.to(torch.float32).unsqueeze(-1)

@@ -59,3 +59,21 @@ def logprobs_and_lse(
         out[a:b] = (z_t - lse).to(torch.float32)
         lse_out[a:b] = lse
     return out, lse_out
+
+
+def full_log_softmax(
+    logits32: torch.Tensor, temperature: torch.Tensor, vocab_start: int, vocab_size: int,
+    group: dist.ProcessGroup | None,
+) -> torch.Tensor:
+    """fp32 log-probabilities of every column of this rank's slice (-inf on padded columns), by the
+    same steps as `logprobs_and_lse`: the entry of a target equals its `logprobs` value bit for bit."""
+    out = torch.empty(logits32.shape, dtype=torch.float32, device=logits32.device)
+    tile = max(1, TILE_ELEMENTS // max(1, logits32.shape[-1]))
+    for a in range(0, logits32.shape[0], tile):
+        z = scaled_logits(logits32[a:a + tile], temperature[a:a + tile], vocab_start, vocab_size)
+        m = _all_reduce(z.amax(-1), dist.ReduceOp.MAX, group)
+        terms = torch.round(exp64(z - m.unsqueeze(-1)) * float(1 << FIXED_POINT_BITS)).to(torch.int64)
+        total = _all_reduce(terms.sum(-1), dist.ReduceOp.SUM, group)
+        lse = m + log64(total.to(torch.float64) * (1.0 / (1 << FIXED_POINT_BITS)))
+        out[a:a + tile] = (z - lse.unsqueeze(-1)).to(torch.float32)
+    return out
