@@ -47,10 +47,9 @@ def _temperatures(temperature: float | torch.Tensor, rows: int, device: torch.de
     return t
 
 
-def _vocab_layout(weight: torch.Tensor, vocab_size: int | None, group) -> tuple[int, int, int]:
+def _vocab_layout(vocab_local: int, vocab_size: int | None, group) -> tuple[int, int, int]:
     world = dist.get_world_size(group) if group is not None else 1
     rank = dist.get_rank(group) if group is not None else 0
-    vocab_local = weight.shape[0]
     vocab_size = vocab_local * world if vocab_size is None else vocab_size
     if vocab_size > vocab_local * world:
         raise ValueError(f"vocab_size={vocab_size} exceeds the LM head's {vocab_local * world} rows")
@@ -108,7 +107,7 @@ def logprobs(
     (rank order); targets [T] int token ids in [0, vocab_size); temperature a float > 0 or a [T]
     tensor. Every rank returns the full [T] result. Differentiable in strict mode.
     """
-    vocab_start, vocab_local, vocab_size = _vocab_layout(weight, vocab_size, group)
+    vocab_start, vocab_local, vocab_size = _vocab_layout(weight.shape[0], vocab_size, group)
     temps = _temperatures(temperature, hidden.shape[0], hidden.device)
     _check_targets(targets, vocab_size)
     if not is_strict("logprob"):
@@ -134,7 +133,7 @@ def log_softmax(
     `logprobs(hidden, weight, t, ...)` bit for bit when `logits == linear_fp32(hidden, weight)`.
     Padded columns (index >= vocab_size) are -inf. Engines that sample from full logits use this.
     """
-    vocab_start, _, vocab_size = _vocab_layout(logits, vocab_size, group)
+    vocab_start, _, vocab_size = _vocab_layout(logits.shape[-1], vocab_size, group)
     temps = _temperatures(temperature, logits.shape[0], logits.device)
     if not is_strict("logprob"):
         record_native("log_softmax", logits.device)
