@@ -9,6 +9,7 @@ by the same sequence of IEEE operations, so they give the same bits on the same 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 from typing import Any
@@ -32,7 +33,7 @@ class Contract:
         """Stable, human-readable id: `rl_kernel.<op>.<backend>.v<version>`."""
         return f"rl_kernel.{self.op}.{self.backend}.v{self.version}"
 
-    @property
+    @functools.cached_property
     def fingerprint(self) -> str:
         """First 16 hex digits of the SHA-256 of every field: any change of behaviour changes it."""
         blob = json.dumps(dataclasses.asdict(self), sort_keys=True, default=str)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 
-import torch
+import torch as _torch  # not `torch`: the subpackage rl_kernel.backends.torch would shadow it
 
 from rl_kernel.errors import StrictModeError
 
@@ -31,7 +31,7 @@ def get_backend() -> str:
 
 def triton_ops() -> frozenset[str]:
     """The ops the Triton backend implements on this machine (empty without CUDA or Triton)."""
-    if not torch.cuda.is_available():
+    if not _torch.cuda.is_available():
         return frozenset()
     try:
         from rl_kernel.backends.triton import IMPLEMENTED
@@ -40,7 +40,7 @@ def triton_ops() -> frozenset[str]:
     return IMPLEMENTED
 
 
-def strict_backend(op: str, device: torch.device) -> str:
+def strict_backend(op: str, device: _torch.device) -> str:
     """The backend that runs `op` on `device` in strict mode, or StrictModeError naming why none can."""
     if _backend == "torch":
         return "torch"

@@ -1,0 +1,289 @@
+"""Reference Qwen3 (dense) forward built only from rl_kernel ops: the yardstick for both engines.
+
+Teacher forcing (`forward_packed`, `sequence_logprobs`) runs packed varlen attention; the rollout
+engine (`rl_kernel.models.rollout`) runs the same layers over a paged KV cache through `forward`.
+In strict mode both paths give the same fp32 logprob bits for the same token.
+
+Tensor parallelism (`group`) follows Megatron's and vLLM's layouts: q heads and kv heads split
+contiguously per rank (column-parallel q/k/v, gate/up), o_proj and down_proj split along K
+(row-parallel, `rk.row_parallel_linear`), embedding and LM head split by contiguous vocab rows,
+the vocab padded to a multiple of `vocab_multiple * tp` with zero rows. With tp dividing 8, strict
+TP gives the same bits as TP1.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import rl_kernel as rk
+
+# attention(layer, q [T, H, d], k [T, Hkv, d], v [T, Hkv, d]) -> [T, H, d], after QK-norm and RoPE.
+AttentionFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Qwen3Config:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+
+    @classmethod
+    def from_hf(cls, cfg: dict, source: str = "config.json") -> Qwen3Config:
+        """Validate an HF Qwen3 config dict; reject what this reference does not implement."""
+        archs = cfg.get("architectures") or []
+        if "Qwen3ForCausalLM" not in archs or cfg.get("model_type") not in (None, "qwen3"):
+            raise ValueError(f"{source}: architecture {archs} / model_type {cfg.get('model_type')!r} is not a dense "
+                             "Qwen3ForCausalLM; Qwen3Reference implements only that")
+        if cfg.get("num_experts") or cfg.get("num_local_experts"):
+            raise ValueError(f"{source}: MoE configs (num_experts) are not supported by Qwen3Reference")
+        unsupported = {
+            "attention_bias": bool(cfg.get("attention_bias", False)),
+            "use_sliding_window": bool(cfg.get("use_sliding_window", False)),
+            "hidden_act != silu": cfg.get("hidden_act", "silu") != "silu",
+        }
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        if rope.get("rope_type", rope.get("type", "default")) != "default":
+            unsupported[f"rope_type={rope.get('rope_type', rope.get('type'))}"] = True
+        if any(unsupported.values()):
+            raise ValueError(f"{source}: unsupported Qwen3 options {[k for k, v in unsupported.items() if v]}")
+        theta = rope.get("rope_theta", cfg.get("rope_theta"))
+        if theta is None:
+            raise ValueError(f"{source}: no rope_theta (neither rope_parameters.rope_theta nor rope_theta)")
+        heads = cfg["num_attention_heads"]
+        return cls(
+            vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"], intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"], num_heads=heads, num_kv_heads=cfg.get("num_key_value_heads", heads),
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads, rms_norm_eps=cfg["rms_norm_eps"],
+            rope_theta=float(theta), tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+        )
+
+
+@dataclass
+class _Shard:
+    """Where an HF tensor lives on this rank: `local` (a view into the model's storage) holds the
+    contiguous slice [rank * n, (rank + 1) * n) of the full tensor along `dim` (None: replicated);
+    `full_shape` is the HF shape (vocab rows unpadded)."""
+    local: torch.Tensor
+    dim: int | None
+    full_shape: tuple[int, ...]
+
+
+class Qwen3Reference:
+    """Qwen3ForCausalLM inference forward from rl_kernel ops, optionally tensor-parallel over `group`."""
+
+    def __init__(self, config: Qwen3Config, dtype: torch.dtype = torch.bfloat16,
+                 group: dist.ProcessGroup | None = None, device: torch.device | str = "cpu",
+                 vocab_multiple: int = 128):
+        c = self.config = config
+        self.dtype, self.group, self.device = dtype, group, torch.device(device)
+        self.tp = dist.get_world_size(group) if group is not None else 1
+        self.rank = dist.get_rank(group) if group is not None else 0
+        for what, n in (("num_attention_heads", c.num_heads), ("num_key_value_heads", c.num_kv_heads),
+                        ("intermediate_size", c.intermediate_size)):
+            if n % self.tp:
+                raise ValueError(f"{what}={n} is not divisible by tp={self.tp}: Qwen3Reference splits heads, "
+                                 "kv heads and MLP columns evenly over the TP ranks; choose a tp that divides them")
+        self.heads, self.kv_heads = c.num_heads // self.tp, c.num_kv_heads // self.tp
+        self.inter = c.intermediate_size // self.tp
+        pad = vocab_multiple * self.tp
+        self.padded_vocab = -(-c.vocab_size // pad) * pad
+        self.scale = c.head_dim ** -0.5
+
+        def empty(*shape: int) -> torch.Tensor:
+            return torch.zeros(*shape, dtype=dtype, device=self.device)
+
+        d, D, vl = c.head_dim, c.hidden_size, self.padded_vocab // self.tp
+        self.embed = empty(vl, D)
+        self.lm_head = self.embed if c.tie_word_embeddings else empty(vl, D)
+        self.norm = empty(D)
+        self.layers = [dict(
+            input_norm=empty(D), post_norm=empty(D), q_norm=empty(d), k_norm=empty(d),
+            qkv=empty((self.heads + 2 * self.kv_heads) * d, D), o=empty(D, self.heads * d),
+            gate_up=empty(2 * self.inter, D), down=empty(D, self.inter),
+        ) for _ in range(c.num_layers)]
+        self._shards = self._shard_table()
+
+    # ---- weights -------------------------------------------------------------------------------
+
+    def _shard_table(self) -> dict[str, _Shard]:
+        c, d, D = self.config, self.config.head_dim, self.config.hidden_size
+        q, kv = self.heads * d, self.kv_heads * d
+        t = {"model.embed_tokens.weight": _Shard(self.embed, 0, (c.vocab_size, D)),
+             "model.norm.weight": _Shard(self.norm, None, (D,))}
+        if not c.tie_word_embeddings:
+            t["lm_head.weight"] = _Shard(self.lm_head, 0, (c.vocab_size, D))
+        for i, L in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            t |= {
+                p + "input_layernorm.weight": _Shard(L["input_norm"], None, (D,)),
+                p + "post_attention_layernorm.weight": _Shard(L["post_norm"], None, (D,)),
+                p + "self_attn.q_norm.weight": _Shard(L["q_norm"], None, (d,)),
+                p + "self_attn.k_norm.weight": _Shard(L["k_norm"], None, (d,)),
+                p + "self_attn.q_proj.weight": _Shard(L["qkv"][:q], 0, (c.num_heads * d, D)),
+                p + "self_attn.k_proj.weight": _Shard(L["qkv"][q:q + kv], 0, (c.num_kv_heads * d, D)),
+                p + "self_attn.v_proj.weight": _Shard(L["qkv"][q + kv:], 0, (c.num_kv_heads * d, D)),
+                p + "self_attn.o_proj.weight": _Shard(L["o"], 1, (D, c.num_heads * d)),
+                p + "mlp.gate_proj.weight": _Shard(L["gate_up"][:self.inter], 0, (c.intermediate_size, D)),
+                p + "mlp.up_proj.weight": _Shard(L["gate_up"][self.inter:], 0, (c.intermediate_size, D)),
+                p + "mlp.down_proj.weight": _Shard(L["down"], 1, (D, c.intermediate_size)),
+            }
+        return t
+
+    def load_hf_weights(self, weights: dict[str, torch.Tensor], strict: bool = False) -> None:
+        """Copy full (unsharded) HF-named tensors into this rank's shards, in place. Any subset of
+        names may be given (bucketed weight sync); `strict=True` requires all of them."""
+        unknown = sorted(set(weights) - set(self._shards))
+        if unknown:
+            raise KeyError(f"unknown Qwen3 weight names {unknown[:5]}{'...' if len(unknown) > 5 else ''}")
+        missing = sorted(set(self._shards) - set(weights))
+        if strict and missing:
+            raise KeyError(f"checkpoint lacks {len(missing)} weights, e.g. {missing[:5]}")
+        for name, full in weights.items():
+            s = self._shards[name]
+            if tuple(full.shape) != s.full_shape:
+                raise ValueError(f"{name}: shape {tuple(full.shape)} does not match the config's {s.full_shape}")
+            full = full.to(device=self.device, dtype=self.dtype)
+            if s.dim is not None:
+                n = s.local.shape[s.dim]
+                if s.full_shape[s.dim] < n * self.tp:  # vocab rows: pad with zeros to the padded vocab
+                    pad = [0, 0] * (full.dim() - 1 - s.dim) + [0, n * self.tp - s.full_shape[s.dim]]
+                    full = torch.nn.functional.pad(full, pad)
+                full = full.narrow(s.dim, self.rank * n, n)
+            with torch.no_grad():
+                s.local.copy_(full)
+
+    def state_dict_hf(self) -> dict[str, torch.Tensor]:
+        """Full HF-named tensors (shards gathered from every rank: a bit copy), in the model dtype."""
+        out = {}
+        for name, s in self._shards.items():
+            full = s.local
+            if s.dim is not None and self.tp > 1:
+                parts = [torch.empty_like(s.local) for _ in range(self.tp)]
+                dist.all_gather(parts, s.local.contiguous(), group=self.group)
+                full = torch.cat(parts, dim=s.dim)
+            if s.dim is not None:
+                full = full.narrow(s.dim, 0, s.full_shape[s.dim])
+            out[name] = full.clone()
+        return out
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.bfloat16,
+                        group: dist.ProcessGroup | None = None, device: torch.device | str = "cpu",
+                        vocab_multiple: int = 128) -> Qwen3Reference:
+        """Load an HF Qwen3 checkpoint directory (config.json + *.safetensors), sharded for `group`."""
+        from safetensors.torch import load_file
+
+        path = Path(path)
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"no Qwen3 checkpoint at {path}: config.json is missing "
+                                    "(make one with rl_kernel.models.tiny.make_tiny_qwen3)")
+        files = sorted(path.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors weights in {path} (only safetensors checkpoints are supported)")
+        config = Qwen3Config.from_hf(json.loads((path / "config.json").read_text()), str(path / "config.json"))
+        model = cls(config, dtype=dtype, group=group, device=device, vocab_multiple=vocab_multiple)
+        weights = {}
+        for f in files:
+            weights |= load_file(f)
+        if config.tie_word_embeddings:
+            weights.pop("lm_head.weight", None)
+        model.load_hf_weights(weights, strict=True)
+        return model
+
+    # ---- forward -------------------------------------------------------------------------------
+
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Vocab-parallel lookup: each rank looks up the ids it owns (zeros elsewhere), then an all-reduce."""
+        ids = input_ids.to(device=self.device, dtype=torch.int64)
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size):
+            raise ValueError(f"token ids must lie in [0, {self.config.vocab_size}) (the model vocab); got "
+                             f"[{int(ids.min())}, {int(ids.max())}]: tokenizer and checkpoint disagree?")
+        if self.tp == 1:
+            return self.embed[ids]
+        local = ids - self.rank * self.embed.shape[0]
+        owned = (local >= 0) & (local < self.embed.shape[0])
+        rows = torch.where(owned.unsqueeze(-1), self.embed[local.clamp(0, self.embed.shape[0] - 1)], 0.0)
+        return rk.all_reduce(rows, self.group)
+
+    def _row_parallel(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return rk.linear(x, w) if self.tp == 1 else rk.row_parallel_linear(x, w, self.group)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionFn) -> torch.Tensor:
+        """Final-norm hidden states [T, D] of tokens `input_ids` [T] at `positions` [T]; `attention`
+        supplies the attention of each layer (packed varlen, or paged over a KV cache)."""
+        c, d = self.config, self.config.head_dim
+        positions = positions.to(self.device)
+        h, residual = self.embed_tokens(input_ids), None
+        for i, L in enumerate(self.layers):
+            if residual is None:
+                h, residual = rk.rms_norm(h, L["input_norm"], c.rms_norm_eps), h
+            else:
+                h, residual = rk.rms_norm(h, L["input_norm"], c.rms_norm_eps, residual=residual)
+            qkv = rk.linear(h, L["qkv"])
+            q, k, v = qkv.split([self.heads * d, self.kv_heads * d, self.kv_heads * d], dim=-1)
+            q = rk.rope(rk.rms_norm(q.reshape(-1, self.heads, d), L["q_norm"], c.rms_norm_eps), positions, c.rope_theta)
+            k = rk.rope(rk.rms_norm(k.reshape(-1, self.kv_heads, d), L["k_norm"], c.rms_norm_eps),
+                        positions, c.rope_theta)
+            attn = attention(i, q, k, v.reshape(-1, self.kv_heads, d))
+            h = self._row_parallel(attn.reshape(-1, self.heads * d), L["o"])
+            h, residual = rk.rms_norm(h, L["post_norm"], c.rms_norm_eps, residual=residual)
+            h = self._row_parallel(rk.silu_and_mul(rk.linear(h, L["gate_up"])), L["down"])
+        h, _ = rk.rms_norm(h, self.norm, c.rms_norm_eps, residual=residual)
+        return h
+
+    def forward_packed(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+        """Teacher-forcing forward of packed sequences: input_ids [T], cu_seqlens [B+1] (0, ..., T);
+        sequence b holds positions 0..len_b-1. Returns the final hidden states [T, D]."""
+        cu = cu_seqlens.to(device=self.device, dtype=torch.int64)
+        if cu.dim() != 1 or int(cu[0]) != 0 or int(cu[-1]) != input_ids.shape[0] or bool((cu.diff() < 0).any()):
+            raise ValueError(f"cu_seqlens must be [0, ..., T={input_ids.shape[0]}] non-decreasing; got {cu.tolist()}")
+        lens = cu.diff()
+        positions = torch.arange(input_ids.shape[0], device=self.device) - cu[:-1].repeat_interleave(lens)
+        return self.forward(input_ids, positions, lambda i, q, k, v: rk.attention_varlen(q, k, v, cu, self.scale))
+
+    def logprobs(self, hidden: torch.Tensor, targets: torch.Tensor,
+                 temperature: float | torch.Tensor = 1.0) -> torch.Tensor:
+        """fp32 log p(targets[t] | hidden[t]) at `temperature` over the real vocab (vocab-parallel)."""
+        return rk.logprobs(hidden, self.lm_head, targets.to(self.device), temperature,
+                           vocab_size=self.config.vocab_size, group=self.group)
+
+    def sequence_logprobs(self, sequences: list[list[int]], prompt_lens: list[int],
+                          temperature: float | list[float] = 1.0) -> list[torch.Tensor]:
+        """Teacher-forcing fp32 logprobs: entry i holds log p(sequences[i][j] | sequences[i][:j]) for
+        j in [prompt_lens[i], len(sequences[i])), all sequences packed into one varlen batch.
+        `temperature` is one float or one per sequence."""
+        if len(sequences) != len(prompt_lens):
+            raise ValueError(f"{len(sequences)} sequences but {len(prompt_lens)} prompt_lens")
+        temps = [temperature] * len(sequences) if isinstance(temperature, int | float) else list(temperature)
+        if len(temps) != len(sequences):
+            raise ValueError(f"{len(sequences)} sequences but {len(temps)} temperatures")
+        for s, p in zip(sequences, prompt_lens):
+            if not 1 <= p <= len(s):
+                raise ValueError(f"prompt_len {p} must be in [1, len(sequence)={len(s)}]")
+        lens = torch.tensor([len(s) for s in sequences])
+        cu = torch.cat([torch.zeros(1, dtype=torch.int64), lens.cumsum(0)])
+        ids = torch.tensor([t for s in sequences for t in s], dtype=torch.int64)
+        rows, row_temps = [], []
+        for s, p, start, t in zip(sequences, prompt_lens, cu.tolist(), temps):
+            rows.extend(range(start + p - 1, start + len(s) - 1))  # hidden at j-1 predicts token j
+            row_temps.extend([float(t)] * (len(s) - p))
+        rows = torch.tensor(rows, dtype=torch.int64)
+        with torch.no_grad():
+            hidden = self.forward_packed(ids, cu)
+            out = self.logprobs(hidden[rows], ids[rows + 1], torch.tensor(row_temps, dtype=torch.float64))
+        return list(out.cpu().split([len(s) - p for s, p in zip(sequences, prompt_lens)]))

@@ -1,0 +1,69 @@
+"""Tiny random Qwen3 checkpoints with a matching tokenizer, for tests and CPU demos (no downloads).
+
+The checkpoint is a plain Hugging Face one (config.json + model.safetensors), so transformers,
+vLLM, Megatron's HF loader and `Qwen3Reference` all load it. The tokenizer is character-level:
+special tokens, printable ASCII, then filler tokens `<t{i}>` up to the model vocab, so every id the
+model can sample decodes to something.
+"""
+
+from __future__ import annotations
+
+import string
+from pathlib import Path
+
+import torch
+
+SPECIAL_TOKENS = ("<pad>", "<unk>", "<bos>", "<eos>")
+
+
+def _tokenizer(vocab_size: int):
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = [c for c in string.printable if c not in "\t\n\r\x0b\x0c"]  # 95 printable, incl. space
+    words = list(SPECIAL_TOKENS) + chars
+    if vocab_size < len(words):
+        raise ValueError(f"vocab_size={vocab_size} is below the {len(words)} tokens of the char tokenizer")
+    words += [f"<t{i}>" for i in range(len(words), vocab_size)]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>",
+                                   bos_token="<bos>", eos_token="<eos>")
+
+
+def make_tiny_qwen3(
+    path: str | Path, *, seed: int = 0, vocab_size: int = 512, hidden_size: int = 128,
+    intermediate_size: int = 256, num_layers: int = 2, num_heads: int = 4, num_kv_heads: int = 2,
+    head_dim: int = 32, dtype: str = "bfloat16",
+) -> Path:
+    """Write a randomly initialised (seeded) Qwen3ForCausalLM checkpoint and its tokenizer to `path`.
+
+    Untied LM head, rope theta 1e6, 4096 max positions; weights stored in `dtype` ("bfloat16",
+    "float32" or "float16"). The same arguments give the same bytes. Returns `path`.
+    """
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    if dtype not in ("bfloat16", "float32", "float16"):
+        raise ValueError(f"dtype must be 'bfloat16', 'float32' or 'float16', got {dtype!r}")
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer = _tokenizer(vocab_size)
+    config = Qwen3Config(
+        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+        head_dim=head_dim, max_position_embeddings=4096, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+        rms_norm_eps=1e-6, tie_word_embeddings=False, initializer_range=0.1,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        architectures=["Qwen3ForCausalLM"],
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen3ForCausalLM(config)
+        # Non-trivial norm weights, so a wrong norm placement or a missed weight shows in the logits.
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.data.uniform_(0.5, 1.5)
+    model.to(getattr(torch, dtype)).save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    return path
