@@ -1,0 +1,111 @@
+"""Multi-process workers for the Megatron tests: each spawned rank joins a gloo world, runs the
+requested (tp, cp) configurations one after the other and rank 0 saves what it saw to a file that
+the test process then checks."""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+LENGTHS = (150, 70, 5, 33, 96, 130)  # several key chunks of 64, a split boundary, short ones
+PROMPTS = (20, 3, 2, 10, 64, 1)
+TEMPERATURE = 0.7
+LR = 1e-3
+
+
+def samples(vocab: int = 512) -> tuple[list[list[int]], list[int]]:
+    g = torch.Generator().manual_seed(1234)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in LENGTHS], list(PROMPTS)
+
+
+def train_inputs(old: list[torch.Tensor]) -> dict:
+    """Advantages and a reference policy for one GRPO-style step (deterministic)."""
+    g = torch.Generator().manual_seed(7)
+    adv = (torch.randn(len(old), generator=g)).tolist()
+    ref = [o - 0.05 * torch.rand(o.shape, generator=g) for o in old]
+    return {"advantages": adv, "ref_logprobs": ref}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn(world: int, jobs: list[dict], ckpt: Path, out: Path, device: str = "cpu") -> dict:
+    """Run `jobs` on a fresh world of `world` processes (gloo on CPU, NCCL on CUDA, one GPU per
+    rank); returns rank 0's results."""
+    mp.spawn(_run, args=(world, jobs, str(ckpt), str(out), free_port(), device), nprocs=world, join=True)
+    return torch.load(out, weights_only=False)
+
+
+def _run(rank: int, world: int, jobs: list[dict], ckpt: str, out: str, port: int, device: str) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=rank, world_size=world)
+    from megatron.core import parallel_state
+
+    results = {}
+    try:
+        for job in jobs:
+            key = f"tp{job['tp']}cp{job['cp']}"
+            parallel_state.initialize_model_parallel(job["tp"], 1, context_parallel_size=job["cp"])
+            try:
+                results[key] = _job(job, ckpt, device)
+            finally:
+                parallel_state.destroy_model_parallel()
+        if rank == 0:
+            torch.save(results, out)
+    finally:
+        dist.destroy_process_group()
+
+
+def _job(job: dict, ckpt: str, device: str) -> dict:
+    from megatron.core import parallel_state
+
+    from rl_kernel import evidence
+    from rl_kernel.integrations.megatron import MegatronPolicy, PolicyLossConfig, TrainBatch
+    from rl_kernel.models.qwen3 import Qwen3Reference
+
+    tp, cp = job["tp"], job["cp"]
+    seqs, prompts = samples()
+    res: dict = {}
+    tp_group = parallel_state.get_tensor_model_parallel_group() if tp > 1 else None
+    ref = Qwen3Reference.from_pretrained(ckpt, group=tp_group, device=device)
+    res["ref"] = ref.sequence_logprobs(seqs, prompts, TEMPERATURE)
+    if tp > 1:
+        ref1 = Qwen3Reference.from_pretrained(ckpt, device=device)
+        res["ref_tp1"] = ref1.sequence_logprobs(seqs, prompts, TEMPERATURE)
+    for mode in job.get("modes", ("strict",)):
+        policy = MegatronPolicy(ckpt, tp=tp, cp=cp, mode=mode, lr=LR, device=device)
+        evidence.reset()
+        res[f"{mode}"] = policy.logprobs(seqs, prompts, TEMPERATURE)
+        res[f"{mode}_evidence"] = sorted({(r["op"], r["mode"]) for r in evidence.snapshot()})
+        if job.get("packings"):
+            policy.micro_batch_size = 1
+            res[f"{mode}_mb1"] = policy.logprobs(seqs, prompts, TEMPERATURE)
+            policy.micro_batch_size = 4
+            order = list(reversed(range(len(seqs))))
+            rev = policy.logprobs([seqs[i] for i in order], [prompts[i] for i in order], TEMPERATURE)
+            res[f"{mode}_mb4_reversed"] = [rev[order.index(i)] for i in range(len(seqs))]
+            policy.micro_batch_size = None
+        if job.get("export") and mode == "strict":
+            res["export"] = policy.export_hf_state_dict()
+        if job.get("train") and mode == "strict":
+            policy.loss_config = PolicyLossConfig(clip_low=0.2, clip_high=0.28, kl_coef=0.1)
+            extra = train_inputs(res["ref"])
+            batch = TrainBatch(seqs, prompts, extra["advantages"], res["ref"], extra["ref_logprobs"], TEMPERATURE)
+            res["train_metrics"] = policy.train_step(batch)
+            res["train_main_grad"] = policy.export_hf_state_dict("main_grad")
+            res["train_main"] = policy.export_hf_state_dict("main")
+            res["train_model"] = policy.export_hf_state_dict("model")
+        del policy
+    return res

@@ -1,0 +1,109 @@
+"""Single-process tests: HF <-> Megatron weight layout (exact), input errors, and the policy loss."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from rl_kernel.integrations.megatron.convert import (
+    check_tokenizer,
+    hf_to_megatron,
+    load_hf_state_dict,
+    megatron_to_hf,
+    read_config,
+)
+from rl_kernel.integrations.megatron.loss import PolicyLossConfig, policy_loss
+
+pytestmark = pytest.mark.megatron
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_hf_megatron_round_trip_is_exact(tiny_qwen3_path, tp):
+    shape = read_config(tiny_qwen3_path)
+    hf = load_hf_state_dict(tiny_qwen3_path)
+    shards = [hf_to_megatron(hf, shape, r, tp) for r in range(tp)]
+    back = megatron_to_hf(shards, shape)
+    assert set(back) == set(hf)
+    for name, t in hf.items():
+        assert torch.equal(back[name].view(torch.int16), t.view(torch.int16)), name
+
+
+def test_megatron_qkv_layout_is_interleaved_per_query_group(tiny_qwen3_path):
+    """Rank 1 of TP2 holds kv group 1 as [q heads 2, 3; k head 1; v head 1] (Megatron's layout)."""
+    shape = read_config(tiny_qwen3_path)
+    hf = load_hf_state_dict(tiny_qwen3_path)
+    qkv = hf_to_megatron(hf, shape, 1, 2)["decoder.layers.0.self_attention.linear_qkv.weight"]
+    d = shape.head_dim
+    q = hf["model.layers.0.self_attn.q_proj.weight"]
+    k = hf["model.layers.0.self_attn.k_proj.weight"]
+    v = hf["model.layers.0.self_attn.v_proj.weight"]
+    assert torch.equal(qkv, torch.cat([q[2 * d:4 * d], k[d:2 * d], v[d:2 * d]]))
+    fc1 = hf_to_megatron(hf, shape, 1, 2)["decoder.layers.0.mlp.linear_fc1.weight"]
+    inter = shape.intermediate_size
+    gate, up = hf["model.layers.0.mlp.gate_proj.weight"], hf["model.layers.0.mlp.up_proj.weight"]
+    assert torch.equal(fc1, torch.cat([gate[inter // 2:], up[inter // 2:]]))
+
+
+def test_vocab_padding_is_cut_on_export(tiny_qwen3_path):
+    shape = read_config(tiny_qwen3_path)
+    hf = load_hf_state_dict(tiny_qwen3_path)
+    hf = {k: (v[:500] if k in ("model.embed_tokens.weight", "lm_head.weight") else v) for k, v in hf.items()}
+    shape = type(shape)(**{**shape.__dict__, "vocab_size": 500})
+    shards = [hf_to_megatron(hf, shape, r, 2) for r in range(2)]
+    assert shards[0]["output_layer.weight"].shape[0] == 256  # 500 padded to 512 = 2 * 256
+    assert not shards[1]["output_layer.weight"][-12:].any()
+    back = megatron_to_hf(shards, shape)
+    assert torch.equal(back["lm_head.weight"], hf["lm_head.weight"])
+
+
+def test_missing_checkpoint_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="config.json is missing"):
+        read_config(tmp_path / "nowhere")
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3"}))
+    with pytest.raises(FileNotFoundError, match="no \\*.safetensors"):
+        load_hf_state_dict(tmp_path)
+
+
+def test_tokenizer_vocab_mismatch_is_a_clear_error(tiny_qwen3_path, tmp_path):
+    shutil.copytree(tiny_qwen3_path, tmp_path / "ckpt")
+    cfg_file = tmp_path / "ckpt" / "config.json"
+    cfg = json.loads(cfg_file.read_text())
+    cfg["vocab_size"] = 256  # the tokenizer has 512 tokens
+    cfg_file.write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="tokenizer .* has 512 tokens but the model vocab_size is 256"):
+        check_tokenizer(tmp_path / "ckpt", read_config(tmp_path / "ckpt"))
+    check_tokenizer(tiny_qwen3_path, read_config(tiny_qwen3_path))  # the matching pair passes
+
+
+def test_tp_must_divide_heads(tiny_qwen3_path):
+    shape = read_config(tiny_qwen3_path)
+    with pytest.raises(ValueError, match="tp=4 must divide num_kv_heads=2"):
+        hf_to_megatron(load_hf_state_dict(tiny_qwen3_path), shape, 0, 4)
+
+
+def test_policy_loss_clipping_kl_and_normaliser():
+    lp = torch.tensor([-1.0, -2.0, -0.5, -3.0], requires_grad=True)
+    old = torch.tensor([-1.0, -2.5, -0.5, -1.0])
+    adv = torch.tensor([1.0, 1.0, -1.0, 2.0])
+    mask = torch.tensor([1.0, 1.0, 1.0, 0.0])
+    cfg = PolicyLossConfig(clip_low=0.2, clip_high=0.28)
+    loss, m = policy_loss(lp, old, adv, mask, cfg)
+    ratio = torch.exp(lp.detach() - old)
+    # token 1: ratio e^0.5 = 1.65 > 1.28 with A > 0 -> clipped term -1.28 wins the max
+    expected = (-1.0 * 1.0 + -1.0 * 1.28 + 1.0 * ratio[2]) / 3
+    assert torch.allclose(loss, expected) and m["clipped"] == 1 and m["tokens"] == 3
+    loss.backward()
+    assert lp.grad[1] == 0 and lp.grad[3] == 0 and lp.grad[0] == pytest.approx(-1 / 3)
+    loss2, _ = policy_loss(lp.detach(), old, adv, mask, cfg, normalizer=6.0)
+    assert torch.allclose(loss2, expected / 2)
+    ref = lp.detach() - 0.1
+    loss3, m3 = policy_loss(lp.detach(), old, adv, mask, PolicyLossConfig(kl_coef=0.5), ref)
+    kl = torch.exp(torch.tensor(-0.1)) + 0.1 - 1
+    assert torch.allclose(m3["kl_sum"], 3 * kl)
+    with pytest.raises(ValueError, match="kl_coef > 0 needs ref_logprobs"):
+        policy_loss(lp, old, adv, mask, PolicyLossConfig(kl_coef=0.1))
+    with pytest.raises(ValueError, match="must all be \\[N\\]"):
+        policy_loss(lp, old[:2], adv, mask)
