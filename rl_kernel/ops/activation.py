@@ -24,6 +24,15 @@ CONTRACTS = {
         rounding="product rounded once to x's dtype",
         primitives="exp: rl_kernel exp64 (Cody-Waite + degree-13 polynomial, fp64) rounded to fp32; IEEE add, div, mul",
     )),
+    "triton": register(Contract(
+        op="silu_and_mul", backend="triton", version=1,
+        input_dependency="out[..., i] depends on x[..., i] and x[..., I + i] only",
+        partition="none (elementwise)",
+        merge_order="none (elementwise)",
+        precision="fp32 gate, up, silu and product",
+        rounding="product rounded once to x's dtype",
+        primitives="exp: rl_kernel exp64 ported to Triton (fp64, no FMA) rounded to fp32; IEEE add, div_rn, mul",
+    )),
 }
 
 

@@ -32,6 +32,20 @@ CONTRACTS = {
         primitives="rl_kernel exp64 rounded to fp32; IEEE fp32 mul, add, div, max",
         params=(("chunk", torch_attention.CHUNK), ("split_chunks", torch_attention.SPLIT_CHUNKS)),
     )),
+    "triton": register(Contract(
+        op="attention", backend="triton", version=1,
+        input_dependency="out[t, h] depends on q[t, h] and k, v of its sequence at positions <= pos(t), "
+                         "kv head h // (H / Hkv), and scale",
+        partition="rows: 64 = (64 / G tokens) x (G heads of one kv head); keys in chunks of 64 positions from "
+                  "position 0, masked past the query; KV splits of 8 chunks (512 keys)",
+        merge_order="online softmax chunk by chunk inside a split from an empty state; split partials merged "
+                    "left to right; chunks and splits with no key for a row leave its state exactly unchanged",
+        precision="q.k and p.v on tensor cores with fp32 accumulation (p rounded to v's dtype); fp32 m, l, o",
+        rounding="o / l (IEEE div) rounded once to q's dtype",
+        primitives="hardware ex2.approx.f32 on (s - m) with s = q.k * fp32(scale * log2 e); IEEE fp32 mul, add, "
+                   "max; no FMA (fp fusion off)",
+        params=(("chunk", 64), ("split_chunks", 8), ("block_m", 64)),
+    )),
 }
 
 

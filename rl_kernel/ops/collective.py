@@ -12,9 +12,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from rl_kernel import evidence
 from rl_kernel.backends.torch.numerics import tree_sum
 from rl_kernel.contracts import Contract, register
-from rl_kernel.ops._common import is_strict, record_native, strict_contract
+from rl_kernel.ops._common import is_strict, record_native
 
 CONTRACTS = {
     "torch": register(Contract(
@@ -30,7 +31,10 @@ CONTRACTS = {
 
 
 def tree_all_reduce(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-    """The strict reduction (no mode check): gather, then tree-sum in rank order."""
+    """The strict reduction (no mode check): gather, then tree-sum in rank order. It is the same
+    torch code whatever backend the other ops use (gloo on CPU, NCCL on CUDA), so it is recorded
+    under its one contract."""
+    evidence.record(CONTRACTS["torch"], "strict", x.device.type)
     world = dist.get_world_size(group)
     parts = [torch.empty_like(x) for _ in range(world)]
     dist.all_gather(parts, x.contiguous(), group=group)
@@ -47,5 +51,4 @@ def all_reduce(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch
         y = x.clone()
         dist.all_reduce(y, group=group)
         return y
-    strict_contract("all_reduce", x.device, CONTRACTS)
     return tree_all_reduce(x, group)

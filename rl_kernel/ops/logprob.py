@@ -34,6 +34,34 @@ CONTRACTS = {
         primitives="rl_kernel exp64/log64; IEEE fp64 div, sub, round; int64 add",
         params=(("fixed_point_bits", torch_logprob.FIXED_POINT_BITS),),
     )),
+    "triton": register(Contract(
+        op="logprobs", backend="triton", version=1,
+        input_dependency="out[t] depends on hidden[t], the real vocab rows of weight (all ranks), "
+                         "targets[t], temperature[t]",
+        partition="logits tiles of the Triton GEMM contract; vocab in tiles of 64 columns from column 0 of the "
+                  "full vocab (rank slices must start on a tile); rows in chunks (no effect on any bit)",
+        merge_order="order-free: exact max per tile and per row; int64 fixed-point sums inside a tile and across "
+                    "tiles and ranks",
+        precision="fp32 logits and z = logits / fp32(T); 2^-40 fixed-point exp terms; fp64 tile rescale and lse",
+        rounding="logprob = z[target] - lse rounded once from fp64 to fp32",
+        primitives="hardware ex2.approx.f32; IEEE fp32 div_rn; fp64 mul; rl_kernel log64; int64 add",
+        params=(("vocab_tile", 64), ("fixed_point_bits", 40)),
+    )),
+}
+
+
+LOG_SOFTMAX_CONTRACTS = {
+    "torch": register(Contract(
+        op="log_softmax", backend="torch", version=1,
+        input_dependency="out[t, v] depends on logits[t, :] (all ranks' slices), temperature[t]",
+        partition="rows in tiles; vocab by rank slices; neither affects any bit",
+        merge_order="order-free by construction: exact max; exact int64 fixed-point sum of exp terms",
+        precision="fp32 logits in; fp64 z, exp, lse; 2^-44 fixed-point exp terms",
+        rounding="each log-probability rounded once from fp64 to fp32 (entry t equals the torch logprobs "
+                 "contract's value for target t)",
+        primitives="rl_kernel exp64/log64; IEEE fp64 div, sub, round; int64 add",
+        params=(("fixed_point_bits", torch_logprob.FIXED_POINT_BITS),),
+    )),
 }
 
 
@@ -139,10 +167,17 @@ def log_softmax(
         record_native("log_softmax", logits.device)
         z = logits.to(torch.float32) / temps.to(torch.float32).unsqueeze(-1)
         column = vocab_start + torch.arange(z.shape[-1], device=z.device)
-        return torch.log_softmax(z.masked_fill(column >= vocab_size, float("-inf")), dim=-1)
-    contract = strict_contract("logprobs", logits.device, CONTRACTS)
+        z = z.masked_fill(column >= vocab_size, float("-inf"))
+        if group is None or dist.get_world_size(group) == 1:
+            return torch.log_softmax(z, dim=-1)
+        m = z.amax(-1, keepdim=True)
+        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+        sum_exp = torch.exp(z - m).sum(-1, keepdim=True)
+        dist.all_reduce(sum_exp, group=group)
+        return z - m - torch.log(sum_exp)
+    contract = strict_contract("log_softmax", logits.device, LOG_SOFTMAX_CONTRACTS)
     if logits.dtype != torch.float32:
-        raise StrictModeError("logprobs", contract.backend, f"logits must be the fp32 GEMM-contract output, "
+        raise StrictModeError("log_softmax", contract.backend, f"logits must be the fp32 GEMM-contract output, "
                               f"got {logits.dtype} (use rl_kernel.linear_fp32 for the LM head)")
     return torch_logprob.full_log_softmax(logits, temps, vocab_start, vocab_size, group)
 

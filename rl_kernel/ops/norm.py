@@ -17,13 +17,22 @@ from rl_kernel.ops._common import check_float, is_strict, record_native, strict_
 
 CONTRACTS = {
     "torch": register(Contract(
-        op="rms_norm", backend="torch", version=1,
+        op="rms_norm", backend="torch", version=2,
         input_dependency="y[t, :] depends on x[t, :] (+ residual[t, :]), weight, eps",
         partition="last dim in blocks of 64, last block zero-padded",
         merge_order="pairwise tree inside a block, blocks left to right",
         precision="fp32 sum of squares, mean, inverse rms",
         rounding="residual sum in x's dtype; x*r rounded to x's dtype; times weight rounded to x's dtype",
-        primitives="IEEE mul, add, div, sqrt; 1/sqrt (not rsqrt)",
+        primitives="IEEE mul, add, div; correctly rounded sqrt (rl_kernel sqrt32); 1/sqrt (not rsqrt)",
+    )),
+    "triton": register(Contract(
+        op="rms_norm", backend="triton", version=1,
+        input_dependency="y[t, :] depends on x[t, :] (+ residual[t, :]), weight, eps",
+        partition="last dim in blocks of 64, last block zero-padded",
+        merge_order="pairwise tree inside a block, blocks left to right",
+        precision="fp32 sum of squares, mean, inverse rms",
+        rounding="residual sum in x's dtype; x*r rounded to x's dtype; times weight rounded to x's dtype",
+        primitives="IEEE mul, add, div_rn, sqrt_rn; no FMA (fp fusion off): the torch contract's operations",
     )),
 }
 

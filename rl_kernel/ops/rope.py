@@ -25,6 +25,15 @@ CONTRACTS = {
         rounding="cos/sin to fp32; rotation result rounded once to x's dtype",
         primitives="rl_kernel exp64/log64/sincos64 (IEEE add/mul/div, no FMA); IEEE fp32 mul, add, sub",
     )),
+    "triton": register(Contract(
+        op="rope", backend="triton", version=1,
+        input_dependency="out[t, h, :] depends on x[t, h, :], positions[t], theta, rotary_dim",
+        partition="none (elementwise pairs i, i + d/2)",
+        merge_order="none",
+        precision="angle and sin/cos in fp64 (torch backend's table), rounded to fp32; rotation in fp32",
+        rounding="cos/sin to fp32; rotation result rounded once to x's dtype",
+        primitives="rl_kernel exp64/log64/sincos64 for the table; IEEE fp32 mul, add, sub, no FMA (fp fusion off)",
+    )),
 }
 
 

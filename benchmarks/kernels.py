@@ -1,0 +1,357 @@
+"""Strict (rl_kernel Triton backend) vs native kernels on one GPU: prints a table, writes JSON.
+
+    python benchmarks/kernels.py [--json PATH] [--md PATH] [--quick]
+
+Rows (Qwen3-8B shapes, bf16): GEMM at M in {1, 16, 128, 1024, 8192} for the qkv, o, gate_up and
+down projections vs cuBLAS (and the GEMM's two schedules and a few tile shapes, with a bit check
+between them); RMSNorm; attention prefill at 4k / 16k tokens vs PyTorch SDPA; paged decode at batch
+1 / 64 / 256 with 4k context vs a native paged decode (gather + SDPA); linear-logprob at V = 151936
+(time and peak memory) vs F.linear + log_softmax + gather; a 2-layer decoder stack forward,
+train-style and decode-style, strict vs native. Times are medians of `triton.testing.do_bench`
+(CUDA events) after warm-up, with inputs rotated when they would fit in L2. `floor_ms` is the larger
+of flops / bf16 dense peak and bytes / measured copy bandwidth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton
+from triton.testing import do_bench
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import rl_kernel as rk  # noqa: E402
+from rl_kernel.backends.triton import attention, gemm, logprob, norm  # noqa: E402
+from rl_kernel.ops.norm import _native_rms_norm  # noqa: E402
+
+DEV = "cuda"
+BF16 = torch.bfloat16
+PEAK_BF16 = 989e12  # H100/H200 SXM dense bf16 datasheet (a lead, not a measurement)
+L2_BYTES = 50 << 20
+ROWS: list[dict] = []
+QUICK = False
+
+
+def bench(fn, warmup=5, rep=25) -> float:
+    if QUICK:
+        warmup, rep = 3, 10
+    return do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+
+
+def rotating(make, nbytes: int):
+    """`make()` -> args; enough copies that they overflow L2; returns a function cycling through them."""
+    copies = [make() for _ in range(max(1, min(4, math.ceil(3 * L2_BYTES / max(nbytes, 1)))))]
+    state = {"i": 0}
+
+    def next_args():
+        state["i"] = (state["i"] + 1) % len(copies)
+        return copies[state["i"]]
+    return next_args
+
+
+def row(group: str, case: str, strict_ms: float, native_ms: float | None, floor_ms: float | None = None,
+        target: str = "", **extra) -> dict:
+    r = {"group": group, "case": case, "strict_ms": round(strict_ms, 4),
+         "native_ms": None if native_ms is None else round(native_ms, 4),
+         "native_over_strict": None if native_ms is None else round(native_ms / strict_ms, 3),
+         "floor_ms": None if floor_ms is None else round(floor_ms, 4), "target": target, **extra}
+    ROWS.append(r)
+    nat = "-" if native_ms is None else f"{native_ms:.4f}"
+    print(f"{group:9s} {case:34s} strict {strict_ms:9.4f} ms  native {nat:>9} ms  x{r['native_over_strict']}  {target}",
+          flush=True)
+    return r
+
+
+def copy_bandwidth() -> float:
+    a = torch.empty(1 << 29, dtype=torch.uint8, device=DEV).random_(0, 255)
+    b = torch.empty_like(a)
+    ms = bench(lambda: b.copy_(a))
+    return 2 * a.numel() / (ms * 1e-3)
+
+
+def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.view(torch.int16) if a.element_size() == 2 else a.view(torch.int32),
+                       b.view(torch.int16) if b.element_size() == 2 else b.view(torch.int32))
+
+
+# ---- GEMM -----------------------------------------------------------------------------------------------
+
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
+
+
+def _gemm_case(name: str, m: int, n: int, k: int, bw: float) -> None:
+    w_bytes = n * k * 2
+    args = rotating(lambda: (torch.randn(m, k, device=DEV).to(BF16), (torch.randn(n, k, device=DEV) * 0.02).to(BF16)),
+                    w_bytes + m * k * 2)
+    flops = 2 * m * n * k
+    floor = max(flops / PEAK_BF16, (w_bytes + m * k * 2 + m * n * 2) / bw) * 1e3
+    native = bench(lambda: F.linear(*args()))
+    strict = bench(lambda: gemm.linear(*args()))
+    target = ">=0.9x cuBLAS" if m >= 1024 else ">=0.8x cuBLAS"
+    extra = {"tflops_strict": round(flops / strict * 1e-9, 1), "tflops_native": round(flops / native * 1e-9, 1)}
+    if m <= 128:
+        alt = "fused" if m <= gemm.SPLIT_MAX_M else "split"
+        extra[f"{alt}_schedule_ms"] = round(bench(lambda: gemm.linear(*args(), schedule=alt)), 4)
+        x, w = args()
+        fused, split = gemm.linear(x, w, schedule="fused"), gemm.linear(x, w, schedule="split")
+        extra["schedules_bitwise"] = bits_equal(fused, split)
+    row("gemm", f"{name} M={m} N={n} K={k}", strict, native, floor, target, **extra)
+
+
+def bench_gemm(bw: float) -> None:
+    for name, (n, k) in SHAPES.items():
+        for m in (1, 16, 128, 1024, 8192):
+            _gemm_case(name, m, n, k, bw)
+    # op-level (what the model calls today: fp32 kernel output, then a separate rounding pass)
+    x, w = torch.randn(8192, 4096, device=DEV).to(BF16), (torch.randn(4096, 4096, device=DEV) * 0.02).to(BF16)
+    with rk.mode("strict"):
+        op = bench(lambda: rk.linear(x, w))
+    row("gemm", "rk.linear o M=8192 (op path)", op, bench(lambda: F.linear(x, w)), None, "op overhead")
+
+
+def bench_tiles() -> None:
+    """Other contracts (group count, tile shape) for the o projection: time, and whether bits equal those of
+    the first tile with the same group count (evidence on whether per-element bits depend on the tile)."""
+    variants = [(2, 128, 128, 8, 3), (8, 128, 64, 8, 3), (4, 128, 64, 8, 3), (2, 128, 64, 8, 3), (2, 64, 128, 4, 4),
+                (1, 128, 256, 8, 3), (1, 128, 128, 8, 3)]
+    for m in (8192, 1024, 16):
+        x, w = torch.randn(m, 4096, device=DEV).to(BF16), (torch.randn(4096, 4096, device=DEV) * 0.02).to(BF16)
+        flops = 2 * m * 4096 * 4096
+        cublas = bench(lambda: F.linear(x, w))  # noqa: B023 (called right here)
+        refs = {}
+        for groups, bm, bn, warps, stages in variants:
+            t = dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages)
+            name = f"G={groups} {bm}x{bn} w{warps} s{stages}"
+            try:
+                out = gemm.linear(x, w, tile=t, contract_groups=groups)
+                same = bits_equal(out, refs.setdefault(groups, out))
+                ms = bench(lambda t=t, g=groups: gemm.linear(x, w, tile=t, contract_groups=g))  # noqa: B023
+                row("tile", f"o M={m} {name}", ms, cublas, None, "", tflops_strict=round(flops / ms * 1e-9, 1),
+                    bits_equal_first_tile_same_groups=same)
+            except Exception as e:  # a tile that does not compile (registers, shared memory) is a result too
+                ROWS.append({"group": "tile", "case": f"o M={m} {name}", "error": repr(e)[:200]})
+                print(f"tile      {name}: {e!r}"[:200], flush=True)
+
+
+# ---- RMSNorm ------------------------------------------------------------------------------------------
+
+def bench_norm(bw: float) -> None:
+    for t in (1, 8192):
+        _norm_case(t, bw)
+
+
+def _norm_case(t: int, bw: float) -> None:
+    args = rotating(lambda: (torch.randn(t, 4096, device=DEV).to(BF16), torch.randn(4096, device=DEV).to(BF16)),
+                    t * 4096 * 2)
+    floor = (2 * t * 4096 * 2) / bw * 1e3
+    strict = bench(lambda: norm.rms_norm(*args(), 1e-6))
+    native = bench(lambda: _native_rms_norm(*args(), 1e-6))
+    row("rms_norm", f"T={t} D=4096", strict, native, floor, "")
+
+
+# ---- attention ----------------------------------------------------------------------------------------
+
+def bench_prefill(bw: float) -> None:
+    for t in (4096, 16384):
+        _prefill_case(t)
+
+
+def _prefill_case(t: int, h: int = 32, hkv: int = 8, d: int = 128) -> None:
+    q, k, v = (torch.randn(t, n, d, device=DEV).to(BF16) for n in (h, hkv, hkv))
+    cu = torch.tensor([0, t], dtype=torch.int32, device=DEV)
+    strict = bench(lambda: attention.varlen_attention(q, k, v, cu, d**-0.5))
+    qt, kt, vt = (x.transpose(0, 1)[None].contiguous() for x in (q, k, v))
+    native = bench(lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=d**-0.5, enable_gqa=True))
+    flops = 2 * t * t * h * d  # causal: half of 4 T^2 H d
+    row("attn", f"prefill T={t} (32/8 heads, d=128)", strict, native, flops / PEAK_BF16 * 1e3, ">=0.8x SDPA",
+        tflops_strict=round(flops / strict * 1e-9, 1), tflops_native=round(flops / native * 1e-9, 1))
+
+
+def bench_decode(bw: float) -> None:
+    for b in (1, 64, 256):
+        _decode_case(b, bw)
+        torch.cuda.empty_cache()
+
+
+def _decode_case(b: int, bw: float, h: int = 32, hkv: int = 8, d: int = 128, ctx: int = 4096, page: int = 16) -> None:
+    nblk = b * ctx // page
+    kc = torch.randn(nblk, page, hkv, d, device=DEV).to(BF16)
+    vc = torch.randn_like(kc)
+    table = torch.randperm(nblk, device=DEV).to(torch.int32).view(b, ctx // page)
+    seq_lens = torch.full((b,), ctx, device=DEV, dtype=torch.int32)
+    qsl = torch.arange(b + 1, device=DEV, dtype=torch.int32)
+    q = torch.randn(b, h, d, device=DEV).to(BF16)
+    strict = bench(lambda: attention.paged_attention(q, kc, vc, table, seq_lens, qsl, d**-0.5))
+    fused = bench(lambda: attention.paged_attention(q, kc, vc, table, seq_lens, qsl, d**-0.5, schedule="fused"))
+
+    def native_paged():
+        k = kc[table.long()].view(b, ctx, hkv, d).transpose(1, 2)
+        v = vc[table.long()].view(b, ctx, hkv, d).transpose(1, 2)
+        return F.scaled_dot_product_attention(q[:, :, None], k, v, scale=d**-0.5, enable_gqa=True)
+
+    native = bench(native_paged)
+    kv_bytes = 2 * b * ctx * hkv * d * 2
+    row("attn", f"paged decode B={b} ctx={ctx}", strict, native, kv_bytes / bw * 1e3, ">=0.8x native paged",
+        fused_schedule_ms=round(fused, 4), kv_gbps_strict=round(kv_bytes / strict * 1e-6, 1))
+
+
+# ---- linear logprob -------------------------------------------------------------------------------------
+
+def bench_logprob(bw: float) -> None:
+    t, d, v = 4096, 4096, 151936
+    hid = torch.randn(t, d, device=DEV).to(BF16)
+    w = (torch.randn(v, d, device=DEV) * 0.02).to(BF16)
+    tg = torch.randint(0, v, (t,), device=DEV)
+    temps = torch.ones(t, dtype=torch.float64, device=DEV)
+    inputs = hid.numel() * 2 + w.numel() * 2
+
+    def native():
+        return torch.log_softmax(F.linear(hid, w).float(), -1).gather(1, tg[:, None]).squeeze(1)
+
+    def strict():
+        return logprob.logprobs_and_lse(hid, w, tg, temps, 0, v)[0]
+
+    peaks = {}
+    for name, fn in (("strict", strict), ("native", native)):
+        fn()
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        fn()
+        torch.cuda.synchronize()
+        peaks[name] = torch.cuda.max_memory_allocated() - base
+    s, n = bench(strict, rep=100), bench(native, rep=100)
+    flops = 2 * t * v * d
+    variants = {}
+    for groups, bm, bn, warps, stages in [(1, 128, 128, 8, 3), (1, 128, 64, 8, 3), (8, 128, 64, 8, 3)]:
+        tile = dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages)
+        key = f"G={groups} {bm}x{bn} w{warps} s{stages}"
+        try:
+            variants[key] = round(bench(lambda g=groups, tile=tile: logprob.logprobs_and_lse(
+                hid, w, tg, temps, 0, v, contract_groups=g, tile=tile)[0]), 3)
+        except Exception as e:
+            variants[key] = repr(e)[:100]
+    row("logprob", f"linear-logprob T={t} D={d} V={v}", s, n, max(flops / PEAK_BF16, inputs / bw) * 1e3,
+        ">=1.5x native, peak <=1.1x inputs", extra_peak_gb_strict=round(peaks["strict"] / 1e9, 3),
+        extra_peak_gb_native=round(peaks["native"] / 1e9, 3), inputs_gb=round(inputs / 1e9, 3),
+        peak_over_inputs_strict=round((inputs + peaks["strict"]) / inputs, 3),
+        tflops_strict=round(flops / s * 1e-9, 1), other_logit_contracts_ms=variants)
+
+
+# ---- decoder layer stack --------------------------------------------------------------------------------
+
+def bench_stack() -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "gpu"))
+    from parity import random_model
+
+    model = random_model("8b", 2, DEV)
+    c = model.config
+    model.embed = model.embed[:1024].clone()  # only small ids are used; frees ~1.2 GB
+    lens = [1024] * 4
+    cu = torch.tensor([0, 1024, 2048, 3072, 4096], device=DEV)
+    ids = torch.randint(0, 1024, (4096,), device=DEV)
+
+    def timed(fn, n=5):
+        fn()
+        torch.cuda.synchronize()
+        ts = []
+        for _ in range(n):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            torch.cuda.synchronize()
+            ts.append(a.elapsed_time(b))
+        return sorted(ts)[len(ts) // 2]
+
+    res = {}
+    with torch.no_grad():
+        for mode in ("strict", "native"):
+            with rk.mode(mode):
+                res[mode] = timed(lambda: model.forward_packed(ids, cu))
+    row("stack", f"2 layers train-style T={sum(lens)} packed", res["strict"], res["native"], None,
+        "strict overhead <=10%", overhead=round(res["strict"] / res["native"] - 1, 3))
+    # decode-style: 64 sequences with 1024 tokens of context each in a paged cache, one new token each
+    b, ctx, page = 64, 1024, 16
+    nblk = b * (ctx // page + 1)
+    caches = [(torch.randn(nblk, page, c.num_kv_heads, c.head_dim, device=DEV).to(BF16),
+               torch.randn(nblk, page, c.num_kv_heads, c.head_dim, device=DEV).to(BF16)) for _ in range(c.num_layers)]
+    table = torch.randperm(nblk, device=DEV).to(torch.int32).view(b, ctx // page + 1)
+    seq_lens = torch.full((b,), ctx + 1, device=DEV)
+    qsl = torch.arange(b + 1, device=DEV)
+    pos = torch.full((b,), ctx, device=DEV)
+    slots = table[:, ctx // page].long() * page + ctx % page
+    dec_ids = torch.randint(0, 1024, (b,), device=DEV)
+
+    def attn(i, q, k, v):
+        rk.write_kv_cache(k, v, caches[i][0], caches[i][1], slots)
+        return rk.paged_attention(q, caches[i][0], caches[i][1], table, seq_lens, qsl, model.scale)
+
+    with torch.no_grad():
+        for mode in ("strict", "native"):
+            with rk.mode(mode):
+                res[mode] = timed(lambda: model.forward(dec_ids, pos, attn))
+    row("stack", f"2 layers decode-style B={b} ctx={ctx}", res["strict"], res["native"], None,
+        "strict overhead <=15%", overhead=round(res["strict"] / res["native"] - 1, 3))
+
+
+def table_md() -> str:
+    lines = ["| group | case | strict ms | native ms | native/strict | floor ms | target | notes |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in ROWS:
+        shown = ("group", "case", "strict_ms", "native_ms", "native_over_strict", "floor_ms", "target")
+        notes = {k: v for k, v in r.items() if k not in shown}
+        lines.append(f"| {r['group']} | {r['case']} | {r.get('strict_ms', '')} | {r.get('native_ms', '')} | "
+                     f"{r.get('native_over_strict', '')} | {r.get('floor_ms', '')} | {r.get('target', '')} | "
+                     f"{', '.join(f'{k}={v}' for k, v in notes.items())} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    global QUICK
+    p = argparse.ArgumentParser(description="strict vs native kernel benchmarks (one GPU)")
+    p.add_argument("--json", default="benchmarks/results/kernels_h200.json")
+    p.add_argument("--md", default="benchmarks/results/kernels_h200.md")
+    p.add_argument("--only", default="gemm,prefill,decode,logprob,norm,stack,tiles")
+    p.add_argument("--quick", action="store_true", help="fewer repetitions (smoke test)")
+    a = p.parse_args()
+    QUICK = a.quick
+    torch.manual_seed(0)
+    t0 = time.time()
+    bw = copy_bandwidth()
+    print(f"BENCH device {torch.cuda.get_device_name()}  copy {bw / 1e12:.2f} TB/s", flush=True)
+    stages = {"gemm": bench_gemm, "tiles": bench_tiles, "norm": bench_norm, "prefill": bench_prefill,
+              "decode": bench_decode, "logprob": bench_logprob, "stack": bench_stack}
+    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+            "python": platform.python_version(), "copy_tb_s": round(bw / 1e12, 3), "peak_bf16_assumed": PEAK_BF16,
+            "date": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()), "gemm_tile": gemm.TILE,
+            "gemm_contract_groups": gemm.CONTRACT_GROUPS, "gemm_split_max_m": gemm.SPLIT_MAX_M}
+    Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+    for name in a.only.split(","):
+        fn = stages[name]
+        try:
+            fn(bw) if fn.__code__.co_argcount else fn()
+        except Exception as e:  # one failing row group must not lose the others
+            ROWS.append({"group": name, "case": "ERROR", "error": repr(e)[:300]})
+            print(f"BENCH {name} failed: {e!r}"[:300], flush=True)
+        torch.cuda.empty_cache()
+        meta["wall_s"] = round(time.time() - t0, 1)
+        Path(a.json).write_text(json.dumps({"meta": meta, "rows": ROWS}, indent=1))  # after every group
+        md = table_md()
+        Path(a.md).write_text(f"# rl_kernel Triton vs native on {meta['device']}\n\n{json.dumps(meta)}\n\n{md}\n")
+
+    print(f"BENCH done in {meta['wall_s']} s")
+
+
+if __name__ == "__main__":
+    main()

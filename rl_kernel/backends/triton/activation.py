@@ -1,0 +1,41 @@
+"""Strict SwiGLU on Triton, the torch contract's operations in its order.
+
+round(silu(g) * u), silu(g) = g / (1 + exp32(-g)), exp32 = rl_kernel's fp64 exp rounded to fp32;
+fp32 add, IEEE div, mul. Elementwise: an element's bits depend on its own inputs only.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from rl_kernel.backends.triton.numerics import LAUNCH, exp64
+
+BLOCK = 1024
+
+
+@triton.jit
+def _silu_and_mul_kernel(x_ptr, out_ptr, rows, half, stride_x, stride_o, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < half
+    g = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    u = tl.load(x_ptr + row * stride_x + half + cols, mask=mask, other=0.0).to(tl.float32)
+    g32 = g.to(tl.float32)
+    e = exp64((-g32).to(tl.float64)).to(tl.float32)
+    silu = tl.div_rn(g32, 1.0 + e)
+    tl.store(out_ptr + row * stride_o + cols, (silu * u).to(g.dtype), mask=mask)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [..., 2I] -> silu(x[..., :I]) * x[..., I:] in x's dtype, under the contract."""
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    rows, half = x2.shape[0], x2.shape[1] // 2
+    out = torch.empty((rows, half), dtype=x.dtype, device=x.device)
+    if rows and half:
+        _silu_and_mul_kernel[(rows, triton.cdiv(half, BLOCK))](
+            x2, out, rows, half, x2.stride(0), out.stride(0), BLOCK=BLOCK, num_warps=4, **LAUNCH)
+    return out.reshape(*x.shape[:-1], half)

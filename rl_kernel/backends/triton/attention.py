@@ -1,0 +1,256 @@
+"""Strict causal GQA attention on Triton: packed varlen prefill and paged KV, one kernel for both.
+
+Contract (triton v1). A program owns BLOCK_M = 64 rows: BLOCK_M / G query tokens of one sequence
+times the G query heads of one KV head (G = H / Hkv). Keys are taken in chunks of CHUNK = 64
+positions counted from position 0 of the sequence; key positions past a row's own are masked
+(score -inf, probability 0). Chunks are grouped into KV splits of SPLIT_CHUNKS chunks (a fixed
+*size*). Inside a split, online softmax from an empty state: s = dot(q, k) * (scale * log2 e)
+(tensor-core dot, fp32), m' = max(m, rowmax s), alpha = exp2(m - m'), p = exp2(s - m'),
+l' = l * alpha + rowsum p, o' = dot(p as v's dtype, v) accumulated onto o * alpha. Split partials
+merge left to right into (-inf, 0, 0): m = max, both sides rescaled by exp2(m_i - m), added.
+out = o / l (IEEE div), rounded once to q's dtype. exp2 is the hardware ex2.approx.f32 (same bits
+on the same device type); no FMA anywhere (kernels launched with fp fusion off).
+
+A row's bits depend on its q row and its sequence's keys at positions <= its own only: chunks
+past a row's position are exact identities (alpha = 1, p = 0), so packed prefill, paged decode,
+chunked prefill, page size, block-table order, batch composition and row placement do not matter.
+Two schedules give the same bits: `fused` (one program loops over all splits and merges in
+registers) and `split` (one program per split writes its fp32 partial, exactly; a second kernel
+merges them with the same operations). Launch grids depend on tensor shapes only (no host sync).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from rl_kernel.backends.triton.numerics import LAUNCH
+from rl_kernel.errors import StrictModeError
+
+CHUNK = 64
+SPLIT_CHUNKS = 8
+BLOCK_M = 64
+LOG2E = 1.4426950408889634
+SPLIT_SCRATCH_BYTES = 256 << 20  # paged calls whose split partials fit use the split schedule
+CONFIG = {"num_warps": 8, "num_stages": 2}  # one launch configuration for every call (layouts fix bits)
+
+
+@triton.jit
+def _find_tile(tile_start_ptr, B, LOG_B):
+    """Sequence b with tile_start[b] <= pid < tile_start[b + 1] (binary search, fixed step count)."""
+    pid = tl.program_id(0)
+    lo = pid * 0
+    hi = lo + B
+    for _ in range(0, LOG_B):
+        mid = (lo + hi) // 2
+        go_right = tl.load(tile_start_ptr + mid, mask=hi - lo > 1, other=2**30) <= pid
+        lo = tl.where((hi - lo > 1) & go_right, mid, lo)
+        hi = tl.where((hi - lo > 1) & (~go_right), mid, hi)
+    return lo, pid - tl.load(tile_start_ptr + lo)
+
+
+@triton.jit
+def _split_partial(q, qpos, b, kvh, k_ptr, v_ptr, block_table_ptr, stride_bt, kv_base, ctx_len,
+                   stride_kt, stride_kh, stride_vt, stride_vh, c_begin, c_end, qk_scale,
+                   PAGED: tl.constexpr, BLOCK_SIZE: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr,
+                   BLOCK_M: tl.constexpr, PRECISION: tl.constexpr):
+    """Online softmax over key chunks [c_begin, c_end) from an empty state: (m, l, o), fp32."""
+    m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l = tl.zeros((BLOCK_M,), tl.float32)
+    o = tl.zeros((BLOCK_M, D), tl.float32)
+    offs = tl.arange(0, CHUNK)
+    d = tl.arange(0, D)
+    for c in range(c_begin, c_end):
+        kpos = c * CHUNK + offs
+        kv_ok = kpos < ctx_len
+        if PAGED:
+            blk = tl.load(block_table_ptr + b * stride_bt + kpos // BLOCK_SIZE, mask=kv_ok, other=0)
+            row = blk.to(tl.int64) * BLOCK_SIZE + kpos % BLOCK_SIZE
+        else:
+            row = (kv_base + kpos).to(tl.int64)
+        k = tl.load(k_ptr + row[:, None] * stride_kt + kvh * stride_kh + d[None, :], mask=kv_ok[:, None], other=0.0)
+        v = tl.load(v_ptr + row[:, None] * stride_vt + kvh * stride_vh + d[None, :], mask=kv_ok[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        s = tl.where(kpos[None, :] <= qpos[:, None], s, float("-inf"))
+        live = c * CHUNK <= qpos  # rows with a key in this chunk; for the others the chunk is skipped exactly
+        m_new = tl.where(live, tl.maximum(m, tl.max(s, 1)), 0.0)
+        alpha = tl.math.exp2(m - m_new)
+        p = tl.math.exp2(s - m_new[:, None])
+        l = tl.where(live, l * alpha + tl.sum(p, 1), l)
+        o = tl.where(live[:, None], tl.dot(p.to(v.dtype), v, o * alpha[:, None], input_precision=PRECISION), o)
+        m = tl.where(live, m_new, m)
+    return m, l, o
+
+
+@triton.jit
+def _merge(m_t, l_t, o_t, m_s, l_s, o_s):
+    """Split partial s after total t, in key order; an empty s (no key) leaves t exactly as it is."""
+    live = m_s != float("-inf")
+    m = tl.where(live, tl.maximum(m_t, m_s), m_t)
+    a = tl.math.exp2(m_t - m)
+    b = tl.math.exp2(m_s - m)
+    l = tl.where(live, l_t * a + l_s * b, l_t)
+    o = tl.where(live[:, None], o_t * a[:, None] + o_s * b[:, None], o_t)
+    return m, l, o
+
+
+@triton.jit
+def _attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, pm_ptr, pl_ptr, po_ptr, nsplit_ptr,
+                 q_start_ptr, ctx_len_ptr, tile_start_ptr, block_table_ptr, B, LOG_B, NUM_SPLITS,
+                 stride_qt, stride_qh, stride_ot, stride_oh, stride_kt, stride_kh, stride_vt, stride_vh,
+                 stride_bt, qk_scale,
+                 G: tl.constexpr, D: tl.constexpr, PAGED: tl.constexpr,
+                 SPLIT: tl.constexpr, BLOCK_SIZE: tl.constexpr, CHUNK: tl.constexpr,
+                 SPLIT_CHUNKS: tl.constexpr, BLOCK_M: tl.constexpr, PRECISION: tl.constexpr):
+    b, tile = _find_tile(tile_start_ptr, B, LOG_B)
+    # programs past the last tile (the grid is an upper bound) have no valid row and run no chunk
+    tile_ok = tile < tl.load(tile_start_ptr + b + 1) - tl.load(tile_start_ptr + b)
+    kvh = tl.program_id(1)
+    q0 = tl.load(q_start_ptr + b)
+    q_len = tl.load(q_start_ptr + b + 1) - q0
+    ctx_len = tl.load(ctx_len_ptr + b)
+    r = tl.arange(0, BLOCK_M)
+    tok = tile * (BLOCK_M // G) + r // G
+    q_rows = tl.where(tile_ok, q_len, 0)  # rows of this program that hold a query
+    row_ok = tok < q_rows
+    head = kvh * G + r % G
+    qpos = ctx_len - q_len + tok
+    d = tl.arange(0, D)
+    q_off = (q0 + tok).to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :]
+    q = tl.load(q_ptr + q_off, mask=row_ok[:, None], other=0.0)
+    last_pos = ctx_len - q_len + tl.minimum((tile + 1) * (BLOCK_M // G), q_len) - 1
+    n_chunks = tl.where(tile_ok, last_pos // CHUNK + 1, 0)
+    n_splits = tl.cdiv(n_chunks, SPLIT_CHUNKS)
+    if SPLIT:
+        s = tl.program_id(2)
+        c0 = s * SPLIT_CHUNKS  # a split past the tile's last one runs no chunk and stores nothing
+        m, l, o = _split_partial(q, qpos, b, kvh, k_ptr, v_ptr, block_table_ptr, stride_bt, q0, ctx_len,
+                                 stride_kt, stride_kh, stride_vt, stride_vh, c0,
+                                 tl.minimum(c0 + SPLIT_CHUNKS, n_chunks), qk_scale,
+                                 PAGED, BLOCK_SIZE, D, CHUNK, BLOCK_M, PRECISION)
+        H = tl.num_programs(1) * G
+        prow = ((q0 + tok).to(tl.int64) * H + head) * NUM_SPLITS + s
+        keep = tok < tl.where(s < n_splits, q_rows, 0)
+        tl.store(pm_ptr + prow, m, mask=keep)
+        tl.store(pl_ptr + prow, l, mask=keep)
+        tl.store(po_ptr + prow[:, None] * D + d[None, :], o, mask=keep[:, None])
+        if (s == 0) & (kvh == 0):
+            tl.store(nsplit_ptr + q0 + tok, qpos // (CHUNK * SPLIT_CHUNKS) + 1, mask=row_ok & (r % G == 0))
+    else:
+        m_t = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+        l_t = tl.zeros((BLOCK_M,), tl.float32)
+        o_t = tl.zeros((BLOCK_M, D), tl.float32)
+        for s in range(0, n_splits):
+            c0 = s * SPLIT_CHUNKS
+            m, l, o = _split_partial(q, qpos, b, kvh, k_ptr, v_ptr, block_table_ptr, stride_bt, q0, ctx_len,
+                                     stride_kt, stride_kh, stride_vt, stride_vh, c0,
+                                     tl.minimum(c0 + SPLIT_CHUNKS, n_chunks), qk_scale,
+                                     PAGED, BLOCK_SIZE, D, CHUNK, BLOCK_M, PRECISION)
+            m_t, l_t, o_t = _merge(m_t, l_t, o_t, m, l, o)
+        out = tl.div_rn(o_t, l_t[:, None])
+        o_off = (q0 + tok).to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
+        tl.store(out_ptr + o_off, out.to(q.dtype), mask=row_ok[:, None])
+
+
+@triton.jit
+def _merge_kernel(pm_ptr, pl_ptr, po_ptr, nsplit_ptr, out_ptr, H, NUM_SPLITS, stride_ot, stride_oh,
+                  D: tl.constexpr):
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    n = tl.load(nsplit_ptr + t)
+    d = tl.arange(0, D)
+    base = (t.to(tl.int64) * H + h) * NUM_SPLITS
+    m_t = tl.full((1,), float("-inf"), tl.float32)
+    l_t = tl.zeros((1,), tl.float32)
+    o_t = tl.zeros((1, D), tl.float32)
+    for s in range(0, n):
+        m = tl.load(pm_ptr + base + s + tl.zeros((1,), tl.int32))
+        l = tl.load(pl_ptr + base + s + tl.zeros((1,), tl.int32))
+        o = tl.load(po_ptr + (base + s) * D + d)[None, :]
+        m_t, l_t, o_t = _merge(m_t, l_t, o_t, m, l, o)
+    out = tl.div_rn(o_t, l_t[:, None])
+    tl.store(out_ptr + t.to(tl.int64) * stride_ot + h * stride_oh + d[None, :], out.to(out_ptr.dtype.element_ty))
+
+
+def _check(q: torch.Tensor, kv_heads: int) -> tuple[int, int]:
+    heads, d = q.shape[1], q.shape[2]
+    g = heads // kv_heads
+    if g * kv_heads != heads or g & (g - 1) or g > BLOCK_M:
+        raise StrictModeError("attention", "triton", f"{heads} query heads over {kv_heads} kv heads: the kernel "
+                              f"packs G = H / Hkv heads per row block and needs G a power of two <= {BLOCK_M}")
+    if d & (d - 1) or d < 16:
+        raise StrictModeError("attention", "triton", f"head_dim {d} must be a power of two >= 16")
+    return g, d
+
+
+def _precision(q: torch.Tensor, k: torch.Tensor) -> str:
+    if q.dtype != k.dtype:
+        raise StrictModeError("attention", "triton", f"q is {q.dtype} but the keys are {k.dtype}; pass one dtype")
+    return "ieee" if q.dtype == torch.float32 else "tf32"
+
+
+def _run(q, k, v, q_start, ctx_len, block_table, block_size, scale, paged, schedule):
+    tq, heads, _ = q.shape
+    kv_heads = k.shape[-2]
+    g, d = _check(q, kv_heads)
+    precision = _precision(q, k)
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    b = ctx_len.numel()
+    if tq == 0 or b == 0:
+        return out
+    tokens = BLOCK_M // g
+    q_start = q_start.to(device=q.device, dtype=torch.int32).contiguous()
+    ctx_len = ctx_len.to(device=q.device, dtype=torch.int32).contiguous()
+    tiles = (q_start[1:] - q_start[:-1] + tokens - 1) // tokens
+    tile_start = torch.zeros(b + 1, dtype=torch.int32, device=q.device)
+    tile_start[1:] = torch.cumsum(tiles, 0)
+    grid_tiles = triton.cdiv(tq, tokens) + b  # upper bound on sum(ceil(q_len / tokens)); no host sync
+    max_ctx = block_table.shape[1] * block_size if paged else tq
+    num_splits = triton.cdiv(max_ctx, CHUNK * SPLIT_CHUNKS)
+    if schedule is None:
+        scratch = tq * heads * num_splits * (d + 2) * 4
+        schedule = "split" if paged and scratch <= SPLIT_SCRATCH_BYTES else "fused"
+    split = schedule == "split"
+    f32 = torch.float32
+    pm = torch.empty(tq * heads * num_splits if split else 1, dtype=f32, device=q.device)
+    pl = torch.empty_like(pm)
+    po = torch.empty(pm.numel() * d if split else 1, dtype=f32, device=q.device)
+    nsplit = torch.empty(tq if split else 1, dtype=torch.int32, device=q.device)
+    table = block_table if paged else tile_start
+    grid = (grid_tiles, kv_heads, num_splits if split else 1)
+    _attn_kernel[grid](
+        q, k, v, out, pm, pl, po, nsplit, q_start, ctx_len, tile_start, table, b, b.bit_length(), num_splits,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        table.stride(0), float(scale) * LOG2E,
+        G=g, D=d, PAGED=paged, SPLIT=split, BLOCK_SIZE=block_size,
+        CHUNK=CHUNK, SPLIT_CHUNKS=SPLIT_CHUNKS, BLOCK_M=BLOCK_M, PRECISION=precision, **CONFIG, **LAUNCH)
+    if split:
+        _merge_kernel[(tq, heads)](pm, pl, po, nsplit, out, heads, num_splits, out.stride(0), out.stride(1),
+                                   D=d, num_warps=1, **LAUNCH)
+    return out
+
+
+def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: float,
+                     *, schedule: str | None = None) -> torch.Tensor:
+    """Causal attention over packed sequences: q [T, H, d], k, v [T, Hkv, d], cu_seqlens [B+1]."""
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    cu = cu_seqlens.to(torch.int32)
+    return _run(q, k, v, cu, cu[1:] - cu[:-1], cu.view(1, -1), 1, scale, False, schedule or "fused")
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+                    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
+                    *, schedule: str | None = None) -> torch.Tensor:
+    """Causal attention of new queries over a paged KV cache [num_blocks, block_size, Hkv, d]."""
+    nb, bs, hkv, d = k_cache.shape
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if cache.stride(-1) != 1 or cache.stride(0) != bs * cache.stride(1):
+            raise StrictModeError("attention", "triton", f"{name} must have contiguous blocks "
+                                  "(stride(0) == block_size * stride(1), unit last stride)")
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    k_rows = k_cache.as_strided((nb * bs, hkv, d), (k_cache.stride(1), k_cache.stride(2), 1))
+    v_rows = v_cache.as_strided((nb * bs, hkv, d), (v_cache.stride(1), v_cache.stride(2), 1))
+    table = block_table.to(torch.int32)
+    return _run(q, k_rows, v_rows, query_start_loc, seq_lens, table, bs, scale, True, schedule)
+

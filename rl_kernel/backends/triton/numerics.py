@@ -1,0 +1,95 @@
+"""Triton twins of `rl_kernel.backends.torch.numerics`: the same IEEE operations in the same order.
+
+Every kernel that uses these is launched with `enable_fp_fusion=False`, so a mul followed by an add
+stays two correctly rounded operations (no FMA), as in the torch backend. fp64 constants are built
+with `tl.full(..., tl.float64)`: a bare Python float in a Triton kernel is an fp32 literal.
+"""
+
+from __future__ import annotations
+
+import math
+
+import triton
+import triton.language as tl
+
+LAUNCH = {"enable_fp_fusion": False}  # every rl_kernel Triton kernel is launched with these options
+
+INV_LN2 = tl.constexpr(1.0 / math.log(2.0))
+LN2_HI = tl.constexpr(6.93147180369123816490e-01)
+LN2_LO = tl.constexpr(1.90821492927058770002e-10)
+SQRT2 = tl.constexpr(math.sqrt(2.0))
+E = [tl.constexpr(1.0 / math.factorial(k)) for k in range(13, -1, -1)]  # exp Horner, highest first
+L = [tl.constexpr(2.0 / (2 * k + 1)) for k in range(12, -1, -1)]  # log Horner, highest first
+(E0, E1, E2, E3, E4, E5, E6, E7, E8, E9, E10, E11, E12, E13) = E
+(L0, L1, L2, L3, L4, L5, L6, L7, L8, L9, L10, L11, L12) = L
+
+
+@triton.jit
+def f64(v: tl.constexpr):
+    return tl.full((), v, tl.float64)
+
+
+@triton.jit
+def exp64(x):
+    """exp of fp64 x: Cody-Waite reduction and a degree-13 Taylor polynomial, as torch's exp64."""
+    n = tl.floor(x * f64(INV_LN2) + f64(0.5))
+    n = tl.minimum(tl.maximum(n, f64(-1022.0)), f64(1023.0))
+    r = (x - n * f64(LN2_HI)) - n * f64(LN2_LO)
+    acc = tl.zeros_like(r) + f64(E0)
+    acc = acc * r + f64(E1)
+    acc = acc * r + f64(E2)
+    acc = acc * r + f64(E3)
+    acc = acc * r + f64(E4)
+    acc = acc * r + f64(E5)
+    acc = acc * r + f64(E6)
+    acc = acc * r + f64(E7)
+    acc = acc * r + f64(E8)
+    acc = acc * r + f64(E9)
+    acc = acc * r + f64(E10)
+    acc = acc * r + f64(E11)
+    acc = acc * r + f64(E12)
+    acc = acc * r + f64(E13)
+    pow2 = ((n.to(tl.int64) + 1023) << 52).to(tl.float64, bitcast=True)
+    y = acc * pow2
+    y = tl.where(x < f64(-700.0), f64(0.0), y)
+    y = tl.where(x > f64(709.7), f64(float("inf")), y)
+    return tl.where(x != x, x, y)
+
+
+@triton.jit
+def log64(x):
+    """Natural log of positive normal fp64 x, as torch's log64 (callers pass sums >= 1)."""
+    bits = x.to(tl.int64, bitcast=True)
+    e = ((bits >> 52) & 0x7FF) - 1023
+    m = ((bits & 0xFFFFFFFFFFFFF) | 0x3FF0000000000000).to(tl.float64, bitcast=True)
+    big = m > f64(SQRT2)
+    m = tl.where(big, m * f64(0.5), m)
+    ef = (e + big.to(tl.int64)).to(tl.float64)
+    s = (m - f64(1.0)) / (m + f64(1.0))  # fp64 division is IEEE (div.rn.f64)
+    s2 = s * s
+    acc = tl.zeros_like(s2) + f64(L0)
+    acc = acc * s2 + f64(L1)
+    acc = acc * s2 + f64(L2)
+    acc = acc * s2 + f64(L3)
+    acc = acc * s2 + f64(L4)
+    acc = acc * s2 + f64(L5)
+    acc = acc * s2 + f64(L6)
+    acc = acc * s2 + f64(L7)
+    acc = acc * s2 + f64(L8)
+    acc = acc * s2 + f64(L9)
+    acc = acc * s2 + f64(L10)
+    acc = acc * s2 + f64(L11)
+    acc = acc * s2 + f64(L12)
+    log_m = acc * s
+    return ef * f64(LN2_HI) + (ef * f64(LN2_LO) + log_m)
+
+
+@triton.jit
+def tree_sum(x, LOG2_WIDTH: tl.constexpr):
+    """Pairwise tree of neighbours over the last dim of an [R, 2**LOG2_WIDTH] block: element 2i plus
+    element 2i+1 until one is left, as torch's `tree_sum`. Returns [R]."""
+    for i in tl.static_range(LOG2_WIDTH):
+        x = tl.reshape(x, (x.shape[0], (1 << LOG2_WIDTH) >> (i + 1), 2))
+        a, b = tl.split(x)
+        x = a + b
+    return tl.reshape(x, (x.shape[0],))

@@ -1,0 +1,151 @@
+"""The Triton kernels' logic on CPU, through Triton's interpreter (TRITON_INTERPRET=1), for CI.
+
+    TRITON_INTERPRET=1 python tests/gpu/interpreter_checks.py
+
+Run by `test_triton_interpreter.py` in a subprocess (the variable must be set before the kernels are
+defined). Two interpreter limits are worked around here, not in the kernels: its bf16 conversions
+truncate (so inputs are fp16 / fp32), and its `tl.dot` is numpy's matmul, whose per-element result
+depends on the row's position in the block (BLAS blocking). The dot is therefore replaced by an exact
+fp64 product of each row and column rounded once to fp32, which is position-invariant like a
+tensor-core MMA. What this checks: the kernels' indexing, masking, schedules, group tree, split merge
+and fixed-point sums; the bits on a GPU are checked by test_triton_kernels.py there.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+import torch
+
+assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
+from triton.runtime import interpreter as _interp  # noqa: E402
+
+
+def _dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+    prod = np.einsum("...mk,...kn->...mn", a.data.astype(np.float64), b.data.astype(np.float64), optimize=False)
+    return _interp.TensorHandle((prod.astype(np.float32) + d.data).astype(d.data.dtype), d.dtype.scalar)
+
+
+_interp.InterpreterBuilder.create_dot = _dot
+np.seterr(invalid="ignore", divide="ignore")  # rows past a sequence's end compute 0/0 and are never stored
+
+from rl_kernel.backends.torch import activation as torch_act  # noqa: E402
+from rl_kernel.backends.torch import rope as torch_rope  # noqa: E402
+from rl_kernel.backends.torch.numerics import blocked_sum, tree_sum  # noqa: E402
+from rl_kernel.backends.triton import activation, attention, gemm, logprob, norm, rope  # noqa: E402
+
+F16 = torch.float16
+FAILED: list[str] = []
+
+
+def check(name: str, ok: bool) -> None:
+    print(f"{'ok  ' if ok else 'FAIL'} {name}", flush=True)
+    if not ok:
+        FAILED.append(name)
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    view = {2: torch.int16, 4: torch.int32}[a.element_size()]
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.view(view), b.view(view))
+
+
+def elementwise(gen: torch.Generator) -> None:
+    for dtype in (F16, torch.float32):
+        x, w = (torch.randn(19, 200, generator=gen) * 3).to(dtype), torch.randn(200, generator=gen).to(dtype)
+        # reference with a correctly rounded sqrt (CPU torch.sqrt on fp32 is not, on some machines)
+        x32 = x.float()
+        r = 1.0 / (blocked_sum(x32 * x32) / 200 + 1e-6).double().sqrt().float()
+        ref = ((x32 * r[:, None]).to(dtype).float() * w.float()).to(dtype)
+        check(f"rms_norm {dtype} == torch contract", same(norm.rms_norm(x, w, 1e-6), ref))
+        x = (torch.randn(7, 600, generator=gen) * 4).to(dtype)
+        check(f"silu_and_mul {dtype} == torch backend", same(activation.silu_and_mul(x), torch_act.silu_and_mul(x)))
+        x = torch.randn(9, 3, 32, generator=gen).to(dtype)
+        for rd in (32, 16):
+            cos, sin = torch_rope.cos_sin(torch.arange(9) * 37, rd, 1e6)
+            check(f"rope {dtype} rotary {rd} == torch backend",
+                  same(rope.rotate(x, cos, sin, rd), torch_rope.rotate(x, cos, sin, rd)))
+
+
+def gemms(gen: torch.Generator) -> None:
+    for m, n, k in [(5, 70, 256), (70, 64, 512), (3, 20, 100)]:
+        x, w = torch.randn(m, k, generator=gen).to(F16), torch.randn(n, k, generator=gen).to(F16)
+        fused = gemm.matmul_fp32(x, w, schedule="fused")
+        ref = x.double() @ w.double().T
+        check(f"gemm {m}x{n}x{k} accuracy", float((fused.double() - ref).norm() / ref.norm()) < 1e-6)
+        check(f"gemm {m}x{n}x{k} fused == split", same(fused, gemm.matmul_fp32(x, w, schedule="split")))
+        check(f"gemm {m}x{n}x{k} row alone == in batch", same(gemm.matmul_fp32(x[1:2], w), fused[1:2]))
+        if k % 8 == 0:
+            h = k // 2
+            parts = [gemm.matmul_fp32(x[:, i * h:(i + 1) * h], w[:, i * h:(i + 1) * h], k // 8) for i in range(2)]
+            check(f"gemm {m}x{n}x{k} TP2 shards == full", same(tree_sum(torch.stack(parts, -1)), fused))
+        b = torch.randn(n, generator=gen).to(F16)
+        check(f"gemm {m}x{n}x{k} epilogue rounding", same(gemm.linear(x, w, b), (fused + b.float()).to(F16)))
+
+
+def attentions(gen: torch.Generator) -> None:
+    heads, kv_heads, d, page = 4, 2, 32, 16
+    lens = [70, 5, 40]
+    cu = torch.tensor([0, 70, 75, 115], dtype=torch.int32)
+    q = torch.randn(115, heads, d, generator=gen).to(F16)
+    k, v = torch.randn(115, kv_heads, d, generator=gen).to(F16), torch.randn(115, kv_heads, d, generator=gen).to(F16)
+    scale = d ** -0.5
+    saved = attention.SPLIT_CHUNKS
+    attention.SPLIT_CHUNKS = 1  # splits of one chunk, so the short sequences exercise the split merge
+    try:
+        packed = attention.varlen_attention(q, k, v, cu, scale)
+        rep = heads // kv_heads
+        ref = []
+        for a, e in zip(cu[:-1].tolist(), cu[1:].tolist()):
+            s = torch.einsum("qhd,khd->hqk", q[a:e].double(), k[a:e].double().repeat_interleave(rep, 1)) * scale
+            s = s.masked_fill(torch.ones(e - a, e - a).triu(1).bool(), float("-inf"))
+            ref.append(torch.einsum("hqk,khd->qhd", s.softmax(-1), v[a:e].double().repeat_interleave(rep, 1)))
+        ref = torch.cat(ref)
+        check("attention accuracy", float((packed.double() - ref).norm() / ref.norm()) < 2e-3)
+        blocks = torch.randperm(16, generator=gen)
+        table = torch.stack([blocks[0:5], blocks[5:10], blocks[10:15]]).to(torch.int32)
+        kc, vc = torch.randn(16, page, kv_heads, d, generator=gen).to(F16), torch.randn(16, page, kv_heads, d).to(F16)
+        for b, (a, n) in enumerate(zip(cu[:-1].tolist(), lens)):
+            pos = torch.arange(n)
+            slots = table[b, pos // page].long() * page + pos % page
+            kc.view(-1, kv_heads, d)[slots], vc.view(-1, kv_heads, d)[slots] = k[a:a + n], v[a:a + n]
+        seq_lens = torch.tensor(lens)
+        for schedule in ("split", "fused"):
+            out = attention.paged_attention(q, kc, vc, table, seq_lens, cu, scale, schedule=schedule)
+            check(f"attention paged prefill ({schedule}) == packed", same(out, packed))
+            last = cu[1:].long() - 1
+            dec = attention.paged_attention(q[last], kc, vc, table, seq_lens, torch.arange(4, dtype=torch.int32),
+                                            scale, schedule=schedule)
+            check(f"attention decode ({schedule}) == packed rows", same(dec, packed[last]))
+        qc = torch.cat([q[30:70], q[75 + 20:75 + 40]])
+        out = attention.paged_attention(qc, kc, vc, table[[0, 2]], torch.tensor([70, 40]),
+                                        torch.tensor([0, 40, 60], dtype=torch.int32), scale)
+        check("attention chunked prefill == packed rows", same(out, torch.cat([packed[30:70], packed[95:115]])))
+    finally:
+        attention.SPLIT_CHUNKS = saved
+
+
+def logprobs(gen: torch.Generator) -> None:
+    t, d, v, real = 37, 128, 300, 290
+    h, w = torch.randn(t, d, generator=gen).to(F16), (torch.randn(v, d, generator=gen) * 0.2).to(F16)
+    tg = torch.randint(0, real, (t,), generator=gen)
+    temps = torch.rand(t, generator=gen, dtype=torch.float64) + 0.5
+    out, _ = logprob.logprobs_and_lse(h, w, tg, temps, 0, real)
+    z = (h.double() @ w.double().T)[:, :real] / temps.float().double()[:, None]
+    ref = torch.log_softmax(z, -1).gather(1, tg[:, None]).squeeze(1)
+    check("logprobs accuracy", float((out.double() - ref).abs().max()) < 1e-5)
+    check("logprobs rows alone == in batch", same(logprob.logprobs_and_lse(h[5:9], w, tg[5:9], temps[5:9], 0, real)[0],
+                                                  out[5:9]))
+
+
+def main() -> None:
+    gen = torch.Generator().manual_seed(0)
+    for part in (elementwise, gemms, attentions, logprobs):
+        part(gen)
+    print(f"INTERPRETER {'FAIL: ' + ', '.join(FAILED) if FAILED else 'PASS'}")
+    sys.exit(1 if FAILED else 0)
+
+
+if __name__ == "__main__":
+    main()

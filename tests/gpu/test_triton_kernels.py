@@ -1,0 +1,270 @@
+"""The Triton backend on CUDA: each kernel against the torch backend / fp64, with poisoned outputs,
+and the invariances its contract promises (batch size, row position, schedule, prefill / decode /
+chunked / paged layouts, TP shards, CUDA-graph replay), each with its native twin."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import rl_kernel as rk
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+pytest.importorskip("triton")
+
+from rl_kernel.backends.torch import activation as torch_act  # noqa: E402
+from rl_kernel.backends.torch import norm as torch_norm  # noqa: E402
+from rl_kernel.backends.torch import rope as torch_rope  # noqa: E402
+from rl_kernel.backends.torch.numerics import tree_sum  # noqa: E402
+from rl_kernel.backends.triton import activation, attention, gemm, logprob, norm, rope  # noqa: E402
+from rl_kernel.ops.attention import _native_paged, _native_varlen  # noqa: E402
+
+DEV = "cuda"
+BF16 = torch.bfloat16
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(bits(a), bits(b))
+
+
+def mismatches(a: torch.Tensor, b: torch.Tensor) -> int:
+    return int((bits(a) != bits(b)).sum())
+
+
+def poison() -> None:
+    """Fill the caching allocator's free memory with NaN so that an unwritten output element shows."""
+    t = torch.full((64 << 20,), float("nan"), device=DEV)
+    del t
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.double() - ref.double()).norm() / ref.double().norm())
+
+
+def randn(*shape, dtype=BF16, std=1.0, gen=None):
+    return (torch.randn(*shape, device=DEV, generator=gen) * std).to(dtype)
+
+
+# ---- GEMM ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("m,n,k,dtype", [(1, 4096, 4096, BF16), (7, 300, 520, BF16), (130, 96, 100, BF16),
+                                         (1024, 6144, 4096, BF16), (64, 80, 256, torch.float32)])
+def test_gemm_accuracy_and_schedules(m, n, k, dtype):
+    x, w = randn(m, k, dtype=dtype), randn(n, k, dtype=dtype, std=0.05)
+    poison()
+    fused = gemm.matmul_fp32(x, w, schedule="fused")
+    poison()
+    split = gemm.matmul_fp32(x, w, schedule="split")
+    ref = x.double() @ w.double().T
+    assert torch.isfinite(fused).all() and torch.isfinite(split).all(), "unwritten (NaN-poisoned) output elements"
+    assert rel_err(fused, ref) < 1e-5
+    assert same(fused, split), "the two schedules must compute the same IEEE operations"
+
+
+def test_gemm_batch_invariance_and_native_twin():
+    gen = torch.Generator(device=DEV).manual_seed(1)
+    x, w = randn(1024, 4096, gen=gen), randn(4096, 4096, std=0.02, gen=gen)
+    full = gemm.matmul_fp32(x, w)
+    native_full = F.linear(x, w)
+    native_bad = []
+    for m, off in [(1, 0), (1, 517), (3, 100), (16, 64), (64, 960), (65, 3), (128, 512), (300, 700), (1000, 24)]:
+        assert same(gemm.matmul_fp32(x[off:off + m], w), full[off:off + m]), f"row bits changed at M={m} offset={off}"
+        native_bad.append(mismatches(F.linear(x[off:off + m], w), native_full[off:off + m]))
+    print("native cuBLAS mismatching elements per batch size:", native_bad)
+    assert any(native_bad), "native cuBLAS happened to be batch-invariant at every size tried here"
+
+
+def test_gemm_tp_invariance():
+    """Shards holding whole contract groups tree-sum to the unsharded product (tp up to the group count)."""
+    x, w = randn(33, 4096), randn(512, 4096, std=0.02)
+    full = gemm.matmul_fp32(x, w)
+    for tp in [t for t in (2, 4, 8) if t <= gemm.CONTRACT_GROUPS]:
+        kl = 4096 // tp
+        parts = [gemm.matmul_fp32(x[:, r * kl:(r + 1) * kl], w[:, r * kl:(r + 1) * kl], 512) for r in range(tp)]
+        assert same(tree_sum(torch.stack(parts, -1)), full), f"tp={tp} shards do not tree-sum to the full product"
+
+
+def test_linear_op_runs_triton_contract():
+    x, w, b = randn(5, 256), randn(64, 256), randn(64)
+    with rk.evidence.recording() as ran, rk.mode("strict"):
+        y = rk.linear(x, w, b)
+    assert {r["backend"] for r in ran if r["op"] == "gemm"} == {"triton"}
+    assert same(y, (gemm.matmul_fp32(x, w) + b.float()).to(BF16))
+
+
+# ---- elementwise kernels: the torch contract's operations, so the torch backend's bits on CUDA ----------
+
+@pytest.mark.parametrize("dtype", [BF16, torch.float32])
+def test_rms_norm_matches_torch_backend(dtype):
+    x, w = randn(1000, 4096, dtype=dtype, std=3.0), randn(4096, dtype=dtype)
+    poison()
+    y = norm.rms_norm(x, w, 1e-6)
+    assert torch.isfinite(y).all()
+    assert same(y, torch_norm.rms_norm(x, w, 1e-6))
+    assert same(norm.rms_norm(x[17:18], w, 1e-6), y[17:18])
+    q = randn(64, 32, 128, dtype=dtype)  # QK-norm shape
+    assert same(norm.rms_norm(q, w[:128], 1e-6), torch_norm.rms_norm(q, w[:128], 1e-6))
+
+
+@pytest.mark.parametrize("dtype", [BF16, torch.float32])
+def test_silu_and_mul_matches_torch_backend(dtype):
+    x = randn(300, 2 * 1536, dtype=dtype, std=4.0)
+    poison()
+    y = activation.silu_and_mul(x)
+    assert torch.isfinite(y).all()
+    assert same(y, torch_act.silu_and_mul(x))
+
+
+@pytest.mark.parametrize("rotary_dim", [128, 64])
+def test_rope_matches_torch_backend(rotary_dim):
+    x = randn(257, 32, 128)
+    pos = torch.randint(0, 40000, (257,), device=DEV)
+    cos, sin = torch_rope.cos_sin(pos, rotary_dim, 1e6)
+    poison()
+    y = rope.rotate(x, cos, sin, rotary_dim)
+    assert torch.isfinite(y).all()
+    assert same(y, torch_rope.rotate(x, cos, sin, rotary_dim))
+
+
+# ---- attention ---------------------------------------------------------------------------------------
+
+def _paged(k, v, lens, page, gen):
+    blocks = [-(-n // page) for n in lens]
+    total = sum(blocks) + 3
+    physical = torch.randperm(total, device=DEV, generator=gen)
+    table = torch.zeros(len(lens), max(blocks), dtype=torch.int32, device=DEV)
+    kc = randn(total, page, *k.shape[1:], gen=gen)  # garbage everywhere a sequence does not write
+    vc = randn(total, page, *v.shape[1:], gen=gen)
+    start, used = 0, 0
+    for b, n in enumerate(lens):
+        table[b, :blocks[b]] = physical[used:used + blocks[b]].to(torch.int32)
+        pos = torch.arange(n, device=DEV)
+        slots = table[b, pos // page].long() * page + pos % page
+        rk.write_kv_cache(k[start:start + n], v[start:start + n], kc, vc, slots)
+        start, used = start + n, used + blocks[b]
+    return kc, vc, table
+
+
+@pytest.mark.parametrize("heads,kv_heads,d,page", [(32, 8, 128, 16), (4, 2, 32, 64), (8, 8, 64, 16)])
+def test_attention_layouts_bitwise(heads, kv_heads, d, page):
+    gen = torch.Generator(device=DEV).manual_seed(2)
+    lens = [1, 70, 600, 1100, 2]
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
+    t = sum(lens)
+    q, k, v = randn(t, heads, d, gen=gen), randn(t, kv_heads, d, gen=gen), randn(t, kv_heads, d, gen=gen)
+    scale = d ** -0.5
+    poison()
+    packed = attention.varlen_attention(q, k, v, cu, scale)
+    assert torch.isfinite(packed).all()
+    ref = _native_varlen(q.double(), k.double(), v.double(), cu, scale)
+    assert rel_err(packed, ref) < 1e-2  # bf16 output and bf16 p in the p.v dot
+    kc, vc, table = _paged(k, v, lens, page, gen)
+    seq_lens = torch.tensor(lens, device=DEV)
+    for schedule in ("split", "fused"):
+        poison()
+        assert same(attention.paged_attention(q, kc, vc, table, seq_lens, cu, scale, schedule=schedule), packed)
+    last = cu[1:] - 1  # decode: the last token of every sequence, one batch
+    qsl = torch.arange(len(lens) + 1, dtype=torch.int32, device=DEV)
+    for schedule in ("split", "fused"):
+        dec = attention.paged_attention(q[last], kc, vc, table, seq_lens, qsl, scale, schedule=schedule)
+        assert same(dec, packed[last]), f"decode ({schedule}) differs from packed prefill"
+    # chunked prefill: positions [40, 700) of sequence 3 in one step, together with a decode of sequence 2
+    s3, s2 = int(cu[3]), int(cu[2])
+    qc = torch.cat([q[s3 + 40:s3 + 700], q[s2 + 599:s2 + 600]])
+    qsl = torch.tensor([0, 660, 661], dtype=torch.int32, device=DEV)
+    out = attention.paged_attention(qc, kc, vc, table[[3, 2]], torch.tensor([700, 600], device=DEV), qsl, scale)
+    assert same(out, torch.cat([packed[s3 + 40:s3 + 700], packed[s2 + 599:s2 + 600]]))
+    # native twin: SDPA prefill vs SDPA over the paged cache (decode rows)
+    nat_packed = _native_varlen(q, k, v, cu, scale)
+    nat_dec = _native_paged(q[last], kc, vc, table, seq_lens,
+                            torch.arange(len(lens) + 1, dtype=torch.int32, device=DEV), scale)
+    print("native SDPA decode-vs-prefill mismatching elements:", mismatches(nat_dec, nat_packed[last]))
+
+
+def test_attention_native_twin_breaks():
+    gen = torch.Generator(device=DEV).manual_seed(3)
+    lens = [2048, 1500, 900]
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
+    q, k, v = randn(sum(lens), 32, 128, gen=gen), randn(sum(lens), 8, 128, gen=gen), randn(sum(lens), 8, 128, gen=gen)
+    kc, vc, table = _paged(k, v, lens, 16, gen)
+    last = cu[1:] - 1
+    qsl = torch.arange(4, dtype=torch.int32, device=DEV)
+    nat = mismatches(_native_paged(q[last], kc, vc, table, torch.tensor(lens, device=DEV), qsl, 128 ** -0.5),
+                     _native_varlen(q, k, v, cu, 128 ** -0.5)[last])
+    dec = attention.paged_attention(q[last], kc, vc, table, torch.tensor(lens, device=DEV), qsl, 128 ** -0.5)
+    strict = mismatches(dec, attention.varlen_attention(q, k, v, cu, 128 ** -0.5)[last])
+    print(f"decode vs prefill mismatching elements: native {nat}, strict {strict}")
+    assert strict == 0
+    assert nat > 0, "native SDPA happened to give decode == prefill here"
+
+
+# ---- linear logprob ------------------------------------------------------------------------------------
+
+def test_logprobs_accuracy_rows_and_chunks(monkeypatch):
+    gen = torch.Generator(device=DEV).manual_seed(4)
+    t, d, v, real = 300, 512, 5000, 4990
+    h, w = randn(t, d, gen=gen), randn(v, d, std=0.05, gen=gen)
+    tg = torch.randint(0, real, (t,), device=DEV, generator=gen)
+    temps = torch.rand(t, device=DEV, dtype=torch.float64, generator=gen) + 0.5
+    poison()
+    out, lse = logprob.logprobs_and_lse(h, w, tg, temps, 0, real)
+    z = (h.double() @ w.double().T)[:, :real] / temps.float().double()[:, None]
+    ref = torch.log_softmax(z, -1).gather(1, tg[:, None]).squeeze(1)
+    assert torch.isfinite(out).all()
+    assert float((out.double() - ref).abs().max()) < 1e-4
+    assert same(logprob.logprobs_and_lse(h[100:101], w, tg[100:101], temps[100:101], 0, real)[0], out[100:101])
+    monkeypatch.setattr(logprob, "MIN_CHUNK_BYTES", 1, raising=True)
+    monkeypatch.setattr(logprob, "CHUNK_FRACTION", 10 ** 9, raising=True)
+    assert same(logprob.logprobs_and_lse(h, w, tg, temps, 0, real)[0], out), "row chunking changed bits"
+
+
+def test_logprobs_backward():
+    t, d, v = 64, 256, 3000
+    h = randn(t, d).float().requires_grad_()
+    w = randn(v, d, std=0.05).float().requires_grad_()
+    tg = torch.randint(0, v, (t,), device=DEV)
+    g = torch.randn(t, device=DEV)
+    with rk.mode("strict"):
+        (rk.logprobs(h, w, tg, 0.8) * g).sum().backward()
+    h64, w64 = h.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    ref = torch.log_softmax((h64 @ w64.T) / 0.8, -1).gather(1, tg[:, None]).squeeze(1)
+    (ref * g.double()).sum().backward()
+    assert rel_err(h.grad, h64.grad) < 1e-4 and rel_err(w.grad, w64.grad) < 1e-4
+
+
+# ---- CUDA graphs ---------------------------------------------------------------------------------------
+
+def test_cuda_graph_replay_matches_eager():
+    gen = torch.Generator(device=DEV).manual_seed(5)
+    b, ctx, page = 8, 700, 16
+    lens = [ctx] * b
+    k, v = randn(b * ctx, 8, 128, gen=gen), randn(b * ctx, 8, 128, gen=gen)
+    kc, vc, table = _paged(k, v, lens, page, gen)
+    seq_lens = torch.tensor(lens, device=DEV)
+    qsl = torch.arange(b + 1, dtype=torch.int32, device=DEV)
+    x, w, nw = randn(b, 4096, gen=gen), randn(32 * 128, 4096, std=0.02, gen=gen), randn(4096, gen=gen)
+
+    def step(x):
+        q = rk.linear(rk.rms_norm(x, nw, 1e-6), w).view(b, 32, 128)
+        return rk.paged_attention(q, kc, vc, table, seq_lens, qsl, 128 ** -0.5)
+
+    static_x = x.clone()
+    with torch.no_grad(), rk.mode("strict"):
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            step(static_x)  # warm up (compiles) outside the capture
+        torch.cuda.current_stream().wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_out = step(static_x)
+        for _ in range(2):
+            new = randn(b, 4096, gen=gen)
+            static_x.copy_(new)
+            graph.replay()
+            assert same(static_out, step(new)), "CUDA-graph replay differs from eager"
