@@ -1,0 +1,148 @@
+"""rl_kernel inside vLLM: a general plugin that makes vLLM's own rollout logprobs strict.
+
+vLLM loads `register()` in every process through the `vllm.general_plugins` entry point. It adds:
+- the model architecture `RLKernelQwen3ForCausalLM` (Qwen3 dense with rl_kernel ops at every
+  boundary, `rl_kernel.integrations.vllm.model`), selected per engine with
+  `hf_overrides={"architectures": [ARCH]}`;
+- the CPU weight-transfer engine `rl_kernel_cpu` (`rl_kernel.integrations.vllm.weight_transfer`).
+
+- worker methods for `LLM.collective_rpc` (`rl_kernel.integrations.vllm.worker`), via vLLM's
+  `worker_extension_cls`: evidence of what ran and the weight version each worker holds.
+
+Strict engine: `vllm.LLM(**strict_llm_kwargs(path))`, requests from `strict_sampling_params(...)`.
+Native engine (vLLM's own model and kernels, unchanged): `vllm.LLM(**native_llm_kwargs(path))`,
+requests from `native_sampling_params(...)`. See docs/vllm.md.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from rl_kernel.integrations.vllm.sampling import TEMPERATURE_KEY
+
+ARCH = "RLKernelQwen3ForCausalLM"
+WEIGHT_TRANSFER_BACKEND = "rl_kernel_cpu"
+LOGITS_PROCESSOR = "rl_kernel.integrations.vllm.sampling:StrictLogprobsProcessor"
+WORKER_EXTENSION = "rl_kernel.integrations.vllm.worker.RLKernelWorkerExtension"
+SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM",)
+
+__all__ = [
+    "ARCH", "TEMPERATURE_KEY", "WEIGHT_TRANSFER_BACKEND", "native_llm_kwargs", "native_sampling_params",
+    "push_weights", "register", "reset_evidence", "strict_llm_kwargs", "strict_sampling_params",
+    "worker_evidence", "worker_weight_versions",
+]
+
+
+def register() -> None:
+    """vLLM general-plugin entry point: safe to call repeatedly, in any vLLM process."""
+    from vllm import ModelRegistry
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    ModelRegistry.register_model(ARCH, f"rl_kernel.integrations.vllm.model:{ARCH}")
+    if WEIGHT_TRANSFER_BACKEND not in WeightTransferEngineFactory._registry:
+        WeightTransferEngineFactory.register_engine(
+            WEIGHT_TRANSFER_BACKEND, "rl_kernel.integrations.vllm.weight_transfer", "CPUWeightTransferEngine")
+
+
+def _check_architecture(model: str | Path) -> None:
+    config_file = Path(model) / "config.json"
+    if not config_file.is_file():
+        raise ValueError(f"strict mode needs a local HF checkpoint directory with config.json; {model} has none")
+    config = json.loads(config_file.read_text())
+    archs = config.get("architectures") or []
+    if config.get("model_type") != "qwen3" or not set(archs) <= set(SUPPORTED_ARCHITECTURES):
+        raise ValueError(f"rl_kernel's strict vLLM engine runs Qwen3 dense checkpoints only "
+                         f"({SUPPORTED_ARCHITECTURES}); {model} is model_type={config.get('model_type')!r}, "
+                         f"architectures={archs}. Use native_llm_kwargs for other models.")
+
+
+def strict_llm_kwargs(model: str | Path, **engine_kwargs: Any) -> dict[str, Any]:
+    """`vllm.LLM` / engine arguments for a strict engine over the Qwen3 checkpoint at `model`.
+
+    Selects the strict model class, the strict logits processor, `logprobs_mode="processed_logits"`
+    (vLLM returns the strict log-probs unchanged), eager execution and the CPU weight-transfer
+    engine. Other engine arguments (tensor_parallel_size, max_num_batched_tokens, ...) pass through.
+    """
+    _check_architecture(model)
+    for key, value in (("logprobs_mode", "processed_logits"), ("enforce_eager", True)):
+        if key in engine_kwargs and engine_kwargs[key] != value:
+            raise ValueError(f"strict mode needs {key}={value!r}, got {engine_kwargs[key]!r}")
+    return {
+        "model": str(model),
+        "hf_overrides": {"architectures": [ARCH]},
+        "logits_processors": [LOGITS_PROCESSOR],
+        "logprobs_mode": "processed_logits",
+        "enforce_eager": True,
+        "weight_transfer_config": {"backend": WEIGHT_TRANSFER_BACKEND},
+        "worker_extension_cls": WORKER_EXTENSION,
+        **engine_kwargs,
+    }
+
+
+def native_llm_kwargs(model: str | Path, **engine_kwargs: Any) -> dict[str, Any]:
+    """Engine arguments for plain vLLM (its own model and kernels) returning post-temperature
+    log-probs (`logprobs_mode="processed_logprobs"`), the baseline strict mode is compared with."""
+    return {"model": str(model), "logprobs_mode": "processed_logprobs", "enforce_eager": True, **engine_kwargs}
+
+
+def strict_sampling_params(temperature: float = 1.0, max_tokens: int = 16, seed: int | None = None,
+                           logprobs: int = 0, **kwargs: Any):
+    """SamplingParams for a strict engine: softmax sampling at `temperature` (> 0) over the full vocab,
+    returning each sampled token's strict fp32 logprob (plus the top `logprobs` entries)."""
+    from vllm import SamplingParams
+
+    if not temperature > 0:
+        raise ValueError(f"strict sampling needs temperature > 0, got {temperature}")
+    extra = dict(kwargs.pop("extra_args", None) or {}) | {TEMPERATURE_KEY: float(temperature)}
+    return SamplingParams(temperature=1.0, max_tokens=max_tokens, seed=seed, logprobs=logprobs,
+                          extra_args=extra, **kwargs)
+
+
+def native_sampling_params(temperature: float = 1.0, max_tokens: int = 16, seed: int | None = None,
+                           logprobs: int = 0, **kwargs: Any):
+    """The same request for a native engine (vLLM's own temperature)."""
+    from vllm import SamplingParams
+
+    return SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed, logprobs=logprobs, **kwargs)
+
+
+def worker_evidence(llm) -> list[list[dict]]:
+    """`rl_kernel.evidence.snapshot()` of every worker (TP rank order): ops, modes, backends and
+    contract fingerprints that ran there since the last `reset_evidence`."""
+    return llm.collective_rpc("rl_kernel_evidence")
+
+
+def reset_evidence(llm) -> None:
+    llm.collective_rpc("rl_kernel_reset_evidence")
+
+
+def worker_weight_versions(llm) -> list[int | None]:
+    """The weight version each worker's strict model holds (None before any update)."""
+    return llm.collective_rpc("rl_kernel_weight_version")
+
+
+def push_weights(llm, tensors: dict, version: int, directory: str | None = None) -> None:
+    """Load HF-named full tensors into a running strict engine as weight version `version`, through
+    vLLM's weight-update API and the `rl_kernel_cpu` engine; then vLLM's engine weight version is
+    `str(version)` (carried by outputs), every worker reports `version`, and the prefix cache is
+    reset (its blocks hold K/V of the old weights)."""
+    from safetensors.torch import save_file
+
+    directory = directory or ("/dev/shm" if os.path.isdir("/dev/shm") else None)
+    fd, path = tempfile.mkstemp(prefix=f"rl_kernel_weights_v{version}_", suffix=".safetensors", dir=directory)
+    os.close(fd)
+    try:
+        save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, path)
+        llm.start_weight_update()
+        llm.update_weights({"update_info": {"path": path, "version": int(version)}})
+        llm.finish_weight_update(weight_version=str(version))
+    finally:
+        os.unlink(path)
+    # Cached prefix blocks hold K/V computed with the old weights: drop them.
+    if not llm.reset_prefix_cache():
+        raise RuntimeError("weights updated, but vLLM could not reset its prefix cache (requests still running?); "
+                           "call push_weights between generate calls")

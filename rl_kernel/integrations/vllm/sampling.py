@@ -1,0 +1,101 @@
+"""Strict log-probs inside vLLM's sampler, through vLLM's V1 logits-processor extension point.
+
+The request's temperature T travels in `SamplingParams.extra_args[TEMPERATURE_KEY]`; vLLM's own
+temperature stays 1.0. `StrictLogprobsProcessor` (not argmax-invariant, so it runs for greedy and
+random rows alike, before vLLM's penalties, temperature and top-k/top-p) replaces each fp32 logits
+row by `rk.log_softmax(logits, T)`: the strict full-vocab log-probs, entry t equal in bits to
+`rk.logprobs(hidden, lm_head, t, T)`. vLLM then divides by its temperature 1.0 (exact), samples
+from softmax(log p) = p, and with `logprobs_mode="processed_logits"` returns log p[token] unchanged.
+
+Strict contract for top-k / top-p / min-p, penalties, logit bias, bad words, allowed tokens and
+prompt logprobs: not supported. Each would change the distribution after the strict log-probs (and vLLM renormalises
+those in its own, non-contract arithmetic), so a request that sets one is rejected with an error at
+submission (`validate_params`), never silently sampled from another distribution.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import rl_kernel as rk
+
+TEMPERATURE_KEY = "rl_kernel_temperature"
+
+
+def _rejections(params) -> list[str]:
+    """What in `params` a strict engine cannot honour (empty when the request is fine)."""
+    extra = params.extra_args or {}
+    problems = []
+    temp = extra.get(TEMPERATURE_KEY)
+    if temp is None:
+        problems.append(f"extra_args[{TEMPERATURE_KEY!r}] is missing (build the request with "
+                        "rl_kernel.integrations.vllm.strict_sampling_params)")
+    elif not isinstance(temp, (int, float)) or not temp > 0:
+        problems.append(f"extra_args[{TEMPERATURE_KEY!r}]={temp!r} must be a number > 0 (greedy decoding is not "
+                        "part of the strict contract; use a small temperature)")
+    if params.temperature != 1.0:
+        problems.append(f"temperature={params.temperature} must be 1.0 (the real temperature goes in "
+                        f"extra_args[{TEMPERATURE_KEY!r}])")
+    if params.top_k not in (0, -1, None):
+        problems.append(f"top_k={params.top_k}")
+    if params.top_p != 1.0:
+        problems.append(f"top_p={params.top_p}")
+    if params.min_p != 0.0:
+        problems.append(f"min_p={params.min_p}")
+    for name, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0)):
+        if getattr(params, name) != neutral:
+            problems.append(f"{name}={getattr(params, name)}")
+    for name in ("logit_bias", "bad_words", "allowed_token_ids"):
+        if getattr(params, name, None):
+            problems.append(f"{name} is set")
+    if params.prompt_logprobs is not None:
+        problems.append("prompt_logprobs is set (vLLM computes those with its own log_softmax, outside the "
+                        "contract; teacher-force the prompt with the reference model or the trainer)")
+    return problems
+
+
+try:
+    from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
+except ImportError:  # vLLM not installed: the helpers in this package still import
+    BatchUpdate, LogitsProcessor = None, object
+
+
+class StrictLogprobsProcessor(LogitsProcessor):
+    """Replaces fp32 logits rows by strict log-probs at each request's temperature."""
+
+    @classmethod
+    def validate_params(cls, sampling_params) -> None:
+        problems = _rejections(sampling_params)
+        if problems:
+            raise ValueError("rl_kernel strict vLLM engine cannot honour this request: " + "; ".join(problems)
+                             + ". Strict mode samples from the full-vocab softmax at the given temperature only "
+                             "(top-k/top-p/min-p, penalties, logit bias and token masks are not in its contract).")
+
+    def __init__(self, vllm_config, device: torch.device, is_pin_memory: bool) -> None:
+        self.temperatures: dict[int, float] = {}
+
+    def is_argmax_invariant(self) -> bool:
+        return False  # it must also run for greedy rows, and before vLLM's temperature
+
+    def update_state(self, batch_update: BatchUpdate | None) -> None:
+        if batch_update is None:
+            return
+        for index in batch_update.removed:
+            self.temperatures.pop(index, None)
+        for index, params, _, _ in batch_update.added:
+            self.temperatures[index] = float((params.extra_args or {})[TEMPERATURE_KEY])
+        for a, b, direction in batch_update.moved:
+            ta, tb = self.temperatures.pop(a, None), self.temperatures.pop(b, None)
+            if ta is not None:
+                self.temperatures[b] = ta
+            if tb is not None and direction.name == "SWAP":
+                self.temperatures[a] = tb
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        if logits.shape[0] == 0:
+            return logits
+        missing = [i for i in range(logits.shape[0]) if i not in self.temperatures]
+        if missing:
+            raise rk.StrictModeError("logprobs", "vllm", f"batch rows {missing} have no strict temperature")
+        temps = torch.tensor([self.temperatures[i] for i in range(logits.shape[0])], dtype=torch.float64)
+        return rk.log_softmax(logits, temps)

