@@ -12,60 +12,35 @@ Conversions only move and concatenate tensors, so HF -> Megatron -> HF is bit-ex
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from rl_kernel.models.qwen3 import Qwen3Config
+
 VOCAB_DIVISOR = 128
 
 
-@dataclass(frozen=True)
-class Qwen3Shape:
-    """The parts of an HF Qwen3 config that fix the model's shapes and numerics."""
-
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
-    tie_word_embeddings: bool
-
-    def padded_vocab(self, tp: int) -> int:
-        multiple = VOCAB_DIVISOR * tp
-        return -(-self.vocab_size // multiple) * multiple
-
-    def check_tp(self, tp: int) -> None:
-        if self.num_kv_heads % tp or self.num_heads % tp or self.intermediate_size % tp:
-            raise ValueError(f"tp={tp} must divide num_kv_heads={self.num_kv_heads}, num_heads={self.num_heads} "
-                             f"and intermediate_size={self.intermediate_size}")
+def padded_vocab(config: Qwen3Config, tp: int) -> int:
+    """Megatron's padded vocab: a multiple of VOCAB_DIVISOR * tp (the padding rows score -inf)."""
+    multiple = VOCAB_DIVISOR * tp
+    return -(-config.vocab_size // multiple) * multiple
 
 
-def read_config(path: str | Path) -> Qwen3Shape:
+def check_tp(config: Qwen3Config, tp: int) -> None:
+    if config.num_kv_heads % tp or config.num_heads % tp or config.intermediate_size % tp:
+        raise ValueError(f"tp={tp} must divide num_kv_heads={config.num_kv_heads}, num_heads={config.num_heads} "
+                         f"and intermediate_size={config.intermediate_size}")
+
+
+def read_config(path: str | Path) -> Qwen3Config:
     """Shape of the HF Qwen3 checkpoint in directory `path` (config.json); clear errors otherwise."""
     path = Path(path)
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         raise FileNotFoundError(f"no HF checkpoint at {path}: {cfg_file} is missing "
                                 "(expected a Qwen3 directory with config.json and model.safetensors)")
-    cfg = json.loads(cfg_file.read_text())
-    if cfg.get("model_type") != "qwen3":
-        raise ValueError(f"{cfg_file}: model_type={cfg.get('model_type')!r}; only dense 'qwen3' is supported")
-    rope = cfg.get("rope_parameters") or {}
-    theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
-    if rope.get("rope_type", "default") != "default" or cfg.get("rope_scaling"):
-        raise ValueError(f"{cfg_file}: rope scaling is not supported (rope_parameters={rope})")
-    heads = cfg["num_attention_heads"]
-    return Qwen3Shape(
-        vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"], intermediate_size=cfg["intermediate_size"],
-        num_layers=cfg["num_hidden_layers"], num_heads=heads, num_kv_heads=cfg.get("num_key_value_heads", heads),
-        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads, rms_norm_eps=float(cfg["rms_norm_eps"]),
-        rope_theta=float(theta), tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-    )
+    return Qwen3Config.from_hf(json.loads(cfg_file.read_text()), str(cfg_file))
 
 
 def load_hf_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
@@ -83,7 +58,7 @@ def load_hf_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def check_tokenizer(path: str | Path, shape: Qwen3Shape) -> None:
+def check_tokenizer(path: str | Path, shape: Qwen3Config) -> None:
     """Raise when the tokenizer saved with the checkpoint has ids the model's vocab cannot score."""
     path = Path(path)
     if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
@@ -104,13 +79,13 @@ def _pad_vocab(t: torch.Tensor, padded: int) -> torch.Tensor:
     return torch.cat([t, t.new_zeros(padded - t.shape[0], *t.shape[1:])]) if padded > t.shape[0] else t
 
 
-def hf_to_megatron(hf: dict[str, torch.Tensor], shape: Qwen3Shape, tp_rank: int = 0, tp: int = 1
+def hf_to_megatron(hf: dict[str, torch.Tensor], shape: Qwen3Config, tp_rank: int = 0, tp: int = 1
                    ) -> dict[str, torch.Tensor]:
     """Megatron GPTModel state dict of TP rank `tp_rank` (local-spec names) from HF Qwen3 tensors."""
-    shape.check_tp(tp)
+    check_tp(shape, tp)
     hd, heads, groups = shape.head_dim, shape.num_heads, shape.num_kv_heads
     per_group = heads // groups
-    padded = shape.padded_vocab(tp)
+    padded = padded_vocab(shape, tp)
     out = {
         "embedding.word_embeddings.weight": _rows(_pad_vocab(hf["model.embed_tokens.weight"], padded), tp_rank, tp),
         "decoder.final_layernorm.weight": hf["model.norm.weight"],
@@ -136,7 +111,7 @@ def hf_to_megatron(hf: dict[str, torch.Tensor], shape: Qwen3Shape, tp_rank: int 
     return {name: t.contiguous() for name, t in out.items()}
 
 
-def megatron_to_hf(shards: list[dict[str, torch.Tensor]], shape: Qwen3Shape) -> dict[str, torch.Tensor]:
+def megatron_to_hf(shards: list[dict[str, torch.Tensor]], shape: Qwen3Config) -> dict[str, torch.Tensor]:
     """HF Qwen3 tensors from the Megatron state dicts of all TP ranks (rank order)."""
     hd, heads, groups = shape.head_dim, shape.num_heads, shape.num_kv_heads
     per_group = heads // groups

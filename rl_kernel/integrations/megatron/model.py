@@ -15,9 +15,10 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
-from rl_kernel.integrations.megatron.convert import Qwen3Shape
+from rl_kernel.integrations.megatron.convert import padded_vocab
 from rl_kernel.integrations.megatron.cp import TokenLayout
 from rl_kernel.integrations.megatron.spec import RKRMSNorm, get_rl_kernel_layer_spec, packed_params
+from rl_kernel.models.qwen3 import Qwen3Config
 
 
 @dataclass
@@ -27,7 +28,7 @@ class Qwen3TransformerConfig(TransformerConfig):
     rope_theta: float = 10000.0
 
 
-def transformer_config(shape: Qwen3Shape, tp: int, cp: int, dtype: torch.dtype, device: torch.device
+def transformer_config(shape: Qwen3Config, tp: int, cp: int, dtype: torch.dtype, device: torch.device
                        ) -> TransformerConfig:
     """Megatron TransformerConfig of a dense Qwen3: qk-norm, RMSNorm, SwiGLU, no biases, no dropout."""
     return Qwen3TransformerConfig(
@@ -44,7 +45,7 @@ def transformer_config(shape: Qwen3Shape, tp: int, cp: int, dtype: torch.dtype, 
     )
 
 
-def build_gpt_model(shape: Qwen3Shape, mode: str, tp: int, cp: int, dtype: torch.dtype,
+def build_gpt_model(shape: Qwen3Config, mode: str, tp: int, cp: int, dtype: torch.dtype,
                     device: torch.device) -> GPTModel:
     """GPTModel with rl_kernel's (strict) or Megatron's (native) layer spec; weights uninitialised."""
     config = transformer_config(shape, tp, cp, dtype, device)
@@ -55,7 +56,7 @@ def build_gpt_model(shape: Qwen3Shape, mode: str, tp: int, cp: int, dtype: torch
         layer_norm=RKRMSNorm if mode == "strict" else WrappedTorchNorm,
     )
     model = GPTModel(
-        config=config, transformer_layer_spec=block, vocab_size=shape.padded_vocab(tp),
+        config=config, transformer_layer_spec=block, vocab_size=padded_vocab(shape, tp),
         max_sequence_length=1 << 20, pre_process=True, post_process=True, parallel_output=True,
         share_embeddings_and_output_weights=shape.tie_word_embeddings, position_embedding_type="none",
     )

@@ -22,6 +22,7 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from rl_kernel.integrations.megatron._cpu import cuda_as_cpu
 from rl_kernel.integrations.megatron.convert import (
     check_tokenizer,
+    check_tp,
     hf_to_megatron,
     load_hf_state_dict,
     megatron_to_hf,
@@ -103,7 +104,7 @@ class MegatronPolicy:
                              "not supported: run one policy group per world)")
         self.shape = read_config(hf_path)
         check_tokenizer(hf_path, self.shape)
-        self.shape.check_tp(tp)
+        check_tp(self.shape, tp)
         self.mode, self.tp, self.cp, self.loss_config = mode, tp, cp, loss or PolicyLossConfig()
         self.micro_batch_size = micro_batch_size
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
