@@ -248,16 +248,6 @@ def _weights_changed(new: dict[str, torch.Tensor], old: dict[str, torch.Tensor])
     return sum(int((new[k].view(torch.int16) != old[k].view(torch.int16)).sum()) for k in new)
 
 
-def _fp32_param_grads(policy: MegatronPolicy) -> None:
-    """Workaround (to drop once `MegatronPolicy` handles it): Megatron's mixed-precision optimizer reads
-    `param.main_grad` of fp32 parameters (filled by Megatron's DDP wrapper, which `MegatronPolicy` does
-    not use). The native spec's torch RMSNorm weights are fp32, so alias main_grad to grad after each
-    accumulation. No-op when every parameter is bf16 (the strict spec) or main_grad already exists."""
-    for p in policy.model.parameters():
-        if p.dtype == torch.float32 and not hasattr(p, "main_grad"):
-            p.register_post_accumulate_grad_hook(lambda q: setattr(q, "main_grad", q.grad))
-
-
 def _run_mode(mode: str, args: argparse.Namespace, ckpt: Path, device: torch.device, out: dict, on_step) -> None:
     """Fresh trainer and rollout from the checkpoint, then `args.steps` RL steps; fills `out` in place
     (`out["steps"]` grows by one row per step, then `on_step(row)` runs)."""
@@ -269,7 +259,6 @@ def _run_mode(mode: str, args: argparse.Namespace, ckpt: Path, device: torch.dev
         MegatronPolicy(ckpt, tp=args.tp, cp=args.cp, mode=mode, lr=args.lr, clip_grad=1.0, device=device,
                        loss=PolicyLossConfig(clip_low=0.2, clip_high=0.28)),
         Qwen3Reference.from_pretrained(ckpt, group=tp_group, device=device)))
-    _fp32_param_grads(policy)
     per_engine = -(-args.prompts // args.cp) * args.group
     blocks = per_engine * -(-(args.prompt_len[1] + args.new_tokens) // args.block_size)
     engine = RolloutEngine(ref, num_blocks=blocks, block_size=args.block_size,

@@ -1,0 +1,61 @@
+"""Config composition and validation: Hydra structured configs reject malformed input with clear errors."""
+
+from __future__ import annotations
+
+import pytest
+from hydra.errors import ConfigCompositionException
+
+from vime.config import Mode, RolloutEngine, TrainerEngine, side_modes, to_object, validate
+from vime.errors import ConfigError
+
+
+def test_default_config_is_the_cpu_tiny_run(compose_cfg):
+    cfg = validate(to_object(compose_cfg()))
+    assert cfg.device == "cpu" and cfg.model.path is None
+    assert cfg.rollout.engine == RolloutEngine.vllm and cfg.trainer.engine == TrainerEngine.megatron
+    assert cfg.rollout.mode == Mode.strict and cfg.trainer.mode == Mode.strict
+    assert cfg.wandb.mode == "offline"
+    assert cfg.algo.group_size >= 2
+
+
+def test_overrides_and_boundary_modes(compose_cfg):
+    cfg = validate(to_object(compose_cfg("rollout.mode=native", "trainer.mode=native", "steps=2",
+                                         "+rollout.boundary_modes.attention=strict")))
+    assert cfg.steps == 2
+    modes = side_modes(cfg.rollout.mode, cfg.rollout.boundary_modes)
+    assert modes["attention"] == "strict" and modes["gemm"] == "native"
+
+
+def test_experiment_overlay_needs_a_model_path(compose_cfg, monkeypatch):
+    monkeypatch.delenv("QWEN3_8B_PATH", raising=False)
+    dcfg = compose_cfg("+experiment=qwen3_8b_grpo")
+    with pytest.raises(ConfigError, match="cannot resolve model.path.*QWEN3_8B_PATH"):
+        to_object(dcfg)
+    cfg = validate(to_object(compose_cfg("+experiment=qwen3_8b_grpo", "model.path=/ckpt/Qwen3-8B")))
+    assert (cfg.device, cfg.trainer.tp, cfg.trainer.cp, cfg.rollout.num_engines, cfg.rollout.tp) == ("cuda", 4, 2, 4, 2)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("rollout.mode=bogus", "expected one of"),
+    ("steps=many", "steps"),
+    ("no_such_key=1", "no_such_key"),
+    ("trainer.engine=deepspeed", "expected one of"),
+])
+def test_malformed_overrides_are_rejected(compose_cfg, override, message):
+    with pytest.raises(ConfigCompositionException) as info:
+        compose_cfg(override)
+    assert message in str(info.value) + str(info.value.__cause__)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("algo.group_size=1", "group_size"),
+    ("algo.temperature=0", "temperature"),
+    ("trainer.tp=3", "TP must divide 8"),
+    ("steps=0", "steps"),
+    ("+trainer.boundary_modes.softmax=native", "unknown boundaries"),
+    ("algo.prompts_per_step=64", "max_num_seqs"),
+    ("trainer.lr=-1", "lr"),
+])
+def test_values_that_cannot_run_are_rejected(compose_cfg, override, message):
+    with pytest.raises(ConfigError, match=message):
+        validate(to_object(compose_cfg(override)))

@@ -1,0 +1,227 @@
+"""The run's configuration: Hydra structured configs (dataclasses in the ConfigStore) plus the checks
+a type cannot express. Hydra rejects unknown keys and wrong types; `validate` rejects values that
+type-check but cannot run (with what to do instead).
+
+`configs/config.yaml` is the embedded CPU default; `configs/experiment/*.yaml` are overlays
+(`python -m vime.train +experiment=qwen3_8b_grpo`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from enum import Enum, StrEnum
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import InterpolationResolutionError
+
+from rl_kernel.modes import BOUNDARIES
+from vime.errors import ConfigError
+
+
+class Mode(StrEnum):
+    strict = "strict"
+    native = "native"
+
+
+class RolloutEngine(StrEnum):
+    vllm = "vllm"            # vllm.LLM with the rl_kernel plugin (strict) or vLLM's own kernels (native)
+    reference = "reference"  # FALLBACK: rl_kernel.models.rollout over Qwen3Reference
+
+
+class TrainerEngine(StrEnum):
+    megatron = "megatron"    # megatron-core GPTModel via rl_kernel.integrations.megatron
+    reference = "reference"  # FALLBACK: Qwen3Reference + a plain torch optimizer
+
+
+class Task(StrEnum):
+    arithmetic = "arithmetic"
+    reverse = "reverse"
+
+
+@dataclass
+class TinyModelConfig:
+    """The Qwen3 checkpoint made on the fly when `model.path` is null (rl_kernel.models.tiny)."""
+    seed: int = 0
+    vocab_size: int = 512
+    hidden_size: int = 128
+    intermediate_size: int = 256
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 32
+
+
+@dataclass
+class ModelConfig:
+    path: str | None = None  # HF Qwen3 checkpoint dir; null: make a tiny one under <output_dir>/model
+    dtype: str = "bfloat16"
+    tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
+
+
+@dataclass
+class DataConfig:
+    task: Task = Task.arithmetic
+    num_prompts: int = 512     # size of the generated prompt pool (cycled through in order)
+    max_operand: int = 99      # arithmetic: operands in [0, max_operand]
+    min_len: int = 3           # reverse: string lengths in [min_len, max_len]
+    max_len: int = 6
+    seed: int = 0
+
+
+@dataclass
+class AlgoConfig:
+    """GRPO: `prompts_per_step` prompts x `group_size` samples per step, one optimizer step per batch."""
+    prompts_per_step: int = 4
+    group_size: int = 4
+    max_new_tokens: int = 8
+    temperature: float = 1.0
+    clip_eps: float = 0.2
+    kl_coef: float = 0.0       # k3 KL to the initial policy; 0 disables the reference forward
+    adv_eps: float = 1e-6      # advantages = (r - mean) / (std + adv_eps) within a group
+
+
+@dataclass
+class RolloutConfig:
+    engine: RolloutEngine = RolloutEngine.vllm
+    mode: Mode = Mode.strict
+    boundary_modes: dict[str, Mode] = field(default_factory=dict)  # e.g. {attention: native}
+    num_engines: int = 1
+    tp: int = 1
+    max_model_len: int = 256
+    max_num_batched_tokens: int = 256
+    max_num_seqs: int = 64
+    gpu_memory_utilization: float = 0.3
+    kv_cache_space_gib: int = 1    # VLLM_CPU_KVCACHE_SPACE on CPU
+    enforce_eager: bool = True
+    block_size: int = 16           # reference engine: page size
+    num_blocks: int = 256          # reference engine: KV pages per engine
+
+
+@dataclass
+class TrainerConfig:
+    engine: TrainerEngine = TrainerEngine.megatron
+    mode: Mode = Mode.strict
+    boundary_modes: dict[str, Mode] = field(default_factory=dict)
+    tp: int = 1
+    cp: int = 1
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    micro_batch_size: int = 0      # sequences per micro-batch; 0 = the whole step in one micro-batch
+
+
+@dataclass
+class RayConfig:
+    address: str | None = None    # null: start a local Ray
+    num_cpus: int = 4              # logical CPUs given to the local Ray (bundles reserve these)
+    num_gpus: int = 0
+    cpus_per_actor: float = 1.0
+    gpus_per_actor: float = 0.0
+
+
+@dataclass
+class WandbConfig:
+    mode: str = "offline"          # offline | online | disabled
+    project: str = "vime"
+    name: str | None = None
+    entity: str | None = None
+
+
+@dataclass
+class VimeConfig:
+    steps: int = 3
+    seed: int = 0
+    device: str = "cpu"            # cpu | cuda
+    output_dir: str = "outputs/run"
+    fail_on_mismatch: bool = False  # strict run: raise if any step shows mismatch_count > 0
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+
+
+def register_configs() -> None:
+    """Register the schema so `configs/config.yaml` can list `vime_schema` in its defaults."""
+    ConfigStore.instance().store(name="vime_schema", node=VimeConfig)
+
+
+def to_object(cfg: DictConfig | VimeConfig) -> VimeConfig:
+    """The composed Hydra config as a `VimeConfig`; ConfigError when a required value (`???`) is unset."""
+    if isinstance(cfg, VimeConfig):
+        return cfg
+    try:
+        missing = sorted(OmegaConf.missing_keys(cfg))
+        if not missing:
+            return OmegaConf.to_object(cfg)
+    except InterpolationResolutionError as e:
+        key = getattr(e, "full_key", "?")
+        raise ConfigError(f"cannot resolve {key}: {e.msg if hasattr(e, 'msg') else e}; set {key}=... on the "
+                          "command line (or the environment variable it reads)") from None
+    raise ConfigError(f"required but not set: {', '.join(missing)}; pass them on the command line, "
+                      f"e.g. {missing[0]}=...")
+
+
+def side_modes(mode: Mode, overrides: dict[str, Mode]) -> dict[str, str]:
+    """Per-boundary modes of one side: `mode` everywhere, then the per-boundary overrides."""
+    modes = {b: Mode(mode).value for b in BOUNDARIES}
+    modes.update({b: Mode(m).value for b, m in overrides.items()})
+    return modes
+
+
+def _require(ok: bool, what: str, fix: str) -> None:
+    if not ok:
+        raise ConfigError(f"{what}; {fix}")
+
+
+def validate(cfg: VimeConfig) -> VimeConfig:
+    """Reject configurations that type-check but cannot run. Returns `cfg`."""
+    a, r, t = cfg.algo, cfg.rollout, cfg.trainer
+    _require(cfg.steps >= 1, f"steps={cfg.steps}", "set steps >= 1")
+    _require(cfg.device in ("cpu", "cuda"), f"device={cfg.device!r}", "use device=cpu or device=cuda")
+    _require(a.prompts_per_step >= 1, f"algo.prompts_per_step={a.prompts_per_step}", "set it >= 1")
+    _require(a.group_size >= 2, f"algo.group_size={a.group_size}",
+             "GRPO normalises rewards within a group: set algo.group_size >= 2")
+    _require(a.max_new_tokens >= 1, f"algo.max_new_tokens={a.max_new_tokens}", "set it >= 1")
+    _require(math.isfinite(a.temperature) and a.temperature > 0, f"algo.temperature={a.temperature}",
+             "use a finite temperature > 0 (greedy decoding has no logprob to compare)")
+    _require(0 <= a.clip_eps < 1, f"algo.clip_eps={a.clip_eps}", "use 0 <= clip_eps < 1")
+    _require(a.kl_coef >= 0, f"algo.kl_coef={a.kl_coef}", "use kl_coef >= 0")
+    _require(t.lr > 0 and math.isfinite(t.lr), f"trainer.lr={t.lr}", "use a finite lr > 0")
+    for side, c in (("rollout", r), ("trainer", t)):
+        bad = sorted(set(c.boundary_modes) - set(BOUNDARIES))
+        _require(not bad, f"{side}.boundary_modes has unknown boundaries {bad}", f"use keys from {BOUNDARIES}")
+        _require(c.tp >= 1, f"{side}.tp={c.tp}", "use tp >= 1")
+    _require(8 % t.tp == 0 and 8 % r.tp == 0, f"trainer.tp={t.tp}, rollout.tp={r.tp}",
+             "strict GEMMs split K into 8 groups, so TP must divide 8 (1, 2, 4 or 8)")
+    _require(t.cp >= 1, f"trainer.cp={t.cp}", "use cp >= 1")
+    _require(r.num_engines >= 1, f"rollout.num_engines={r.num_engines}", "use num_engines >= 1")
+    _require(t.micro_batch_size >= 0, f"trainer.micro_batch_size={t.micro_batch_size}", "use 0 (whole step) or > 0")
+    _require(cfg.wandb.mode in ("offline", "online", "disabled"), f"wandb.mode={cfg.wandb.mode!r}",
+             "use offline, online or disabled")
+    _require(cfg.model.dtype in ("bfloat16", "float32", "float16"), f"model.dtype={cfg.model.dtype!r}",
+             "use bfloat16, float16 or float32")
+    _require(a.prompts_per_step * a.group_size <= r.max_num_seqs * r.num_engines,
+             f"{a.prompts_per_step * a.group_size} samples per step > rollout.max_num_seqs x num_engines",
+             "raise rollout.max_num_seqs or lower algo.prompts_per_step / group_size")
+    if cfg.device == "cpu":
+        _require(r.engine != RolloutEngine.vllm or r.tp <= 2, f"rollout.tp={r.tp} on CPU",
+                 "this CPU build runs at most TP2 per engine")
+    return cfg
+
+
+def as_dict(cfg: VimeConfig) -> dict[str, Any]:
+    """Plain JSON-able dict (enums as their values) for logs and W&B."""
+    def plain(x):
+        if isinstance(x, Enum):
+            return x.value
+        if isinstance(x, dict):
+            return {k: plain(v) for k, v in x.items()}
+        return x
+    return plain(dataclasses.asdict(cfg))

@@ -1,0 +1,228 @@
+"""The Ray driver: the synchronous on-policy GRPO loop.
+
+One step: check every engine serves the trainer's version v -> rollout (GRPO groups stay on one
+engine) -> rewards -> group-normalised advantages -> trainer teacher-forcing logprobs -> comparability
+gate -> consistency metrics on every active token -> GRPO optimizer step (v -> v+1) -> weight sync
+-> engines acknowledge v+1 -> metrics (JSONL, W&B, console).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+
+import ray
+import torch
+from tqdm import tqdm
+
+from vime import consistency, placement
+from vime.config import Mode, VimeConfig, as_dict, side_modes
+from vime.consistency import Sample
+from vime.data.dataset import PromptSet, load_tokenizer, model_vocab_size
+from vime.errors import ComparabilityError, EngineDiedError, TrainingError, VimeError
+from vime.logging import MetricsLogger
+from vime.rollout.actor import RolloutWorker
+from vime.timeline import Timeline
+from vime.trainer.actor import TrainerWorker
+from vime.trainer.grpo import group_advantages
+from vime.weights.sync import sync_weights
+
+log = logging.getLogger("vime")
+BUCKET_BYTES = 64 << 20
+
+
+def call(refs: list, what: str, names: list[str]) -> list:
+    """ray.get of `refs` (results in order) that fails fast, naming the actor that died or raised
+    (vime errors and ValueErrors keep their type), even while the others still wait on it."""
+    pending, results = dict(zip(refs, names)), {}
+    while pending:
+        (ref,), _ = ray.wait(list(pending), num_returns=1)
+        name = pending.pop(ref)
+        try:
+            results[ref] = ray.get(ref)
+        except ray.exceptions.RayActorError as e:
+            lines = [line for line in str(e).splitlines() if line.strip()] or [""]
+            cause = f" ... {lines[-1].strip()}" if len(lines) > 1 else ""  # a creation task's own error comes last
+            raise EngineDiedError(f"{name} died during '{what}': {e.__class__.__name__}: {lines[0]}{cause} "
+                                  "(see its log under the Ray session dir, /tmp/ray/session_latest/logs)") from e
+        except ray.exceptions.RayTaskError as e:
+            cause = e.cause
+            if isinstance(cause, VimeError | ValueError):
+                raise type(cause)(f"{name} ({what}): {cause}") from e
+            raise EngineDiedError(f"{name} raised during '{what}': {cause.__class__.__name__}: {cause}") from e
+    return [results[r] for r in refs]
+
+
+def make_model(cfg: VimeConfig, output_dir: Path) -> str:
+    """The checkpoint path: `model.path`, or a tiny Qwen3 made under `<output_dir>/model`."""
+    if cfg.model.path:
+        path = Path(cfg.model.path)
+        if not (path / "config.json").is_file():
+            raise VimeError(f"model.path={path} is not an HF checkpoint directory (no config.json); pass a Qwen3 "
+                            "checkpoint dir, or leave model.path unset to make a tiny one")
+        return str(path)
+    from rl_kernel.models.tiny import make_tiny_qwen3
+
+    t = cfg.model.tiny
+    path = make_tiny_qwen3(output_dir / "model", seed=t.seed, vocab_size=t.vocab_size, hidden_size=t.hidden_size,
+                           intermediate_size=t.intermediate_size, num_layers=t.num_layers, num_heads=t.num_heads,
+                           num_kv_heads=t.num_kv_heads, head_dim=t.head_dim, dtype=cfg.model.dtype)
+    log.info("made a tiny Qwen3 checkpoint at %s", path)
+    return str(path)
+
+
+class Driver:
+    def __init__(self, cfg: VimeConfig, output_dir: Path):
+        self.cfg, self.output_dir = cfg, Path(output_dir)
+        self.rollout_modes = side_modes(cfg.rollout.mode, cfg.rollout.boundary_modes)
+        self.trainer_modes = side_modes(cfg.trainer.mode, cfg.trainer.boundary_modes)
+        self.strict = all(m == Mode.strict.value for m in (*self.rollout_modes.values(), *self.trainer_modes.values()))
+        self.engines: list = []
+        self.trainer: list = []
+        self.logger: MetricsLogger | None = None
+        self.timeline = Timeline(cfg.rollout.num_engines)
+
+    # ---- set-up ----------------------------------------------------------------------------
+
+    def setup(self) -> None:
+        cfg = self.cfg
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        self.model_path = make_model(cfg, self.output_dir)
+        self.tokenizer = load_tokenizer(self.model_path)
+        self.vocab_size = model_vocab_size(self.model_path)
+        self.prompts = PromptSet(cfg.data, self.tokenizer, self.vocab_size)
+        env = {"VLLM_CPU_KVCACHE_SPACE": str(cfg.rollout.kv_cache_space_gib), "TOKENIZERS_PARALLELISM": "false",
+               "PYTHONUNBUFFERED": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": os.environ.get("VIME_VLLM_MP", "0")}
+        placement.start_ray(cfg.ray, env)
+        gpus = cfg.ray.gpus_per_actor if cfg.device == "cuda" else 0.0
+        n_ranks = cfg.trainer.tp * cfg.trainer.cp
+        trainer_pg = placement.make_group("trainer", [placement.bundle(cfg.ray, gpus)] * n_ranks)
+        rollout_pg = placement.make_group("rollout", [placement.bundle(cfg.ray, gpus * cfg.rollout.tp)]
+                                          * cfg.rollout.num_engines)
+        Rollout = ray.remote(RolloutWorker)
+        Trainer = ray.remote(TrainerWorker)
+        self.engines = [Rollout.options(num_cpus=cfg.ray.cpus_per_actor, num_gpus=gpus * cfg.rollout.tp,
+                                        scheduling_strategy=placement.in_group(rollout_pg, i), name=f"rollout-{i}")
+                        .remote(i, cfg.rollout, self.model_path, cfg.model.dtype, cfg.device, self.rollout_modes,
+                                cfg.seed)
+                        for i in range(cfg.rollout.num_engines)]
+        self.trainer = [Trainer.options(num_cpus=cfg.ray.cpus_per_actor, num_gpus=gpus,
+                                        scheduling_strategy=placement.in_group(trainer_pg, r), name=f"trainer-{r}")
+                        .remote(r, n_ranks, cfg.trainer, self.model_path, cfg.model.dtype, cfg.device,
+                                self.trainer_modes, cfg.seed, cfg.algo.kl_coef, cfg.algo.clip_eps)
+                        for r in range(n_ranks)]
+        master = call([self.trainer[0].address.remote()], "rendezvous", ["trainer rank 0"])[0]
+        with tqdm(total=2, desc="starting engines", leave=False) as bar:
+            tinfo_refs = [t.start.remote(*master) for t in self.trainer]  # trainer and rollout start together
+            infos = self._call(self.engines, "info", "start")
+            bar.update()
+            tinfo = call(tinfo_refs, "start", [f"trainer rank {r}" for r in range(n_ranks)])
+            bar.update()
+        for i in infos:
+            self.timeline.acknowledged(i["engine"], i["version"])  # every engine starts on version 0
+        for i in infos:
+            log.info("rollout engine %d: %s (modes %s)", i["engine"], i["label"], _modes_str(i["modes"]))
+        log.info("trainer: %d rank(s), %s (modes %s)", n_ranks, tinfo[0]["label"], _modes_str(tinfo[0]["modes"]))
+        for i in infos + tinfo:
+            if i["vocab_size"] != self.vocab_size:
+                raise ComparabilityError(f"{i['label']} reports vocab {i['vocab_size']}, the checkpoint has "
+                                         f"{self.vocab_size}")
+        self.labels = {"rollout_engine": infos[0]["label"], "trainer_engine": tinfo[0]["label"]}
+        self.logger = MetricsLogger(self.output_dir, as_dict(cfg) | {"model_path": self.model_path} | self.labels,
+                                    cfg.wandb.mode, cfg.wandb.project, cfg.wandb.name, cfg.wandb.entity)
+
+    def _call(self, actors: list, method: str, what: str, *args, trainer: bool = False) -> list:
+        names = [f"trainer rank {i}" if trainer else f"rollout engine {i}" for i in range(len(actors))]
+        return call([getattr(a, method).remote(*args) for a in actors], what, names)
+
+    # ---- one step ----------------------------------------------------------------------------
+
+    def rollout(self, step: int) -> list[Sample]:
+        a, n = self.cfg.algo, len(self.engines)
+        batch = self.prompts.batch(step, a.prompts_per_step)
+        per_engine = [[(g, p.token_ids) for g, p in enumerate(batch) if g % n == e] for e in range(n)]
+        refs = [e.generate.remote(groups, a.group_size, a.max_new_tokens, a.temperature,
+                                  [self.tokenizer.eos_token_id], step)
+                for e, groups in zip(self.engines, per_engine)]
+        outs = call(refs, "generate", [f"rollout engine {i}" for i in range(n)])
+        samples = sorted((s for out in outs for s in out), key=lambda s: s.group)  # stable: group order
+        for s in samples:
+            s.reward = self.prompts.reward(batch[s.group], s.response_ids)
+        rewards = torch.tensor([s.reward for s in samples]).reshape(a.prompts_per_step, a.group_size)
+        for s, adv in zip(samples, group_advantages(rewards, a.adv_eps).flatten().tolist()):
+            s.advantage = adv
+        return samples
+
+    def step(self, step: int) -> dict:
+        cfg, t0 = self.cfg, time.perf_counter()
+        version = self.timeline.check_ready_for_rollout()
+        samples = self.rollout(step)
+        t1 = time.perf_counter()
+        scored = self._call(self.trainer, "score", "score", samples, trainer=True)[0]
+        t2 = time.perf_counter()
+        consistency.check_comparable(samples, scored, version)
+        rollout_ev = [r for ev in self._call(self.engines, "evidence", "evidence") for r in ev]
+        trainer_ev = self._call(self.trainer, "evidence", "evidence", trainer=True)[0]
+        verdict = consistency.check_contracts(rollout_ev, trainer_ev, self.rollout_modes, self.trainer_modes)
+        result = consistency.compare([consistency.rollout_tensor(s.logprobs) for s in samples],
+                                     [sc.logprobs for sc in scored], [sc.positions for sc in scored],
+                                     [sc.token_ids for sc in scored])
+        stats = self._call(self.trainer, "train_step", "train step", samples, cfg.algo.clip_eps, cfg.algo.kl_coef,
+                           trainer=True)[0]
+        trained = stats.pop("version")
+        if trained != self.timeline.trained():
+            raise TrainingError(f"trainer reports version {trained}, driver expects {self.timeline.trainer_version}")
+        t3 = time.perf_counter()
+        sync = sync_weights(self.trainer, self.engines, self.timeline.trainer_version, BUCKET_BYTES,
+                            self.timeline, call)
+        rewards = torch.tensor([s.reward for s in samples])
+        row = {"step": step, "version": version, "next_version": self.timeline.trainer_version,
+               "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()),
+               "response_len_mean": sum(len(s.response_ids) for s in samples) / len(samples),
+               **result.metrics(), **stats, **sync,
+               "rollout_s": t1 - t0, "score_s": t2 - t1, "train_s": t3 - t2, "step_s": time.perf_counter() - t0,
+               "contracts": verdict, "strict": self.strict, **self.labels}
+        self.timeline.finish_step({k: row[k] for k in ("mismatch_count", "max_abs_diff", "tokens")})
+        return row
+
+    def run(self) -> list[dict]:
+        self.setup()
+        log.info("run: %d steps x %d prompts x %d samples, rollout modes %s, trainer modes %s",
+                 self.cfg.steps, self.cfg.algo.prompts_per_step, self.cfg.algo.group_size,
+                 _modes_str(self.rollout_modes), _modes_str(self.trainer_modes))
+        rows = []
+        for step in tqdm(range(self.cfg.steps), desc="steps", disable=None):
+            row = self.step(step)
+            self.logger.log(row)
+            rows.append(row)
+            if self.cfg.fail_on_mismatch and self.strict and row["mismatch_count"]:
+                raise ComparabilityError(f"strict run, step {step}: {row['mismatch_count']} of {row['tokens']} tokens "
+                                         f"differ in bits (worst {result_worst(row)})")
+        plot = self.logger.plot()
+        total = sum(r["mismatch_count"] for r in rows)
+        log.info("done: %d steps, %d tokens compared, %d mismatches in total; metrics %s, plot %s",
+                 len(rows), sum(r["tokens"] for r in rows), total, self.logger.jsonl, plot)
+        return rows
+
+    def shutdown(self) -> None:
+        for e in self.engines:
+            try:
+                ray.get(e.shutdown.remote(), timeout=60)
+            except Exception as exc:  # noqa: BLE001 - best effort at exit; the run's outcome is already decided
+                log.warning("engine shutdown: %s", exc)
+        if self.logger is not None:
+            self.logger.close()
+        if ray.is_initialized():
+            ray.shutdown()
+
+
+def result_worst(row: dict) -> str:
+    return (f"sample {row.get('worst_sample')} position {row.get('worst_position')}: "
+            f"rollout {row.get('worst_rollout')} vs trainer {row.get('worst_trainer')}")
+
+
+def _modes_str(modes: dict[str, str]) -> str:
+    vals = set(modes.values())
+    return vals.pop() if len(vals) == 1 else ",".join(f"{b}={m}" for b, m in modes.items())

@@ -1,0 +1,30 @@
+"""vime's errors: each says what went wrong and what to do about it."""
+
+
+class VimeError(RuntimeError):
+    """Base class of vime's errors."""
+
+
+class ConfigError(VimeError, ValueError):
+    """The configuration cannot run (the message names the key and what to use instead)."""
+
+
+class DataError(VimeError, ValueError):
+    """The data or tokenizer does not fit the model (e.g. tokenizer vocab larger than the model's)."""
+
+
+class ComparabilityError(VimeError):
+    """The trainer and rollout results cannot be compared (different weight version, tokens, positions,
+    sampling semantics, vocab range or numeric contracts). This is an error, never a mismatch count."""
+
+
+class WeightSyncError(VimeError):
+    """An engine did not acknowledge the weight version the driver expects."""
+
+
+class EngineDiedError(VimeError):
+    """A Ray actor (rollout engine or trainer rank) died or raised; the message names which one."""
+
+
+class TrainingError(VimeError):
+    """The optimisation went wrong (e.g. a non-finite loss)."""

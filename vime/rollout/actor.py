@@ -1,0 +1,77 @@
+"""Rollout actor: one rollout engine (vLLM, or the labelled reference fallback) in a Ray actor.
+
+The actor sets this side's rl_kernel modes (environment, so spawned engine workers inherit them),
+generates GRPO groups (every token stamped with the weight version the engine serves), loads weight
+buckets and acknowledges versions, and reports the rl_kernel evidence of its last rollout.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from vime.config import RolloutConfig, RolloutEngine
+from vime.consistency import Sample
+
+
+def apply_modes_env(modes: dict[str, str]) -> None:
+    """Set RL_KERNEL_MODE_<BOUNDARY> for this process and the engine workers it spawns."""
+    import rl_kernel as rk
+
+    for boundary, m in modes.items():
+        os.environ[f"RL_KERNEL_MODE_{boundary.upper()}"] = m
+        rk.set_mode(m, boundary)
+
+
+class RolloutWorker:
+    """Wrapped with `ray.remote` by the driver; plain class so it is testable in-process."""
+
+    def __init__(self, engine_id: int, cfg: RolloutConfig, model_path: str, dtype: str, device: str,
+                 modes: dict[str, str], seed: int):
+        apply_modes_env(modes)
+        self.engine_id, self.cfg, self.modes, self.seed = engine_id, cfg, modes, seed
+        torch.manual_seed(seed + engine_id)
+        if RolloutEngine(cfg.engine) == RolloutEngine.vllm:
+            from vime.rollout.vllm_engine import VllmRollout
+            self.engine = VllmRollout(cfg, model_path, dtype, device, modes, seed + engine_id)
+        else:
+            from vime.rollout.reference import ReferenceRollout
+            self.engine = ReferenceRollout(cfg, model_path, dtype, device)
+        self._evidence: list[dict] = []
+
+    def info(self) -> dict:
+        return {"engine": self.engine_id, "label": self.engine.label, "vocab_size": self.engine.vocab_size,
+                "version": self.engine.version, "modes": self.modes, "pid": os.getpid()}
+
+    def generate(self, groups: list[tuple[int, list[int]]], group_size: int, max_new_tokens: int,
+                 temperature: float, stop_token_ids: list[int], step: int) -> list[Sample]:
+        """`groups`: (group index, prompt ids); each prompt is sampled `group_size` times on this engine."""
+        prompts = [ids for _, ids in groups for _ in range(group_size)]
+        seed = (self.seed * 1_000_003 + step) * 4099 + self.engine_id
+        self.engine.evidence(reset=True)
+        outs = self.engine.generate(prompts, max_new_tokens, temperature, stop_token_ids, seed)
+        self._evidence = self.engine.evidence(reset=True)
+        samples = []
+        for (g, ids), (tokens, logprobs, versions) in zip([gp for gp in groups for _ in range(group_size)], outs):
+            samples.append(Sample(group=g, prompt_ids=list(ids), response_ids=list(tokens), logprobs=list(logprobs),
+                                  versions=list(versions), engine=self.engine_id, temperature=temperature,
+                                  vocab_size=self.engine.vocab_size,
+                                  finish_reason="stop" if tokens and tokens[-1] in stop_token_ids else "length"))
+        return samples
+
+    def evidence(self) -> list[dict]:
+        """rl_kernel evidence of the last `generate` (engine workers included)."""
+        return self._evidence
+
+    def load_weights(self, bucket: dict[str, torch.Tensor], version: int) -> int:
+        """Load one bucket of HF-named full tensors of weight version `version`; returns how many tensors."""
+        self.engine.update_weights(bucket, version)
+        return len(bucket)
+
+    def set_version(self, version: int) -> int:
+        """All buckets of `version` are in: serve it from now on. Returns the version the engine reports."""
+        return self.engine.set_version(version)
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()

@@ -1,0 +1,50 @@
+"""FALLBACK rollout engine: rl_kernel.models.rollout (paged KV, continuous batching, chunked prefill)
+over Qwen3Reference. Used only when `rollout.engine=reference`; it is labelled as such in the logs
+and in every step's metrics (`rollout_engine`)."""
+
+from __future__ import annotations
+
+import torch
+
+import rl_kernel as rk
+from rl_kernel.models.qwen3 import Qwen3Reference
+from rl_kernel.models.rollout import Request, RolloutEngine
+from vime.config import RolloutConfig
+
+LABEL = "reference (FALLBACK: rl_kernel.models.rollout, not vLLM)"
+
+
+class ReferenceRollout:
+    label = LABEL
+
+    def __init__(self, cfg: RolloutConfig, model_path: str, dtype: str, device: str):
+        self.cfg = cfg
+        self.model = Qwen3Reference.from_pretrained(model_path, dtype=getattr(torch, dtype), device=device)
+        self.vocab_size = self.model.config.vocab_size
+        self.version = 0
+
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float,
+                 stop_token_ids: list[int], seed: int) -> list[tuple[list[int], list[float], list[int]]]:
+        """Returns (response token ids, fp32 logprobs as floats, weight version per token) per prompt;
+        request i samples from a generator seeded by (seed, i)."""
+        engine = RolloutEngine(self.model, self.cfg.num_blocks, self.cfg.block_size, self.cfg.max_num_batched_tokens,
+                               block_seed=seed)
+        requests = [Request(p, max_new_tokens, temperature, stop_token_ids=tuple(stop_token_ids)) for p in prompts]
+        out = engine.generate(requests, seed=seed)
+        return [(c.token_ids, c.logprobs.to(torch.float32).tolist(), [self.version] * len(c.token_ids)) for c in out]
+
+    def update_weights(self, weights: dict[str, torch.Tensor], version: int) -> None:
+        self.model.load_hf_weights(weights)
+
+    def set_version(self, version: int) -> int:
+        self.version = version
+        return version
+
+    def evidence(self, reset: bool = False) -> list[dict]:
+        records = rk.evidence.snapshot()
+        if reset:
+            rk.evidence.reset()
+        return records
+
+    def shutdown(self) -> None:
+        pass

