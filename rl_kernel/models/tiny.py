@@ -64,6 +64,9 @@ def make_tiny_qwen3(
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.data.uniform_(0.5, 1.5)
+        # HF zeroes the padding row; a sampled <pad> would then feed RMSNorm an all-zero vector, whose
+        # gradient is scaled by 1/sqrt(eps). Real checkpoints have no such row.
+        model.model.embed_tokens.weight.data[config.pad_token_id].normal_(0.0, config.initializer_range)
     model.to(getattr(torch, dtype)).save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
     return path
