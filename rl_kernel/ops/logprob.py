@@ -103,24 +103,9 @@ class _StrictLogprobs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         hidden, weight, targets, temps, lse = ctx.saved_tensors
-        w32 = weight.to(torch.float32)
-        grad_h = torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device)
-        grad_w = torch.zeros_like(w32)
-        tile = max(1, torch_logprob.TILE_ELEMENTS // weight.shape[0])
-        for a in range(0, hidden.shape[0], tile):  # row tiles: never all logits at once
-            h32 = hidden[a:a + tile].to(torch.float32)
-            z = torch_logprob.scaled_logits(h32 @ w32.T, temps[a:a + tile], ctx.vocab_start, ctx.vocab_size)
-            p = torch.exp(z - lse[a:a + tile].unsqueeze(-1))
-            local = targets[a:a + tile] - ctx.vocab_start
-            owned = (local >= 0) & (local < weight.shape[0])
-            onehot = F.one_hot(local.clamp(0, weight.shape[0] - 1), weight.shape[0]) * owned.unsqueeze(-1)
-            g = grad_out[a:a + tile].to(torch.float64).unsqueeze(-1)
-            dlogits = ((onehot - p) * g / temps[a:a + tile].unsqueeze(-1)).to(torch.float32)
-            grad_h[a:a + tile] = dlogits @ w32
-            grad_w += dlogits.T @ h32
-        if ctx.group is not None and dist.get_world_size(ctx.group) > 1:
-            dist.all_reduce(grad_h, group=ctx.group)
-        return grad_h.to(hidden.dtype), grad_w.to(weight.dtype), None, None, None, None, None
+        grad_h, grad_w = torch_logprob.logprob_grads(
+            grad_out, hidden, weight, targets, temps, lse, ctx.vocab_start, ctx.vocab_size, ctx.group)
+        return grad_h, grad_w, None, None, None, None, None
 
 
 def logprobs(

@@ -77,3 +77,33 @@ def full_log_softmax(
         lse = m + log64(total.to(torch.float64) * (1.0 / (1 << FIXED_POINT_BITS)))
         out[a:a + tile] = (z - lse.unsqueeze(-1)).to(torch.float32)
     return out
+
+
+def logprob_grads(
+    grad_out: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+    temperature: torch.Tensor, lse: torch.Tensor, vocab_start: int, vocab_size: int,
+    group: dist.ProcessGroup | None, tile_elements: int = TILE_ELEMENTS,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gradients of logprob = z[target] - lse with z = hidden @ weight.T / T, for the forward's fp64
+    `lse`: d/dz = (onehot - softmax) * grad / T. fp32 matmuls in row tiles (never all logits at once);
+    the hidden gradient of a vocab slice is summed over ranks. Returns (grad_hidden, grad_weight)."""
+    v_local = weight.shape[0]
+    w32 = weight.to(torch.float32)
+    grad_h = torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device)
+    grad_w = torch.zeros_like(w32)
+    column = vocab_start + torch.arange(v_local, device=hidden.device)
+    tile = max(1, tile_elements // v_local)
+    for a in range(0, hidden.shape[0], tile):
+        h32 = hidden[a:a + tile].to(torch.float32)
+        t32 = temperature[a:a + tile].to(torch.float32).unsqueeze(-1)
+        z = (h32 @ w32.T) / t32
+        p = torch.where(column < vocab_size, torch.exp(z - lse[a:a + tile].to(torch.float32).unsqueeze(-1)), 0.0)
+        local = targets[a:a + tile].to(torch.int64) - vocab_start
+        owned = ((local >= 0) & (local < v_local)).nonzero().squeeze(-1)
+        p[owned, local[owned]] -= 1.0  # softmax - onehot
+        dlogits = p * (-grad_out[a:a + tile].to(torch.float32).unsqueeze(-1) / t32)
+        grad_h[a:a + tile] = dlogits @ w32
+        grad_w += dlogits.T @ h32
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(grad_h, group=group)
+    return grad_h.to(hidden.dtype), grad_w.to(weight.dtype)

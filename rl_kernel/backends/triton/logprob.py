@@ -20,6 +20,7 @@ import torch.distributed as dist
 import triton
 import triton.language as tl
 
+from rl_kernel.backends.torch.logprob import logprob_grads
 from rl_kernel.backends.torch.numerics import log64
 from rl_kernel.backends.triton import gemm
 from rl_kernel.backends.triton.gemm import _tile_ids, _tree8
@@ -151,27 +152,9 @@ class _TritonLogprobs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         hidden, weight, targets, temps, lse = ctx.saved_tensors
-        v_local = weight.shape[0]
-        w32 = weight.to(torch.float32)
-        grad_h = torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device)
-        grad_w = torch.zeros_like(w32)
-        column = ctx.vocab_start + torch.arange(v_local, device=hidden.device)
-        tile = max(1, BACKWARD_TILE_ELEMENTS // v_local)
-        for a in range(0, hidden.shape[0], tile):  # row tiles: never all logits at once
-            h32 = hidden[a:a + tile].to(torch.float32)
-            t32 = temps[a:a + tile].to(torch.float32).unsqueeze(-1)
-            z = (h32 @ w32.T) / t32
-            lse32 = lse[a:a + tile].to(torch.float32).unsqueeze(-1)
-            p = torch.where(column < ctx.vocab_size, torch.exp(z - lse32), 0.0)
-            local = targets[a:a + tile].to(torch.int64) - ctx.vocab_start
-            owned = ((local >= 0) & (local < v_local)).nonzero().squeeze(-1)
-            p[owned, local[owned]] -= 1.0  # p - onehot
-            dlogits = p * (-grad_out[a:a + tile].to(torch.float32).unsqueeze(-1) / t32)
-            grad_h[a:a + tile] = dlogits @ w32
-            grad_w += dlogits.T @ h32
-        if ctx.group is not None and dist.get_world_size(ctx.group) > 1:
-            dist.all_reduce(grad_h, group=ctx.group)
-        return grad_h.to(hidden.dtype), grad_w.to(weight.dtype), None, None, None, None, None
+        grad_h, grad_w = logprob_grads(grad_out, hidden, weight, targets, temps, lse, ctx.vocab_start,
+                                       ctx.vocab_size, ctx.group, BACKWARD_TILE_ELEMENTS)
+        return grad_h, grad_w, None, None, None, None, None
 
 
 def logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temps: torch.Tensor,
