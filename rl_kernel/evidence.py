@@ -31,9 +31,14 @@ def record(contract: Contract, mode: str, device_type: str) -> None:
     _counts[OpRecord(contract.op, mode, contract.backend, contract.id, contract.fingerprint, device_type)] += 1
 
 
+def _order(item: tuple[OpRecord, int]) -> tuple:
+    """Records in a fixed order (op, mode, backend, ...), whatever ran earlier in the process."""
+    return dataclasses.astuple(item[0])
+
+
 def snapshot() -> list[dict]:
     """Everything recorded since the last `reset()`, one dict per distinct record, with `calls`."""
-    return [dataclasses.asdict(r) | {"calls": n} for r, n in sorted(_counts.items(), key=lambda kv: kv[0].op)]
+    return [dataclasses.asdict(r) | {"calls": n} for r, n in sorted(_counts.items(), key=_order)]
 
 
 def reset() -> None:
@@ -49,7 +54,7 @@ def recording() -> Iterator[list[dict]]:
         yield ran
     finally:
         delta = _counts - before
-        ran.extend(dataclasses.asdict(r) | {"calls": n} for r, n in delta.items())
+        ran.extend(dataclasses.asdict(r) | {"calls": n} for r, n in sorted(delta.items(), key=_order))
 
 
 def native_ops(records: list[dict]) -> list[dict]:
