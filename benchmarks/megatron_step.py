@@ -65,6 +65,7 @@ def _worker(rank: int, world: int, args: argparse.Namespace, port: int) -> None:
     import rl_kernel as rk
     from rl_kernel.integrations.megatron import MegatronPolicy, TrainBatch
     from rl_kernel.models.qwen3 import Qwen3Reference
+    from vime.consistency import compare
 
     rk.set_backend(args.backend)
 
@@ -100,9 +101,8 @@ def _worker(rank: int, world: int, args: argparse.Namespace, port: int) -> None:
             group = parallel_state.get_tensor_model_parallel_group() if world > 1 else None
             ref = Qwen3Reference.from_pretrained(args.ckpt, group=group, device="cuda")
             ref_lp = ref.sequence_logprobs(seqs, prompts)
-            entry["ref_mismatch_count"] = sum(int((a.view(torch.int32) != b.view(torch.int32)).sum())
-                                              for a, b in zip(old, ref_lp))
-            entry["tokens_compared"] = sum(a.numel() for a in old)
+            agreement = compare([a.float().cpu() for a in old], [b.float().cpu() for b in ref_lp])
+            entry["ref_mismatch_count"], entry["tokens_compared"] = agreement.mismatch_count, agreement.tokens
             del ref
         result[mode] = entry
         del policy

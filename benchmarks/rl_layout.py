@@ -39,6 +39,7 @@ import rl_kernel as rk  # noqa: E402
 from rl_kernel.integrations.megatron import MegatronPolicy, PolicyLossConfig, TrainBatch  # noqa: E402
 from rl_kernel.models.qwen3 import Qwen3Reference  # noqa: E402
 from rl_kernel.models.rollout import Request, RolloutEngine  # noqa: E402
+from vime.consistency import compare  # noqa: E402
 
 # Model shapes (HF Qwen3 config fields) and batch defaults per preset. "8b": Qwen3-8B layers (few of them).
 PRESETS = {
@@ -216,15 +217,11 @@ def _rollout(engine: RolloutEngine, prompts: list[list[int]], args: argparse.Nam
     return [t for t, _ in ordered], [lp for _, lp in ordered]
 
 
-def _compare(trainer: list[torch.Tensor], rollout: list[torch.Tensor]) -> dict:
-    """Agreement on every response token: fp32 bit patterns and absolute differences."""
-    if [x.numel() for x in trainer] != [y.numel() for y in rollout]:
-        raise RuntimeError(f"trainer scored {[x.numel() for x in trainer]} response tokens per sequence, the "
-                           f"rollout produced {[y.numel() for y in rollout]}")
-    a, b = torch.cat(trainer).float().cpu(), torch.cat(rollout).float().cpu()
-    diff = (a.double() - b.double()).abs()
-    return {"tokens": a.numel(), "mismatch_count": int((a.view(torch.int32) != b.view(torch.int32)).sum()),
-            "max_abs_diff": float(diff.max()), "mean_abs_diff": float(diff.mean())}
+def _compare(rollout: list[torch.Tensor], trainer: list[torch.Tensor]) -> dict:
+    """Agreement on every response token (vime's metric: fp32 bit patterns, fp64 |diff|)."""
+    c = compare([x.float().cpu() for x in rollout], [x.float().cpu() for x in trainer])
+    return {"tokens": c.tokens, "mismatch_count": c.mismatch_count, "max_abs_diff": c.max_abs_diff,
+            "mean_abs_diff": c.mean_abs_diff}
 
 
 def _advantages(responses: list[list[int]], group: int) -> tuple[list[float], float]:
@@ -273,7 +270,7 @@ def _run_mode(mode: str, args: argparse.Namespace, ckpt: Path, device: torch.dev
         prompt_lens = [len(prompts[i // args.group]) for i in range(len(seqs))]
         with rk.evidence.recording() as trainer_ops:
             lps, logprobs_s = _timed(device, policy.logprobs, seqs, prompt_lens, args.temperature)
-        row = {"step": step, "weight_version": step, **_compare(lps, old)}
+        row = {"step": step, "weight_version": step, **_compare(old, lps)}
         advantages, reward = _advantages(responses, args.group)
         metrics, train_s = _timed(device, policy.train_step,
                                   TrainBatch(seqs, prompt_lens, advantages, old, temperature=args.temperature))

@@ -37,6 +37,7 @@ from rl_kernel.integrations.vllm import (  # noqa: E402
 )
 from rl_kernel.models.qwen3 import Qwen3Reference  # noqa: E402
 from rl_kernel.models.tiny import make_tiny_qwen3  # noqa: E402
+from vime.consistency import compare  # noqa: E402
 
 
 def prompts(n: int, seed: int = 0, vocab: int = 512) -> list[list[int]]:
@@ -75,11 +76,11 @@ def run(mode: str, path: Path, args, reference: Qwen3Reference) -> dict:
                                                                            o.outputs[0].token_ids)])
     want = torch.cat(reference.sequence_logprobs(seqs, [len(p) for p in batch], 0.7)).double()
     generated = sum(len(o.outputs[0].token_ids) for o in outputs)
+    agreement = compare([got.float()], [want.float()])
     return {"mode": mode, "engine_start_s": round(start_s, 1), "wall_s": round(wall, 3),
             "generated_tokens": generated, "tokens_per_s": round(generated / wall, 1),
             "prompt_tokens": sum(len(p) for p in batch),
-            "mismatches": int((got.float().view(torch.int32) != want.float().view(torch.int32)).sum()),
-            "max_abs_diff": float((got - want).abs().max())}
+            "mismatches": agreement.mismatch_count, "max_abs_diff": agreement.max_abs_diff}
 
 
 def main() -> int:

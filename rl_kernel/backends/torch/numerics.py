@@ -134,8 +134,3 @@ def blocked_sum(x: torch.Tensor, block: int = REDUCE_BLOCK) -> torch.Tensor:
     for i in range(1, nblocks):
         acc = acc + sums[..., i]
     return acc
-
-
-def round_to(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The one rounding of a result to its output dtype (round-to-nearest-even)."""
-    return x.to(dtype)
