@@ -63,3 +63,35 @@ def mode(name: str, *boundaries: str) -> Iterator[None]:
     finally:
         _state.clear()
         _state.update(saved)
+
+
+# ---- the deployment's canonical TP -----------------------------------------------------------------
+# Row-parallel GEMMs cut K into C = canonical_tp groups (one per rank of the widest TP engine of the run),
+# so every TP dividing C computes the same tree of group partials. It is part of the GEMM contract's
+# fingerprint on backends that honour it: both engines of a run must use the same C.
+
+def _canonical_tp_from_env() -> int:
+    value = int(os.environ.get("RL_KERNEL_CANONICAL_TP", "1"))
+    _check_canonical_tp(value)
+    return value
+
+
+def _check_canonical_tp(c: int) -> None:
+    if not isinstance(c, int) or c < 1 or c & (c - 1):
+        raise ValueError(f"canonical TP must be a power of two >= 1 (the largest TP of any engine of the run), "
+                         f"got {c!r}")
+
+
+_canonical_tp = _canonical_tp_from_env()
+
+
+def canonical_tp() -> int:
+    """C: the largest tensor-parallel size of any engine of this run (RL_KERNEL_CANONICAL_TP, default 1)."""
+    return _canonical_tp
+
+
+def set_canonical_tp(c: int) -> None:
+    """Set C for this process. Trainer and rollout engines of one run must set the same C."""
+    global _canonical_tp
+    _check_canonical_tp(c)
+    _canonical_tp = c

@@ -366,12 +366,13 @@ def _dist_outputs(rank: int, world: int, device: str) -> dict[str, torch.Tensor 
     unsharded; the all-reduce of this rank's part (twice); the error of a misaligned K shard."""
     inp = _dist_inputs(world, device)
     group = dist.group.WORLD
+    rk.set_canonical_tp(world)  # the widest TP of this "deployment" (the triton GEMM contract's K groups)
     vl, kl = VOCAB_PADDED // world, TP_K // world
     out: dict[str, torch.Tensor | str | None] = {
         "logprobs/full": rk.logprobs(inp["h"], inp["w"], inp["targets"], inp["temps"], vocab_size=VOCAB),
         "logprobs/sharded": rk.logprobs(inp["h"], inp["w"][rank * vl : (rank + 1) * vl], inp["targets"],
                                         inp["temps"], vocab_size=VOCAB, group=group),
-        "row_parallel/full": rk.linear(inp["x"], inp["wk"], inp["bias"]),
+        "row_parallel/full": rk.row_parallel_linear(inp["x"], inp["wk"], None, inp["bias"]),
         "row_parallel/sharded": rk.row_parallel_linear(inp["x"][:, rank * kl : (rank + 1) * kl],
                                                        inp["wk"][:, rank * kl : (rank + 1) * kl], group, inp["bias"]),
         "all_reduce/parts": inp["parts"],
@@ -380,13 +381,17 @@ def _dist_outputs(rank: int, world: int, device: str) -> dict[str, torch.Tensor 
         "misaligned_error": None,
     }
     if rk.get_mode("gemm") == "strict" and world > 1:
-        k = 12  # not a multiple of 8: one K group of 12, which no shard of 12 / world holds whole
+        # a shard that would split a K group: K = 12 is one torch-contract group; canonical TP 1 < tp on triton
+        k = 12
         x, w = torch.ones(2, k, device=device), torch.ones(4, k, device=device)
         s = k // world
+        rk.set_canonical_tp(1)
         try:
             rk.row_parallel_linear(x[:, rank * s : (rank + 1) * s], w[:, rank * s : (rank + 1) * s], group)
         except rk.StrictModeError as e:
             out["misaligned_error"] = f"{e.op}|{e.backend}|{e.reason}"
+        finally:
+            rk.set_canonical_tp(world)
     return out
 
 

@@ -12,6 +12,7 @@ import os
 
 import torch as _torch  # not `torch`: the subpackage rl_kernel.backends.torch would shadow it
 
+from rl_kernel.backends import triton as _triton  # noqa: F401  (claims cuBLASLt's workspace, see there)
 from rl_kernel.errors import StrictModeError
 
 BACKENDS = ("auto", "torch", "triton")

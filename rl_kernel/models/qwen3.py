@@ -221,7 +221,7 @@ class Qwen3Reference:
         return rk.all_reduce(rows, self.group)
 
     def _row_parallel(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        return rk.linear(x, w) if self.tp == 1 else rk.row_parallel_linear(x, w, self.group)
+        return rk.row_parallel_linear(x, w, self.group if self.tp > 1 else None)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionFn) -> torch.Tensor:
         """Final-norm hidden states [T, D] of tokens `input_ids` [T] at `positions` [T]; `attention`

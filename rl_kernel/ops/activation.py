@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from rl_kernel import backends
 from rl_kernel.backends.torch import activation as torch_activation
 from rl_kernel.contracts import Contract, register
 from rl_kernel.ops._common import check_float, is_strict, record_native, strict_contract
@@ -49,7 +50,11 @@ class _StrictSiluAndMul(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
+        """No bit contract: one Triton pass on CUDA, fp32 torch elsewhere."""
         (x,) = ctx.saved_tensors
+        if x.is_cuda and "silu_and_mul" in backends.triton_ops():
+            from rl_kernel.backends.triton.activation import silu_and_mul_backward
+            return silu_and_mul_backward(x, grad_out)
         half = x.shape[-1] // 2
         g, u = x[..., :half].to(torch.float32), x[..., half:].to(torch.float32)
         sig = torch.sigmoid(g)

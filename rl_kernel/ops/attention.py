@@ -11,6 +11,8 @@ paged decode, chunked prefill, any page size and any block-table order give the 
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 
@@ -72,25 +74,54 @@ def attention_varlen(
 
 
 class _StrictVarlenAttention(torch.autograd.Function):
-    """Forward under the contract; backward by autograd through fp32 SDPA (no bit contract)."""
+    """Forward under the contract. Backward (no bit contract): on CUDA with 16-bit inputs, PyTorch's
+    FlashAttention-2 varlen backward (tensor cores, GQA, no score matrix in memory) from the forward's
+    output and log-sum-exp, deterministic (no dQ atomics) unless RL_KERNEL_DETERMINISTIC_GRADS=0;
+    elsewhere autograd through fp32 SDPA, one sequence at a time."""
 
     @staticmethod
     def forward(ctx, q, k, v, cu_seqlens, scale):
-        ctx.save_for_backward(q, k, v, cu_seqlens)
+        backend = _check("attention", q, k, v)
         ctx.scale = scale
-        if _check("attention", q, k, v) == "triton":
+        ctx.flash = (backend == "triton" and q.dtype in (torch.bfloat16, torch.float16)
+                     and any(ctx.needs_input_grad[:3]))
+        if backend == "triton":
             from rl_kernel.backends.triton.attention import varlen_attention
-            return varlen_attention(q, k, v, cu_seqlens, scale)
-        return torch_attention.varlen_attention(q, k, v, cu_seqlens, scale)
+            lse = torch.empty(q.shape[1], q.shape[0], dtype=torch.float32, device=q.device) if ctx.flash else None
+            out = varlen_attention(q, k, v, cu_seqlens, scale, lse=lse)
+        else:
+            out = torch_attention.varlen_attention(q, k, v, cu_seqlens, scale)
+        ctx.save_for_backward(q, k, v, cu_seqlens, *((out, lse) if ctx.flash else ()))
+        return out
 
     @staticmethod
     def backward(ctx, grad_out):
+        if ctx.flash:
+            return (*_flash_backward(grad_out, *ctx.saved_tensors, ctx.scale), None, None)
         q, k, v, cu_seqlens = ctx.saved_tensors
         with torch.enable_grad():
             inputs = [t.detach().to(torch.float32).requires_grad_() for t in (q, k, v)]
             out = _native_varlen(*inputs, cu_seqlens, ctx.scale)
             grads = torch.autograd.grad(out, inputs, grad_out.to(torch.float32))
         return grads[0].to(q.dtype), grads[1].to(k.dtype), grads[2].to(v.dtype), None, None
+
+
+DETERMINISTIC_GRADS = os.environ.get("RL_KERNEL_DETERMINISTIC_GRADS", "1") != "0"
+
+
+def _flash_backward(grad_out, q, k, v, cu_seqlens, out, lse, scale):
+    """dq, dk, dv of causal varlen attention by FlashAttention-2's backward, given out and lse [H, T]."""
+    cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
+    max_len = int((cu[1:] - cu[:-1]).max())
+    unused = torch.empty(2, dtype=torch.int64, device=q.device)  # dropout RNG state: no dropout here
+    saved = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(DETERMINISTIC_GRADS)  # warn-only would keep FA2's dQ atomics
+    try:
+        return torch.ops.aten._flash_attention_backward(
+            grad_out.contiguous(), q, k, v, out, lse, cu, cu, max_len, max_len, 0.0, True, unused, unused,
+            scale=scale)
+    finally:
+        torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
 
 
 def paged_attention(

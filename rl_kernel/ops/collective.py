@@ -13,7 +13,6 @@ import torch
 import torch.distributed as dist
 
 from rl_kernel import evidence
-from rl_kernel.backends.torch.numerics import tree_sum
 from rl_kernel.contracts import Contract, register
 from rl_kernel.ops._common import is_strict, record_native
 
@@ -36,9 +35,14 @@ def tree_all_reduce(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.T
     under its one contract."""
     evidence.record(CONTRACTS["torch"], "strict", x.device.type)
     world = dist.get_world_size(group)
-    parts = [torch.empty_like(x) for _ in range(world)]
-    dist.all_gather(parts, x.contiguous(), group=group)
-    return tree_sum(torch.stack(parts, dim=-1))
+    flat = torch.empty(world * x.numel(), dtype=x.dtype, device=x.device)
+    dist.all_gather_into_tensor(flat, x.contiguous().view(-1), group=group)
+    parts = flat.view(world, *x.shape)
+    while parts.shape[0] > 1:  # pairwise tree of neighbours over the rank dim (tree_sum's order)
+        if parts.shape[0] % 2:
+            parts = torch.cat([parts, torch.zeros_like(parts[:1])])
+        parts = parts[0::2] + parts[1::2]
+    return parts[0]
 
 
 def all_reduce(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:

@@ -6,17 +6,28 @@ pairwise tree of neighbours; bias added in fp32; the result rounded once to x's 
 Row-parallel: each rank reduces its own K groups; the fp32 partials are combined by the same tree
 in rank order (deterministic all-reduce), then rounded once, so with tp dividing 8 the result
 equals the unsharded `linear` bit for bit.
+
+Strict contract (triton backend, per deployment): one fp32 chain over K for `linear` (column-parallel
+and replicated linears); K in C = `rl_kernel.canonical_tp()` groups for `row_parallel_linear`, so
+that any tp dividing C gives the same bits (C = 1, the same-TP layout, is one chain everywhere).
+
+Gradients carry no bit contract: the backward runs bf16/fp16 tensor-core matmuls with fp32
+accumulation on CUDA (what native training runs) and fp32 matmuls on the CPU.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from rl_kernel import backends
 from rl_kernel.backends.torch import gemm as torch_gemm
 from rl_kernel.contracts import Contract, register
 from rl_kernel.errors import StrictModeError
+from rl_kernel.modes import canonical_tp
 from rl_kernel.ops._common import check_float, is_strict, record_native, strict_contract
 from rl_kernel.ops.collective import tree_all_reduce
 
@@ -33,24 +44,36 @@ CONTRACTS = {
         primitives="IEEE fp32 mul and add, no FMA",
         params=(("k_groups", torch_gemm.K_GROUPS), ("block", 64)),
     )),
-    "triton": register(Contract(
-        op="gemm", backend="triton", version=1,
-        input_dependency="out[m, n] depends on x[m, :], weight[n, :], bias[n] only",
-        partition="K in 2 equal groups (one chain if K % 8 != 0 or a TP shard holds less than a group); "
-                  "each group in slices of 64 from its start, last slice zero-padded; one tile "
-                  "(128 x 128, 8 warps) for every M",
-        merge_order="inside a group: tensor-core dots accumulated from zero, slices left to right; the 2 groups "
-                    "added; TP ranks by a pairwise tree in rank order (TP2 == TP1 bit for bit; tp 4, 8 deterministic)",
-        precision="bf16/fp16 operands on tensor cores with fp32 accumulation; fp32 operands as ieee fp32 dots",
-        rounding="fp32 result (+ bias in fp32) rounded once to x's dtype",
-        primitives="tensor-core mma (wgmma on sm_90) with fp32 accumulators; IEEE fp32 add for the group tree",
-        params=(("k_groups", 2), ("block_k", 64), ("tile", "128x128/w8")),
-    )),
 }
 
 
+@functools.cache
+def triton_contract(c: int) -> Contract:
+    """The Triton backend's GEMM contract for a deployment whose canonical TP is `c`."""
+    return register(Contract(
+        op="gemm", backend="triton", version=2,
+        input_dependency="out[m, n] depends on x[m, :], weight[n, :], bias[n] only",
+        partition=f"row-parallel linears: K in {c} equal groups (the canonical TP); every other linear: one "
+                  "group; a group is one chain of k16 tensor-core steps from its start",
+        merge_order="inside a group: one fp32 accumulator from zero, k16 steps in ascending K (no split-K); "
+                    "groups by a pairwise tree of neighbours; TP ranks (whole groups each) by the same tree in "
+                    "rank order",
+        precision="bf16/fp16 operands on tensor cores with fp32 accumulation; fp32 operands as ieee fp32 dots",
+        rounding="fp32 result (+ bias in fp32) rounded once to x's dtype",
+        primitives="tensor-core mma (wgmma on sm_90) with fp32 accumulators, served by cuBLASLt without split-K "
+                   "or by rl_kernel's Triton kernel (the same bits); IEEE fp32 add for the group tree",
+        params=(("canonical_tp", c), ("k_step", 16)),
+    ))
+
+
+def _contract(device: torch.device) -> Contract:
+    return strict_contract("gemm", device, {"torch": CONTRACTS["torch"], "triton": triton_contract(canonical_tp())})
+
+
 def _strict_matmul(x2d: torch.Tensor, weight: torch.Tensor, k_group: int | None = None) -> torch.Tensor:
-    contract = strict_contract("gemm", x2d.device, CONTRACTS)
+    """fp32 [M, N] under the contract. `k_group`: the row-parallel group size of the full K (None: not
+    row-parallel)."""
+    contract = _contract(x2d.device)
     check_float("gemm", contract.backend, x2d, weight)
     if contract.backend == "triton":
         from rl_kernel.backends.triton.gemm import matmul_fp32
@@ -59,19 +82,19 @@ def _strict_matmul(x2d: torch.Tensor, weight: torch.Tensor, k_group: int | None 
 
 
 class _StrictLinear(torch.autograd.Function):
-    """Forward under the contract (row-parallel when `group` is given); backward as plain fp32
-    matmuls: gradients carry no bit contract. In the row-parallel form the output gradient is the
-    same on every rank, so the input and weight gradients of a slice need no communication."""
+    """Forward under the contract (row-parallel when `row_parallel`, over `group` when given); backward
+    by the fastest matmuls (no bit contract). In the row-parallel form the output gradient is the same
+    on every rank, so the input and weight gradients of a slice need no communication."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, group):
+    def forward(ctx, x, weight, bias, row_parallel, group):
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
         x2d = x.reshape(-1, x.shape[-1])
-        if group is None:
-            y = _strict_matmul(x2d, weight)
-        else:
+        if row_parallel:
             y = _row_parallel_partial(x2d, weight, group)
+        else:
+            y = _strict_matmul(x2d, weight)
         if bias is not None:
             y = y + bias.to(torch.float32)
         return y.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
@@ -79,21 +102,36 @@ class _StrictLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         x, weight = ctx.saved_tensors
-        g = grad_out.reshape(-1, grad_out.shape[-1]).to(torch.float32)
-        x2d = x.reshape(-1, x.shape[-1]).to(torch.float32)
-        grad_x = (g @ weight.to(torch.float32)).to(x.dtype).reshape(x.shape)
+        # CUDA: tensor cores in the inputs' dtype, fp32 accumulation; CPU: fp32 matmuls.
+        dtype = x.dtype if x.is_cuda and x.dtype == weight.dtype else torch.float32
+        g = grad_out.reshape(-1, grad_out.shape[-1]).to(dtype)
+        x2d = x.reshape(-1, x.shape[-1]).to(dtype)
+        grad_x = (g @ weight.to(dtype)).to(x.dtype).reshape(x.shape)
         grad_w = (g.T @ x2d).to(weight.dtype)
-        grad_b = g.sum(0) if ctx.has_bias else None
-        return grad_x, grad_w, grad_b, None
+        grad_b = g.to(torch.float32).sum(0) if ctx.has_bias else None
+        return grad_x, grad_w, grad_b, None, None
 
 
-def _row_parallel_partial(x2d: torch.Tensor, weight: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    world = dist.get_world_size(group)
-    k_full = x2d.shape[-1] * world
+def _row_parallel_group(k_local: int, world: int, backend: str) -> int:
+    """The contract's K group size for a rank holding K/world; raises when a rank would split a group."""
+    k_full = k_local * world
+    if backend == "triton":
+        c = canonical_tp()
+        if c % world or k_full % c:
+            raise StrictModeError("gemm", backend, f"row-parallel over tp={world} with canonical TP {c} (K={k_full}): "
+                                  "set rl_kernel.set_canonical_tp(C) (RL_KERNEL_CANONICAL_TP) to the largest TP "
+                                  "of any engine of the run, a multiple of every TP and a divisor of K")
+        return k_full // c
     k_group = torch_gemm.group_size(k_full)
-    if x2d.shape[-1] % k_group:
-        raise StrictModeError("gemm", "torch", f"a TP shard of K={x2d.shape[-1]} does not hold whole "
+    if k_local % k_group:
+        raise StrictModeError("gemm", backend, f"a TP shard of K={k_local} does not hold whole "
                               f"contract groups of {k_group} (K={k_full}, tp={world}); use tp dividing 8")
+    return k_group
+
+
+def _row_parallel_partial(x2d: torch.Tensor, weight: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    world = 1 if group is None else dist.get_world_size(group)
+    k_group = _row_parallel_group(x2d.shape[-1], world, backends.strict_backend("gemm", x2d.device))
     partial = _strict_matmul(x2d, weight, k_group)
     if world == 1:
         return partial
@@ -105,7 +143,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if not is_strict("gemm"):
         record_native("gemm", x.device)
         return F.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
-    return _StrictLinear.apply(x, weight, bias, None)
+    return _StrictLinear.apply(x, weight, bias, False, None)
 
 
 def linear_fp32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -121,11 +159,13 @@ def row_parallel_linear(
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Row-parallel `linear`: x_local [..., K/tp] and weight_local [N, K/tp] are this rank's contiguous
-    K slice (rank order); returns the full [..., N] on every rank, in x's dtype.
+    K slice (rank order); returns the full [..., N] on every rank, in x's dtype. `group` None is tp 1
+    (the unsharded reference of a row-parallel layer: it runs the row-parallel contract's groups).
 
     Strict: fp32 partials over this rank's K groups, tree-reduced across ranks in rank order, bias
-    added after the reduction, rounded once; with tp dividing 8 this equals `linear` on the full
-    tensors bit for bit. Raises when K/tp is not a whole number of K groups.
+    added after the reduction, rounded once; every tp dividing the contract's group count (8 on the
+    torch backend, the canonical TP on triton) gives the bits of tp 1. Raises when a rank would split
+    a K group.
     Native: `F.linear` on the slice, then the framework's all-reduce in x's dtype.
     """
     if not is_strict("gemm"):
@@ -135,4 +175,4 @@ def row_parallel_linear(
             record_native("all_reduce", x_local.device)
             dist.all_reduce(y, group=group)
         return y if bias is None else y + bias.to(y.dtype)
-    return _StrictLinear.apply(x_local, weight_local, bias, group)
+    return _StrictLinear.apply(x_local, weight_local, bias, True, group)

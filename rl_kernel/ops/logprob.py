@@ -35,17 +35,19 @@ CONTRACTS = {
         params=(("fixed_point_bits", torch_logprob.FIXED_POINT_BITS),),
     )),
     "triton": register(Contract(
-        op="logprobs", backend="triton", version=1,
+        op="logprobs", backend="triton", version=2,
         input_dependency="out[t] depends on hidden[t], the real vocab rows of weight (all ranks), "
                          "targets[t], temperature[t]",
-        partition="logits tiles of the Triton GEMM contract; vocab in tiles of 64 columns from column 0 of the "
-                  "full vocab (rank slices must start on a tile); rows in chunks (no effect on any bit)",
+        partition="logits: one fp32 chain over D per element (the GEMM contract's one-chain form, served by "
+                  "cuBLASLt without split-K or by the Triton GEMM); vocab in tiles of 64 columns from column 0 of "
+                  "the full vocab (rank slices must start on a tile); rows and vocab slices: no effect on any bit",
         merge_order="order-free: exact max per tile and per row; int64 fixed-point sums inside a tile and across "
                     "tiles and ranks",
         precision="fp32 logits and z = logits / fp32(T); 2^-40 fixed-point exp terms; fp64 tile rescale and lse",
         rounding="logprob = z[target] - lse rounded once from fp64 to fp32",
-        primitives="hardware ex2.approx.f32; IEEE fp32 div_rn; fp64 mul; rl_kernel log64; int64 add",
-        params=(("vocab_tile", 64), ("fixed_point_bits", 40)),
+        primitives="tensor-core mma with fp32 accumulation (k16 steps, ascending); hardware ex2.approx.f32; IEEE "
+                   "fp32 div_rn; fp64 mul; rl_kernel log64; int64 add",
+        params=(("vocab_tile", 64), ("fixed_point_bits", 40), ("k_step", 16)),
     )),
 }
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from rl_kernel import backends
 from rl_kernel.backends.torch import norm as torch_norm
 from rl_kernel.contracts import Contract, register
 from rl_kernel.ops._common import check_float, is_strict, record_native, strict_contract
@@ -57,7 +58,12 @@ class _StrictRMSNorm(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_y):
+        """No bit contract: one Triton pass on CUDA, autograd through fp32 RMSNorm elsewhere."""
         x, weight = ctx.saved_tensors
+        if x.is_cuda and "rms_norm" in backends.triton_ops():
+            from rl_kernel.backends.triton.norm import rms_norm_backward
+            gx, gw = rms_norm_backward(x, weight, grad_y, ctx.eps)
+            return gx, gw, None
         with torch.enable_grad():
             x_ = x.detach().to(torch.float32).requires_grad_()
             w_ = weight.detach().to(torch.float32).requires_grad_()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from rl_kernel import backends
 from rl_kernel.backends.torch import rope as torch_rope
 from rl_kernel.contracts import Contract, register
 from rl_kernel.ops._common import check_float, is_strict, record_native, strict_contract
@@ -53,7 +54,10 @@ class _StrictRope(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         cos, sin = ctx.saved_tensors
-        # The rotation is orthogonal: its adjoint is the rotation by -angle.
+        # The rotation is orthogonal: its adjoint is the rotation by -angle (no bit contract on gradients).
+        if grad_out.is_cuda and "rope" in backends.triton_ops():
+            from rl_kernel.backends.triton.rope import rotate as triton_rotate
+            return triton_rotate(grad_out.contiguous(), cos, -sin, ctx.rotary_dim), None, None, None
         return torch_rope.rotate(grad_out, cos, -sin, ctx.rotary_dim), None, None, None
 
 

@@ -76,10 +76,13 @@ def gemms(gen: torch.Generator) -> None:
         check(f"gemm {m}x{n}x{k} accuracy", float((fused.double() - ref).norm() / ref.norm()) < 1e-6)
         check(f"gemm {m}x{n}x{k} fused == split", same(fused, gemm.matmul_fp32(x, w, schedule="split")))
         check(f"gemm {m}x{n}x{k} row alone == in batch", same(gemm.matmul_fp32(x[1:2], w), fused[1:2]))
-        if k % 8 == 0:
+        if k % 8 == 0:  # row-parallel contract with canonical TP 2: two K groups; a TP2 shard holds one
             h = k // 2
-            parts = [gemm.matmul_fp32(x[:, i * h:(i + 1) * h], w[:, i * h:(i + 1) * h], k // 8) for i in range(2)]
-            check(f"gemm {m}x{n}x{k} TP2 shards == full", same(tree_sum(torch.stack(parts, -1)), fused))
+            grouped = gemm.matmul_fp32(x, w, h, schedule="fused")
+            split = gemm.matmul_fp32(x, w, h, schedule="split")
+            check(f"gemm {m}x{n}x{k} 2 groups fused == split", same(grouped, split))
+            parts = [gemm.matmul_fp32(x[:, i * h:(i + 1) * h], w[:, i * h:(i + 1) * h], h) for i in range(2)]
+            check(f"gemm {m}x{n}x{k} TP2 shards == 2 groups", same(tree_sum(torch.stack(parts, -1)), grouped))
         b = torch.randn(n, generator=gen).to(F16)
         check(f"gemm {m}x{n}x{k} epilogue rounding", same(gemm.linear(x, w, b), (fused + b.float()).to(F16)))
 

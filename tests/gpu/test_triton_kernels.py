@@ -80,13 +80,42 @@ def test_gemm_batch_invariance_and_native_twin():
 
 
 def test_gemm_tp_invariance():
-    """Shards holding whole contract groups tree-sum to the unsharded product (tp up to the group count)."""
+    """Row-parallel contract with canonical TP C: K in C groups; shards of any tp dividing C tree-sum to it."""
     x, w = randn(33, 4096), randn(512, 4096, std=0.02)
-    full = gemm.matmul_fp32(x, w)
-    for tp in [t for t in (2, 4, 8) if t <= gemm.CONTRACT_GROUPS]:
-        kl = 4096 // tp
-        parts = [gemm.matmul_fp32(x[:, r * kl:(r + 1) * kl], w[:, r * kl:(r + 1) * kl], 512) for r in range(tp)]
-        assert same(tree_sum(torch.stack(parts, -1)), full), f"tp={tp} shards do not tree-sum to the full product"
+    for c in (2, 4, 8):
+        full = gemm.matmul_fp32(x, w, 4096 // c)
+        for tp in [t for t in (2, 4, 8) if t <= c]:
+            kl = 4096 // tp
+            parts = [gemm.matmul_fp32(x[:, r * kl:(r + 1) * kl], w[:, r * kl:(r + 1) * kl], 4096 // c)
+                     for r in range(tp)]
+            assert same(tree_sum(torch.stack(parts, -1)), full), f"C={c} tp={tp} shards do not tree-sum to tp 1"
+
+
+QWEN3_8B_GEMMS = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288),
+                  "lm_head_slice": (16384, 4096)}
+
+
+@pytest.mark.parametrize("name", sorted(QWEN3_8B_GEMMS))
+def test_gemm_servers_same_bits_qwen3_8b(name):
+    """The one-chain contract has two servers: cuBLASLt without split-K and the Triton kernel. Their bits
+    must be equal on every shape the models use, at every M, and a row's bits must not depend on M."""
+    if not rk.backends.triton.cublaslt_ready():
+        pytest.skip("cuBLASLt's workspace was not claimed in this process")
+    n, k = QWEN3_8B_GEMMS[name]
+    gen = torch.Generator(device=DEV).manual_seed(11)
+    x, w = randn(8192, k, gen=gen), randn(n, k, std=0.02, gen=gen)
+    lt_full = gemm.linear(x, w, server="cublaslt")
+    assert same(lt_full, gemm.linear(x, w, server="triton")), f"{name}: cuBLASLt and Triton bits differ at M=8192"
+    assert same(gemm.matmul_fp32(x[:1000], w, server="cublaslt"), gemm.matmul_fp32(x[:1000], w, server="triton"))
+    for m, off in [(1, 0), (3, 4000), (17, 100), (64, 960), (128, 7000), (257, 3), (1000, 24), (4096, 4096)]:
+        for server in ("cublaslt", "triton"):
+            got = gemm.linear(x[off:off + m], w, server=server)
+            assert same(got, lt_full[off:off + m]), f"{name}: {server} row bits changed at M={m} offset={off}"
+    if name in ("o", "down"):  # row-parallel layers: C = 2 and 4 K groups, both servers
+        for c in (2, 4):
+            kg = k // c
+            assert same(gemm.linear(x[:512], w, k_group=kg, server="cublaslt"),
+                        gemm.linear(x[:512], w, k_group=kg, server="triton")), f"{name}: C={c} servers differ"
 
 
 def test_linear_op_runs_triton_contract():
@@ -218,8 +247,8 @@ def test_logprobs_accuracy_rows_and_chunks(monkeypatch):
     assert torch.isfinite(out).all()
     assert float((out.double() - ref).abs().max()) < 1e-4
     assert same(logprob.logprobs_and_lse(h[100:101], w, tg[100:101], temps[100:101], 0, real)[0], out[100:101])
-    monkeypatch.setattr(logprob, "MIN_CHUNK_BYTES", 1, raising=True)
-    monkeypatch.setattr(logprob, "CHUNK_FRACTION", 10 ** 9, raising=True)
+    monkeypatch.setattr(logprob, "MIN_STATE_BYTES", 1, raising=True)
+    monkeypatch.setattr(logprob, "STATE_FRACTION", 10 ** 9, raising=True)
     assert same(logprob.logprobs_and_lse(h, w, tg, temps, 0, real)[0], out), "row chunking changed bits"
 
 
@@ -235,6 +264,56 @@ def test_logprobs_backward():
     ref = torch.log_softmax((h64 @ w64.T) / 0.8, -1).gather(1, tg[:, None]).squeeze(1)
     (ref * g.double()).sum().backward()
     assert rel_err(h.grad, h64.grad) < 1e-4 and rel_err(w.grad, w64.grad) < 1e-4
+
+
+def test_logprobs_servers_same_bits_and_backward_bf16():
+    gen = torch.Generator(device=DEV).manual_seed(6)
+    t, d, v, real = 1024, 4096, 32768, 32700
+    h, w = randn(t, d, gen=gen), randn(v, d, std=0.02, gen=gen)
+    tg = torch.randint(0, real, (t,), device=DEV, generator=gen)
+    temps = torch.full((t,), 0.9, device=DEV, dtype=torch.float64)
+    if rk.backends.triton.cublaslt_ready():
+        a = logprob.logprobs_and_lse(h, w, tg, temps, 0, real, server="cublaslt")[0]
+        b = logprob.logprobs_and_lse(h, w, tg, temps, 0, real, server="triton")[0]
+        assert same(a, b), "logprob servers differ"
+        assert same(logprob.logprobs_and_lse(h[7:9], w, tg[7:9], temps[7:9], 0, real)[0], a[7:9])
+    hg, wg = h.clone().requires_grad_(), w.clone().requires_grad_()
+    g = torch.randn(t, device=DEV, generator=gen)
+    with rk.mode("strict"):
+        lp = rk.logprobs(hg, wg, tg, 0.9, vocab_size=real)
+        poison()
+        (lp * g).sum().backward()
+    assert torch.isfinite(wg.grad).all() and torch.isfinite(hg.grad).all(), "unwritten gradient elements"
+    h64, w64 = h.double().requires_grad_(), w.double().requires_grad_()
+    ref = torch.log_softmax((h64 @ w64.T)[:, :real] / 0.9, -1).gather(1, tg[:, None]).squeeze(1)
+    (ref * g.double()).sum().backward()
+    assert rel_err(hg.grad, h64.grad) < 2e-2 and rel_err(wg.grad, w64.grad) < 2e-2
+
+
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_attention_backward_flash(monkeypatch, deterministic):
+    """The strict attention's backward (FlashAttention-2 from the forward's out and lse) against autograd
+    through fp64 attention; deterministic mode gives the same gradient bits twice."""
+    from rl_kernel.ops import attention as attention_op
+    monkeypatch.setattr(attention_op, "DETERMINISTIC_GRADS", deterministic)
+    gen = torch.Generator(device=DEV).manual_seed(8)
+    lens = [300, 1, 777, 64]
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=DEV)
+    tq = sum(lens)
+    q, k, v = randn(tq, 32, 128, gen=gen), randn(tq, 8, 128, gen=gen), randn(tq, 8, 128, gen=gen)
+    go = randn(tq, 32, 128, gen=gen)
+    runs = []
+    for _ in range(2):
+        qi, ki, vi = (t.clone().requires_grad_() for t in (q, k, v))
+        with rk.mode("strict"):
+            rk.attention_varlen(qi, ki, vi, cu, 128 ** -0.5).backward(go)
+        runs.append((qi.grad, ki.grad, vi.grad))
+    ref_in = [t.double().requires_grad_() for t in (q, k, v)]
+    _native_varlen(*ref_in, cu, 128 ** -0.5).backward(go.double())
+    for got, ref, name in zip(runs[0], [t.grad for t in ref_in], "qkv"):
+        assert rel_err(got, ref) < 2e-2, f"d{name} relative error {rel_err(got, ref)}"
+    if deterministic:
+        assert all(same(a, b) for a, b in zip(*runs)), "deterministic flash backward gave different bits"
 
 
 # ---- CUDA graphs ---------------------------------------------------------------------------------------
@@ -268,3 +347,20 @@ def test_cuda_graph_replay_matches_eager():
             static_x.copy_(new)
             graph.replay()
             assert same(static_out, step(new)), "CUDA-graph replay differs from eager"
+
+
+def test_norm_and_activation_backward_kernels():
+    """The one-pass Triton backward kernels of RMSNorm and SwiGLU against autograd in fp64."""
+    from rl_kernel.backends.triton.activation import silu_and_mul_backward
+    from rl_kernel.backends.triton.norm import rms_norm_backward
+    gen = torch.Generator(device=DEV).manual_seed(9)
+    for rows, d in ((3000, 4096), (50000, 128)):
+        x, w, dy = randn(rows, d, gen=gen), randn(d, gen=gen), randn(rows, d, gen=gen)
+        dx, dw = rms_norm_backward(x, w, dy, 1e-6)
+        x64, w64 = x.double().requires_grad_(), w.double().requires_grad_()
+        (w64 * x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-6)).backward(dy.double())
+        assert rel_err(dx, x64.grad) < 1e-2 and rel_err(dw, w64.grad) < 1e-2, (rows, d)
+    x, g = randn(777, 2 * 3000, gen=gen), randn(777, 3000, gen=gen)
+    x64 = x.double().requires_grad_()
+    (F.silu(x64[:, :3000]) * x64[:, 3000:]).backward(g.double())
+    assert rel_err(silu_and_mul_backward(x, g), x64.grad) < 1e-2

@@ -37,6 +37,7 @@ def main() -> None:
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl")
     group = dist.group.WORLD
+    rk.set_canonical_tp(world)  # row-parallel K groups of the widest TP: then TP = world equals TP 1
     gen = torch.Generator(device="cuda").manual_seed(0)  # same inputs on every rank
     dev = "cuda"
     results = {}
@@ -52,10 +53,10 @@ def main() -> None:
         kl = k // world
         xs, ws = x[:, rank * kl:(rank + 1) * kl], w[:, rank * kl:(rank + 1) * kl]
         with rk.mode("strict"):
-            full, sharded = rk.linear(x, w), rk.row_parallel_linear(xs, ws, group)
+            full, sharded = rk.row_parallel_linear(x, w, None), rk.row_parallel_linear(xs, ws, group)
         record(f"strict row_parallel == linear  M={m} N={n} K={k}", full, sharded)
         with rk.mode("native"):
-            full_n, sharded_n = rk.linear(x, w), rk.row_parallel_linear(xs, ws, group)
+            full_n, sharded_n = rk.row_parallel_linear(x, w, None), rk.row_parallel_linear(xs, ws, group)
         record(f"native row_parallel == linear  M={m} N={n} K={k}", full_n, sharded_n)
 
     parts = torch.randn(world, 1 << 20, generator=gen, device=dev) * 100

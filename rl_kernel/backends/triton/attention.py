@@ -96,11 +96,11 @@ def _merge(m_t, l_t, o_t, m_s, l_s, o_s):
 
 
 @triton.jit
-def _attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, pm_ptr, pl_ptr, po_ptr, nsplit_ptr,
+def _attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, pm_ptr, pl_ptr, po_ptr, nsplit_ptr, lse_ptr,
                  q_start_ptr, ctx_len_ptr, tile_start_ptr, block_table_ptr, B, LOG_B, NUM_SPLITS,
                  stride_qt, stride_qh, stride_ot, stride_oh, stride_kt, stride_kh, stride_vt, stride_vh,
-                 stride_bt, qk_scale,
-                 G: tl.constexpr, D: tl.constexpr, PAGED: tl.constexpr,
+                 stride_bt, stride_lse_h, qk_scale,
+                 G: tl.constexpr, D: tl.constexpr, PAGED: tl.constexpr, STORE_LSE: tl.constexpr,
                  SPLIT: tl.constexpr, BLOCK_SIZE: tl.constexpr, CHUNK: tl.constexpr,
                  SPLIT_CHUNKS: tl.constexpr, BLOCK_M: tl.constexpr, PRECISION: tl.constexpr):
     b, tile = _find_tile(tile_start_ptr, B, LOG_B)
@@ -151,6 +151,9 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, pm_ptr, pl_ptr, po_ptr, nsplit_pt
         out = tl.div_rn(o_t, l_t[:, None])
         o_off = (q0 + tok).to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
         tl.store(out_ptr + o_off, out.to(q.dtype), mask=row_ok[:, None])
+        if STORE_LSE:  # natural log-sum-exp of the scaled scores, for the backward only (no bit contract)
+            lse = (m_t + tl.log2(l_t)) * 0.6931471805599453
+            tl.store(lse_ptr + head * stride_lse_h + q0 + tok, lse, mask=row_ok)
 
 
 @triton.jit
@@ -190,7 +193,7 @@ def _precision(q: torch.Tensor, k: torch.Tensor) -> str:
     return "ieee" if q.dtype == torch.float32 else "tf32"
 
 
-def _run(q, k, v, q_start, ctx_len, block_table, block_size, scale, paged, schedule):
+def _run(q, k, v, q_start, ctx_len, block_table, block_size, scale, paged, schedule, lse=None):
     tq, heads, _ = q.shape
     kv_heads = k.shape[-2]
     g, d = _check(q, kv_heads)
@@ -220,10 +223,11 @@ def _run(q, k, v, q_start, ctx_len, block_table, block_size, scale, paged, sched
     table = block_table if paged else tile_start
     grid = (grid_tiles, kv_heads, num_splits if split else 1)
     _attn_kernel[grid](
-        q, k, v, out, pm, pl, po, nsplit, q_start, ctx_len, tile_start, table, b, b.bit_length(), num_splits,
+        q, k, v, out, pm, pl, po, nsplit, pm if lse is None else lse, q_start, ctx_len, tile_start, table, b,
+        b.bit_length(), num_splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        table.stride(0), float(scale) * LOG2E,
-        G=g, D=d, PAGED=paged, SPLIT=split, BLOCK_SIZE=block_size,
+        table.stride(0), 0 if lse is None else lse.stride(0), float(scale) * LOG2E,
+        G=g, D=d, PAGED=paged, STORE_LSE=lse is not None, SPLIT=split, BLOCK_SIZE=block_size,
         CHUNK=CHUNK, SPLIT_CHUNKS=SPLIT_CHUNKS, BLOCK_M=BLOCK_M, PRECISION=precision, **CONFIG, **LAUNCH)
     if split:
         _merge_kernel[(tq, heads)](pm, pl, po, nsplit, out, heads, num_splits, out.stride(0), out.stride(1),
@@ -232,11 +236,16 @@ def _run(q, k, v, q_start, ctx_len, block_table, block_size, scale, paged, sched
 
 
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: float,
-                     *, schedule: str | None = None) -> torch.Tensor:
-    """Causal attention over packed sequences: q [T, H, d], k, v [T, Hkv, d], cu_seqlens [B+1]."""
+                     *, schedule: str | None = None, lse: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention over packed sequences: q [T, H, d], k, v [T, Hkv, d], cu_seqlens [B+1].
+
+    `lse`, an fp32 [H, T] tensor, receives each row's natural log-sum-exp of the scaled scores (for a
+    flash-attention backward; fused schedule only). It is outside the contract: no bit promise."""
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     cu = cu_seqlens.to(torch.int32)
-    return _run(q, k, v, cu, cu[1:] - cu[:-1], cu.view(1, -1), 1, scale, False, schedule or "fused")
+    if lse is not None and (schedule or "fused") != "fused":
+        raise ValueError("the log-sum-exp output needs the fused schedule")
+    return _run(q, k, v, cu, cu[1:] - cu[:-1], cu.view(1, -1), 1, scale, False, schedule or "fused", lse)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,

@@ -1,53 +1,107 @@
-"""Strict GEMM on Triton: out[m, n] = sum_k x[m, k] w[n, k] in fp32 with a fixed schedule.
+"""Strict GEMM on the GPU: out[m, n] = sum_k x[m, k] w[n, k] in fp32 with a fixed schedule.
 
-Contract (triton v1): K is cut into CONTRACT_GROUPS = 2 equal halves (one chain when K % 8 != 0).
-A group's partial is a chain of tensor-core dots over BLOCK_K = 64 slices of K from the group's
-start, accumulated in fp32 from zero (the last slice zero-padded). Group partials are combined by
-a pairwise tree of neighbours, so a tensor-parallel shard holding whole groups (tp = 2) computes an
-exact subtree of the unsharded sum: TP2 == TP1 bit for bit. A shard smaller than a group (tp = 4, 8)
-is one chain over its slice: the same tp on both sides still gives the same bits, TP1 does not.
+Contract (triton v2). The local K is cut into groups of `k_group` elements (one group when none is
+given). A group's partial is one fp32 accumulator chained through the tensor cores' k16 steps in
+ascending K from zero: what cuBLASLt computes without split-K, and what this file's Triton kernel
+computes with any tile (wgmma accumulates each output element independently of the tile shape).
+Group partials are combined by a pairwise tree of neighbours. Only row-parallel linears have more
+than one group: K in C = canonical_tp groups of the full K, so a rank of any TP dividing C holds
+whole groups and its partial is an exact subtree (see rl_kernel.ops.gemm). Every other linear is
+one chain.
 
-Why 2 groups and not the torch contract's 8: the tree needs log2(groups) + 1 fp32 tiles live in
-registers. With 8 groups only a 128 x 64 tile fits (230 registers, no spill), which is L2-bandwidth
-bound on an H200; 2 groups fit a 128 x 128 tile (187 registers). `contract_groups` selects 8, 4 or 1
-for benchmarks (other contracts; see docs/triton.md).
-
-One tile shape (TILE below) is used for every M: the tensor-core instruction and its K order are
-the same for every output element. Two schedules compute the same IEEE operations: `fused` keeps
-the group tree in registers; `split` runs one program per group (more parallelism when M is
-small), stores the exact fp32 partials and adds them by the same tree in a second kernel. fp32
-inputs use fp32 ("ieee") dots; bf16/fp16 inputs use the tensor cores' native dots.
+Two servers, the same bits (tests/gpu/test_triton_kernels.py asserts it for Qwen3-8B shapes):
+cuBLASLt for M >= LT_MIN_M when `cublaslt_ready()` (its workspace claimed so that no split-K kernel
+can be chosen; bf16 reduced-precision reduction off), and the Triton kernel otherwise (one tile per
+M size class; a tile's shape moves no bit, which the same tests check against cuBLASLt). bf16/fp16
+operands use tensor cores; fp32 operands use ieee fp32 dots, on the Triton kernel only. Two Triton
+schedules compute the same IEEE operations: `fused` keeps the group tree in registers; `split` runs
+one program per group (more parallelism when M is small), stores the exact fp32 partials and adds
+them by the same tree in a second kernel.
 """
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
 
 import torch
 import triton
 import triton.language as tl
 
+from rl_kernel.backends.triton import cublaslt_ready
 from rl_kernel.backends.triton.numerics import LAUNCH, tree_sum
 
-K_GROUPS = 8  # the torch contract's groups: callers pass k_group = K / K_GROUPS of the full K
-CONTRACT_GROUPS = 2  # this contract's groups of the full K (each K_GROUPS / CONTRACT_GROUPS torch groups)
 BLOCK_K = 64
-# The one tile configuration (per-element bits depend on it: changing it is a new contract version).
-TILE = {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3}
-SPLIT_MAX_M = 64  # rows up to which the split schedule is used (no effect on any bit)
+# One Triton tile configuration for every M. 4 stages: 9-23% faster than 3 on an H200, identical bits.
+TILE = {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 4}
+# Decode-sized M: narrow tiles give more programs to stream the weights (a tile's shape moves no bit).
+SMALL_M = 64
+SMALL_TILE = {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 5}
+SPLIT_MAX_M = 64  # rows up to which the Triton split schedule is used (no effect on any bit)
+LT_MIN_M = 256  # rows from which cuBLASLt serves (no effect on any bit)
+SERVERS = ("auto", "triton", "cublaslt")
 
 
-def group_size(k: int) -> int:
-    """The torch contract's group size for a full reduction of length k (what callers pass as k_group)."""
-    return k // K_GROUPS if k % K_GROUPS == 0 else k
+def groups_of(k: int, k_group: int | None) -> tuple[int, int]:
+    """(number of groups, group size) over a local K: one chain unless `k_group` cuts K into whole groups."""
+    if k_group is None or k_group >= k:
+        return 1, k
+    if k % k_group:
+        raise ValueError(f"K={k} is not a whole number of contract groups of {k_group}")
+    groups = k // k_group
+    if groups & (groups - 1) or groups > 8:
+        raise ValueError(f"{groups} contract groups over K={k}: the group tree takes a power of two <= 8")
+    return groups, k_group
 
 
-def _groups(k: int, k_group: int | None, contract_groups: int) -> tuple[int, int]:
-    """(number of groups, group size) of this contract over a local K. A local K that holds whole groups of
-    the full K's contract grouping is cut into them; anything else (K % 8 != 0, or a TP shard smaller than
-    one group) is one chain over the local K."""
-    unit = (group_size(k) if k_group is None else k_group) * (K_GROUPS // contract_groups)
-    if k >= unit and k % unit == 0 and k // unit > 1:
-        return k // unit, unit
-    return 1, k
+@contextlib.contextmanager
+def cublaslt() -> Iterator[None]:
+    """cuBLASLt for the calls inside, with no reduced-precision split-K reduction; restores the settings."""
+    matmul = torch.backends.cuda.matmul
+    saved = (torch.backends.cuda.preferred_blas_library(), matmul.allow_bf16_reduced_precision_reduction,
+             matmul.allow_fp16_reduced_precision_reduction)
+    torch.backends.cuda.preferred_blas_library("cublaslt")
+    matmul.allow_bf16_reduced_precision_reduction = False
+    matmul.allow_fp16_reduced_precision_reduction = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.preferred_blas_library(saved[0])
+        matmul.allow_bf16_reduced_precision_reduction = saved[1]
+        matmul.allow_fp16_reduced_precision_reduction = saved[2]
+
+
+def use_cublaslt(x: torch.Tensor, weight: torch.Tensor, server: str | None = None) -> bool:
+    """Whether cuBLASLt serves this product (never for fp32 operands or off CUDA)."""
+    server = server or "auto"
+    if server not in SERVERS:
+        raise ValueError(f"unknown GEMM server {server!r}; choose one of {SERVERS}")
+    eligible = (x.is_cuda and x.dtype == weight.dtype and x.dtype in (torch.bfloat16, torch.float16)
+                and cublaslt_ready())
+    if server == "cublaslt" and not eligible:
+        raise RuntimeError("cuBLASLt cannot serve this GEMM contract here (16-bit CUDA operands and a claimed "
+                           "workspace are needed; see rl_kernel.backends.triton)")
+    return eligible and (server == "cublaslt" or (server == "auto" and x.shape[0] >= LT_MIN_M))
+
+
+def tree_add(parts: list[torch.Tensor]) -> torch.Tensor:
+    """Pairwise tree of neighbours over a power-of-two list of fp32 tensors: ((p0 + p1) + (p2 + p3)) ..."""
+    while len(parts) > 1:
+        parts = [a + b for a, b in zip(parts[0::2], parts[1::2])]
+    return parts[0]
+
+
+def _lt_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype,
+               groups: int, k_group: int) -> torch.Tensor:
+    with cublaslt():
+        if groups == 1 and bias is None and out_dtype == x.dtype:
+            return x @ weight.t()  # the epilogue rounds the fp32 chain once, as the Triton kernel does
+        parts = [torch.mm(x[:, g * k_group:(g + 1) * k_group], weight[:, g * k_group:(g + 1) * k_group].t(),
+                          out_dtype=torch.float32) for g in range(groups)]
+    acc = tree_add(parts)
+    if bias is not None:
+        acc = acc + bias.to(torch.float32)
+    return acc if out_dtype == torch.float32 else acc.to(out_dtype)
 
 
 @triton.jit
@@ -168,33 +222,30 @@ def _operands(x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torc
 
 
 def matmul_fp32(x: torch.Tensor, weight: torch.Tensor, k_group: int | None = None, *,
-                schedule: str | None = None, tile: dict | None = None, contract_groups: int | None = None,
-                ) -> torch.Tensor:
-    """x [M, K] @ weight[N, K].T -> fp32 [M, N], unrounded, under the Triton GEMM contract.
+                schedule: str | None = None, tile: dict | None = None, server: str | None = None) -> torch.Tensor:
+    """x [M, K] @ weight[N, K].T -> fp32 [M, N], unrounded, under the GEMM contract.
 
-    `k_group` is the torch contract's group size of the full (unsharded) K, as the dispatch passes it.
-    `schedule` ('fused' or 'split'), `tile` and `contract_groups` are for tests and benchmarks only:
-    the schedule never changes a bit; another tile or group count is another contract."""
-    return linear(x, weight, None, torch.float32, k_group, schedule=schedule, tile=tile,
-                  contract_groups=contract_groups)
+    `k_group` cuts the local K into contract groups (row-parallel linears); None is one chain.
+    `schedule` ('fused' or 'split'), `tile` and `server` ('triton', 'cublaslt') are for tests and
+    benchmarks: none of them changes a bit."""
+    return linear(x, weight, None, torch.float32, k_group, schedule=schedule, tile=tile, server=server)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            out_dtype: torch.dtype | None = None, k_group: int | None = None, *,
-           schedule: str | None = None, tile: dict | None = None, contract_groups: int | None = None,
-           ) -> torch.Tensor:
-    """x [M, K] @ weight[N, K].T (+ bias, in fp32) rounded once to `out_dtype` (x's dtype by default) in
-    the kernel's epilogue: the bits of `matmul_fp32(x, weight) + bias.float()` rounded, in one pass."""
+           schedule: str | None = None, tile: dict | None = None, server: str | None = None) -> torch.Tensor:
+    """x [M, K] @ weight[N, K].T (+ bias, in fp32) rounded once to `out_dtype` (x's dtype by default):
+    the bits of `matmul_fp32(x, weight) + bias.float()` rounded, in one pass on the Triton server."""
     m, k = x.shape
     n = weight.shape[0]
-    if k_group is not None and k % k_group:
-        raise ValueError(f"K={k} is not a whole number of contract groups of {k_group}")
-    groups, k_group = _groups(k, k_group, contract_groups or CONTRACT_GROUPS)
+    groups, k_group = groups_of(k, k_group)
     out_dtype = out_dtype or x.dtype
+    if m and n and schedule is None and tile is None and use_cublaslt(x, weight, server):
+        return _lt_linear(x, weight, bias, out_dtype, groups, k_group)
     x, weight, precision = _operands(x, weight)
-    cfg = dict(TILE if tile is None else tile)
+    cfg = dict(tile or (SMALL_TILE if m <= SMALL_M else TILE))
     bm, bn = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N")
-    out = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
+    out = torch.empty(m, n, dtype=out_dtype, device=x.device)
     bias_arg = out if bias is None else bias.contiguous()
     if m == 0 or n == 0:
         return out

@@ -1,38 +1,47 @@
-"""Strict fused linear-logprob on Triton: hidden x LM head -> selected-token fp32 logprob, without
+"""Strict fused linear-logprob on the GPU: hidden x LM head -> selected-token fp32 logprob, without
 ever holding [T, V] logits.
 
-Contract (triton v1). Logits are fp32 tiles of the Triton GEMM contract (the same kernel code and
-tile as `matmul_fp32`). z = logits / fp32(temperature) (IEEE div); columns past the real vocab are
--inf. The vocab is cut into fixed tiles of VOCAB_TILE = 64 columns counted from column 0 of the
-full vocab. Per (row, tile): m_j = max z (exact) and S_j = sum of rint(exp2((z - m_j) log2 e) 2^40)
-in int64 (exp2 = hardware ex2.approx.f32). Per row: M = max_j m_j (exact), total = sum_j
-rint(S_j * exp2((m_j - M) log2 e)) in int64 (fp64 product), lse = M + log(total 2^-40) in fp64
-(rl_kernel's log64), logprob = z[target] - lse rounded once to fp32. Every sum is an integer sum,
-so rows, tiles, kernel schedules and vocab sharding (slices of whole tiles, any rank order) give
-the same bits. Rows are processed in chunks whose per-tile state stays under a tenth of the LM
-head's bytes. Backward: p = exp(z - lse) recomputed per row tile in fp32 with torch matmuls.
+Contract (triton v2). Logits are fp32 one-chain products of the GEMM contract (`gemm.py`: one fp32
+accumulator over D, k16 tensor-core steps in ascending order). z = logits / fp32(temperature) (IEEE
+div); columns past the real vocab are -inf. The vocab is cut into fixed tiles of VOCAB_TILE = 64
+columns counted from column 0 of the full vocab. Per (row, tile): m_j = max z (exact) and S_j = sum
+of rint(exp2((z - m_j) log2 e) 2^40) in int64 (exp2 = hardware ex2.approx.f32). Per row: M = max_j
+m_j (exact), total = sum_j rint(S_j * exp2((m_j - M) log2 e)) in int64 (fp64 product), lse = M +
+log(total 2^-40) in fp64 (rl_kernel's log64), logprob = z[target] - lse rounded once to fp32. Every
+sum is an integer sum, so rows, tiles, kernel schedules and vocab sharding (slices of whole tiles,
+any rank order) give the same bits.
+
+Two servers of the forward, the same bits: at T >= gemm.LT_MIN_M rows with cuBLASLt ready, fp32
+logits of one vocab slice at a time come from cuBLASLt (no split-K) and `_stats_kernel` reduces them;
+otherwise `_fused_kernel` computes each logits tile with the Triton GEMM and reduces it in registers.
+Either way the fp32 state stays under a fixed fraction of the LM head's bytes.
+
+Backward (no bit contract): per vocab slice, the logits are recomputed by a tensor-core GEMM, the
+logit gradient (onehot - p) * g / T is formed in bf16 by `_dlogits_kernel`, and two more tensor-core
+GEMMs give that slice's LM-head gradient and add its share of the hidden gradient (fp32).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.distributed as dist
 import triton
 import triton.language as tl
 
-from rl_kernel.backends.torch.logprob import logprob_grads
 from rl_kernel.backends.torch.numerics import log64
 from rl_kernel.backends.triton import gemm
-from rl_kernel.backends.triton.gemm import _tile_ids, _tree8
+from rl_kernel.backends.triton.gemm import _group_dot, _tile_ids
 from rl_kernel.backends.triton.numerics import LAUNCH
 from rl_kernel.errors import StrictModeError
 
 VOCAB_TILE = 64
 FIXED_POINT_BITS = 40
 LOG2E = 1.4426950408889634
-BACKWARD_TILE_ELEMENTS = 1 << 26
-CHUNK_FRACTION = 10  # per-tile state of a row chunk stays under 1/10 of the LM head's bytes
-MIN_CHUNK_BYTES = 1 << 25
+STATE_FRACTION = 10  # per-tile state and logits slices stay under 1/10 of the LM head's bytes
+MIN_STATE_BYTES = 1 << 25
+STATS_TILE = {"BLOCK_M": 32, "BLOCK_N": 256, "num_warps": 8}
 
 
 @triton.jit
@@ -42,39 +51,60 @@ def _rint32(y):
 
 
 @triton.jit
-def _tiles_kernel(h_ptr, w_ptr, temp_ptr, tgt_ptr, m_ptr, s_ptr, zt_ptr, T, V, stride_h, stride_w, k_group,
-                  vocab_start, vocab_size, n_tiles,
-                  GROUPS: tl.constexpr, LEAVES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, VT: tl.constexpr, FIXED: tl.constexpr,
-                  LOG2E: tl.constexpr):
-    pid_m, pid_n = _tile_ids(T, V, BLOCK_M, BLOCK_N)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    logits = _tree8(h_ptr, w_ptr, offs_m, offs_n, T, V, stride_h, stride_w, k_group, GROUPS, LEAVES,
-                    BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
-    row_ok = offs_m < T
+def _tile_stats(logits, offs_m, offs_n, row_ok, temp_ptr, tgt_ptr, m_ptr, s_ptr, zt_ptr, V, vocab_start,
+                vocab_size, n_tiles, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, VT: tl.constexpr,
+                FIXED: tl.constexpr, LOG2E: tl.constexpr):
+    """Per (row, vocab tile of VT columns) of an fp32 logits block: exact max and int64 fixed-point sum of
+    exp; the target's z for the rows whose target column lies in this block."""
     temp = tl.load(temp_ptr + offs_m, mask=row_ok, other=1.0)
     z = tl.div_rn(logits, temp[:, None])
     real = (offs_n < V) & (vocab_start + offs_n < vocab_size)
     z = tl.where(real[None, :], z, float("-inf"))
-    # target logit: the program whose columns hold it writes it (one owner per row)
     local = tl.load(tgt_ptr + offs_m, mask=row_ok, other=-1) - vocab_start
     hit = (offs_n[None, :] == local[:, None]) & real[None, :]
     z_t = tl.sum(tl.where(hit, z, 0.0), 1)
-    owns = row_ok & (local >= pid_n * BLOCK_N) & (local < pid_n * BLOCK_N + BLOCK_N) & (local < V)
+    first = tl.min(offs_n, 0)
+    owns = row_ok & (local >= first) & (local < first + BLOCK_N) & (local < V)
     tl.store(zt_ptr + offs_m, z_t, mask=owns)
-    # per vocab tile of VT columns: exact max and int64 fixed-point sum of exp
     zz = tl.reshape(z, (BLOCK_M, BLOCK_N // VT, VT))
     m = tl.max(zz, 2)
     m_use = tl.where(m == float("-inf"), 0.0, m)
     e = tl.math.exp2((zz - m_use[:, :, None]) * LOG2E)
-    terms = _rint32(e * FIXED).to(tl.int64)
-    s = tl.sum(terms, 2)
-    tiles = pid_n * (BLOCK_N // VT) + tl.arange(0, BLOCK_N // VT)
+    s = tl.sum(_rint32(e * FIXED).to(tl.int64), 2)
+    tiles = first // VT + tl.arange(0, BLOCK_N // VT)
     idx = offs_m.to(tl.int64)[:, None] * n_tiles + tiles[None, :]
     mask = row_ok[:, None] & (tiles < n_tiles)[None, :]
     tl.store(m_ptr + idx, m, mask=mask)
     tl.store(s_ptr + idx, s, mask=mask)
+
+
+@triton.jit
+def _fused_kernel(h_ptr, w_ptr, temp_ptr, tgt_ptr, m_ptr, s_ptr, zt_ptr, T, V, stride_h, stride_w, K,
+                  vocab_start, vocab_size, n_tiles,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+                  VT: tl.constexpr, FIXED: tl.constexpr, LOG2E: tl.constexpr):
+    pid_m, pid_n = _tile_ids(T, V, BLOCK_M, BLOCK_N)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    logits = _group_dot(h_ptr, w_ptr, offs_m, offs_n, T, V, stride_h, stride_w, 0, K, BLOCK_M, BLOCK_N, BLOCK_K,
+                        PRECISION)
+    _tile_stats(logits, offs_m, offs_n, offs_m < T, temp_ptr, tgt_ptr, m_ptr, s_ptr, zt_ptr, V, vocab_start,
+                vocab_size, n_tiles, BLOCK_M, BLOCK_N, VT, FIXED, LOG2E)
+
+
+@triton.jit
+def _stats_kernel(logits_ptr, temp_ptr, tgt_ptr, m_ptr, s_ptr, zt_ptr, T, V, col0, cols, stride_l,
+                  vocab_start, vocab_size, n_tiles,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, VT: tl.constexpr, FIXED: tl.constexpr,
+                  LOG2E: tl.constexpr):
+    """`_tile_stats` of a precomputed fp32 logits slice [T, cols] holding local vocab columns col0.."""
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_c = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = offs_m < T
+    logits = tl.load(logits_ptr + offs_m.to(tl.int64)[:, None] * stride_l + offs_c[None, :],
+                     mask=row_ok[:, None] & (offs_c < cols)[None, :], other=0.0)
+    _tile_stats(logits, offs_m, col0 + offs_c, row_ok, temp_ptr, tgt_ptr, m_ptr, s_ptr, zt_ptr, V, vocab_start,
+                vocab_size, n_tiles, BLOCK_M, BLOCK_N, VT, FIXED, LOG2E)
 
 
 @triton.jit
@@ -94,27 +124,81 @@ def _total_kernel(m_ptr, s_ptr, big_m_ptr, total_ptr, n_tiles, LOG2E: tl.constex
     tl.store(total_ptr + row, tl.sum(acc, 0))
 
 
+@triton.jit
+def _dlogits_kernel(logits_ptr, dl_ptr, temp_ptr, lse_ptr, g_ptr, tgt_ptr, T, cols, col0, stride_l, vocab_start,
+                    vocab_size, LOG2E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """dL/dlogits = (onehot(target) - exp(z - lse)) * g / T for a logits slice (bf16 out; no bit contract)."""
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_c = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ok = (offs_m < T)[:, None] & (offs_c < cols)[None, :]
+    row = offs_m.to(tl.int64)[:, None] * stride_l + offs_c[None, :]
+    temp = tl.load(temp_ptr + offs_m, mask=offs_m < T, other=1.0)
+    lse = tl.load(lse_ptr + offs_m, mask=offs_m < T, other=0.0)
+    g = tl.load(g_ptr + offs_m, mask=offs_m < T, other=0.0)
+    tgt = tl.load(tgt_ptr + offs_m, mask=offs_m < T, other=-1)
+    col = vocab_start + col0 + offs_c
+    z = tl.load(logits_ptr + row, mask=ok, other=0.0) / temp[:, None]
+    p = tl.where((col < vocab_size)[None, :], tl.math.exp2((z - lse[:, None]) * LOG2E), 0.0)
+    onehot = tl.where(col[None, :] == tgt[:, None], 1.0, 0.0)
+    tl.store(dl_ptr + row, ((onehot - p) * (g / temp)[:, None]).to(dl_ptr.dtype.element_ty), mask=ok)
+
+
 def _check(weight: torch.Tensor, vocab_start: int) -> None:
     if vocab_start % VOCAB_TILE:
         raise StrictModeError("logprobs", "triton", f"this rank's vocab slice starts at {vocab_start}, not a multiple "
                               f"of the contract's vocab tile {VOCAB_TILE}: pad the vocab so V/tp % {VOCAB_TILE} == 0")
 
 
-def _forward(hidden, weight, targets, temps, vocab_start, vocab_size, group, contract_groups=None, tile=None):
-    """fp32 logprobs [T] and fp64 lse [T]."""
-    rows, v_local = hidden.shape[0], weight.shape[0]
-    dev = hidden.device
-    x, w, precision = gemm._operands(hidden, weight)
-    groups, k_group = gemm._groups(x.shape[1], None, contract_groups or gemm.CONTRACT_GROUPS)
-    n_tiles = triton.cdiv(v_local, VOCAB_TILE)
-    budget = max(MIN_CHUNK_BYTES, weight.numel() * weight.element_size() // CHUNK_FRACTION)
-    chunk = max(1, min(rows, budget // (n_tiles * 12)))
-    temps32 = temps.to(torch.float32)
-    tgt = targets.to(torch.int64)
-    out = torch.empty(rows, dtype=torch.float32, device=dev)
-    lse_all = torch.empty(rows, dtype=torch.float64, device=dev)
+def _state_budget(weight: torch.Tensor) -> int:
+    return max(MIN_STATE_BYTES, weight.numel() * weight.element_size() // STATE_FRACTION)
+
+
+def _slice_cols(rows: int, weight: torch.Tensor, bytes_per_element: int) -> int:
+    """Vocab slice width (a multiple of 256) whose [rows, width] intermediates fit the state budget."""
+    return max(256, _state_budget(weight) // (max(rows, 1) * bytes_per_element) // 256 * 256)
+
+
+def _tile_stats_of_rows(x, w, temps32, tgt, m_t, s_t, z_t, vocab_start, vocab_size, server, tile, keep=None):
+    """Fill per-tile (m, S) and the targets' z for the rows of x under the contract (either server).
+    `keep`, a list, receives the cuBLASLt server's fp32 logits slices as (first column, logits)."""
+    r, v_local = x.shape[0], w.shape[0]
+    n_tiles = m_t.shape[1]
+    fixed = float(1 << FIXED_POINT_BITS)
+    if tile is None and gemm.use_cublaslt(x, w, server):
+        cols = _slice_cols(r, w, 4)
+        cfg = dict(STATS_TILE)
+        bm, bn = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N")
+        for c0 in range(0, v_local, cols):
+            with gemm.cublaslt():
+                logits = torch.mm(x, w[c0:c0 + cols].t(), out_dtype=torch.float32)
+            grid = (triton.cdiv(r, bm), triton.cdiv(logits.shape[1], bn))
+            _stats_kernel[grid](logits, temps32, tgt, m_t, s_t, z_t, r, v_local, c0, logits.shape[1], logits.stride(0),
+                                vocab_start, vocab_size, n_tiles, BLOCK_M=bm, BLOCK_N=bn, VT=VOCAB_TILE, FIXED=fixed,
+                                LOG2E=LOG2E, **cfg, **LAUNCH)
+            if keep is not None:
+                keep.append((c0, logits))
+        return
+    x, w, precision = gemm._operands(x, w)
     cfg = dict(tile or gemm.TILE)
     bm, bn = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N")
+    grid = (triton.cdiv(r, bm) * triton.cdiv(v_local, bn),)
+    _fused_kernel[grid](x, w, temps32, tgt, m_t, s_t, z_t, r, v_local, x.stride(0), w.stride(0), x.shape[1],
+                        vocab_start, vocab_size, n_tiles, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=gemm.BLOCK_K,
+                        PRECISION=precision, VT=VOCAB_TILE, FIXED=fixed, LOG2E=LOG2E, **cfg, **LAUNCH)
+
+
+def _forward(hidden, weight, targets, temps, vocab_start, vocab_size, group, server=None, tile=None, keep=None):
+    """fp32 logprobs [T] and fp64 lse [T]. With `keep` (a list) all rows are one chunk and the fp32 logits
+    slices are kept there for the backward (when the cuBLASLt server runs)."""
+    rows, v_local = hidden.shape[0], weight.shape[0]
+    dev = hidden.device
+    n_tiles = triton.cdiv(v_local, VOCAB_TILE)
+    chunk = rows if keep is not None else max(1, min(rows, _state_budget(weight) // (n_tiles * 12)))
+    temps32 = temps.to(torch.float32)
+    tgt = targets.to(torch.int64)
+    x = hidden.contiguous()
+    out = torch.empty(rows, dtype=torch.float32, device=dev)
+    lse_all = torch.empty(rows, dtype=torch.float64, device=dev)
     world = dist.get_world_size(group) if group is not None else 1
     for a in range(0, rows, chunk):
         b = min(rows, a + chunk)
@@ -122,11 +206,8 @@ def _forward(hidden, weight, targets, temps, vocab_start, vocab_size, group, con
         m_t = torch.empty(r, n_tiles, dtype=torch.float32, device=dev)
         s_t = torch.empty(r, n_tiles, dtype=torch.int64, device=dev)
         z_t = torch.zeros(r, dtype=torch.float32, device=dev)
-        grid = (triton.cdiv(r, bm) * triton.cdiv(v_local, bn),)
-        _tiles_kernel[grid](x[a:b], w, temps32[a:b], tgt[a:b], m_t, s_t, z_t, r, v_local, x.stride(0), w.stride(0),
-                            k_group, vocab_start, vocab_size, n_tiles, GROUPS=groups, LEAVES=gemm._leaves(groups),
-                            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=gemm.BLOCK_K, PRECISION=precision, VT=VOCAB_TILE,
-                            FIXED=float(1 << FIXED_POINT_BITS), LOG2E=LOG2E, **cfg, **LAUNCH)
+        _tile_stats_of_rows(x[a:b], weight, temps32[a:b], tgt[a:b], m_t, s_t, z_t, vocab_start, vocab_size,
+                            server, tile, keep)
         big_m = m_t.amax(1)  # max is exact in any order
         if world > 1:
             dist.all_reduce(big_m, op=dist.ReduceOp.MAX, group=group)
@@ -141,10 +222,58 @@ def _forward(hidden, weight, targets, temps, vocab_start, vocab_size, group, con
     return out, lse_all
 
 
+def _addmm_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """acc (fp32) += a @ b for 16-bit a, b, accumulated by the GEMM in fp32."""
+    torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+
+
+def _backward(grad_out, hidden, weight, targets, temps, lse, vocab_start, vocab_size, group, kept=None):
+    """(grad_hidden, grad_weight) by tensor-core GEMMs over vocab slices; fp32 state under the budget.
+    `kept`: the forward's fp32 logits slices [(first column, logits)], used instead of recomputing them."""
+    rows, v_local = hidden.shape[0], weight.shape[0]
+    h = hidden.contiguous()
+    dtype = h.dtype if h.dtype == weight.dtype and h.dtype in (torch.bfloat16, torch.float16) else torch.float32
+    h, w = h.to(dtype), weight.to(dtype)
+    grad_h = torch.zeros(rows, h.shape[1], dtype=torch.float32, device=h.device)
+    grad_w = torch.empty(v_local, h.shape[1], dtype=dtype, device=h.device)
+    temps32, lse32 = temps.to(torch.float32).contiguous(), lse.to(torch.float32).contiguous()
+    g32, tgt = grad_out.to(torch.float32).contiguous(), targets.to(torch.int64).contiguous()
+    cols = _slice_cols(rows, weight, 4 + h.element_size())
+    bm, bn = 32, 256
+    slices = kept or [(c0, None) for c0 in range(0, v_local, cols)]
+    while slices:
+        c0, logits = slices.pop(0)
+        w_s = w[c0:c0 + (cols if logits is None else logits.shape[1])]
+        if logits is None:
+            logits = torch.mm(h, w_s.t(), out_dtype=torch.float32) if dtype != torch.float32 else h @ w_s.t()
+        dl = torch.empty(rows, w_s.shape[0], dtype=dtype, device=h.device)
+        _dlogits_kernel[(triton.cdiv(rows, bm), triton.cdiv(w_s.shape[0], bn))](
+            logits, dl, temps32, lse32, g32, tgt, rows, w_s.shape[0], c0, logits.stride(0), vocab_start, vocab_size,
+            LOG2E=LOG2E, BLOCK_M=bm, BLOCK_N=bn, num_warps=8)
+        del logits
+        torch.mm(dl.t(), h, out=grad_w[c0:c0 + w_s.shape[0]])
+        if dtype == torch.float32:
+            grad_h += dl @ w_s
+        else:
+            _addmm_fp32(grad_h, dl, w_s)
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(grad_h, group=group)
+    return grad_h.to(hidden.dtype), grad_w.to(weight.dtype)
+
+
+KEEP_LOGITS = os.environ.get("RL_KERNEL_LOGPROB_KEEP_LOGITS", "1") != "0"
+
+
 class _TritonLogprobs(torch.autograd.Function):
+    """When a gradient is needed and KEEP_LOGITS (RL_KERNEL_LOGPROB_KEEP_LOGITS, default on), the forward's
+    fp32 logits (T x V/tp x 4 bytes, as native training holds) are kept for the backward instead of being
+    recomputed; scoring without gradients keeps nothing."""
+
     @staticmethod
     def forward(ctx, hidden, weight, targets, temps, vocab_start, vocab_size, group):
-        out, lse = _forward(hidden, weight, targets, temps, vocab_start, vocab_size, group)
+        keep = [] if KEEP_LOGITS and any(ctx.needs_input_grad[:2]) else None
+        out, lse = _forward(hidden, weight, targets, temps, vocab_start, vocab_size, group, keep=keep)
+        ctx.kept = keep
         ctx.save_for_backward(hidden, weight, targets, temps, lse)
         ctx.vocab_start, ctx.vocab_size, ctx.group = vocab_start, vocab_size, group
         return out
@@ -152,8 +281,9 @@ class _TritonLogprobs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         hidden, weight, targets, temps, lse = ctx.saved_tensors
-        grad_h, grad_w = logprob_grads(grad_out, hidden, weight, targets, temps, lse, ctx.vocab_start,
-                                       ctx.vocab_size, ctx.group, BACKWARD_TILE_ELEMENTS)
+        kept, ctx.kept = ctx.kept, None
+        grad_h, grad_w = _backward(grad_out, hidden, weight, targets, temps, lse, ctx.vocab_start, ctx.vocab_size,
+                                   ctx.group, kept)
         return grad_h, grad_w, None, None, None, None, None
 
 
@@ -166,9 +296,9 @@ def logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, 
 
 
 def logprobs_and_lse(hidden, weight, targets, temps, vocab_start=0, vocab_size=None, group=None, *,
-                     contract_groups=None, tile=None):
-    """Forward only, for tests and benchmarks: (fp32 logprobs, fp64 lse). `contract_groups` and `tile`
-    select another logits contract (benchmarks only)."""
+                     server=None, tile=None):
+    """Forward only, for tests and benchmarks: (fp32 logprobs, fp64 lse). `server` ('triton', 'cublaslt')
+    and `tile` pick how the logits are computed; neither changes a bit."""
     _check(weight, vocab_start)
     vocab_size = weight.shape[0] if vocab_size is None else vocab_size
-    return _forward(hidden, weight, targets, temps, vocab_start, vocab_size, group, contract_groups, tile)
+    return _forward(hidden, weight, targets, temps, vocab_start, vocab_size, group, server, tile)

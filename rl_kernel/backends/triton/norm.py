@@ -51,3 +51,46 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
             x2, weight.contiguous(), y, t, d, x2.stride(0), y.stride(0), eps,
             BLOCK_T=BLOCK_T, BLOCK_D=min(1024, triton.next_power_of_2(d)), num_warps=4, **LAUNCH)
     return y.reshape(x.shape)
+
+
+@triton.jit
+def _rms_norm_backward_kernel(x_ptr, w_ptr, dy_ptr, dx_ptr, dw_ptr, T, D, eps, stride_x, stride_dy, stride_dx,
+                              BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Rows in blocks of BLOCK_T, programs striding over the blocks; dw partial per program (fp32)."""
+    pid, progs = tl.program_id(0), tl.num_programs(0)
+    c = tl.arange(0, BLOCK_D)
+    c_ok = c < D
+    w = tl.load(w_ptr + c, mask=c_ok, other=0.0).to(tl.float32)
+    dw = tl.zeros((BLOCK_D,), tl.float32)
+    for start in range(pid * BLOCK_T, T, progs * BLOCK_T):
+        rows = start + tl.arange(0, BLOCK_T)
+        mask = (rows < T)[:, None] & c_ok[None, :]
+        r64 = rows.to(tl.int64)[:, None]
+        x = tl.load(x_ptr + r64 * stride_x + c[None, :], mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + r64 * stride_dy + c[None, :], mask=mask, other=0.0).to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(x * x, 1) / D + eps)
+        xhat = x * rstd[:, None]
+        gxhat = dy * w[None, :]
+        dx = rstd[:, None] * (gxhat - xhat * (tl.sum(gxhat * xhat, 1) / D)[:, None])
+        tl.store(dx_ptr + r64 * stride_dx + c[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
+        dw += tl.sum(dy * xhat, 0)
+    tl.store(dw_ptr + pid * D + c, dw, mask=c_ok)
+
+
+def rms_norm_backward(x: torch.Tensor, weight: torch.Tensor, grad_y: torch.Tensor, eps: float
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx, dweight) of y = weight * x / rms(x) in one pass over the rows (fp32 math; no bit contract)."""
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()
+    dy = grad_y.reshape(-1, grad_y.shape[-1]).contiguous()
+    t, d = x2.shape
+    block_d = triton.next_power_of_2(d)
+    block_t = max(1, min(64, 4096 // block_d))
+    progs = max(1, min(triton.cdiv(t, block_t), 1024))
+    dx = torch.empty_like(x2)
+    dw = torch.empty(progs, d, dtype=torch.float32, device=x.device)
+    if t:
+        _rms_norm_backward_kernel[(progs,)](x2, weight.contiguous(), dy, dx, dw, t, d, eps, x2.stride(0), dy.stride(0),
+                                            dx.stride(0), BLOCK_T=block_t, BLOCK_D=block_d, num_warps=8)
+    else:
+        dw.zero_()
+    return dx.reshape(x.shape), dw.sum(0).to(weight.dtype)

@@ -79,14 +79,13 @@ class RKColumnParallelLinear(ColumnParallelLinear):
 
 
 class RKRowParallelLinear(RowParallelLinear):
-    """RowParallelLinear through `rk.row_parallel_linear`: deterministic, TP-invariant when tp | 8."""
+    """RowParallelLinear through `rk.row_parallel_linear`: deterministic, TP-invariant for tp dividing the
+    contract's group count (8 on the torch backend, the canonical TP on triton)."""
 
     def forward(self, input_: torch.Tensor):
         if not self.input_is_parallel or self.bias is not None or self.sequence_parallel:
             raise NotImplementedError("rl_kernel row-parallel linear: input_is_parallel, no bias, no sequence_parallel")
         group = self.tp_group if self.tp_group.size() > 1 else None
-        if group is None:
-            return rk.linear(input_, self.weight), None
         return rk.row_parallel_linear(input_, self.weight, group), None
 
 
