@@ -124,27 +124,26 @@ def bench_gemm(bw: float) -> None:
 
 
 def bench_tiles() -> None:
-    """Other contracts (group count, tile shape) for the o projection: time, and whether bits equal those of
-    the first tile with the same group count (evidence on whether per-element bits depend on the tile)."""
-    variants = [(1, 128, 128, 8, 4), (1, 128, 128, 8, 3), (1, 128, 256, 8, 3), (1, 64, 128, 4, 4), (2, 128, 128, 8, 4),
-                (8, 128, 64, 8, 3)]
-    for m in (8192, 1024, 16):
-        x, w = torch.randn(m, 4096, device=DEV).to(BF16), (torch.randn(4096, 4096, device=DEV) * 0.02).to(BF16)
-        flops = 2 * m * 4096 * 4096
-        cublas = bench(lambda: F.linear(x, w))  # noqa: B023 (called right here)
-        refs = {}
-        for groups, bm, bn, warps, stages in variants:
-            t = dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages)
-            name = f"G={groups} {bm}x{bn} w{warps} s{stages}"
-            try:
-                out = gemm.linear(x, w, k_group=4096 // groups, tile=t)
-                same = bits_equal(out, refs.setdefault(groups, out))
-                ms = bench(lambda t=t, g=groups: gemm.linear(x, w, k_group=4096 // g, tile=t))  # noqa: B023
-                row("tile", f"o M={m} {name}", ms, cublas, None, "", tflops_strict=round(flops / ms * 1e-9, 1),
-                    bits_equal_first_tile_same_groups=same)
-            except Exception as e:  # a tile that does not compile (registers, shared memory) is a result too
-                ROWS.append({"group": "tile", "case": f"o M={m} {name}", "error": repr(e)[:200]})
-                print(f"tile      {name}: {e!r}"[:200], flush=True)
+    """Triton tiles for the one-chain GEMM at decode-sized M (o and down projections): time, and whether the bits
+    equal the cuBLASLt server's (a tile's shape must move no bit)."""
+    variants = [(64, 32, 64, 4, 5), (64, 32, 128, 4, 4), (64, 16, 128, 4, 4), (64, 64, 64, 4, 4), (64, 64, 128, 4, 3),
+                (64, 32, 256, 4, 3), (128, 128, 64, 8, 4)]
+    for name, (n, k) in (("o", SHAPES["o"]), ("down", SHAPES["down"])):
+        for m in (1, 16, 128):
+            x, w = torch.randn(m, k, device=DEV).to(BF16), (torch.randn(n, k, device=DEV) * 0.02).to(BF16)
+            cublas = bench(lambda: F.linear(x, w))  # noqa: B023 (called right here)
+            ref = gemm.linear(x, w, server="cublaslt") if rk.backends.triton.cublaslt_ready() else None
+            for bm, bn, bk, warps, stages in variants:
+                t = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
+                case = f"{name} M={m} {bm}x{bn}x{bk} w{warps} s{stages}"
+                try:
+                    out = gemm.linear(x, w, tile=t)
+                    ms = bench(lambda t=t: gemm.linear(x, w, tile=t))  # noqa: B023
+                    row("tile", case, ms, cublas, None, "", bits_equal_cublaslt=None if ref is None else
+                        bits_equal(out, ref))
+                except Exception as e:  # a tile that does not compile (registers, shared memory) is a result too
+                    ROWS.append({"group": "tile", "case": case, "error": repr(e)[:200]})
+                    print(f"tile      {case}: {e!r}"[:200], flush=True)
 
 
 # ---- RMSNorm ------------------------------------------------------------------------------------------
@@ -177,8 +176,19 @@ def _prefill_case(t: int, h: int = 32, hkv: int = 8, d: int = 128) -> None:
     qt, kt, vt = (x.transpose(0, 1)[None].contiguous() for x in (q, k, v))
     native = bench(lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=d**-0.5, enable_gqa=True))
     flops = 2 * t * t * h * d  # causal: half of 4 T^2 H d
-    row("attn", f"prefill T={t} (32/8 heads, d=128)", strict, native, flops / PEAK_BF16 * 1e3, ">=0.8x SDPA",
-        tflops_strict=round(flops / strict * 1e-9, 1), tflops_native=round(flops / native * 1e-9, 1))
+    ref = attention.varlen_attention(q, k, v, cu, d**-0.5)
+    configs = {}  # other launch configurations: time, and whether the bits equal the default's (they must)
+    for bm, warps, stages in ((64, 4, 2), (64, 8, 2), (128, 8, 3), (128, 4, 2), (64, 4, 3)):
+        cfg = {"BLOCK_M": bm, "num_warps": warps, "num_stages": stages}
+        try:
+            out = attention.varlen_attention(q, k, v, cu, d**-0.5, config=cfg)
+            ms = bench(lambda c=cfg: attention.varlen_attention(q, k, v, cu, d**-0.5, config=c))
+            configs[f"{bm}/w{warps}/s{stages}"] = {"ms": round(ms, 4), "bits_equal_default": bits_equal(out, ref)}
+        except Exception as e:
+            configs[f"{bm}/w{warps}/s{stages}"] = repr(e)[:120]
+    row("attn", f"prefill T={t} (32/8 heads, d=128)", strict, native, flops / PEAK_BF16 * 1e3, ">=0.6x SDPA",
+        tflops_strict=round(flops / strict * 1e-9, 1), tflops_native=round(flops / native * 1e-9, 1),
+        configs=configs)
 
 
 def bench_decode(bw: float) -> None:
@@ -205,8 +215,19 @@ def _decode_case(b: int, bw: float, h: int = 32, hkv: int = 8, d: int = 128, ctx
 
     native = bench(native_paged)
     kv_bytes = 2 * b * ctx * hkv * d * 2
+    graphs = {}  # decode runs under CUDA graphs in serving engines: both sides captured, replays timed
+    for name, fn in (("strict", lambda: attention.paged_attention(q, kc, vc, table, seq_lens, qsl, d**-0.5)),
+                     ("native", native_paged)):
+        fn()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        graphs[name] = bench(graph.replay)
     row("attn", f"paged decode B={b} ctx={ctx}", strict, native, kv_bytes / bw * 1e3, ">=0.8x native paged",
-        fused_schedule_ms=round(fused, 4), kv_gbps_strict=round(kv_bytes / strict * 1e-6, 1))
+        fused_schedule_ms=round(fused, 4), kv_gbps_strict=round(kv_bytes / strict * 1e-6, 1),
+        graph_strict_ms=round(graphs["strict"], 4), graph_native_ms=round(graphs["native"], 4),
+        graph_native_over_strict=round(graphs["native"] / graphs["strict"], 3))
 
 
 # ---- linear logprob -------------------------------------------------------------------------------------

@@ -233,6 +233,7 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=12)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--json", default=None)
+    p.add_argument("--profile", action="store_true", help="print the top GPU kernels of one strict training forward")
     a = p.parse_args()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
@@ -296,6 +297,13 @@ def main() -> None:
         if a.json:
             Path(a.json).parent.mkdir(parents=True, exist_ok=True)
             Path(a.json).write_text(json.dumps(result, indent=1))
+    if a.profile:
+        from torch.profiler import ProfilerActivity, profile
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            model.logprobs(model.hidden(x, batch, True, group), targets, True, group).sum().backward()
+            torch.cuda.synchronize()
+        if rank == 0:
+            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=22, max_name_column_width=70))
     if group is not None:
         dist.barrier()
         dist.destroy_process_group()

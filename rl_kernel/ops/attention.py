@@ -38,7 +38,8 @@ CONTRACTS = {
         op="attention", backend="triton", version=1,
         input_dependency="out[t, h] depends on q[t, h] and k, v of its sequence at positions <= pos(t), "
                          "kv head h // (H / Hkv), and scale",
-        partition="rows: 64 = (64 / G tokens) x (G heads of one kv head); keys in chunks of 64 positions from "
+        partition="rows: a tile of (tokens) x (G heads of one kv head), its size moving no bit; keys in chunks of "
+                  "64 positions from "
                   "position 0, masked past the query; KV splits of 8 chunks (512 keys)",
         merge_order="online softmax chunk by chunk inside a split from an empty state; split partials merged "
                     "left to right; chunks and splits with no key for a row leave its state exactly unchanged",
@@ -46,7 +47,7 @@ CONTRACTS = {
         rounding="o / l (IEEE div) rounded once to q's dtype",
         primitives="hardware ex2.approx.f32 on (s - m) with s = q.k * fp32(scale * log2 e); IEEE fp32 mul, add, "
                    "max; no FMA (fp fusion off)",
-        params=(("chunk", 64), ("split_chunks", 8), ("block_m", 64)),
+        params=(("chunk", 64), ("split_chunks", 8)),
     )),
 }
 

@@ -1,6 +1,7 @@
 """Strict causal GQA attention on Triton: packed varlen prefill and paged KV, one kernel for both.
 
-Contract (triton v1). A program owns BLOCK_M = 64 rows: BLOCK_M / G query tokens of one sequence
+Contract (triton v1). A program owns BLOCK_M rows (64 paged, 128 packed; no bit depends on it):
+BLOCK_M / G query tokens of one sequence
 times the G query heads of one KV head (G = H / Hkv). Keys are taken in chunks of CHUNK = 64
 positions counted from position 0 of the sequence; key positions past a row's own are masked
 (score -inf, probability 0). Chunks are grouped into KV splits of SPLIT_CHUNKS chunks (a fixed
@@ -30,10 +31,13 @@ from rl_kernel.errors import StrictModeError
 
 CHUNK = 64
 SPLIT_CHUNKS = 8
-BLOCK_M = 64
+BLOCK_M = 64  # the paged path's row tile (decode, chunked prefill)
 LOG2E = 1.4426950408889634
 SPLIT_SCRATCH_BYTES = 256 << 20  # paged calls whose split partials fit use the split schedule
-CONFIG = {"num_warps": 8, "num_stages": 2}  # one launch configuration for every call (layouts fix bits)
+# Launch configurations. A row's bits do not depend on the row tile (rows are independent, masked chunks
+# are exact identities): tests/gpu compare packed prefill (PREFILL) with paged decode (PAGED) bit for bit.
+PAGED = {"BLOCK_M": BLOCK_M, "num_warps": 8, "num_stages": 2}
+PREFILL = {"BLOCK_M": 128, "num_warps": 8, "num_stages": 2}
 
 
 @triton.jit
@@ -51,26 +55,51 @@ def _find_tile(tile_start_ptr, B, LOG_B):
 
 
 @triton.jit
+def _load_kv(k_ptr, v_ptr, block_table_ptr, b, stride_bt, kv_base, kvh, c, ctx_len, stride_kt, stride_kh, stride_vt,
+             stride_vh, PAGED: tl.constexpr, MASKED: tl.constexpr, BLOCK_SIZE: tl.constexpr, D: tl.constexpr,
+             CHUNK: tl.constexpr):
+    kpos = c * CHUNK + tl.arange(0, CHUNK)
+    d = tl.arange(0, D)
+    kv_ok = kpos < ctx_len
+    if PAGED:
+        blk = tl.load(block_table_ptr + b * stride_bt + kpos // BLOCK_SIZE, mask=kv_ok, other=0)
+        row = blk.to(tl.int64) * BLOCK_SIZE + kpos % BLOCK_SIZE
+    else:
+        row = (kv_base + kpos).to(tl.int64)
+    if MASKED:
+        k = tl.load(k_ptr + row[:, None] * stride_kt + kvh * stride_kh + d[None, :], mask=kv_ok[:, None], other=0.0)
+        v = tl.load(v_ptr + row[:, None] * stride_vt + kvh * stride_vh + d[None, :], mask=kv_ok[:, None], other=0.0)
+    else:
+        k = tl.load(k_ptr + row[:, None] * stride_kt + kvh * stride_kh + d[None, :])
+        v = tl.load(v_ptr + row[:, None] * stride_vt + kvh * stride_vh + d[None, :])
+    return kpos, k, v
+
+
+@triton.jit
 def _split_partial(q, qpos, b, kvh, k_ptr, v_ptr, block_table_ptr, stride_bt, kv_base, ctx_len,
-                   stride_kt, stride_kh, stride_vt, stride_vh, c_begin, c_end, qk_scale,
+                   stride_kt, stride_kh, stride_vt, stride_vh, c_begin, c_end, c_full, qk_scale,
                    PAGED: tl.constexpr, BLOCK_SIZE: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr,
                    BLOCK_M: tl.constexpr, PRECISION: tl.constexpr):
-    """Online softmax over key chunks [c_begin, c_end) from an empty state: (m, l, o), fp32."""
+    """Online softmax over key chunks [c_begin, c_end) from an empty state: (m, l, o), fp32.
+
+    Chunks before `c_full` hold only keys at or before every row's position: there the mask and the
+    per-row skip are identities and are left out (the same operations on every value)."""
     m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l = tl.zeros((BLOCK_M,), tl.float32)
     o = tl.zeros((BLOCK_M, D), tl.float32)
-    offs = tl.arange(0, CHUNK)
-    d = tl.arange(0, D)
-    for c in range(c_begin, c_end):
-        kpos = c * CHUNK + offs
-        kv_ok = kpos < ctx_len
-        if PAGED:
-            blk = tl.load(block_table_ptr + b * stride_bt + kpos // BLOCK_SIZE, mask=kv_ok, other=0)
-            row = blk.to(tl.int64) * BLOCK_SIZE + kpos % BLOCK_SIZE
-        else:
-            row = (kv_base + kpos).to(tl.int64)
-        k = tl.load(k_ptr + row[:, None] * stride_kt + kvh * stride_kh + d[None, :], mask=kv_ok[:, None], other=0.0)
-        v = tl.load(v_ptr + row[:, None] * stride_vt + kvh * stride_vh + d[None, :], mask=kv_ok[:, None], other=0.0)
+    for c in range(c_begin, tl.minimum(c_end, c_full)):
+        kpos, k, v = _load_kv(k_ptr, v_ptr, block_table_ptr, b, stride_bt, kv_base, kvh, c, ctx_len, stride_kt,
+                              stride_kh, stride_vt, stride_vh, PAGED, False, BLOCK_SIZE, D, CHUNK)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        m_new = tl.maximum(m, tl.max(s, 1))
+        alpha = tl.math.exp2(m - m_new)
+        p = tl.math.exp2(s - m_new[:, None])
+        l = l * alpha + tl.sum(p, 1)
+        o = tl.dot(p.to(v.dtype), v, o * alpha[:, None], input_precision=PRECISION)
+        m = m_new
+    for c in range(tl.maximum(c_begin, c_full), c_end):
+        kpos, k, v = _load_kv(k_ptr, v_ptr, block_table_ptr, b, stride_bt, kv_base, kvh, c, ctx_len, stride_kt,
+                              stride_kh, stride_vt, stride_vh, PAGED, True, BLOCK_SIZE, D, CHUNK)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
         s = tl.where(kpos[None, :] <= qpos[:, None], s, float("-inf"))
         live = c * CHUNK <= qpos  # rows with a key in this chunk; for the others the chunk is skipped exactly
@@ -120,6 +149,7 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, pm_ptr, pl_ptr, po_ptr, nsplit_pt
     q_off = (q0 + tok).to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :]
     q = tl.load(q_ptr + q_off, mask=row_ok[:, None], other=0.0)
     last_pos = ctx_len - q_len + tl.minimum((tile + 1) * (BLOCK_M // G), q_len) - 1
+    c_full = (ctx_len - q_len + tile * (BLOCK_M // G) + 1) // CHUNK  # chunks every row of the tile sees whole
     n_chunks = tl.where(tile_ok, last_pos // CHUNK + 1, 0)
     n_splits = tl.cdiv(n_chunks, SPLIT_CHUNKS)
     if SPLIT:
@@ -127,7 +157,7 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, pm_ptr, pl_ptr, po_ptr, nsplit_pt
         c0 = s * SPLIT_CHUNKS  # a split past the tile's last one runs no chunk and stores nothing
         m, l, o = _split_partial(q, qpos, b, kvh, k_ptr, v_ptr, block_table_ptr, stride_bt, q0, ctx_len,
                                  stride_kt, stride_kh, stride_vt, stride_vh, c0,
-                                 tl.minimum(c0 + SPLIT_CHUNKS, n_chunks), qk_scale,
+                                 tl.minimum(c0 + SPLIT_CHUNKS, n_chunks), c_full, qk_scale,
                                  PAGED, BLOCK_SIZE, D, CHUNK, BLOCK_M, PRECISION)
         H = tl.num_programs(1) * G
         prow = ((q0 + tok).to(tl.int64) * H + head) * NUM_SPLITS + s
@@ -145,7 +175,7 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, pm_ptr, pl_ptr, po_ptr, nsplit_pt
             c0 = s * SPLIT_CHUNKS
             m, l, o = _split_partial(q, qpos, b, kvh, k_ptr, v_ptr, block_table_ptr, stride_bt, q0, ctx_len,
                                      stride_kt, stride_kh, stride_vt, stride_vh, c0,
-                                     tl.minimum(c0 + SPLIT_CHUNKS, n_chunks), qk_scale,
+                                     tl.minimum(c0 + SPLIT_CHUNKS, n_chunks), c_full, qk_scale,
                                      PAGED, BLOCK_SIZE, D, CHUNK, BLOCK_M, PRECISION)
             m_t, l_t, o_t = _merge(m_t, l_t, o_t, m, l, o)
         out = tl.div_rn(o_t, l_t[:, None])
@@ -176,12 +206,12 @@ def _merge_kernel(pm_ptr, pl_ptr, po_ptr, nsplit_ptr, out_ptr, H, NUM_SPLITS, st
     tl.store(out_ptr + t.to(tl.int64) * stride_ot + h * stride_oh + d[None, :], out.to(out_ptr.dtype.element_ty))
 
 
-def _check(q: torch.Tensor, kv_heads: int) -> tuple[int, int]:
+def _check(q: torch.Tensor, kv_heads: int, block_m: int) -> tuple[int, int]:
     heads, d = q.shape[1], q.shape[2]
     g = heads // kv_heads
-    if g * kv_heads != heads or g & (g - 1) or g > BLOCK_M:
+    if g * kv_heads != heads or g & (g - 1) or g > block_m:
         raise StrictModeError("attention", "triton", f"{heads} query heads over {kv_heads} kv heads: the kernel "
-                              f"packs G = H / Hkv heads per row block and needs G a power of two <= {BLOCK_M}")
+                              f"packs G = H / Hkv heads per row block and needs G a power of two <= {block_m}")
     if d & (d - 1) or d < 16:
         raise StrictModeError("attention", "triton", f"head_dim {d} must be a power of two >= 16")
     return g, d
@@ -193,16 +223,18 @@ def _precision(q: torch.Tensor, k: torch.Tensor) -> str:
     return "ieee" if q.dtype == torch.float32 else "tf32"
 
 
-def _run(q, k, v, q_start, ctx_len, block_table, block_size, scale, paged, schedule, lse=None):
+def _run(q, k, v, q_start, ctx_len, block_table, block_size, scale, paged, schedule, lse=None, config=None):
     tq, heads, _ = q.shape
     kv_heads = k.shape[-2]
-    g, d = _check(q, kv_heads)
+    cfg = dict(config or (PAGED if paged else PREFILL))
+    block_m = cfg.pop("BLOCK_M")
+    g, d = _check(q, kv_heads, block_m)
     precision = _precision(q, k)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     b = ctx_len.numel()
     if tq == 0 or b == 0:
         return out
-    tokens = BLOCK_M // g
+    tokens = block_m // g
     q_start = q_start.to(device=q.device, dtype=torch.int32).contiguous()
     ctx_len = ctx_len.to(device=q.device, dtype=torch.int32).contiguous()
     tiles = (q_start[1:] - q_start[:-1] + tokens - 1) // tokens
@@ -228,7 +260,7 @@ def _run(q, k, v, q_start, ctx_len, block_table, block_size, scale, paged, sched
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         table.stride(0), 0 if lse is None else lse.stride(0), float(scale) * LOG2E,
         G=g, D=d, PAGED=paged, STORE_LSE=lse is not None, SPLIT=split, BLOCK_SIZE=block_size,
-        CHUNK=CHUNK, SPLIT_CHUNKS=SPLIT_CHUNKS, BLOCK_M=BLOCK_M, PRECISION=precision, **CONFIG, **LAUNCH)
+        CHUNK=CHUNK, SPLIT_CHUNKS=SPLIT_CHUNKS, BLOCK_M=block_m, PRECISION=precision, **cfg, **LAUNCH)
     if split:
         _merge_kernel[(tq, heads)](pm, pl, po, nsplit, out, heads, num_splits, out.stride(0), out.stride(1),
                                    D=d, num_warps=1, **LAUNCH)
@@ -236,7 +268,8 @@ def _run(q, k, v, q_start, ctx_len, block_table, block_size, scale, paged, sched
 
 
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: float,
-                     *, schedule: str | None = None, lse: torch.Tensor | None = None) -> torch.Tensor:
+                     *, schedule: str | None = None, lse: torch.Tensor | None = None,
+                     config: dict | None = None) -> torch.Tensor:
     """Causal attention over packed sequences: q [T, H, d], k, v [T, Hkv, d], cu_seqlens [B+1].
 
     `lse`, an fp32 [H, T] tensor, receives each row's natural log-sum-exp of the scaled scores (for a
@@ -245,7 +278,7 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     cu = cu_seqlens.to(torch.int32)
     if lse is not None and (schedule or "fused") != "fused":
         raise ValueError("the log-sum-exp output needs the fused schedule")
-    return _run(q, k, v, cu, cu[1:] - cu[:-1], cu.view(1, -1), 1, scale, False, schedule or "fused", lse)
+    return _run(q, k, v, cu, cu[1:] - cu[:-1], cu.view(1, -1), 1, scale, False, schedule or "fused", lse, config)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,

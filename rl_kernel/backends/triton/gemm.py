@@ -37,6 +37,7 @@ TILE = {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 4}
 # Decode-sized M: narrow tiles give more programs to stream the weights (a tile's shape moves no bit).
 SMALL_M = 64
 SMALL_TILE = {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 5}
+MID_TILE = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 4}
 SPLIT_MAX_M = 64  # rows up to which the Triton split schedule is used (no effect on any bit)
 LT_MIN_M = 256  # rows from which cuBLASLt serves (no effect on any bit)
 SERVERS = ("auto", "triton", "cublaslt")
@@ -211,6 +212,11 @@ def _tree_kernel(part_ptr, out_ptr, bias_ptr, numel, N, HAS_BIAS: tl.constexpr, 
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+def tile_for(m: int) -> dict:
+    """The Triton tile for M rows (a size class; no bit depends on it)."""
+    return SMALL_TILE if m <= SMALL_M else MID_TILE if m < LT_MIN_M else TILE
+
+
 def _leaves(groups: int) -> int:
     return 1 << max(groups - 1, 0).bit_length()
 
@@ -243,8 +249,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if m and n and schedule is None and tile is None and use_cublaslt(x, weight, server):
         return _lt_linear(x, weight, bias, out_dtype, groups, k_group)
     x, weight, precision = _operands(x, weight)
-    cfg = dict(tile or (SMALL_TILE if m <= SMALL_M else TILE))
-    bm, bn = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N")
+    cfg = dict(tile or tile_for(m))
+    bm, bn, bk = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N"), cfg.pop("BLOCK_K", BLOCK_K)
     out = torch.empty(m, n, dtype=out_dtype, device=x.device)
     bias_arg = out if bias is None else bias.contiguous()
     if m == 0 or n == 0:
@@ -254,11 +260,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if schedule == "fused":
         _fused_kernel[(tiles,)](x, weight, out, bias_arg, m, n, x.stride(0), weight.stride(0), out.stride(0), k_group,
                                 HAS_BIAS=bias is not None, GROUPS=groups, LEAVES=_leaves(groups), BLOCK_M=bm,
-                                BLOCK_N=bn, BLOCK_K=BLOCK_K, PRECISION=precision, **cfg, **LAUNCH)
+                                BLOCK_N=bn, BLOCK_K=bk, PRECISION=precision, **cfg, **LAUNCH)
         return out
     part = torch.empty(groups, m, n, dtype=torch.float32, device=x.device)
     _split_kernel[(tiles, groups)](x, weight, part, m, n, x.stride(0), weight.stride(0), k_group,
-                                   BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=BLOCK_K, PRECISION=precision, **cfg, **LAUNCH)
+                                   BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PRECISION=precision, **cfg, **LAUNCH)
     block = 1024
     _tree_kernel[(triton.cdiv(m * n, block),)](part, out, bias_arg, m * n, n, HAS_BIAS=bias is not None,
                                                GROUPS=groups, LEAVES=_leaves(groups),
