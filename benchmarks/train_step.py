@@ -139,7 +139,7 @@ class DecoderLayer(torch.nn.Module):
             q, k, v = rk.linear(x, self.qkv).split(split, -1)
             q = rk.rope(rk.rms_norm(q.reshape(t, self.heads, d), self.q_norm, EPS), batch["pos"], THETA)
             k = rk.rope(rk.rms_norm(k.reshape(t, self.kv_heads, d), self.k_norm, EPS), batch["pos"], THETA)
-            o = rk.attention_varlen(q, k, v.reshape(t, self.kv_heads, d), batch["cu"], d ** -0.5)
+            o = rk.attention_varlen(q, k, v.reshape(t, self.kv_heads, d), batch["cu"], d ** -0.5, batch["max_len"])
             h = rk.row_parallel_linear(o.reshape(t, -1), self.o, group)
             h, residual = rk.rms_norm(h, self.post_norm, EPS, residual=residual)
             x = h if group is None else _CopyToTP.apply(h, group)
@@ -253,6 +253,7 @@ def main() -> None:
     inv = 1.0 / (THETA ** (torch.arange(0, HEAD_DIM, 2, device=dev, dtype=torch.float32) / HEAD_DIM))
     ang = pos[:, None].float() * inv[None]
     batch = {"pos": pos, "cu": torch.arange(0, t + 1, a.seq_len, device=dev, dtype=torch.int32), "seqs": a.seqs,
+             "max_len": a.seq_len,
              "cos": ang.cos(), "sin": ang.sin(), "adv": torch.randn(t, device=dev),
              "h_lm": torch.randn(t, D, device=dev).to(torch.bfloat16)}
     x = torch.randn(t, D, device=dev).to(torch.bfloat16)
@@ -303,7 +304,8 @@ def main() -> None:
             model.logprobs(model.hidden(x, batch, True, group), targets, True, group).sum().backward()
             torch.cuda.synchronize()
         if rank == 0:
-            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=22, max_name_column_width=70))
+            for key in ("cuda_time_total", "self_cpu_time_total"):
+                print(prof.key_averages().table(sort_by=key, row_limit=16, max_name_column_width=60))
     if group is not None:
         dist.barrier()
         dist.destroy_process_group()

@@ -14,12 +14,12 @@ export OUT=${OUT:-/tmp/gpu_out} GPU_CHECK_BUDGET_S=${GPU_CHECK_BUDGET_S:-560}
 source scripts/gpu_stages.sh
 TAIL_LINES=30 stage kernels 130 $PY -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_triton_kernels.py
 TAIL_LINES=16 stage train1 110 $PY benchmarks/train_step.py --json "$OUT/train_step_tp1.json"
-TAIL_LINES=12 RL_KERNEL_DETERMINISTIC_GRADS=0 stage train1nd 80 $PY benchmarks/train_step.py --reps 8 \
+[ -n "${SKIP_ND:-}" ] || TAIL_LINES=12 RL_KERNEL_DETERMINISTIC_GRADS=0 stage train1nd 80 $PY benchmarks/train_step.py --reps 8 \
   --json "$OUT/train_step_tp1_nondeterministic.json"
-TAIL_LINES=16 stage train2 110 $PY -m torch.distributed.run --standalone --nproc_per_node 2 benchmarks/train_step.py \
-  --json "$OUT/train_step_tp2.json"
-stage tp 50 $PY -m torch.distributed.run --standalone --nproc_per_node 2 tests/gpu/tp_nccl.py --json "$OUT/tp.json"
+TAIL_LINES=40 stage train2 130 $PY -m torch.distributed.run --standalone --nproc_per_node 2 benchmarks/train_step.py \
+  ${TRAIN_PROFILE:+--profile} --json "$OUT/train_step_tp2.json"
+[ -n "${SKIP_TP:-}" ] || stage tp 50 $PY -m torch.distributed.run --standalone --nproc_per_node 2 tests/gpu/tp_nccl.py --json "$OUT/tp.json"
 stage parity 70 $PY tests/gpu/parity.py --shape 8b --layers 2 --json "$OUT/parity.json"
-TAIL_LINES=40 stage bench 150 $PY benchmarks/kernels.py --only gemm,logprob,prefill,decode --json "$OUT/kernels.json" \
+TAIL_LINES=40 stage bench 150 $PY benchmarks/kernels.py --only ${BENCH_ONLY:-gemm,logprob,prefill,decode} --json "$OUT/kernels.json" \
   --md "$OUT/kernels.md"
 finish

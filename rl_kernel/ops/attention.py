@@ -62,16 +62,18 @@ def _check(op: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str:
 
 def attention_varlen(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: float,
+    max_seqlen: int | None = None,
 ) -> torch.Tensor:
     """Causal attention over packed sequences (positions 0..len-1 each).
 
     q [T, H, d], k and v [T, Hkv, d] with H a multiple of Hkv; cu_seqlens [B+1] int, cumulative
     sequence lengths starting at 0; `scale` multiplies q.k. Returns [T, H, d] in q's dtype.
+    `max_seqlen`, the longest sequence (tokens), spares the backward a device-to-host read.
     """
     if not is_strict("attention"):
         record_native("attention", q.device)
         return _native_varlen(q, k, v, cu_seqlens, scale)
-    return _StrictVarlenAttention.apply(q, k, v, cu_seqlens, scale)
+    return _StrictVarlenAttention.apply(q, k, v, cu_seqlens, scale, max_seqlen)
 
 
 class _StrictVarlenAttention(torch.autograd.Function):
@@ -81,9 +83,9 @@ class _StrictVarlenAttention(torch.autograd.Function):
     elsewhere autograd through fp32 SDPA, one sequence at a time."""
 
     @staticmethod
-    def forward(ctx, q, k, v, cu_seqlens, scale):
+    def forward(ctx, q, k, v, cu_seqlens, scale, max_seqlen=None):
         backend = _check("attention", q, k, v)
-        ctx.scale = scale
+        ctx.scale, ctx.max_seqlen = scale, max_seqlen
         ctx.flash = (backend == "triton" and q.dtype in (torch.bfloat16, torch.float16)
                      and any(ctx.needs_input_grad[:3]))
         if backend == "triton":
@@ -98,22 +100,22 @@ class _StrictVarlenAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         if ctx.flash:
-            return (*_flash_backward(grad_out, *ctx.saved_tensors, ctx.scale), None, None)
+            return (*_flash_backward(grad_out, *ctx.saved_tensors, ctx.scale, ctx.max_seqlen), None, None, None)
         q, k, v, cu_seqlens = ctx.saved_tensors
         with torch.enable_grad():
             inputs = [t.detach().to(torch.float32).requires_grad_() for t in (q, k, v)]
             out = _native_varlen(*inputs, cu_seqlens, ctx.scale)
             grads = torch.autograd.grad(out, inputs, grad_out.to(torch.float32))
-        return grads[0].to(q.dtype), grads[1].to(k.dtype), grads[2].to(v.dtype), None, None
+        return grads[0].to(q.dtype), grads[1].to(k.dtype), grads[2].to(v.dtype), None, None, None
 
 
 DETERMINISTIC_GRADS = os.environ.get("RL_KERNEL_DETERMINISTIC_GRADS", "1") != "0"
 
 
-def _flash_backward(grad_out, q, k, v, cu_seqlens, out, lse, scale):
+def _flash_backward(grad_out, q, k, v, cu_seqlens, out, lse, scale, max_seqlen=None):
     """dq, dk, dv of causal varlen attention by FlashAttention-2's backward, given out and lse [H, T]."""
     cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
-    max_len = int((cu[1:] - cu[:-1]).max())
+    max_len = int((cu[1:] - cu[:-1]).max()) if max_seqlen is None else max_seqlen
     unused = torch.empty(2, dtype=torch.int64, device=q.device)  # dropout RNG state: no dropout here
     saved = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
     torch.use_deterministic_algorithms(DETERMINISTIC_GRADS)  # warn-only would keep FA2's dQ atomics

@@ -5,9 +5,9 @@
 Run by `test_triton_interpreter.py` in a subprocess (the variable must be set before the kernels are
 defined). Two interpreter limits are worked around here, not in the kernels: its bf16 conversions
 truncate (so inputs are fp16 / fp32), and its `tl.dot` is numpy's matmul, whose per-element result
-depends on the row's position in the block (BLAS blocking). The dot is therefore replaced by an exact
-fp64 product of each row and column rounded once to fp32, which is position-invariant like a
-tensor-core MMA. What this checks: the kernels' indexing, masking, schedules, group tree, split merge
+depends on the row's position in the block (BLAS blocking). The dot is therefore replaced by a chain of
+k16 steps, each an exact fp64 product sum added onto the fp32 accumulator with one rounding: position-
+and tile-invariant like the tensor cores' chained k16 MMAs. What this checks: the kernels' indexing, masking, schedules, group tree, split merge
 and fixed-point sums; the bits on a GPU are checked by test_triton_kernels.py there.
 """
 
@@ -24,8 +24,13 @@ from triton.runtime import interpreter as _interp  # noqa: E402
 
 
 def _dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-    prod = np.einsum("...mk,...kn->...mn", a.data.astype(np.float64), b.data.astype(np.float64), optimize=False)
-    return _interp.TensorHandle((prod.astype(np.float32) + d.data).astype(d.data.dtype), d.dtype.scalar)
+    """k16 steps in ascending K, each an exact product sum added onto the fp32 accumulator with one rounding."""
+    a64, b64 = a.data.astype(np.float64), b.data.astype(np.float64)
+    acc = d.data.astype(np.float32)
+    for k0 in range(0, a64.shape[-1], 16):
+        step = np.einsum("...mk,...kn->...mn", a64[..., k0:k0 + 16], b64[..., k0:k0 + 16, :], optimize=False)
+        acc = (acc.astype(np.float64) + step).astype(np.float32)
+    return _interp.TensorHandle(acc.astype(d.data.dtype), d.dtype.scalar)
 
 
 _interp.InterpreterBuilder.create_dot = _dot

@@ -36,8 +36,9 @@ BLOCK_K = 64
 TILE = {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 4}
 # Decode-sized M: narrow tiles give more programs to stream the weights (a tile's shape moves no bit).
 SMALL_M = 64
-SMALL_TILE = {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 5}
-MID_TILE = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 4}
+# Picked by benchmarks/kernels.py's tile sweep on an H200 (o and down at M = 1, 16, 128; kernels_h200.json).
+SMALL_TILE = {"BLOCK_M": 64, "BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3}
+MID_TILE = {"BLOCK_M": 64, "BLOCK_N": 32, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4}
 SPLIT_MAX_M = 64  # rows up to which the Triton split schedule is used (no effect on any bit)
 LT_MIN_M = 256  # rows from which cuBLASLt serves (no effect on any bit)
 SERVERS = ("auto", "triton", "cublaslt")

@@ -42,6 +42,7 @@ LOG2E = 1.4426950408889634
 STATE_FRACTION = 10  # per-tile state and logits slices stay under 1/10 of the LM head's bytes
 MIN_STATE_BYTES = 1 << 25
 STATS_TILE = {"BLOCK_M": 32, "BLOCK_N": 256, "num_warps": 8}
+KEPT_SLICE_FACTOR = 4
 
 
 @triton.jit
@@ -165,7 +166,8 @@ def _tile_stats_of_rows(x, w, temps32, tgt, m_t, s_t, z_t, vocab_start, vocab_si
     n_tiles = m_t.shape[1]
     fixed = float(1 << FIXED_POINT_BITS)
     if tile is None and gemm.use_cublaslt(x, w, server):
-        cols = _slice_cols(r, w, 4)
+        # kept slices are held until the backward anyway: wider ones only mean fewer launches
+        cols = _slice_cols(r, w, 4) * (KEPT_SLICE_FACTOR if keep is not None else 1)
         cfg = dict(STATS_TILE)
         bm, bn = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N")
         for c0 in range(0, v_local, cols):
