@@ -9,6 +9,8 @@ its own position only, so prefill, decode and any chunking give the same bits.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from rl_kernel import backends
@@ -38,12 +40,29 @@ CONTRACTS = {
 }
 
 
+_TABLES: dict[tuple, tuple[weakref.ref, torch.Tensor, torch.Tensor]] = {}
+
+
+def _cos_sin(positions: torch.Tensor, rotary_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The contract's fp32 cos/sin of `positions`, reused while the same positions tensor, unmodified, comes
+    back (q and k of every layer share it): computing them takes ~100 small elementwise kernels."""
+    key = (id(positions), positions._version, positions.device, rotary_dim, float(theta))
+    hit = _TABLES.get(key)
+    if hit is not None and hit[0]() is positions:
+        return hit[1], hit[2]
+    cos, sin = torch_rope.cos_sin(positions, rotary_dim, theta)
+    if len(_TABLES) >= 16:
+        _TABLES.clear()
+    _TABLES[key] = (weakref.ref(positions), cos, sin)
+    return cos, sin
+
+
 class _StrictRope(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, positions, theta, rotary_dim):
         contract = strict_contract("rope", x.device, CONTRACTS)
         check_float("rope", contract.backend, x)
-        cos, sin = torch_rope.cos_sin(positions, rotary_dim, theta)
+        cos, sin = _cos_sin(positions, rotary_dim, theta)
         ctx.save_for_backward(cos, sin)
         ctx.rotary_dim = rotary_dim
         if contract.backend == "triton":

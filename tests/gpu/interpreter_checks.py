@@ -7,8 +7,9 @@ defined). Two interpreter limits are worked around here, not in the kernels: its
 truncate (so inputs are fp16 / fp32), and its `tl.dot` is numpy's matmul, whose per-element result
 depends on the row's position in the block (BLAS blocking). The dot is therefore replaced by a chain of
 k16 steps, each an exact fp64 product sum added onto the fp32 accumulator with one rounding: position-
-and tile-invariant like the tensor cores' chained k16 MMAs. What this checks: the kernels' indexing, masking, schedules, group tree, split merge
-and fixed-point sums; the bits on a GPU are checked by test_triton_kernels.py there.
+and tile-invariant like the tensor cores' chained k16 MMAs. What this checks: the kernels' indexing,
+masking, schedules, group tree, split merge and fixed-point sums; the bits on a GPU are checked by
+test_triton_kernels.py there.
 """
 
 from __future__ import annotations

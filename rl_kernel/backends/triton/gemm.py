@@ -39,6 +39,8 @@ SMALL_M = 64
 # Picked by benchmarks/kernels.py's tile sweep on an H200 (o and down at M = 1, 16, 128; kernels_h200.json).
 SMALL_TILE = {"BLOCK_M": 64, "BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3}
 MID_TILE = {"BLOCK_M": 64, "BLOCK_N": 32, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4}
+WIDE_N = 16384  # from here on a narrow N tile already gives enough programs (gate_up): shorter K steps win
+WIDE_SMALL_TILE = {"BLOCK_M": 64, "BLOCK_N": 32, "BLOCK_K": 64, "num_warps": 4, "num_stages": 5}
 SPLIT_MAX_M = 64  # rows up to which the Triton split schedule is used (no effect on any bit)
 LT_MIN_M = 256  # rows from which cuBLASLt serves (no effect on any bit)
 SERVERS = ("auto", "triton", "cublaslt")
@@ -213,8 +215,10 @@ def _tree_kernel(part_ptr, out_ptr, bias_ptr, numel, N, HAS_BIAS: tl.constexpr, 
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def tile_for(m: int) -> dict:
-    """The Triton tile for M rows (a size class; no bit depends on it)."""
+def tile_for(m: int, n: int) -> dict:
+    """The Triton tile for an [M, N] output (a size class; no bit depends on it)."""
+    if n >= WIDE_N:
+        return WIDE_SMALL_TILE if m <= SMALL_M else TILE
     return SMALL_TILE if m <= SMALL_M else MID_TILE if m < LT_MIN_M else TILE
 
 
@@ -250,7 +254,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if m and n and schedule is None and tile is None and use_cublaslt(x, weight, server):
         return _lt_linear(x, weight, bias, out_dtype, groups, k_group)
     x, weight, precision = _operands(x, weight)
-    cfg = dict(tile or tile_for(m))
+    cfg = dict(tile or tile_for(m, n))
     bm, bn, bk = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N"), cfg.pop("BLOCK_K", BLOCK_K)
     out = torch.empty(m, n, dtype=out_dtype, device=x.device)
     bias_arg = out if bias is None else bias.contiguous()
