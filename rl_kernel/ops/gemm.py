@@ -70,15 +70,19 @@ def _contract(device: torch.device) -> Contract:
     return strict_contract("gemm", device, {"torch": CONTRACTS["torch"], "triton": triton_contract(canonical_tp())})
 
 
-def _strict_matmul(x2d: torch.Tensor, weight: torch.Tensor, k_group: int | None = None) -> torch.Tensor:
-    """fp32 [M, N] under the contract. `k_group`: the row-parallel group size of the full K (None: not
-    row-parallel)."""
+def _strict_linear(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                   out_dtype: torch.dtype = torch.float32, k_group: int | None = None) -> torch.Tensor:
+    """[M, N] under the contract: the fp32 result (+ bias in fp32) rounded once to `out_dtype`. `k_group`:
+    the row-parallel group size of the full K (None: not row-parallel)."""
     contract = _contract(x2d.device)
     check_float("gemm", contract.backend, x2d, weight)
     if contract.backend == "triton":
-        from rl_kernel.backends.triton.gemm import matmul_fp32
-        return matmul_fp32(x2d, weight, k_group)
-    return torch_gemm.matmul_fp32(x2d, weight, k_group)
+        from rl_kernel.backends.triton.gemm import linear as triton_linear
+        return triton_linear(x2d, weight, bias, out_dtype, k_group)  # rounds in the epilogue
+    y = torch_gemm.matmul_fp32(x2d, weight, k_group)
+    if bias is not None:
+        y = y + bias.to(torch.float32)
+    return y.to(out_dtype)
 
 
 class _StrictLinear(torch.autograd.Function):
@@ -91,13 +95,15 @@ class _StrictLinear(torch.autograd.Function):
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
         x2d = x.reshape(-1, x.shape[-1])
-        if row_parallel:
+        world = 1 if group is None else dist.get_world_size(group)
+        if row_parallel and world > 1:
             y = _row_parallel_partial(x2d, weight, group)
+            y = (y if bias is None else y + bias.to(torch.float32)).to(x.dtype)
         else:
-            y = _strict_matmul(x2d, weight)
-        if bias is not None:
-            y = y + bias.to(torch.float32)
-        return y.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
+            k_group = _row_parallel_group(x2d.shape[-1], 1, backends.strict_backend("gemm", x2d.device)) \
+                if row_parallel else None
+            y = _strict_linear(x2d, weight, bias, x.dtype, k_group)
+        return y.reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -132,7 +138,7 @@ def _row_parallel_group(k_local: int, world: int, backend: str) -> int:
 def _row_parallel_partial(x2d: torch.Tensor, weight: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     world = 1 if group is None else dist.get_world_size(group)
     k_group = _row_parallel_group(x2d.shape[-1], world, backends.strict_backend("gemm", x2d.device))
-    partial = _strict_matmul(x2d, weight, k_group)
+    partial = _strict_linear(x2d, weight, k_group=k_group)
     if world == 1:
         return partial
     return tree_all_reduce(partial, group)
@@ -151,7 +157,7 @@ def linear_fp32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if not is_strict("gemm"):
         record_native("gemm", x.device)
         return F.linear(x, weight.to(x.dtype)).to(torch.float32)
-    return _strict_matmul(x.reshape(-1, x.shape[-1]), weight).reshape(*x.shape[:-1], weight.shape[0])
+    return _strict_linear(x.reshape(-1, x.shape[-1]), weight).reshape(*x.shape[:-1], weight.shape[0])
 
 
 def row_parallel_linear(
