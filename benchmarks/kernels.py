@@ -6,8 +6,8 @@ Rows (Qwen3-8B shapes, bf16): GEMM at M in {1, 16, 128, 1024, 8192} for the qkv,
 down projections vs cuBLAS (and the GEMM's two schedules and a few tile shapes, with a bit check
 between them); RMSNorm; attention prefill at 4k / 16k tokens vs PyTorch SDPA; paged decode at batch
 1 / 64 / 256 with 4k context vs a native paged decode (gather + SDPA); linear-logprob at V = 151936
-(time and peak memory) vs F.linear + log_softmax + gather; a 2-layer decoder stack forward,
-train-style and decode-style, strict vs native. Times are medians of `triton.testing.do_bench`
+(time and peak memory) vs F.linear + log_softmax + gather. The whole training step is
+benchmarks/train_step.py. Times are medians of `triton.testing.do_bench`
 (CUDA events) after warm-up, with inputs rotated when they would fit in L2. `floor_ms` is the larger
 of flops / bf16 dense peak and bytes / measured copy bandwidth.
 """
@@ -274,63 +274,6 @@ def bench_logprob(bw: float) -> None:
         tflops_strict=round(flops / s * 1e-9, 1), logit_servers_ms=variants)
 
 
-# ---- decoder layer stack --------------------------------------------------------------------------------
-
-def bench_stack() -> None:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "gpu"))
-    from parity import random_model
-
-    model = random_model("8b", 2, DEV)
-    c = model.config
-    model.embed = model.embed[:1024].clone()  # only small ids are used; frees ~1.2 GB
-    lens = [1024] * 4
-    cu = torch.tensor([0, 1024, 2048, 3072, 4096], device=DEV)
-    ids = torch.randint(0, 1024, (4096,), device=DEV)
-
-    def timed(fn, n=5):
-        fn()
-        torch.cuda.synchronize()
-        ts = []
-        for _ in range(n):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            torch.cuda.synchronize()
-            ts.append(a.elapsed_time(b))
-        return sorted(ts)[len(ts) // 2]
-
-    res = {}
-    with torch.no_grad():
-        for mode in ("strict", "native"):
-            with rk.mode(mode):
-                res[mode] = timed(lambda: model.forward_packed(ids, cu))
-    row("stack", f"2 layers train-style T={sum(lens)} packed", res["strict"], res["native"], None,
-        "strict overhead <=10%", overhead=round(res["strict"] / res["native"] - 1, 3))
-    # decode-style: 64 sequences with 1024 tokens of context each in a paged cache, one new token each
-    b, ctx, page = 64, 1024, 16
-    nblk = b * (ctx // page + 1)
-    caches = [(torch.randn(nblk, page, c.num_kv_heads, c.head_dim, device=DEV).to(BF16),
-               torch.randn(nblk, page, c.num_kv_heads, c.head_dim, device=DEV).to(BF16)) for _ in range(c.num_layers)]
-    table = torch.randperm(nblk, device=DEV).to(torch.int32).view(b, ctx // page + 1)
-    seq_lens = torch.full((b,), ctx + 1, device=DEV)
-    qsl = torch.arange(b + 1, device=DEV)
-    pos = torch.full((b,), ctx, device=DEV)
-    slots = table[:, ctx // page].long() * page + ctx % page
-    dec_ids = torch.randint(0, 1024, (b,), device=DEV)
-
-    def attn(i, q, k, v):
-        rk.write_kv_cache(k, v, caches[i][0], caches[i][1], slots)
-        return rk.paged_attention(q, caches[i][0], caches[i][1], table, seq_lens, qsl, model.scale)
-
-    with torch.no_grad():
-        for mode in ("strict", "native"):
-            with rk.mode(mode):
-                res[mode] = timed(lambda: model.forward(dec_ids, pos, attn))
-    row("stack", f"2 layers decode-style B={b} ctx={ctx}", res["strict"], res["native"], None,
-        "strict overhead <=15%", overhead=round(res["strict"] / res["native"] - 1, 3))
-
-
 def table_md() -> str:
     lines = ["| group | case | strict ms | native ms | native/strict | floor ms | target | notes |",
              "|---|---|---|---|---|---|---|---|"]
@@ -348,7 +291,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description="strict vs native kernel benchmarks (one GPU)")
     p.add_argument("--json", default="benchmarks/results/kernels_h200.json")
     p.add_argument("--md", default="benchmarks/results/kernels_h200.md")
-    p.add_argument("--only", default="gemm,prefill,decode,logprob,norm,stack,tiles")
+    p.add_argument("--only", default="gemm,prefill,decode,logprob,norm,tiles")
     p.add_argument("--quick", action="store_true", help="fewer repetitions (smoke test)")
     a = p.parse_args()
     QUICK = a.quick
@@ -357,7 +300,7 @@ def main() -> None:
     bw = copy_bandwidth()
     print(f"BENCH device {torch.cuda.get_device_name()}  copy {bw / 1e12:.2f} TB/s", flush=True)
     stages = {"gemm": bench_gemm, "tiles": bench_tiles, "norm": bench_norm, "prefill": bench_prefill,
-              "decode": bench_decode, "logprob": bench_logprob, "stack": bench_stack}
+              "decode": bench_decode, "logprob": bench_logprob}
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
             "python": platform.python_version(), "copy_tb_s": round(bw / 1e12, 3), "peak_bf16_assumed": PEAK_BF16,
             "date": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()), "gemm_tile": gemm.TILE,
