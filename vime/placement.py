@@ -17,6 +17,7 @@ from vime.config import RayConfig
 from vime.errors import ConfigError
 
 log = logging.getLogger("vime")
+START_ATTEMPTS = 3  # local Ray start-ups tried before giving up
 
 
 def start_ray(cfg: RayConfig, env: dict[str, str]) -> None:
@@ -28,9 +29,20 @@ def start_ray(cfg: RayConfig, env: dict[str, str]) -> None:
     if cfg.address:
         ray.init(address=cfg.address, runtime_env=runtime_env, log_to_driver=True)
     else:
-        ray.init(num_cpus=cfg.num_cpus, num_gpus=cfg.num_gpus, include_dashboard=False, runtime_env=runtime_env,
-                 log_to_driver=True, configure_logging=False,
-                 object_store_memory=min(2 << 30, int(os.environ.get("VIME_OBJECT_STORE_BYTES", 1 << 30))))
+        for attempt in range(1, START_ATTEMPTS + 1):
+            try:
+                ray.init(num_cpus=cfg.num_cpus, num_gpus=cfg.num_gpus, include_dashboard=False,
+                         runtime_env=runtime_env, log_to_driver=True, configure_logging=False,
+                         object_store_memory=min(2 << 30, int(os.environ.get("VIME_OBJECT_STORE_BYTES", 1 << 30))))
+                break
+            except Exception as e:
+                # Ray waits a fixed 30 s for its local raylet to register (ray/_private/node.py); on a loaded
+                # machine that can run out. Only that failure is retried, on a fresh local Ray.
+                if "timed out during startup" not in str(e) or attempt == START_ATTEMPTS:
+                    raise
+                log.warning("ray: local node start-up timed out (attempt %d of %d), starting again", attempt,
+                            START_ATTEMPTS)
+                ray.shutdown()
     log.info("ray: %s", {k: v for k, v in ray.cluster_resources().items() if not k.startswith("node:")})
 
 

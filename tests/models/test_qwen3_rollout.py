@@ -60,22 +60,23 @@ def test_rollout_equals_teacher_forcing_strict(dtype, tiny_qwen3_path, tiny_qwen
     assert n == 54 and bad == 0 and max_diff == 0.0
 
 
-def test_rollout_vs_teacher_forcing_native_twin(tiny_qwen3_path, tiny_qwen3_fp32_path):
-    """The same comparison with torch's own kernels. In fp32 the accumulation-order differences
-    between paged and packed, decode and prefill shapes show in most tokens. In bf16, on this CPU,
-    every intermediate and the native LM-head logits are rounded to bf16, which hides most of them
-    (observed 0-1 of 54 tokens differ): reported, not asserted."""
+def test_rollout_vs_teacher_forcing_native_twin(tiny_qwen3_path, tiny_qwen3_fp32_path, report_native):
+    """The same comparison with torch's own kernels: whether paged decode and packed prefill shapes
+    change a token's bits depends on the CPU's GEMM and SDPA kernels (on the CPUs seen so far: most
+    tokens in fp32; 0-1 of 54 in bf16, where every intermediate and the native LM-head logits are
+    rounded to bf16): reported, not asserted."""
     with rk.mode("native"):
         bad32, n, max32 = _rollout_vs_teacher(tiny_qwen3_fp32_path, torch.float32)
         bad16, _, max16 = _rollout_vs_teacher(tiny_qwen3_path, torch.bfloat16)
-    print(f"native fp32: {bad32} / {n} tokens differ (max |diff| {max32:.3g}); "
-          f"native bf16: {bad16} / {n} (max |diff| {max16:.3g})")
-    assert bad32 > 0 and max32 > 0
+    assert n == 54
+    report_native(f"rollout vs teacher forcing: fp32 {bad32} / {n} tokens differ (max |diff| {max32:.3g}); "
+                  f"bf16 {bad16} / {n} (max |diff| {max16:.3g})")
 
 
-def test_rollout_is_schedule_invariant_strict(tiny_qwen3_fp32_path):
+def test_rollout_is_schedule_invariant_strict(tiny_qwen3_fp32_path, report_native):
     """Strict: another page size, token budget and block order give the same tokens and logprob bits
-    (each request samples with its own generator). Native twin: the logprobs move."""
+    (each request samples with its own generator). Native twin: whether the logprobs move depends on
+    the CPU's kernels (they did on the CPUs seen so far): reported."""
     results = {}
     for mode in ("strict", "native"):
         with rk.mode(mode):
@@ -84,9 +85,9 @@ def test_rollout_is_schedule_invariant_strict(tiny_qwen3_fp32_path):
                     .generate(_requests(), seed=3) for n, bs, b, s in ((64, 8, 13, 0), (16, 32, 96, 7))]
         same_tokens = all(x.token_ids == y.token_ids for x, y in zip(*runs))
         results[mode] = same_tokens, _mismatches([o.logprobs for o in runs[0]], [o.logprobs for o in runs[1]])
-    print(f"schedule invariance (same tokens, (mismatches, tokens, max diff)): {results}")
+    report_native(f"schedule: same tokens {results['native'][0]}, (mismatches, tokens, max diff) "
+                  f"{results['native'][1]}")
     assert results["strict"] == (True, (0, 54, 0.0))
-    assert results["native"][1][0] > 0
 
 
 @pytest.fixture(scope="module")

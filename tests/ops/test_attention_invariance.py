@@ -2,9 +2,11 @@
 sequences, packed or padded, full prefill or decode or chunked prefill at any boundary (mixed in one
 continuous batch), paged KV with any page size and any block-table order, 1 or 2 threads.
 
-Raw bits of every output element are compared. Native twins: packing, page size/order and threads hold
-natively (asserted and documented: rl_kernel's native form runs SDPA once per sequence on the gathered,
-contiguous keys); padding and prefill vs decode vs chunked break natively (asserted).
+Raw bits of every output element are compared. Native twins: packing and page size/order hold
+natively by construction of rl_kernel's native form (it runs SDPA once per sequence on the gathered,
+contiguous keys: the same call on the same values, on any CPU), asserted as such. Padding and
+prefill vs decode vs chunked give SDPA calls of other shapes, whose bits depend on the CPU's kernels,
+and thread count likewise: reported (`report_native`), not asserted.
 """
 
 from __future__ import annotations
@@ -49,8 +51,9 @@ def test_packing_strict(lens, data, dtype):
         _assert_same(a, b, f"lens {lens} order {order}")
 
 
-def test_packing_native_holds():
-    """Native holds on this axis: rl_kernel's native varlen runs SDPA on each sequence separately."""
+def test_packing_native_holds_by_construction():
+    """Native holds on this axis on any CPU: rl_kernel's native varlen runs SDPA on each sequence
+    separately, the same call alone or packed."""
     with rk.mode("native"):
         pairs = _alone_and_packed([37, 130, 5, 70], [2, 0, 3, 1], torch.float32, seed=0)
     assert all(same_bits(a, b) for a, b in pairs)
@@ -73,9 +76,12 @@ def test_padding_strict(lens, extra, dtype):
     _assert_same(*_packed_and_padded(lens, max(lens) + extra, dtype, seed=extra), f"lens {lens} +{extra}")
 
 
-def test_padding_native_breaks():
+def test_padding_native(report_native):
+    """Native twin: SDPA over the padded length vs over each sequence's own length (other shapes)."""
     with rk.mode("native"):
-        assert not same_bits(*_packed_and_padded([5, 40, 70, 20], 80, torch.float32, seed=0))
+        packed, padded = _packed_and_padded([5, 40, 70, 20], 80, torch.float32, seed=0)
+    report_native(f"packed vs padded: {'same bits' if same_bits(packed, padded) else 'bits differ'}, "
+                  f"max |diff| {max_abs_diff(packed, padded)}")
 
 
 # --- prefill vs decode vs chunked prefill (one continuous batch) --------------------------------------------
@@ -112,10 +118,11 @@ def test_prefill_decode_chunked_strict(data, dtype, page):
         _assert_same(a, b, f"pair {i}: lens {lens} cuts {cuts} tail {tail} page {page}")
 
 
-def test_prefill_decode_chunked_native_breaks():
+def test_prefill_decode_chunked_native(report_native):
+    """Native twin: SDPA over a chunk or one decoding query vs over the whole prefill (other shapes)."""
     with rk.mode("native"):
         pairs = _prefill_vs_steps([150, 90], [40, 64, 100], 6, 16, torch.float32, seed=0)
-    assert sum(not same_bits(a, b) for a, b in pairs) > 0
+    report_native(f"{sum(not same_bits(a, b) for a, b in pairs)} of {len(pairs)} prefill/decode/chunk pairs differ")
 
 
 def test_decode_vs_chunk_across_split_boundary():
@@ -151,9 +158,9 @@ def test_page_size_and_block_order_strict(lens, dtype, page):
 
 
 @pytest.mark.parametrize("page", [1, 3, 16, 64])
-def test_page_size_and_block_order_native_holds(page):
-    """Native holds on this axis: rl_kernel's native paged form gathers the pages into the contiguous
-    sequence before SDPA, so page size and block order cannot change what SDPA sees."""
+def test_page_size_and_block_order_native_holds_by_construction(page):
+    """Native holds on this axis on any CPU: rl_kernel's native paged form gathers the pages into the
+    contiguous sequence before SDPA, so page size and block order cannot change what SDPA sees."""
     with rk.mode("native"):
         assert same_bits(*_varlen_vs_paged([70, 33, 100], page, torch.float32, seed=0))
 
@@ -181,8 +188,9 @@ def test_threads_strict(dtype):
         _assert_same(a, b, "1 vs 2 threads")
 
 
-def test_threads_native_holds():
-    """Native holds on this axis on this CPU: SDPA's CPU kernel splits work over heads and query blocks,
-    not over the keys of one query."""
+def test_threads_native(report_native):
+    """Native twin: whether SDPA's CPU kernel keeps a query's bits across thread counts depends on how
+    it splits work (over heads and query blocks on the CPUs seen so far): reported."""
     with rk.mode("native"):
-        assert all(same_bits(a, b) for a, b in _threads(torch.float32))
+        bad = sum(not same_bits(a, b) for a, b in _threads(torch.float32))
+    report_native(f"{bad} of 2 outputs (varlen prefill, paged step) change between 1 and 2 threads")

@@ -1,8 +1,8 @@
 """Another process, with other settings, computes the same bits: a subprocess with 1 thread, the
 backend pinned by env (RL_KERNEL_BACKEND=torch) and other batch layouts (rows one at a time, paged
 decode instead of prefill) reproduces this process's strict outputs, loaded and saved with torch.save.
-The native twin (the same script with RL_KERNEL_MODE=native) does not. Also: RL_KERNEL_BACKEND=triton
-on CPU tensors fails closed in a fresh process."""
+The native twin (the same script with RL_KERNEL_MODE=native) reports which outputs moved on this CPU.
+Also: RL_KERNEL_BACKEND=triton on CPU tensors fails closed in a fresh process."""
 
 from __future__ import annotations
 
@@ -78,15 +78,17 @@ def test_subprocess_same_bits_strict(tmp_path, gen):
         assert same_bits(value, there[name]), f"{name}: max |diff| {max_abs_diff(value, there[name])}"
 
 
-def test_subprocess_native_differs(tmp_path, gen):
-    """Native twin: fp32 GEMM (linear, the logprob LM head) and SDPA decode vs prefill change bits with the
-    layout; the elementwise ops and the bf16 RMSNorm hold here (asserted)."""
+def test_subprocess_native(tmp_path, gen, report_native):
+    """Native twin: which outputs change bits with the process, thread count and layout depends on the
+    CPU's kernels (on the CPUs seen so far: the fp32 GEMM of linear and of the logprob LM head, and SDPA
+    decode vs prefill; the elementwise ops and the bf16 RMSNorm held): reported, not asserted."""
     inp = _inputs(gen)
     with rk.mode("native"):
         here = _here(inp)
     there = _run(tmp_path, inp, RL_KERNEL_MODE="native")
-    differs = {name for name, value in here.items() if not same_bits(value, there[name])}
-    assert differs == {"linear", "logprobs", "attention"}
+    assert set(there) == set(here)
+    differs = sorted(name for name, value in here.items() if not same_bits(value, there[name]))
+    report_native(f"outputs that differ in the other process: {differs or 'none'} (of {sorted(here)})")
 
 
 def test_env_pinned_triton_backend_fails_closed_on_cpu(tmp_path):

@@ -17,9 +17,8 @@ def test_selftest_cpu_subset(tmp_path, capsys):
     report = json.loads(path.read_text())
     assert {c["op"] for c in report["cells"]} == {"linear", "rope"}
     assert all(c["strict"]["passed"] and c["strict"]["max_abs_diff"] == 0 for c in report["cells"])
-    # native fp32 GEMM is not batch-invariant on this CPU: shown, not an error
-    assert not next(c for c in report["cells"] if c["inputs"].startswith("fp32") and c["axis"] == "batch/position")[
-        "native"]["passed"]
+    # native cells are measured and shown (whether they pass depends on the CPU), never an error
+    assert all(isinstance(c["native"]["passed"], bool) and c["native"]["max_abs_diff"] >= 0 for c in report["cells"])
     assert report["strict_failures"] == 0 and set(report["contracts"]) == set(selftest.rk.contracts.all_contracts())
     for contract in selftest.rk.contracts.all_contracts().values():
         assert f"{contract.id}" in out and contract.fingerprint in out

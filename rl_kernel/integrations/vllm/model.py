@@ -213,7 +213,6 @@ class RLKernelQwen3ForCausalLM(nn.Module):
             raise ValueError("the strict Qwen3 model does not support pipeline parallelism; use tensor parallelism")
         self.config = config
         self.tp = _TP()
-        self.weight_version: int | None = None  # set by the CPU weight-transfer engine
         dtype = vllm_config.model_config.dtype
         self.vocab_size = config.vocab_size
         self.vocab_local = -(-config.vocab_size // self.tp.size)  # padded rows (zeros) are never selected

@@ -1,5 +1,5 @@
-"""Worker-side methods of a strict engine, mixed into vLLM's worker via `worker_extension_cls` and
-called by name through `LLM.collective_rpc` (one result per worker, TP rank order)."""
+"""Worker-side methods of rl_kernel's engines (strict and native), mixed into vLLM's worker via
+`worker_extension_cls` and called by name through `LLM.collective_rpc` (one result per worker, TP rank order)."""
 
 from __future__ import annotations
 
@@ -15,8 +15,9 @@ class RLKernelWorkerExtension:
         rk.evidence.reset()
 
     def rl_kernel_weight_version(self) -> int | None:
-        """The weight version of the model in this worker (None before the first update)."""
-        return getattr(self.model_runner.get_model(), "weight_version", None)
+        """The weight version this worker's model holds: that of the last finished update session of the
+        `rl_kernel_cpu` weight-transfer engine (None before the first, or without that engine)."""
+        return getattr(self.weight_transfer_engine, "weight_version", None)
 
     def rl_kernel_modes(self) -> dict[str, str]:
         """The rl_kernel mode per boundary in this worker process."""
