@@ -290,6 +290,9 @@ def main() -> None:
             pass
     except Exception as e:
         print(f"a process failed: {e}")
+        for proc in ctx.processes:  # the others may wait on it forever
+            if proc.is_alive():
+                proc.kill()
     results = [json.loads(f.read_text()) if (f := out_dir / f"rank{r}.json").exists() else {"error": "no result"}
                for r in range(3)]
     summary, ok = report(results, args)

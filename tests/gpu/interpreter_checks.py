@@ -134,8 +134,8 @@ def cp_attention(gen: torch.Generator) -> None:
     partials, routed as the all-to-all would (a bit copy), folded on the query's rank == CP1 bitwise."""
     from rl_kernel.errors import StrictModeError
     from rl_kernel.integrations.megatron import cp as cpm
-    heads, kv_heads, d = 4, 2, 16
-    lens = [300, 140, 40, 1]
+    heads, kv_heads, d = 2, 1, 16  # small: the interpreter runs every program in Python
+    lens = [260, 130, 1]
     cu = torch.tensor([0, *lens]).cumsum(0)
     t = int(cu[-1])
     q = torch.randn(t, heads, d, generator=gen).to(F16)
@@ -158,7 +158,7 @@ def cp_attention(gen: torch.Generator) -> None:
                 out[idx] = cpm.triton_fold(pay, meta, layout.positions[idx], q.dtype, split_chunks=split_chunks)
             return out
 
-        for cp in (1, 2, 3):  # CP3: a sequence's splits land on every rank
+        for cp in (2, 3):  # CP3: a sequence's splits land on every rank
             check(f"attention CP{cp} (split partials + ordered fold) == CP1 varlen", same(run(cp), ref))
         twin = run(2, split_chunks=1)
         check("native twin: CP2 folding 64-key chunk partials != the split contract's bits", not same(twin, ref))
