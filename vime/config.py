@@ -20,6 +20,7 @@ from omegaconf.errors import InterpolationResolutionError
 
 from rl_kernel.modes import BOUNDARIES
 from vime.errors import ConfigError
+from vime.layout import WeightsConfig
 
 
 class Mode(StrEnum):
@@ -145,6 +146,7 @@ class VimeConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     ray: RayConfig = field(default_factory=RayConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
+    weights: WeightsConfig = field(default_factory=WeightsConfig)  # weight sync transport (vime/layout.py)
 
 
 def register_configs() -> None:

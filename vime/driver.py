@@ -22,6 +22,7 @@ from vime.config import Mode, VimeConfig, as_dict, side_modes
 from vime.consistency import Sample
 from vime.data.dataset import PromptSet, load_tokenizer, model_vocab_size
 from vime.errors import ComparabilityError, EngineDiedError, TrainingError, VimeError
+from vime.layout import check_layout, ray_node_gpus, read_config_json
 from vime.logging import MetricsLogger
 from vime.rollout.actor import RolloutWorker
 from vime.timeline import Timeline
@@ -96,6 +97,7 @@ class Driver:
         env = {"VLLM_CPU_KVCACHE_SPACE": str(cfg.rollout.kv_cache_space_gib), "TOKENIZERS_PARALLELISM": "false",
                "PYTHONUNBUFFERED": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": os.environ.get("VIME_VLLM_MP", "0")}
         placement.start_ray(cfg.ray, env)
+        check_layout(cfg, ray_node_gpus(ray.nodes()), read_config_json(self.model_path))  # before any engine
         gpus = cfg.ray.gpus_per_actor if cfg.device == "cuda" else 0.0
         n_ranks = cfg.trainer.tp * cfg.trainer.cp
         trainer_pg = placement.make_group("trainer", [placement.bundle(cfg.ray, gpus)] * n_ranks)

@@ -135,6 +135,48 @@ def attentions(gen: torch.Generator) -> None:
         attention.SPLIT_CHUNKS = saved
 
 
+def cp_attention(gen: torch.Generator) -> None:
+    """Context parallelism under the Triton contract (`integrations/megatron/cp.py`): each rank's split
+    partials, routed as the all-to-all would (a bit copy), folded on the query's rank == CP1 bitwise."""
+    from rl_kernel.errors import StrictModeError
+    from rl_kernel.integrations.megatron import cp as cpm
+    heads, kv_heads, d = 2, 1, 16  # small: the interpreter runs every program in Python
+    lens = [260, 130, 1]
+    cu = torch.tensor([0, *lens]).cumsum(0)
+    t = int(cu[-1])
+    q = torch.randn(t, heads, d, generator=gen).to(F16)
+    k, v = torch.randn(t, kv_heads, d, generator=gen).to(F16), torch.randn(t, kv_heads, d, generator=gen).to(F16)
+    scale = d ** -0.5
+    saved = attention.SPLIT_CHUNKS
+    attention.SPLIT_CHUNKS = 2  # splits of 128 keys, so short sequences span several splits and ranks
+    try:
+        ref = attention.varlen_attention(q, k, v, cu, scale)
+
+        def run(cp: int, split_chunks: int | None = None) -> torch.Tensor:
+            layout = cpm.TokenLayout(cu, cp, unit=128)
+            sent = [cpm.triton_rank_partials(q, k[layout.local_index(r)], v[layout.local_index(r)], layout, r,
+                                             scale, split_chunks=split_chunks) for r in range(cp)]
+            out = torch.empty_like(q)
+            for r in range(cp):  # what rank r receives: rows addressed to it, in source-rank order
+                pay = torch.cat([p[m[:, 0] == r] for p, m in sent])
+                meta = torch.cat([m[m[:, 0] == r] for _, m in sent])
+                idx = layout.local_index(r)
+                out[idx] = cpm.triton_fold(pay, meta, layout.positions[idx], q.dtype, split_chunks=split_chunks)
+            return out
+
+        for cp in (2, 3):  # CP3: a sequence's splits land on every rank
+            check(f"attention CP{cp} (split partials + ordered fold) == CP1 varlen", same(run(cp), ref))
+        twin = run(2, split_chunks=1)
+        check("native twin: CP2 folding 64-key chunk partials != the split contract's bits", not same(twin, ref))
+        try:
+            cpm.triton_rank_partials(q, k, v, cpm.TokenLayout(cu, 2, unit=64), 0, scale)
+            check("CP layout dealing 64-key units under Triton raises StrictModeError", False)
+        except StrictModeError:
+            check("CP layout dealing 64-key units under Triton raises StrictModeError", True)
+    finally:
+        attention.SPLIT_CHUNKS = saved
+
+
 def logprobs(gen: torch.Generator) -> None:
     t, d, v, real = 37, 128, 300, 290
     h, w = torch.randn(t, d, generator=gen).to(F16), (torch.randn(v, d, generator=gen) * 0.2).to(F16)
@@ -150,7 +192,7 @@ def logprobs(gen: torch.Generator) -> None:
 
 def main() -> None:
     gen = torch.Generator().manual_seed(0)
-    for part in (elementwise, gemms, attentions, logprobs):
+    for part in (elementwise, gemms, attentions, cp_attention, logprobs):
         part(gen)
     print(f"INTERPRETER {'FAIL: ' + ', '.join(FAILED) if FAILED else 'PASS'}")
     sys.exit(1 if FAILED else 0)

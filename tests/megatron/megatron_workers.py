@@ -18,9 +18,14 @@ TEMPERATURE = 0.7
 LR = 1e-3
 
 
-def samples(vocab: int = 512) -> tuple[list[list[int]], list[int]]:
+LONG_LENGTHS = (1300, 600, 70, 513)  # several 512-key splits: Triton CP deals whole splits to ranks
+LONG_PROMPTS = (100, 7, 3, 500)
+
+
+def samples(vocab: int = 512, long: bool = False) -> tuple[list[list[int]], list[int]]:
     g = torch.Generator().manual_seed(1234)
-    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in LENGTHS], list(PROMPTS)
+    lengths, prompts = (LONG_LENGTHS, LONG_PROMPTS) if long else (LENGTHS, PROMPTS)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths], list(prompts)
 
 
 def train_inputs(old: list[torch.Tensor]) -> dict:
@@ -76,7 +81,7 @@ def _job(job: dict, ckpt: str, device: str) -> dict:
     from rl_kernel.models.qwen3 import Qwen3Reference
 
     tp, cp = job["tp"], job["cp"]
-    seqs, prompts = samples()
+    seqs, prompts = samples(long=job.get("long", False))
     res: dict = {}
     tp_group = parallel_state.get_tensor_model_parallel_group() if tp > 1 else None
     ref = Qwen3Reference.from_pretrained(ckpt, group=tp_group, device=device)

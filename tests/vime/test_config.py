@@ -32,7 +32,8 @@ def test_experiment_overlay_needs_a_model_path(compose_cfg, monkeypatch):
     with pytest.raises(ConfigError, match="cannot resolve model.path.*QWEN3_8B_PATH"):
         to_object(dcfg)
     cfg = validate(to_object(compose_cfg("+experiment=qwen3_8b_grpo", "model.path=/ckpt/Qwen3-8B")))
-    assert (cfg.device, cfg.trainer.tp, cfg.trainer.cp, cfg.rollout.num_engines, cfg.rollout.tp) == ("cuda", 4, 2, 4, 2)
+    assert (cfg.device, cfg.trainer.tp, cfg.trainer.cp, cfg.rollout.num_engines, cfg.rollout.tp) == ("cuda", 4, 2, 2, 4)
+    assert (cfg.weights.transport, cfg.weights.colocate) == ("ipc", True)
 
 
 @pytest.mark.parametrize("override, message", [

@@ -297,3 +297,119 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     table = block_table.to(torch.int32)
     return _run(q, k_rows, v_rows, query_start_loc, seq_lens, table, bs, scale, True, schedule)
 
+
+
+# ---- context parallelism: one split's partial for gathered queries, and the ordered fold ----------------
+
+
+@triton.jit
+def _cp_split_kernel(q_ptr, k_ptr, v_ptr, pm_ptr, pl_ptr, po_ptr, q_row_ptr, pos0_ptr, out_row_ptr,
+                     kv_base_ptr, seq_len_ptr, split_ptr, tile_start_ptr, B, LOG_B, H,
+                     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, qk_scale,
+                     G: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr, SPLIT_CHUNKS: tl.constexpr,
+                     BLOCK_M: tl.constexpr, PRECISION: tl.constexpr):
+    """Task b: query rows q_row[b] + j (positions pos0[b] + j, j < tile_start-derived length) against
+    the keys of split split[b] of a sequence of seq_len[b] keys, key position p at row kv_base[b] + p.
+    Writes the split's exact fp32 partial (m, l, o) of each row at out_row[b] + j (`_split_partial`)."""
+    b, tile = _find_tile(tile_start_ptr, B, LOG_B)
+    q_len = tl.load(pos0_ptr + B + b)  # pos0_ptr holds [pos0 (B), q_len (B)]
+    tile_ok = tile < tl.load(tile_start_ptr + b + 1) - tl.load(tile_start_ptr + b)
+    kvh = tl.program_id(1)
+    r = tl.arange(0, BLOCK_M)
+    tok = tile * (BLOCK_M // G) + r // G
+    row_ok = tok < tl.where(tile_ok, q_len, 0)
+    head = kvh * G + r % G
+    qpos = tl.load(pos0_ptr + b) + tok
+    d = tl.arange(0, D)
+    q_off = (tl.load(q_row_ptr + b) + tok).to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :]
+    q = tl.load(q_ptr + q_off, mask=row_ok[:, None], other=0.0)
+    c0 = tl.load(split_ptr + b) * SPLIT_CHUNKS
+    kv_base = tl.load(kv_base_ptr + b)
+    ctx_len = tl.load(seq_len_ptr + b)
+    rows = tl.sum(row_ok.to(tl.int32), 0)
+    last_pos = tl.load(pos0_ptr + b) + tile * (BLOCK_M // G) + rows // G - 1
+    c_end = tl.where(rows > 0, tl.minimum(c0 + SPLIT_CHUNKS, last_pos // CHUNK + 1), c0)
+    c_full = (tl.load(pos0_ptr + b) + tile * (BLOCK_M // G) + 1) // CHUNK  # chunks every row sees whole
+    m, l, o = _split_partial(q, qpos, b, kvh, k_ptr, v_ptr, kv_base_ptr, 0, kv_base, ctx_len,
+                             stride_kt, stride_kh, stride_vt, stride_vh, c0, c_end, c_full, qk_scale,
+                             False, 1, D, CHUNK, BLOCK_M, PRECISION)
+    prow = (tl.load(out_row_ptr + b) + tok).to(tl.int64) * H + head
+    tl.store(pm_ptr + prow, m, mask=row_ok)
+    tl.store(pl_ptr + prow, l, mask=row_ok)
+    tl.store(po_ptr + prow[:, None] * D + d[None, :], o, mask=row_ok[:, None])
+
+
+@triton.jit
+def _fold_kernel(pm_ptr, pl_ptr, po_ptr, start_ptr, out_ptr, H, stride_ot, stride_oh, D: tl.constexpr):
+    """Row t: fold partials start[t] .. start[t + 1] - 1 (its splits in key order) from the empty state
+    with `_merge`, then o / l: the operations of `_merge_kernel`, partials stored [N, H(, D)]."""
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    d = tl.arange(0, D)
+    m_t = tl.full((1,), float("-inf"), tl.float32)
+    l_t = tl.zeros((1,), tl.float32)
+    o_t = tl.zeros((1, D), tl.float32)
+    for i in range(tl.load(start_ptr + t), tl.load(start_ptr + t + 1)):
+        row = (tl.zeros((1,), tl.int64) + i) * H + h
+        m = tl.load(pm_ptr + row)
+        l = tl.load(pl_ptr + row)
+        o = tl.load(po_ptr + row[:, None] * D + d[None, :])
+        m_t, l_t, o_t = _merge(m_t, l_t, o_t, m, l, o)
+    out = tl.div_rn(o_t, l_t[:, None])
+    tl.store(out_ptr + t.to(tl.int64) * stride_ot + h * stride_oh + d[None, :], out.to(out_ptr.dtype.element_ty))
+
+
+def split_partials(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_row: torch.Tensor, pos0: torch.Tensor,
+                   q_len: torch.Tensor, out_row: torch.Tensor, kv_base: torch.Tensor, seq_len: torch.Tensor,
+                   split: torch.Tensor, n_out: int, scale: float, *, split_chunks: int | None = None,
+                   config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-split partials of the Triton contract for context parallelism (`integrations/megatron/cp.py`).
+
+    Task i (all task tensors int, [n_tasks]): the q_len[i] query rows q[q_row[i] + j] at positions
+    pos0[i] + j of one sequence of seq_len[i] keys, against key split split[i] (key positions
+    [split * S * 64, (split + 1) * S * 64), S = `split_chunks`, default SPLIT_CHUNKS), key position p at
+    row kv_base[i] + p of k, v [N, Hkv, d]. Needs pos0[i] >= split[i] * S * 64 and every key of the
+    split that some row sees present in k, v. Returns fp32 (m [n_out, H], l [n_out, H], o [n_out, H, d]),
+    row out_row[i] + j holding the split's state (m, l, o) after its online softmax from the empty state,
+    the bits `varlen_attention`'s split schedule writes for that row and split (rows are independent:
+    no bit depends on the task or tile a row is computed in). Rows not covered by a task are left as is.
+    """
+    heads = q.shape[1]
+    cfg = dict(config or PREFILL)
+    block_m = cfg.pop("BLOCK_M")
+    g, d = _check(q, k.shape[1], block_m)
+    precision = _precision(q, k)
+    dev, i32 = q.device, torch.int32
+    m = torch.empty(n_out, heads, dtype=torch.float32, device=dev)
+    l, o = torch.empty_like(m), torch.empty(n_out, heads, d, dtype=torch.float32, device=dev)
+    tasks = q_len.numel()
+    if tasks == 0 or n_out == 0:
+        return m, l, o
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    tokens = block_m // g
+    as32 = [t.to(device=dev, dtype=i32).contiguous() for t in (q_row, out_row, kv_base, seq_len, split)]
+    q_len32 = q_len.to(device=dev, dtype=i32)
+    pos_len = torch.cat([pos0.to(device=dev, dtype=i32), q_len32])
+    tile_start = torch.zeros(tasks + 1, dtype=i32, device=dev)
+    tile_start[1:] = torch.cumsum((q_len32 + tokens - 1) // tokens, 0)
+    grid = (triton.cdiv(n_out, tokens) + tasks, k.shape[1])  # upper bound on the tiles; no host sync
+    _cp_split_kernel[grid](
+        q, k, v, m, l, o, as32[0], pos_len, as32[1], as32[2], as32[3], as32[4], tile_start, tasks,
+        tasks.bit_length(), heads, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        float(scale) * LOG2E, G=g, D=d, CHUNK=CHUNK, SPLIT_CHUNKS=split_chunks or SPLIT_CHUNKS, BLOCK_M=block_m,
+        PRECISION=precision, **cfg, **LAUNCH)
+    return m, l, o
+
+
+def fold_partials(m: torch.Tensor, l: torch.Tensor, o: torch.Tensor, start: torch.Tensor,
+                  dtype: torch.dtype) -> torch.Tensor:
+    """Output rows from split partials: row t folds partial rows start[t] .. start[t+1]-1 (m, l [N, H] and
+    o [N, H, d] fp32, its splits in key order, one per split from split 0) left to right from the empty
+    state, then o / l (IEEE div) rounded to `dtype`: the split schedule's merge, bit for bit."""
+    rows, heads, d = start.numel() - 1, m.shape[1], o.shape[2]
+    out = torch.empty(rows, heads, d, dtype=dtype, device=m.device)
+    if rows and heads:
+        _fold_kernel[(rows, heads)](m.contiguous(), l.contiguous(), o.contiguous(),
+                                    start.to(device=m.device, dtype=torch.int32).contiguous(), out, heads,
+                                    out.stride(0), out.stride(1), D=d, num_warps=1, **LAUNCH)
+    return out

@@ -7,8 +7,18 @@
 See docs/megatron.md.
 """
 
-from rl_kernel.integrations.megatron.loss import PolicyLossConfig, policy_loss
-from rl_kernel.integrations.megatron.policy import MegatronPolicy, TrainBatch
-from rl_kernel.integrations.megatron.spec import get_rl_kernel_layer_spec
+from __future__ import annotations
 
-__all__ = ["MegatronPolicy", "PolicyLossConfig", "TrainBatch", "get_rl_kernel_layer_spec", "policy_loss"]
+import importlib
+
+# Exports load on first use, so that `integrations.megatron.cp` (context-parallel attention, torch only)
+# imports where megatron-core is absent (the GPU image).
+_EXPORTS = {"PolicyLossConfig": "loss", "policy_loss": "loss", "MegatronPolicy": "policy", "TrainBatch": "policy",
+            "get_rl_kernel_layer_spec": "spec"}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)

@@ -1,13 +1,32 @@
 """Context parallelism for packed sequences under the strict attention contract.
 
-Tokens are dealt to CP ranks by key chunks: chunk c (positions [c*CHUNK, (c+1)*CHUNK)) of packed
-sequence b lives on CP rank (b + c) % cp, for every layer's queries, keys and values alike. The
-strict attention of a query is a fold of per-chunk partials (m, l, o) in global chunk order
-(`rl_kernel.backends.torch.attention.attend`). Under CP each rank computes, with `chunk_partial`,
+Tokens are dealt to CP ranks in *units* of `layout.unit` positions (a multiple of the 64-key chunk):
+unit u (positions [u*unit, (u+1)*unit)) of packed sequence b lives on CP rank (b + u) % cp, for every
+layer's queries, keys and values alike. `cp_unit(device)` picks the unit the strict attention backend
+needs: 64 for the torch backend, 512 (one KV split) for the Triton backend.
+
+Torch backend. The strict attention of a query is a fold of per-chunk partials (m, l, o) in global
+chunk order (`rl_kernel.backends.torch.attention.attend`). Each rank computes, with `chunk_partial`,
 the partials of every query (all ranks' queries are all-gathered) against the key chunks it holds,
 sends each partial to the query's rank (all-to-all), and each rank folds the partials of its own
-queries with `attend`. Every partial and every merge is the one the CP1 computation performs, so
-CP gives the CP1 bits, and each key chunk is processed by one rank only.
+queries with `attend`.
+
+Triton backend. Its contract runs an online softmax chunk by chunk inside a KV split of 8 chunks (512
+keys) from the empty state, and merges the *split* partials left to right; a split's state cannot be
+rebuilt from per-chunk partials (the online update rounds differently), so the unit of work is the
+split, and the layout deals whole splits (unit 512) so that every split's keys sit on one rank. Each
+rank computes, for every split it holds, the split partial of every query of that sequence at or
+after the split's first key (queries all-gathered, in the model dtype: a bit copy), with the same
+`_split_partial` the CP1 kernel runs (`triton.attention.split_partials`); partials go to the queries'
+ranks (all-to-all); each rank sorts its partials by (query, split) and folds them left to right from
+the empty state with `_merge`, then o / l (`triton.attention.fold_partials`): the operations of the
+CP1 split schedule, which equals its fused schedule bit for bit. A layout whose unit is not a multiple
+of the split raises StrictModeError (the policy builds layouts with `cp_unit`, so `auto` never does).
+Scratch: one (m, l, o) fp32 row per query and split at or before it (about L^2 / 1024 rows for a
+sequence of L tokens), as for the CP1 split schedule.
+
+In both, every partial and every merge is the one the CP1 computation performs, so CP gives the CP1
+bits, and each key is processed by one rank only.
 
 The backward carries no bit contract: keys and values are all-gathered and the local queries'
 gradients come from fp32 SDPA; key/value gradients are summed over the CP group. Native mode uses
@@ -24,17 +43,32 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from rl_kernel.backends.torch.attention import CHUNK, Partial, attend, chunk_partial
+from rl_kernel.errors import StrictModeError
+
+TRITON_SPLIT = 64 * 8  # keys per KV split of the Triton attention contract (chunk 64 x 8 chunks)
+
+
+def cp_unit(device: torch.device | str) -> int:
+    """Positions per CP dealing unit for the strict attention backend that runs on `device`."""
+    from rl_kernel.backends import strict_backend
+    try:
+        backend = strict_backend("attention", torch.device(device))
+    except StrictModeError:
+        return CHUNK
+    return TRITON_SPLIT if backend == "triton" else CHUNK
 
 
 @dataclass
 class TokenLayout:
     """A packed batch (global, the same on every rank) and which CP rank holds each token.
 
-    cu_seqlens [B+1] int64; positions [T] (position inside its sequence); seq_ids [T]; owner [T].
+    cu_seqlens [B+1] int64; positions [T] (position inside its sequence); seq_ids [T]; owner [T];
+    unit: positions per dealing unit (a multiple of 64; see `cp_unit`).
     """
 
     cu_seqlens: torch.Tensor
     cp: int = 1
+    unit: int = CHUNK
     positions: torch.Tensor = field(init=False)
     seq_ids: torch.Tensor = field(init=False)
     owner: torch.Tensor = field(init=False)
@@ -44,13 +78,16 @@ class TokenLayout:
         lens = cu.diff()
         if cu.dim() != 1 or int(cu[0]) != 0 or bool((lens < 0).any()):
             raise ValueError(f"cu_seqlens must be [0, ..., T] non-decreasing; got {cu.tolist()}")
+        if self.unit < CHUNK or self.unit % CHUNK:
+            raise ValueError(f"CP dealing unit {self.unit} must be a positive multiple of {CHUNK} positions")
         self.seq_ids = torch.repeat_interleave(torch.arange(lens.numel()), lens)
         self.positions = torch.arange(int(cu[-1])) - cu[:-1][self.seq_ids]
         self.owner = self.chunk_owner(self.seq_ids, torch.div(self.positions, CHUNK, rounding_mode="floor"))
         self._local = [torch.nonzero(self.owner == r).squeeze(1) for r in range(self.cp)]
 
     def chunk_owner(self, seq: torch.Tensor, chunk: torch.Tensor | int) -> torch.Tensor:
-        return (seq + chunk) % self.cp
+        """CP rank holding key chunk `chunk` (64 positions) of sequence `seq`."""
+        return (seq + chunk // (self.unit // CHUNK)) % self.cp
 
     def local_index(self, rank: int) -> torch.Tensor:
         """Global indices (ascending) of the tokens CP rank `rank` holds."""
@@ -78,10 +115,15 @@ def _exchange(send: torch.Tensor, counts_out: list[int], group: dist.ProcessGrou
 
 def strict_cp_attention_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: TokenLayout, scale: float,
-    group: dist.ProcessGroup,
+    group: dist.ProcessGroup, backend: str = "torch",
 ) -> torch.Tensor:
     """Strict attention of this CP rank's queries; q [n, H, d], k, v [n, Hkv, d] are the rows of
-    `layout.local_index(rank)`. Returns [n, H, d] in q's dtype, equal to the CP1 result's rows."""
+    `layout.local_index(rank)`. Returns [n, H, d] in q's dtype, equal to the rows of the CP1 result of
+    `backend`'s contract ("torch" or "triton")."""
+    if backend == "triton":
+        return _triton_cp_forward(q, k, v, layout, scale, group)
+    if backend != "torch":
+        raise StrictModeError("attention", backend, "no context-parallel attention for this backend")
     rank, cp = dist.get_rank(group), layout.cp
     heads, hd, device = q.shape[1], q.shape[2], q.device
     idx = [layout.local_index(r) for r in range(cp)]
@@ -131,6 +173,92 @@ def strict_cp_attention_forward(
     return (total.o / total.l.unsqueeze(-1)).to(q.dtype)
 
 
+def _split_keys(split_chunks: int | None) -> int:
+    from rl_kernel.backends.triton import attention as triton_attention
+    return triton_attention.CHUNK * (split_chunks or triton_attention.SPLIT_CHUNKS)
+
+
+def triton_rank_partials(
+    q_sorted: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: TokenLayout, rank: int, scale: float,
+    *, split_chunks: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Triton split partials CP rank `rank` owes: for every KV split it holds (keys k, v [n, Hkv, d], the
+    rows of `layout.local_index(rank)`), the partial of every query of that sequence at or after the
+    split's first key. q_sorted [T, H, d]: all queries of the packed batch in global order.
+
+    Returns (payload [N, H, d + 2] fp32: m, l, o per row; meta [N, 3] int64 on the CPU: the query's
+    rank, its row there, the split index). `split_chunks` other than the contract's (8) is for the
+    native twin in tests only: its partials are not the contract's."""
+    from rl_kernel.backends.triton.attention import split_partials
+    keys = _split_keys(split_chunks)
+    if layout.unit % keys:
+        raise StrictModeError("attention", "triton", f"the CP layout deals tokens in units of {layout.unit} "
+                              f"positions, but each KV split of {keys} keys must sit on one rank; build the "
+                              "TokenLayout with unit=cp_unit(device)")
+    heads, d = q_sorted.shape[1], q_sorted.shape[2]
+    cu = layout.cu_seqlens
+    lens = cu.diff()
+    n_split = torch.div(lens + keys - 1, keys, rounding_mode="floor")
+    task_b = torch.repeat_interleave(torch.arange(lens.numel()), n_split)
+    task_s = torch.arange(task_b.numel()) - torch.repeat_interleave(n_split.cumsum(0) - n_split, n_split)
+    mine = (task_b + task_s * keys // layout.unit) % layout.cp == rank
+    task_b, task_s = task_b[mine], task_s[mine]
+    pos0 = task_s * keys
+    q_len = lens[task_b] - pos0
+    q_row = cu[:-1][task_b] + pos0
+    out_row = q_len.cumsum(0) - q_len
+    n_out = int(q_len.sum())
+    to_local = torch.full((int(cu[-1]),), -1, dtype=torch.int64)
+    local = layout.local_index(rank)
+    to_local[local] = torch.arange(local.numel())
+    kv_base = to_local[q_row] - pos0 if q_row.numel() else q_row
+    m, l, o = split_partials(q_sorted, k, v, q_row, pos0, q_len, out_row, kv_base, lens[task_b], task_s, n_out,
+                             scale, split_chunks=split_chunks)
+    glob = torch.repeat_interleave(q_row, q_len) + torch.arange(n_out) - torch.repeat_interleave(out_row, q_len)
+    rank_row = torch.empty(int(cu[-1]), dtype=torch.int64)
+    for r in range(layout.cp):
+        rank_row[layout.local_index(r)] = torch.arange(layout.local_index(r).numel())
+    meta = torch.stack([layout.owner[glob], rank_row[glob], torch.repeat_interleave(task_s, q_len)], dim=1)
+    payload = torch.cat([m.unsqueeze(-1), l.unsqueeze(-1), o], dim=-1) if n_out else m.new_zeros(0, heads, d + 2)
+    return payload, meta
+
+
+def triton_fold(payload: torch.Tensor, meta: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype,
+                *, split_chunks: int | None = None) -> torch.Tensor:
+    """This rank's attention output [n, H, d] in `dtype` from the split partials it received (payload and
+    meta as `triton_rank_partials` returns them, any row order); positions [n]: its queries' positions."""
+    from rl_kernel.backends.triton.attention import fold_partials
+    keys = _split_keys(split_chunks)
+    n = positions.numel()
+    meta = meta.to(payload.device)
+    need = torch.div(positions.to(payload.device), keys, rounding_mode="floor") + 1
+    have = torch.bincount(meta[:, 1], minlength=n) if meta.numel() else torch.zeros_like(need)
+    if not torch.equal(have, need):
+        raise RuntimeError("CP attention: a query did not receive exactly one partial per KV split at or "
+                           "before it (layout differs between ranks?)")
+    order = torch.argsort(meta[:, 1] * (int(need.max()) if n else 1) + meta[:, 2])
+    start = torch.zeros(n + 1, dtype=torch.int64, device=payload.device)
+    start[1:] = need.cumsum(0)
+    p = payload[order]
+    return fold_partials(p[..., 0], p[..., 1], p[..., 2:], start, dtype)
+
+
+def _triton_cp_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: TokenLayout, scale: float,
+                       group: dist.ProcessGroup, split_chunks: int | None = None) -> torch.Tensor:
+    """`strict_cp_attention_forward` under the Triton contract (`split_chunks` != 8: native twin, tests only)."""
+    rank, cp = dist.get_rank(group), layout.cp
+    idx = [layout.local_index(r) for r in range(cp)]
+    counts = [int(i.numel()) for i in idx]
+    q_sorted = q.new_empty(int(layout.cu_seqlens[-1]), *q.shape[1:])
+    q_sorted[torch.cat(idx).to(q.device)] = torch.cat(_gather_varlen(q, counts, group))  # a bit copy
+    payload, meta = triton_rank_partials(q_sorted, k, v, layout, rank, scale, split_chunks=split_chunks)
+    order = torch.argsort(meta[:, 0], stable=True)
+    counts_out = torch.bincount(meta[:, 0], minlength=cp).tolist()
+    payload = _exchange(payload[order.to(q.device)], counts_out, group)
+    meta = _exchange(meta[order].to(q.device), counts_out, group)
+    return triton_fold(payload, meta, layout.positions[idx[rank]], q.dtype, split_chunks=split_chunks)
+
+
 def _gathered_sdpa(q, k_full, v_full, layout: TokenLayout, rank: int, scale: float) -> torch.Tensor:
     """Attention of this rank's queries over all keys of their sequences (k_full in global order)."""
     idx = layout.local_index(rank).to(q.device)
@@ -160,11 +288,11 @@ class CPAttention(torch.autograd.Function):
     """Causal GQA attention of packed sequences sharded over a CP group (see module docstring)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, layout: TokenLayout, scale: float, group, strict: bool):
+    def forward(ctx, q, k, v, layout: TokenLayout, scale: float, group, strict: bool, backend: str = "torch"):
         ctx.save_for_backward(q, k, v)
         ctx.layout, ctx.scale, ctx.group = layout, scale, group
         if strict:
-            return strict_cp_attention_forward(q, k, v, layout, scale, group)
+            return strict_cp_attention_forward(q, k, v, layout, scale, group, backend)
         k_full, v_full = _gather_global(k, layout, group), _gather_global(v, layout, group)
         return _gathered_sdpa(q, k_full, v_full, layout, dist.get_rank(group), scale)
 
@@ -182,11 +310,13 @@ class CPAttention(torch.autograd.Function):
         dkv = torch.stack([dk, dv])
         dist.all_reduce(dkv, group=group)
         idx = layout.local_index(rank).to(q.device)
-        return dq.to(q.dtype), dkv[0][idx].to(k.dtype), dkv[1][idx].to(v.dtype), None, None, None, None
+        return dq.to(q.dtype), dkv[0][idx].to(k.dtype), dkv[1][idx].to(v.dtype), None, None, None, None, None
 
 
-def cp_attention(q, k, v, layout: TokenLayout, scale: float, group: dist.ProcessGroup, strict: bool):
-    """q [n, H, d], k, v [n, Hkv, d] of this CP rank's tokens -> [n, H, d] in q's dtype."""
+def cp_attention(q, k, v, layout: TokenLayout, scale: float, group: dist.ProcessGroup, strict: bool,
+                 backend: str = "torch"):
+    """q [n, H, d], k, v [n, Hkv, d] of this CP rank's tokens -> [n, H, d] in q's dtype; `backend` names
+    the strict contract ("torch" or "triton") whose CP1 bits the strict forward reproduces."""
     if not math.isfinite(scale):
         raise ValueError(f"attention scale must be finite, got {scale}")
-    return CPAttention.apply(q, k, v, layout, scale, group, strict)
+    return CPAttention.apply(q, k, v, layout, scale, group, strict, backend)

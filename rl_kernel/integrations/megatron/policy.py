@@ -28,7 +28,7 @@ from rl_kernel.integrations.megatron.convert import (
     megatron_to_hf,
     read_config,
 )
-from rl_kernel.integrations.megatron.cp import TokenLayout, _gather_varlen
+from rl_kernel.integrations.megatron.cp import CHUNK, TokenLayout, _gather_varlen, cp_unit
 from rl_kernel.integrations.megatron.loss import PolicyLossConfig, policy_loss
 from rl_kernel.integrations.megatron.model import build_gpt_model, forward_hidden, token_logprobs
 
@@ -59,7 +59,7 @@ class _Packed:
     counts: list[int]  # response tokens per sequence
 
 
-def _pack(sequences: list[list[int]], prompt_lens: list[int], cp: int) -> _Packed:
+def _pack(sequences: list[list[int]], prompt_lens: list[int], cp: int, unit: int = CHUNK) -> _Packed:
     if not sequences or len(sequences) != len(prompt_lens):
         raise ValueError(f"need one prompt_len per sequence and at least one sequence; got {len(sequences)} "
                          f"sequences, {len(prompt_lens)} prompt_lens")
@@ -71,7 +71,7 @@ def _pack(sequences: list[list[int]], prompt_lens: list[int], cp: int) -> _Packe
     filler: list[list[int]] = []
     while True:  # Megatron cannot run a rank without tokens: give empty CP ranks a 1-token filler sequence
         cu = torch.tensor([0] + lens + [1] * len(filler), dtype=torch.int64).cumsum(0)
-        layout = TokenLayout(cu, cp)
+        layout = TokenLayout(cu, cp, unit)
         if all(layout.local_index(r).numel() for r in range(cp)):
             break
         filler.append([0])
@@ -108,6 +108,7 @@ class MegatronPolicy:
         self.mode, self.tp, self.cp, self.loss_config = mode, tp, cp, loss or PolicyLossConfig()
         self.micro_batch_size = micro_batch_size
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.cp_unit = cp_unit(self.device)  # CP deals whole units of the strict attention's partials
         if parallel_state.model_parallel_is_initialized():
             have = (parallel_state.get_tensor_model_parallel_world_size(),
                     parallel_state.get_context_parallel_world_size())
@@ -213,7 +214,7 @@ class MegatronPolicy:
             raise ValueError(f"{len(sequences)} sequences but {len(temps)} temperatures")
         out: list[torch.Tensor] = []
         for mb in self._micro_batches(len(sequences)):
-            packed = _pack([sequences[i] for i in mb], [prompt_lens[i] for i in mb], self.cp)
+            packed = _pack([sequences[i] for i in mb], [prompt_lens[i] for i in mb], self.cp, self.cp_unit)
             row_temps = torch.ones(packed.ids.numel(), dtype=torch.float64)  # filler rows keep 1.0
             cu = packed.layout.cu_seqlens.tolist()
             for j, i in enumerate(mb):
@@ -239,7 +240,7 @@ class MegatronPolicy:
         sums = {"loss": 0.0, "pg_sum": 0.0, "clipped": 0.0, "ratio_sum": 0.0, "tokens": 0.0, "kl_sum": 0.0,
                 "mismatch_count": 0.0, "max_abs_diff": 0.0, "abs_diff_sum": 0.0}
         for mb in self._micro_batches(n):
-            packed = _pack([batch.sequences[i] for i in mb], [batch.prompt_lens[i] for i in mb], self.cp)
+            packed = _pack([batch.sequences[i] for i in mb], [batch.prompt_lens[i] for i in mb], self.cp, self.cp_unit)
             T = packed.ids.numel()
             old, adv, mask = torch.zeros(T), torch.zeros(T), torch.zeros(T)
             ref = torch.zeros(T) if batch.ref_logprobs is not None else None

@@ -124,16 +124,16 @@ class RKCoreAttention(MegatronModule):
             out = rk.attention_varlen(q, k, value, layout.cu_seqlens.to(query.device), self.scale)
         else:
             strict = rk.get_mode("attention") == "strict"
-            if strict:
+            backend = "torch"
+            if strict:  # CP runs the contract CP1 would run here (torch chunk partials or Triton split partials)
                 backend = strict_backend("attention", query.device)
-                if backend != "torch":  # CP1 would run this backend's kernel: CP must not mix contracts
-                    raise StrictModeError("attention", backend, "context-parallel attention folds torch-backend "
-                                          "chunk partials; set RL_KERNEL_BACKEND=torch to use CP > 1")
-                evidence.record(ATTENTION_CONTRACTS["torch"], "strict", query.device.type)
+                if backend not in ATTENTION_CONTRACTS:
+                    raise StrictModeError("attention", backend, "no context-parallel attention for this backend")
+                evidence.record(ATTENTION_CONTRACTS[backend], "strict", query.device.type)
             else:
                 evidence.record(rk.contracts.native("attention", "torch"), "native", query.device.type)
             group = parallel_state.get_context_parallel_group()
-            out = cp_attention(q, k, value, layout, self.scale, group, strict)
+            out = cp_attention(q, k, value, layout, self.scale, group, strict, backend)
         return out.reshape(out.shape[0], -1)
 
 
