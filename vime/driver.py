@@ -17,7 +17,7 @@ import ray
 import torch
 from tqdm import tqdm
 
-from vime import consistency, placement
+from vime import checkpoint, consistency, faults, placement, preflight
 from vime.config import Mode, VimeConfig, as_dict, side_modes
 from vime.consistency import Sample
 from vime.data.dataset import PromptSet, load_tokenizer, model_vocab_size
@@ -62,9 +62,12 @@ def make_model(cfg: VimeConfig, output_dir: Path) -> str:
         if not (path / "config.json").is_file():
             raise VimeError(f"model.path={path} is not an HF checkpoint directory (no config.json); pass a Qwen3 "
                             "checkpoint dir, or leave model.path unset to make a tiny one")
+        preflight.check_checkpoint(path)
         return str(path)
     from rl_kernel.models.tiny import make_tiny_qwen3
 
+    if cfg.resume and (output_dir / "model" / "config.json").is_file():
+        return str(output_dir / "model")  # the run's own tiny checkpoint (the KL reference and initial weights)
     t = cfg.model.tiny
     path = make_tiny_qwen3(output_dir / "model", seed=t.seed, vocab_size=t.vocab_size, hidden_size=t.hidden_size,
                            intermediate_size=t.intermediate_size, num_layers=t.num_layers, num_heads=t.num_heads,
@@ -83,6 +86,8 @@ class Driver:
         self.trainer: list = []
         self.logger: MetricsLogger | None = None
         self.timeline = Timeline(cfg.rollout.num_engines)
+        self.resumed: dict | None = None  # the driver state of the checkpoint this run continues from
+        self.stopped_after: int | None = None  # set when `checkpoint.stop_after` ended the run early
 
     # ---- set-up ----------------------------------------------------------------------------
 
@@ -93,9 +98,16 @@ class Driver:
         self.tokenizer = load_tokenizer(self.model_path)
         self.vocab_size = model_vocab_size(self.model_path)
         self.prompts = PromptSet(cfg.data, self.tokenizer, self.vocab_size)
+        preflight.check_lengths(cfg, [p.token_ids for p in self.prompts.prompts])
+        resume_from = checkpoint.resume_point(cfg, self.output_dir)
         env = {"VLLM_CPU_KVCACHE_SPACE": str(cfg.rollout.kv_cache_space_gib), "TOKENIZERS_PARALLELISM": "false",
                "PYTHONUNBUFFERED": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": os.environ.get("VIME_VLLM_MP", "0")}
+        preflight.check_local_resources(cfg)
         placement.start_ray(cfg.ray, env)
+        faults.install_signal_handlers()  # after ray.init: its core worker sets its own SIGTERM handler
+        if cfg.ray.address:
+            preflight.check_resources(cfg, ray.available_resources(), f"the cluster at {cfg.ray.address} has "
+                                      f"{ray.available_resources()}")
         gpus = cfg.ray.gpus_per_actor if cfg.device == "cuda" else 0.0
         n_ranks = cfg.trainer.tp * cfg.trainer.cp
         trainer_pg = placement.make_group("trainer", [placement.bundle(cfg.ray, gpus)] * n_ranks)
@@ -130,8 +142,14 @@ class Driver:
                 raise ComparabilityError(f"{i['label']} reports vocab {i['vocab_size']}, the checkpoint has "
                                          f"{self.vocab_size}")
         self.labels = {"rollout_engine": infos[0]["label"], "trainer_engine": tinfo[0]["label"]}
+        if resume_from is not None:
+            self.resumed = checkpoint.restore(self, resume_from)
+        else:
+            checkpoint.save_config(self.output_dir, as_dict(cfg))
         self.logger = MetricsLogger(self.output_dir, as_dict(cfg) | {"model_path": self.model_path} | self.labels,
                                     cfg.wandb.mode, cfg.wandb.project, cfg.wandb.name, cfg.wandb.entity)
+        if self.resumed is not None:
+            checkpoint.restore_metrics(self.logger, self.resumed["rows"])
 
     def _call(self, actors: list, method: str, what: str, *args, trainer: bool = False) -> list:
         names = [f"trainer rank {i}" if trainer else f"rollout engine {i}" for i in range(len(actors))]
@@ -192,28 +210,31 @@ class Driver:
         log.info("run: %d steps x %d prompts x %d samples, rollout modes %s, trainer modes %s",
                  self.cfg.steps, self.cfg.algo.prompts_per_step, self.cfg.algo.group_size,
                  _modes_str(self.rollout_modes), _modes_str(self.trainer_modes))
-        rows = []
-        for step in tqdm(range(self.cfg.steps), desc="steps", disable=None):
+        rows = list(self.resumed["rows"]) if self.resumed else []
+        for step in tqdm(range(self.timeline.step, self.cfg.steps), desc="steps", disable=None):
             row = self.step(step)
             self.logger.log(row)
             rows.append(row)
             if self.cfg.fail_on_mismatch and self.strict and row["mismatch_count"]:
                 raise ComparabilityError(f"strict run, step {step}: {row['mismatch_count']} of {row['tokens']} tokens "
                                          f"differ in bits (worst {result_worst(row)})")
+            if checkpoint.after_step(self, step, rows):
+                break
         plot = self.logger.plot()
         total = sum(r["mismatch_count"] for r in rows)
         log.info("done: %d steps, %d tokens compared, %d mismatches in total; metrics %s, plot %s",
                  len(rows), sum(r["tokens"] for r in rows), total, self.logger.jsonl, plot)
         return rows
 
-    def shutdown(self) -> None:
+    def shutdown(self, exit_code: int = 0) -> None:
+        """Stop the engines and Ray; W&B records `exit_code`."""
         for e in self.engines:
             try:
                 ray.get(e.shutdown.remote(), timeout=60)
             except Exception as exc:  # noqa: BLE001 - best effort at exit; the run's outcome is already decided
                 log.warning("engine shutdown: %s", exc)
         if self.logger is not None:
-            self.logger.close()
+            self.logger.close(exit_code)
         if ray.is_initialized():
             ray.shutdown()
 

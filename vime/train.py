@@ -13,6 +13,7 @@ import hydra
 from omegaconf import DictConfig
 from omegaconf.errors import ValidationError
 
+from vime import faults
 from vime.config import register_configs, to_object, validate
 from vime.driver import Driver
 from vime.errors import ConfigError, VimeError
@@ -28,13 +29,22 @@ def main(dcfg: DictConfig) -> None:
     except (ValidationError, ConfigError) as e:
         raise SystemExit(f"config error: {e}") from None
     driver = Driver(cfg, Path(cfg.output_dir))
+    code = 0
+    faults.install_signal_handlers()
     try:
         driver.run()
+    except faults.Stopped as s:
+        code = s.exit_code
+        faults.report_stop(driver, f"{s.name}: stopped")
     except VimeError as e:
+        code = 1
         log.error("%s: %s", type(e).__name__, e)
-        raise SystemExit(1) from None
+        faults.report_stop(driver, "failed")
     finally:
-        driver.shutdown()
+        faults.ignore_signals()
+        driver.shutdown(code)
+    if code:
+        raise SystemExit(code)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ and reports the rl_kernel evidence of its last scoring forward.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import torch
 
@@ -79,6 +80,32 @@ class TrainerWorker:
             [s.advantage for s in samples], clip_eps, kl_coef)
         self.version += 1
         return stats | {"version": self.version}
+
+    def save_checkpoint(self, path: str) -> int:
+        """Write this rank's part of checkpoint `path` (trainer/ and rng/; collective); returns the version."""
+        from vime import checkpoint
+
+        self.engine.save(Path(path) / "trainer")
+        checkpoint.save_rank_rng(Path(path), self.rank)
+        return self.version
+
+    def load_checkpoint(self, path: str) -> int:
+        """Load checkpoint `path` into this rank (collective); returns the restored weight version."""
+        import torch.distributed as dist
+
+        from vime import checkpoint
+
+        self.engine.load(Path(path) / "trainer")
+        checkpoint.load_rank_rng(Path(path), self.rank)
+        self.version = int(torch.load(Path(path) / checkpoint.STATE, weights_only=False)["version"])
+        if dist.is_initialized():
+            dist.barrier()
+        return self.version
+
+    def export_hf(self) -> dict[str, torch.Tensor]:
+        """The full HF-named weights (collective: TP shards are gathered); rank 0's answer is used."""
+        tensors = self.engine.export_hf()
+        return tensors if self.rank == 0 else {}
 
     def export_buckets(self, bucket_bytes: int) -> list[dict[str, torch.Tensor]]:
         """HF-named full tensors (TP shards gathered), in buckets of about `bucket_bytes` each."""

@@ -67,5 +67,16 @@ class MegatronTrainer:
         out |= {f"train_{k}": stats[k] for k in ("mismatch_count", "max_abs_diff", "mean_abs_diff") if k in stats}
         return out
 
+    def save(self, path) -> None:
+        """Model + optimizer in Megatron's distributed checkpoint format (collective)."""
+        from vime.checkpoint import save_megatron
+
+        save_megatron(self.policy, path)
+
+    def load(self, path) -> None:
+        from vime.checkpoint import load_megatron
+
+        load_megatron(self.policy, path)
+
     def export_hf(self) -> dict[str, torch.Tensor]:
         return self.policy.export_hf_state_dict()

@@ -1,0 +1,83 @@
+"""Nothing is lost (issue 13), end to end with the real components (Ray, vLLM, Megatron, Hydra, W&B).
+
+One run is stopped with SIGTERM after its first checkpoint, then resumed with `resume=<dir>`. The
+stop is clean (exit 143, no traceback, the resume command printed); starting a new run in that dir
+is refused without touching it; the resumed run ends with the same metrics and the same final
+weights, in raw bits, as the uninterrupted twin (`strict_run`, shared with test_train_e2e.py).
+Where the signal lands within step 1 does not matter: whatever came after the checkpoint is redone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.vime.conftest import REPO, TRAIN_ENV, train_cmd
+from vime.checkpoint import TIMING_KEYS
+
+pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.megatron]
+
+
+def _rows(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def _untimed(rows: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in rows]
+
+
+def _weights(out: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(out / "hf_model" / "model.safetensors"))
+
+
+def _stop_after_first_checkpoint(out: Path) -> tuple[int, str]:
+    """Start a 2-step run saving every step; SIGTERM it once step 0's checkpoint is complete."""
+    proc = subprocess.Popen(train_cmd("steps=2", "checkpoint.every=1", f"output_dir={out}"), cwd=REPO,
+                            env=os.environ | TRAIN_ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 420
+    while not (out / "checkpoints" / "latest").is_file() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    text, _ = proc.communicate(timeout=180)
+    return proc.returncode, text
+
+
+def test_stopped_then_resumed_run_is_identical_in_bits(strict_run, tmp_path):
+    base, base_proc = strict_run
+    assert base_proc.returncode == 0, base_proc.stderr[-4000:]
+    out = tmp_path / "stopped"
+
+    code, text = _stop_after_first_checkpoint(out)
+    assert code == 143, text[-4000:]
+    assert "Traceback" not in text, text[-4000:]
+    assert "continue from step_00000" in text and f"python -m vime.train resume={out}" in text
+    assert (out / "consistency.png").is_file()  # the plot of the steps so far
+
+    log_size = (out / "train.log").stat().st_size
+    again = subprocess.run(train_cmd("steps=2", f"output_dir={out}"), cwd=REPO, env=os.environ | TRAIN_ENV,
+                           capture_output=True, text=True, timeout=120)
+    assert again.returncode == 1 and f"continue that run with `python -m vime.train resume={out}`" in again.stderr
+    assert (out / "train.log").stat().st_size == log_size  # refused before Hydra wrote anything
+
+    resumed = subprocess.run(train_cmd(f"resume={out}"), cwd=REPO, env=os.environ | TRAIN_ENV,
+                             capture_output=True, text=True, timeout=420)
+    assert resumed.returncode == 0, resumed.stderr[-6000:]
+    assert "resumed from" in resumed.stderr + resumed.stdout
+
+    rows, base_rows = _rows(out), _rows(base)
+    assert [r["step"] for r in rows] == [0, 1]  # nothing lost, nothing repeated
+    assert _untimed(rows) == _untimed(base_rows)
+    weights, base_weights = _weights(out), _weights(base)
+    assert weights.keys() == base_weights.keys()
+    for name, t in weights.items():
+        assert t.dtype == base_weights[name].dtype
+        assert torch.equal(t.view(torch.uint8), base_weights[name].view(torch.uint8)), name
