@@ -91,6 +91,7 @@ class RolloutConfig:
     boundary_modes: dict[str, Mode] = field(default_factory=dict)  # e.g. {attention: native}
     num_engines: int = 1
     tp: int = 1
+    max_restarts: int = 3          # rollout engines that die are restarted (vime/restart.py), this many times a run
     max_model_len: int = 256
     max_num_batched_tokens: int = 256
     max_num_seqs: int = 64
@@ -117,6 +118,7 @@ class TrainerConfig:
 @dataclass
 class RayConfig:
     address: str | None = None    # null: start a local Ray
+    bind_address: str = "127.0.0.1"  # local Ray (address null): Ray and the trainer's gloo bind here only
     num_cpus: int = 4              # logical CPUs given to the local Ray (bundles reserve these)
     num_gpus: int = 0
     cpus_per_actor: float = 1.0
@@ -237,6 +239,7 @@ def validate(cfg: VimeConfig) -> VimeConfig:
              "strict GEMMs split K into 8 groups, so TP must divide 8 (1, 2, 4 or 8)")
     _require(t.cp >= 1, f"trainer.cp={t.cp}", "use cp >= 1")
     _require(r.num_engines >= 1, f"rollout.num_engines={r.num_engines}", "use num_engines >= 1")
+    _require(r.max_restarts >= 0, f"rollout.max_restarts={r.max_restarts}", "use 0 (never restart) or more")
     _require(t.micro_batch_size >= 0, f"trainer.micro_batch_size={t.micro_batch_size}", "use 0 (whole step) or > 0")
     _require(cfg.wandb.mode in ("offline", "online", "disabled"), f"wandb.mode={cfg.wandb.mode!r}",
              "use offline, online or disabled")

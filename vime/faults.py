@@ -75,3 +75,46 @@ def report_stop(driver, reason: str) -> None:
         log.warning("continue from %s with: %s", last.name, checkpoint.resume_command(driver.output_dir))
     else:
         log.warning("no checkpoint was saved yet: rerun with a new output_dir to start again")
+
+
+# ---- temporary files ------------------------------------------------------------------------------
+
+# What runs leave in /tmp and /dev/shm when a process is killed before it cleans up: vLLM's FileStore
+# rendezvous (vllm_dist_*), vime's trainer rendezvous, weight-transfer files, shared-memory segments.
+STALE_PATTERNS = ("/tmp/vllm_dist_*", "/tmp/vime_rdzv_*", "/dev/shm/rl_kernel_weights_*", "/dev/shm/vime_weights_*",
+                  "/dev/shm/psm_*")
+
+
+def _in_use() -> set[str]:
+    """Paths some process holds open or mapped (/proc/*/fd and /proc/*/maps; what we may read)."""
+    used: set[str] = set()
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            used.update(os.readlink(fd) for fd in (proc / "fd").iterdir())
+            used.update(line.split(maxsplit=5)[5].strip() for line in (proc / "maps").read_text().splitlines()
+                        if len(line.split(maxsplit=5)) == 6)
+        except OSError:
+            continue
+    return used
+
+
+def sweep_stale(patterns: tuple[str, ...] = STALE_PATTERNS, min_age_s: float = 120.0) -> list[str]:
+    """Remove files matching `patterns` that no process holds open or mapped and that are older than
+    `min_age_s` (a live run's files are in use, or younger). Returns what was removed."""
+    import glob
+    import time
+
+    candidates = [p for pattern in patterns for p in glob.glob(pattern)]
+    if not candidates:
+        return []
+    used, now, removed = _in_use(), time.time(), []
+    for path in candidates:
+        try:
+            if path not in used and now - os.stat(path).st_mtime >= min_age_s:
+                os.unlink(path)
+                removed.append(path)
+        except OSError:
+            continue
+    if removed:
+        log.info("removed %d stale temporary file(s) of earlier runs: %s", len(removed), ", ".join(removed[:5]))
+    return removed

@@ -139,3 +139,16 @@ def test_sigterm_and_sigint_become_stopped_with_their_exit_codes():
     finally:
         for s, h in before.items():
             signal.signal(s, h)
+
+
+def test_stale_temporary_files_are_swept_and_live_ones_kept(tmp_path):
+    stale, fresh, held = tmp_path / "vllm_dist_old", tmp_path / "vllm_dist_new", tmp_path / "vllm_dist_held"
+    for p in (stale, fresh, held):
+        p.write_text("x")
+    os.utime(stale, (1, 1))
+    os.utime(held, (1, 1))
+    with held.open() as keep_open:
+        removed = faults.sweep_stale((str(tmp_path / "vllm_dist_*"),), min_age_s=120)
+        assert keep_open.readable()
+    assert removed == [str(stale)]
+    assert not stale.exists() and fresh.exists() and held.exists()

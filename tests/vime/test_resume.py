@@ -81,3 +81,43 @@ def test_stopped_then_resumed_run_is_identical_in_bits(strict_run, tmp_path):
     for name, t in weights.items():
         assert t.dtype == base_weights[name].dtype
         assert torch.equal(t.view(torch.uint8), base_weights[name].view(torch.uint8)), name
+
+
+def _rollout_engine_pids(pid: int) -> list[int]:
+    """Processes of the run's rollout engine actors: descendants of the driver (its Ray) titled RolloutWorker."""
+    import psutil
+
+    found = []
+    for p in psutil.Process(pid).children(recursive=True):
+        try:
+            if "RolloutWorker" in " ".join(p.cmdline()):
+                found.append(p.pid)
+        except psutil.NoSuchProcess:
+            pass
+    return found
+
+
+def test_a_killed_rollout_engine_is_restarted_and_the_run_comes_out_the_same(strict_run, tmp_path):
+    """kill -9 of the vLLM engine's process after step 0: the engine is restarted on weight version 1,
+    step 1 is sampled as if nothing happened (metrics and final weights equal the uninterrupted run's
+    in bits), and the restart is logged and counted."""
+    base, _ = strict_run
+    out = tmp_path / "killed"
+    proc = subprocess.Popen(train_cmd("steps=2", "checkpoint.every=1", f"output_dir={out}"), cwd=REPO,
+                            env=os.environ | TRAIN_ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    metrics, deadline = out / "metrics.jsonl", time.monotonic() + 420
+    while proc.poll() is None and time.monotonic() < deadline and \
+            not (metrics.is_file() and metrics.read_text().count("\n") >= 1):
+        time.sleep(0.2)
+    engines = _rollout_engine_pids(proc.pid)
+    assert len(engines) == 1, engines
+    os.kill(engines[0], signal.SIGKILL)  # during step 0's checkpoint save, before step 1's rollout
+    text, _ = proc.communicate(timeout=420)
+    assert proc.returncode == 0, text[-6000:]
+    assert "rollout engine 0 died; restarting it on weight version 1 (restart 1 of at most 3)" in text
+    rows, base_rows = _rows(out), _rows(base)
+    assert [r["engine_restarts"] for r in rows] == [0, 1]
+    assert _untimed(rows) == [r | {"engine_restarts": n} for r, n in zip(_untimed(base_rows), (0, 1))]
+    weights, base_weights = _weights(out), _weights(base)
+    for name, t in weights.items():
+        assert torch.equal(t.view(torch.uint8), base_weights[name].view(torch.uint8)), name

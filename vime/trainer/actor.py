@@ -41,13 +41,14 @@ class TrainerWorker:
             s.bind(("", 0))
             return ray.util.get_node_ip_address(), s.getsockname()[1]
 
-    def start(self, master_addr: str, master_port: int) -> dict:
-        """Join the trainer's torch.distributed world (Megatron) and load the policy; returns `info()`."""
+    def start(self, init_method: str) -> dict:
+        """Join the trainer's torch.distributed world at `init_method` (`file://...` on one node,
+        `tcp://host:port` across nodes) and load the policy; returns `info()`."""
         model_path, dtype, device, kl_coef, clip_eps = self._args
         if TrainerEngine(self.cfg.engine) == TrainerEngine.megatron:
             from vime.trainer.megatron_engine import MegatronTrainer
             self.engine = MegatronTrainer(self.cfg, model_path, dtype, device, kl_coef, clip_eps, self.rank,
-                                          self.world_size, master_addr, master_port)
+                                          self.world_size, init_method)
         else:
             from vime.trainer.reference import ReferenceTrainer
             self.engine = ReferenceTrainer(self.cfg, model_path, dtype, device, kl_coef)
