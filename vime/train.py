@@ -6,7 +6,9 @@ gives the GPU cluster shape. Outputs (metrics.jsonl, wandb/, consistency.png, th
 from __future__ import annotations
 
 import logging
+import os
 import sys
+import traceback
 from pathlib import Path
 
 import hydra
@@ -28,6 +30,8 @@ def main(dcfg: DictConfig) -> None:
         cfg = validate(to_object(dcfg))
     except (ValidationError, ConfigError) as e:
         raise SystemExit(f"config error: {e}") from None
+    if not cfg.verbose:  # errors are reported once, by the driver, naming the engine or rank
+        os.environ.setdefault("RAY_IGNORE_UNHANDLED_ERRORS", "1")
     driver = Driver(cfg, Path(cfg.output_dir))
     code = 0
     faults.install_signal_handlers()
@@ -39,6 +43,8 @@ def main(dcfg: DictConfig) -> None:
     except VimeError as e:
         code = 1
         log.error("%s: %s", type(e).__name__, e)
+        if cfg.verbose and e.__cause__ is not None:  # the actor's own traceback, as Ray reported it
+            log.error("".join(traceback.format_exception(e.__cause__)))
         faults.report_stop(driver, "failed")
     finally:
         faults.ignore_signals()

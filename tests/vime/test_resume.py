@@ -83,41 +83,50 @@ def test_stopped_then_resumed_run_is_identical_in_bits(strict_run, tmp_path):
         assert torch.equal(t.view(torch.uint8), base_weights[name].view(torch.uint8)), name
 
 
-def _rollout_engine_pids(pid: int) -> list[int]:
-    """Processes of the run's rollout engine actors: descendants of the driver (its Ray) titled RolloutWorker."""
+def _actor_pids(pid: int, actor: str) -> list[int]:
+    """Processes of the run's `actor` class (RolloutWorker, TrainerWorker): descendants of the driver
+    (its Ray) whose title names the class."""
     import psutil
 
     found = []
     for p in psutil.Process(pid).children(recursive=True):
         try:
-            if "RolloutWorker" in " ".join(p.cmdline()):
+            if actor in " ".join(p.cmdline()):
                 found.append(p.pid)
         except psutil.NoSuchProcess:
             pass
     return found
 
 
-def test_a_killed_rollout_engine_is_restarted_and_the_run_comes_out_the_same(strict_run, tmp_path):
-    """kill -9 of the vLLM engine's process after step 0: the engine is restarted on weight version 1,
-    step 1 is sampled as if nothing happened (metrics and final weights equal the uninterrupted run's
-    in bits), and the restart is logged and counted."""
+def _wait_rows(proc: subprocess.Popen, metrics: Path, n: int) -> None:
+    deadline = time.monotonic() + 600
+    while proc.poll() is None and time.monotonic() < deadline and \
+            not (metrics.is_file() and metrics.read_text().count("\n") >= n):
+        time.sleep(0.2)
+
+
+def test_a_killed_rollout_engine_is_restarted_and_a_killed_trainer_ends_the_run_cleanly(strict_run, tmp_path):
+    """kill -9 of the vLLM engine's process after step 0: the engine is restarted on weight version 1 and
+    step 1 comes out as if nothing happened (its metrics equal the uninterrupted run's, in bits), the
+    restart logged and counted. Then kill -9 of the trainer rank during step 2: the run ends (exit 1)
+    with one line naming the rank and the command that resumes from the last checkpoint."""
     base, _ = strict_run
     out = tmp_path / "killed"
-    proc = subprocess.Popen(train_cmd("steps=2", "checkpoint.every=1", f"output_dir={out}"), cwd=REPO,
+    proc = subprocess.Popen(train_cmd("steps=3", "checkpoint.every=1", f"output_dir={out}"), cwd=REPO,
                             env=os.environ | TRAIN_ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    metrics, deadline = out / "metrics.jsonl", time.monotonic() + 420
-    while proc.poll() is None and time.monotonic() < deadline and \
-            not (metrics.is_file() and metrics.read_text().count("\n") >= 1):
-        time.sleep(0.2)
-    engines = _rollout_engine_pids(proc.pid)
+    _wait_rows(proc, out / "metrics.jsonl", 1)
+    engines = _actor_pids(proc.pid, "RolloutWorker")
     assert len(engines) == 1, engines
     os.kill(engines[0], signal.SIGKILL)  # during step 0's checkpoint save, before step 1's rollout
+    _wait_rows(proc, out / "metrics.jsonl", 2)
+    trainers = _actor_pids(proc.pid, "TrainerWorker")
+    assert len(trainers) == 1, trainers
+    os.kill(trainers[0], signal.SIGKILL)
     text, _ = proc.communicate(timeout=420)
-    assert proc.returncode == 0, text[-6000:]
+    assert proc.returncode == 1, text[-6000:]
     assert "rollout engine 0 died; restarting it on weight version 1 (restart 1 of at most 3)" in text
+    assert "EngineDiedError: trainer rank 0 died during" in text and "Traceback" not in text, text[-6000:]
+    assert f"with: python -m vime.train resume={out}" in text
     rows, base_rows = _rows(out), _rows(base)
     assert [r["engine_restarts"] for r in rows] == [0, 1]
     assert _untimed(rows) == [r | {"engine_restarts": n} for r, n in zip(_untimed(base_rows), (0, 1))]
-    weights, base_weights = _weights(out), _weights(base)
-    for name, t in weights.items():
-        assert torch.equal(t.view(torch.uint8), base_weights[name].view(torch.uint8)), name
