@@ -79,10 +79,13 @@ def report_stop(driver, reason: str) -> None:
 
 # ---- temporary files ------------------------------------------------------------------------------
 
-# What runs leave in /tmp and /dev/shm when a process is killed before it cleans up: vLLM's FileStore
-# rendezvous (vllm_dist_*), vime's trainer rendezvous, weight-transfer files, shared-memory segments.
-STALE_PATTERNS = ("/tmp/vllm_dist_*", "/tmp/vime_rdzv_*", "/dev/shm/rl_kernel_weights_*", "/dev/shm/vime_weights_*",
-                  "/dev/shm/psm_*")
+# What runs leave in /tmp and /dev/shm when a process is killed before it cleans up, and how old such
+# a file must be (besides held open or mapped by no process) to count as stale. vLLM's FileStore
+# rendezvous files are opened per operation, not held, so only a long-idle one is taken as stale.
+# vime's own rendezvous file names its driver's pid: it is stale once that process is gone.
+STALE_PATTERNS = {"/tmp/vllm_dist_*": 6 * 3600.0, "/dev/shm/rl_kernel_weights_*": 600.0,
+                  "/dev/shm/vime_weights_*": 600.0, "/dev/shm/psm_*": 600.0}
+RENDEZVOUS_PATTERN = "/tmp/vime_rdzv_*"
 
 
 def _in_use() -> set[str]:
@@ -98,21 +101,51 @@ def _in_use() -> set[str]:
     return used
 
 
-def sweep_stale(patterns: tuple[str, ...] = STALE_PATTERNS, min_age_s: float = 120.0) -> list[str]:
-    """Remove files matching `patterns` that no process holds open or mapped and that are older than
-    `min_age_s` (a live run's files are in use, or younger). Returns what was removed."""
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+def _orphaned_rendezvous(pattern: str) -> list[str]:
+    """vime rendezvous files (`vime_rdzv_<driver pid>_<id>`) whose driver process is gone."""
+    import glob
+
+    found = []
+    for path in glob.glob(pattern):
+        pid = Path(path).name.split("_")[2]
+        if pid.isdigit() and not _pid_alive(int(pid)):
+            found.append(path)
+    return found
+
+
+def sweep_stale(patterns: dict[str, float] | None = None, rendezvous: str = RENDEZVOUS_PATTERN) -> list[str]:
+    """Remove temporary files of earlier runs: files matching a pattern of `patterns` (pattern -> minimum
+    age in seconds) that no process holds open or mapped and that are older than that, and vime
+    rendezvous files whose driver is gone. Returns what was removed."""
     import glob
     import time
 
-    candidates = [p for pattern in patterns for p in glob.glob(pattern)]
-    if not candidates:
-        return []
-    used, now, removed = _in_use(), time.time(), []
-    for path in candidates:
+    patterns = STALE_PATTERNS if patterns is None else patterns
+    candidates = [(p, age) for pattern, age in patterns.items() for p in glob.glob(pattern)]
+    removed = []
+    if candidates:
+        used, now = _in_use(), time.time()
+        for path, age in candidates:
+            try:
+                if path not in used and now - os.stat(path).st_mtime >= age:
+                    os.unlink(path)
+                    removed.append(path)
+            except OSError:
+                continue
+    for path in _orphaned_rendezvous(rendezvous):
         try:
-            if path not in used and now - os.stat(path).st_mtime >= min_age_s:
-                os.unlink(path)
-                removed.append(path)
+            os.unlink(path)
+            removed.append(path)
         except OSError:
             continue
     if removed:

@@ -147,8 +147,12 @@ def test_stale_temporary_files_are_swept_and_live_ones_kept(tmp_path):
         p.write_text("x")
     os.utime(stale, (1, 1))
     os.utime(held, (1, 1))
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    orphan, live = tmp_path / f"vime_rdzv_{int(dead.stdout)}_ab", tmp_path / f"vime_rdzv_{os.getpid()}_cd"
+    orphan.write_text("")
+    live.write_text("")
     with held.open() as keep_open:
-        removed = faults.sweep_stale((str(tmp_path / "vllm_dist_*"),), min_age_s=120)
+        removed = faults.sweep_stale({str(tmp_path / "vllm_dist_*"): 120.0}, str(tmp_path / "vime_rdzv_*"))
         assert keep_open.readable()
-    assert removed == [str(stale)]
-    assert not stale.exists() and fresh.exists() and held.exists()
+    assert sorted(removed) == sorted([str(stale), str(orphan)])
+    assert not stale.exists() and fresh.exists() and held.exists() and live.exists()
