@@ -192,6 +192,11 @@ def restore(driver, path: Path) -> dict[str, Any]:
     sync_weights(driver.trainer, driver.engines, state["version"], BUCKET_BYTES, driver.timeline, call)
     set_rng_state(state["rng"])
     log.info("resumed from %s: weight version %d, next step %d", path, state["version"], state["next_step"])
+    if state["next_step"] >= driver.cfg.steps and driver.cfg.checkpoint.export_hf and \
+            not (Path(driver.output_dir) / HF_DIR / "model.safetensors").is_file():
+        # the run was stopped between its last checkpoint and the export: only the export is left
+        tensors = driver._call(driver.trainer, "export_hf", "export weights", trainer=True)[0]
+        export_hf(tensors, driver.model_path, driver.output_dir)
     return state
 
 
