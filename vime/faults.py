@@ -20,8 +20,10 @@ log = logging.getLogger("vime")
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
-class Stopped(BaseException):  # noqa: N818 - a control-flow signal like KeyboardInterrupt, not an error
-    """A stop signal arrived; `exit_code` is 128 + its number."""
+class Stopped(KeyboardInterrupt):  # noqa: N818 - a control-flow signal like KeyboardInterrupt, not an error
+    """A stop signal arrived; `exit_code` is 128 + its number. A KeyboardInterrupt, because that is the
+    only exception Ray's blocking calls (ray.wait / ray.get) let through from a signal handler: they
+    re-raise it as a plain KeyboardInterrupt, so the signal is also kept in `stop_signal()`."""
 
     def __init__(self, signum: int):
         super().__init__(signal.Signals(signum).name)
@@ -33,8 +35,17 @@ def _exit_now(signum: int, frame) -> None:
     os._exit(128 + signum)
 
 
+_received: list[int] = []
+
+
+def stop_signal() -> int:
+    """The last stop signal that arrived (SIGINT when none did: a plain KeyboardInterrupt)."""
+    return _received[-1] if _received else int(signal.SIGINT)
+
+
 def _stop(signum: int, frame) -> None:
     del frame
+    _received.append(signum)
     for s in SIGNALS:  # the clean-up that follows is not interrupted again; a second signal ends it at once
         signal.signal(s, _exit_now)
     raise Stopped(signum)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 import traceback
 from pathlib import Path
@@ -37,9 +38,10 @@ def main(dcfg: DictConfig) -> None:
     faults.install_signal_handlers()
     try:
         driver.run()
-    except faults.Stopped as s:
-        code = s.exit_code
-        faults.report_stop(driver, f"{s.name}: stopped")
+    except KeyboardInterrupt:  # faults.Stopped, or Ray's re-raise of it from a blocking call
+        signum = faults.stop_signal()
+        code = 128 + signum
+        faults.report_stop(driver, f"{signal.Signals(signum).name}: stopped")
     except VimeError as e:
         code = 1
         log.error("%s: %s", type(e).__name__, e)
