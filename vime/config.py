@@ -92,6 +92,7 @@ class RolloutConfig:
     boundary_modes: dict[str, Mode] = field(default_factory=dict)  # e.g. {attention: native}
     num_engines: int = 1
     tp: int = 1
+    max_restarts: int = 3          # rollout engines that die are restarted (vime/restart.py), this many times a run
     max_model_len: int = 256
     max_num_batched_tokens: int = 256
     max_num_seqs: int = 64
@@ -118,6 +119,7 @@ class TrainerConfig:
 @dataclass
 class RayConfig:
     address: str | None = None    # null: start a local Ray
+    bind_address: str = "127.0.0.1"  # local Ray (address null): Ray and the trainer's gloo bind here only
     num_cpus: int = 4              # logical CPUs given to the local Ray (bundles reserve these)
     num_gpus: int = 0
     cpus_per_actor: float = 1.0
@@ -130,6 +132,14 @@ class WandbConfig:
     project: str = "vime"
     name: str | None = None
     entity: str | None = None
+
+
+@dataclass
+class CheckpointConfig:
+    """Checkpoints under `<output_dir>/checkpoints/` (vime/checkpoint.py); the end of a run always saves one."""
+    every: int = 0                 # also save after every `every` steps (0: only at the end)
+    stop_after: int | None = None  # stop cleanly after this step (checkpoint saved), as a job limit; resume= goes on
+    export_hf: bool = True         # write <output_dir>/hf_model (HF safetensors) at the end of the run
 
 
 @dataclass
@@ -147,6 +157,9 @@ class VimeConfig:
     ray: RayConfig = field(default_factory=RayConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
     weights: WeightsConfig = field(default_factory=WeightsConfig)  # weight sync transport (vime/layout.py)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    resume: str | None = None      # an earlier run's output_dir: continue it from its last checkpoint
+    verbose: bool = False          # actor errors with their Ray traceback
 
 
 def register_configs() -> None:
@@ -154,10 +167,33 @@ def register_configs() -> None:
     ConfigStore.instance().store(name="vime_schema", node=VimeConfig)
 
 
+def unknown_keys(cfg: DictConfig, schema: type = None, prefix: str = "") -> list[str]:
+    """Keys of `cfg` that `schema` (a config dataclass, default VimeConfig) does not declare, dotted.
+    Hydra's `+group.key=...` adds such keys to a structured node without complaint."""
+    schema = schema or VimeConfig
+    fields = {f.name: f for f in dataclasses.fields(schema)}
+    bad = []
+    for key in cfg.keys():
+        name = f"{prefix}{key}"
+        if key not in fields:
+            bad.append(name)
+        elif dataclasses.is_dataclass(fields[key].default_factory if fields[key].default_factory is not
+                                      dataclasses.MISSING else None):
+            node = cfg._get_node(key)
+            if isinstance(node, DictConfig) and not node._is_none():
+                bad += unknown_keys(node, fields[key].default_factory, f"{name}.")
+    return bad
+
+
 def to_object(cfg: DictConfig | VimeConfig) -> VimeConfig:
-    """The composed Hydra config as a `VimeConfig`; ConfigError when a required value (`???`) is unset."""
+    """The composed Hydra config as a `VimeConfig`; ConfigError when a required value (`???`) is unset
+    or a key is not in the schema."""
     if isinstance(cfg, VimeConfig):
         return cfg
+    bad = unknown_keys(cfg)
+    if bad:
+        raise ConfigError(f"unknown config key(s) {', '.join(bad)}: not in the schema (vime/config.py); check the "
+                          "spelling (`python -m vime.train --cfg job` lists every key)")
     try:
         missing = sorted(OmegaConf.missing_keys(cfg))
         if not missing:
@@ -186,6 +222,7 @@ def validate(cfg: VimeConfig) -> VimeConfig:
     """Reject configurations that type-check but cannot run. Returns `cfg`."""
     a, r, t = cfg.algo, cfg.rollout, cfg.trainer
     _require(cfg.steps >= 1, f"steps={cfg.steps}", "set steps >= 1")
+    _require(cfg.checkpoint.every >= 0, f"checkpoint.every={cfg.checkpoint.every}", "use 0 (end only) or >= 1")
     _require(cfg.device in ("cpu", "cuda"), f"device={cfg.device!r}", "use device=cpu or device=cuda")
     _require(a.prompts_per_step >= 1, f"algo.prompts_per_step={a.prompts_per_step}", "set it >= 1")
     _require(a.group_size >= 2, f"algo.group_size={a.group_size}",
@@ -204,6 +241,7 @@ def validate(cfg: VimeConfig) -> VimeConfig:
              "strict GEMMs split K into 8 groups, so TP must divide 8 (1, 2, 4 or 8)")
     _require(t.cp >= 1, f"trainer.cp={t.cp}", "use cp >= 1")
     _require(r.num_engines >= 1, f"rollout.num_engines={r.num_engines}", "use num_engines >= 1")
+    _require(r.max_restarts >= 0, f"rollout.max_restarts={r.max_restarts}", "use 0 (never restart) or more")
     _require(t.micro_batch_size >= 0, f"trainer.micro_batch_size={t.micro_batch_size}", "use 0 (whole step) or > 0")
     _require(cfg.wandb.mode in ("offline", "online", "disabled"), f"wandb.mode={cfg.wandb.mode!r}",
              "use offline, online or disabled")

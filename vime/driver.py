@@ -17,7 +17,7 @@ import ray
 import torch
 from tqdm import tqdm
 
-from vime import consistency, placement
+from vime import checkpoint, consistency, faults, placement, preflight, restart
 from vime.config import Mode, VimeConfig, as_dict, side_modes
 from vime.consistency import Sample
 from vime.data.dataset import PromptSet, load_tokenizer, model_vocab_size
@@ -63,9 +63,12 @@ def make_model(cfg: VimeConfig, output_dir: Path) -> str:
         if not (path / "config.json").is_file():
             raise VimeError(f"model.path={path} is not an HF checkpoint directory (no config.json); pass a Qwen3 "
                             "checkpoint dir, or leave model.path unset to make a tiny one")
+        preflight.check_checkpoint(path)
         return str(path)
     from rl_kernel.models.tiny import make_tiny_qwen3
 
+    if cfg.resume and (output_dir / "model" / "config.json").is_file():
+        return str(output_dir / "model")  # the run's own tiny checkpoint (the KL reference and initial weights)
     t = cfg.model.tiny
     path = make_tiny_qwen3(output_dir / "model", seed=t.seed, vocab_size=t.vocab_size, hidden_size=t.hidden_size,
                            intermediate_size=t.intermediate_size, num_layers=t.num_layers, num_heads=t.num_heads,
@@ -84,20 +87,32 @@ class Driver:
         self.trainer: list = []
         self.logger: MetricsLogger | None = None
         self.timeline = Timeline(cfg.rollout.num_engines)
+        self.resumed: dict | None = None  # the driver state of the checkpoint this run continues from
+        self.stopped_after: int | None = None  # set when `checkpoint.stop_after` ended the run early
+        self.engine_restarts = 0  # rollout engines restarted after dying (vime/restart.py)
 
     # ---- set-up ----------------------------------------------------------------------------
 
     def setup(self) -> None:
         cfg = self.cfg
+        faults.sweep_stale()  # temporary files that crashed runs left in /tmp and /dev/shm
         self.output_dir.mkdir(parents=True, exist_ok=True)
         self.model_path = make_model(cfg, self.output_dir)
         self.tokenizer = load_tokenizer(self.model_path)
         self.vocab_size = model_vocab_size(self.model_path)
         self.prompts = PromptSet(cfg.data, self.tokenizer, self.vocab_size)
+        preflight.check_lengths(cfg, [p.token_ids for p in self.prompts.prompts])
+        resume_from = checkpoint.resume_point(cfg, self.output_dir)
         env = {"VLLM_CPU_KVCACHE_SPACE": str(cfg.rollout.kv_cache_space_gib), "TOKENIZERS_PARALLELISM": "false",
                "PYTHONUNBUFFERED": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": os.environ.get("VIME_VLLM_MP", "0")}
+        preflight.check_local_resources(cfg)
+        env |= placement.single_node_env(cfg.ray)
         placement.start_ray(cfg.ray, env)
         check_layout(cfg, ray_node_gpus(ray.nodes()), read_config_json(self.model_path))  # before any engine
+        faults.install_signal_handlers()  # after ray.init: its core worker sets its own SIGTERM handler
+        if cfg.ray.address:
+            preflight.check_resources(cfg, ray.available_resources(), f"the cluster at {cfg.ray.address} has "
+                                      f"{ray.available_resources()}")
         gpus = cfg.ray.gpus_per_actor if cfg.device == "cuda" else 0.0
         n_ranks = cfg.trainer.tp * cfg.trainer.cp
         trainer_pg = placement.make_group("trainer", [placement.bundle(cfg.ray, gpus)] * n_ranks)
@@ -105,19 +120,22 @@ class Driver:
                                           * cfg.rollout.num_engines)
         Rollout = ray.remote(RolloutWorker)
         Trainer = ray.remote(TrainerWorker)
-        self.engines = [Rollout.options(num_cpus=cfg.ray.cpus_per_actor, num_gpus=gpus * cfg.rollout.tp,
-                                        scheduling_strategy=placement.in_group(rollout_pg, i), name=f"rollout-{i}")
-                        .remote(i, cfg.rollout, self.model_path, cfg.model.dtype, cfg.device, self.rollout_modes,
-                                cfg.seed)
-                        for i in range(cfg.rollout.num_engines)]
+        self.new_engine = lambda i: Rollout.options(  # noqa: E731 - also used to replace a dead engine
+            num_cpus=cfg.ray.cpus_per_actor, num_gpus=gpus * cfg.rollout.tp,
+            scheduling_strategy=placement.in_group(rollout_pg, i),
+            name=f"rollout-{i}" + (f"-restart{self.engine_restarts}" if self.engine_restarts else "")
+        ).remote(i, cfg.rollout, self.model_path, cfg.model.dtype, cfg.device, self.rollout_modes, cfg.seed)
+        self.engines = [self.new_engine(i) for i in range(cfg.rollout.num_engines)]
         self.trainer = [Trainer.options(num_cpus=cfg.ray.cpus_per_actor, num_gpus=gpus,
                                         scheduling_strategy=placement.in_group(trainer_pg, r), name=f"trainer-{r}")
                         .remote(r, n_ranks, cfg.trainer, self.model_path, cfg.model.dtype, cfg.device,
                                 self.trainer_modes, cfg.seed, cfg.algo.kl_coef, cfg.algo.clip_eps)
                         for r in range(n_ranks)]
-        master = call([self.trainer[0].address.remote()], "rendezvous", ["trainer rank 0"])[0]
+        self.rendezvous = placement.rendezvous_file(cfg.ray)
+        init = f"file://{self.rendezvous}" if self.rendezvous else \
+            "tcp://{}:{}".format(*call([self.trainer[0].address.remote()], "rendezvous", ["trainer rank 0"])[0])
         with tqdm(total=2, desc="starting engines", leave=False) as bar:
-            tinfo_refs = [t.start.remote(*master) for t in self.trainer]  # trainer and rollout start together
+            tinfo_refs = [t.start.remote(init) for t in self.trainer]  # trainer and rollout start together
             infos = self._call(self.engines, "info", "start")
             bar.update()
             tinfo = call(tinfo_refs, "start", [f"trainer rank {r}" for r in range(n_ranks)])
@@ -132,8 +150,14 @@ class Driver:
                 raise ComparabilityError(f"{i['label']} reports vocab {i['vocab_size']}, the checkpoint has "
                                          f"{self.vocab_size}")
         self.labels = {"rollout_engine": infos[0]["label"], "trainer_engine": tinfo[0]["label"]}
+        if resume_from is not None:
+            self.resumed = checkpoint.restore(self, resume_from)
+        else:
+            checkpoint.save_config(self.output_dir, as_dict(cfg))
         self.logger = MetricsLogger(self.output_dir, as_dict(cfg) | {"model_path": self.model_path} | self.labels,
                                     cfg.wandb.mode, cfg.wandb.project, cfg.wandb.name, cfg.wandb.entity)
+        if self.resumed is not None:
+            checkpoint.restore_metrics(self.logger, self.resumed["rows"])
 
     def _call(self, actors: list, method: str, what: str, *args, trainer: bool = False) -> list:
         names = [f"trainer rank {i}" if trainer else f"rollout engine {i}" for i in range(len(actors))]
@@ -145,10 +169,9 @@ class Driver:
         a, n = self.cfg.algo, len(self.engines)
         batch = self.prompts.batch(step, a.prompts_per_step)
         per_engine = [[(g, p.token_ids) for g, p in enumerate(batch) if g % n == e] for e in range(n)]
-        refs = [e.generate.remote(groups, a.group_size, a.max_new_tokens, a.temperature,
-                                  [self.tokenizer.eos_token_id], step)
-                for e, groups in zip(self.engines, per_engine)]
-        outs = call(refs, "generate", [f"rollout engine {i}" for i in range(n)])
+        submit = lambda i: self.engines[i].generate.remote(  # noqa: E731
+            per_engine[i], a.group_size, a.max_new_tokens, a.temperature, [self.tokenizer.eos_token_id], step)
+        outs, self.rollout_evidence = restart.generate(self, submit, n)  # a dead engine is restarted, its share redone
         samples = sorted((s for out in outs for s in out), key=lambda s: s.group)  # stable: group order
         for s in samples:
             s.reward = self.prompts.reward(batch[s.group], s.response_ids)
@@ -165,7 +188,7 @@ class Driver:
         scored = self._call(self.trainer, "score", "score", samples, trainer=True)[0]
         t2 = time.perf_counter()
         consistency.check_comparable(samples, scored, version)
-        rollout_ev = [r for ev in self._call(self.engines, "evidence", "evidence") for r in ev]
+        rollout_ev = self.rollout_evidence
         trainer_ev = self._call(self.trainer, "evidence", "evidence", trainer=True)[0]
         verdict = consistency.check_contracts(rollout_ev, trainer_ev, self.rollout_modes, self.trainer_modes)
         result = consistency.compare([consistency.rollout_tensor(s.logprobs) for s in samples],
@@ -177,15 +200,15 @@ class Driver:
         if trained != self.timeline.trained():
             raise TrainingError(f"trainer reports version {trained}, driver expects {self.timeline.trainer_version}")
         t3 = time.perf_counter()
-        sync = sync_weights(self.trainer, self.engines, self.timeline.trainer_version, BUCKET_BYTES,
-                            self.timeline, call)
+        sync = restart.sync(self, lambda: sync_weights(self.trainer, self.engines, self.timeline.trainer_version,
+                                                       BUCKET_BYTES, self.timeline, call))
         rewards = torch.tensor([s.reward for s in samples])
         row = {"step": step, "version": version, "next_version": self.timeline.trainer_version,
                "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()),
                "response_len_mean": sum(len(s.response_ids) for s in samples) / len(samples),
                **result.metrics(), **stats, **sync,
                "rollout_s": t1 - t0, "score_s": t2 - t1, "train_s": t3 - t2, "step_s": time.perf_counter() - t0,
-               "contracts": verdict, "strict": self.strict, **self.labels}
+               "contracts": verdict, "strict": self.strict, "engine_restarts": self.engine_restarts, **self.labels}
         self.timeline.finish_step({k: row[k] for k in ("mismatch_count", "max_abs_diff", "tokens")})
         return row
 
@@ -194,30 +217,35 @@ class Driver:
         log.info("run: %d steps x %d prompts x %d samples, rollout modes %s, trainer modes %s",
                  self.cfg.steps, self.cfg.algo.prompts_per_step, self.cfg.algo.group_size,
                  _modes_str(self.rollout_modes), _modes_str(self.trainer_modes))
-        rows = []
-        for step in tqdm(range(self.cfg.steps), desc="steps", disable=None):
+        rows = list(self.resumed["rows"]) if self.resumed else []
+        for step in tqdm(range(self.timeline.step, self.cfg.steps), desc="steps", disable=None):
             row = self.step(step)
             self.logger.log(row)
             rows.append(row)
             if self.cfg.fail_on_mismatch and self.strict and row["mismatch_count"]:
                 raise ComparabilityError(f"strict run, step {step}: {row['mismatch_count']} of {row['tokens']} tokens "
                                          f"differ in bits (worst {result_worst(row)})")
+            if checkpoint.after_step(self, step, rows):
+                break
         plot = self.logger.plot()
         total = sum(r["mismatch_count"] for r in rows)
         log.info("done: %d steps, %d tokens compared, %d mismatches in total; metrics %s, plot %s",
                  len(rows), sum(r["tokens"] for r in rows), total, self.logger.jsonl, plot)
         return rows
 
-    def shutdown(self) -> None:
-        for e in self.engines:
-            try:
-                ray.get(e.shutdown.remote(), timeout=60)
-            except Exception as exc:  # noqa: BLE001 - best effort at exit; the run's outcome is already decided
-                log.warning("engine shutdown: %s", exc)
+    def shutdown(self, exit_code: int = 0) -> None:
+        """Stop the engines and Ray; W&B records `exit_code`."""
+        try:  # all engines at once; a stopped or failed run does not wait long for a busy or dead one
+            ray.get([e.shutdown.remote() for e in self.engines], timeout=60 if exit_code == 0 else 20)
+        except Exception as exc:  # noqa: BLE001 - best effort at exit; the run's outcome is already decided
+            log.warning("engine shutdown: %s", (str(exc).splitlines() or [""])[0])
         if self.logger is not None:
-            self.logger.close()
+            self.logger.close(exit_code)
         if ray.is_initialized():
             ray.shutdown()
+        if getattr(self, "rendezvous", None) and os.path.exists(self.rendezvous):
+            os.unlink(self.rendezvous)
+        faults.sweep_stale()
 
 
 def result_worst(row: dict) -> str:

@@ -91,7 +91,8 @@ class MetricsLogger:
             self.run.log({"consistency_plot": wandb.Image(str(path))})
         return path
 
-    def close(self) -> None:
+    def close(self, exit_code: int = 0) -> None:
+        """Finish the W&B run with the run's true exit code (non-zero marks it failed)."""
         if self.run is not None:
-            self.run.finish()
+            self.run.finish(exit_code=exit_code)
             self.run = None

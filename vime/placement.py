@@ -33,6 +33,7 @@ def start_ray(cfg: RayConfig, env: dict[str, str]) -> None:
             try:
                 ray.init(num_cpus=cfg.num_cpus, num_gpus=cfg.num_gpus, include_dashboard=False,
                          runtime_env=runtime_env, log_to_driver=True, configure_logging=False,
+                         _node_ip_address=cfg.bind_address,  # GCS, raylet, object manager: loopback by default
                          object_store_memory=min(2 << 30, int(os.environ.get("VIME_OBJECT_STORE_BYTES", 1 << 30))))
                 break
             except Exception as e:
@@ -44,6 +45,25 @@ def start_ray(cfg: RayConfig, env: dict[str, str]) -> None:
                             START_ATTEMPTS)
                 ray.shutdown()
     log.info("ray: %s", {k: v for k, v in ray.cluster_resources().items() if not k.startswith("node:")})
+
+
+def single_node_env(cfg: RayConfig) -> dict[str, str]:
+    """Actor environment of a local run: gloo's sockets (trainer ranks, vLLM TP workers) on the
+    loopback interface when Ray binds 127.0.0.1. A multi-node run (`ray.address`) sets its own
+    GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME."""
+    if cfg.address or cfg.bind_address != "127.0.0.1" or "GLOO_SOCKET_IFNAME" in os.environ:
+        return {}
+    return {"GLOO_SOCKET_IFNAME": "lo"}
+
+
+def rendezvous_file(cfg: RayConfig) -> str | None:
+    """A local run's trainer rendezvous: a FileStore file (nothing listens; torch's TCPStore would
+    listen on every interface). None for a multi-node run (TCP on the rank-0 node's address)."""
+    if cfg.address:
+        return None
+    import uuid
+
+    return f"/tmp/vime_rdzv_{os.getpid()}_{uuid.uuid4().hex[:8]}"
 
 
 def bundle(cfg: RayConfig, gpus: float) -> dict[str, float]:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -22,3 +25,21 @@ def compose_cfg():
             return compose(config_name="config", overrides=list(overrides))
 
     return _compose
+
+
+REPO = CONFIGS.parent
+TRAIN_ENV = {"WANDB_MODE": "offline", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def train_cmd(*overrides: str) -> list[str]:
+    return [sys.executable, "-m", "vime.train", *overrides]
+
+
+@pytest.fixture(scope="session")
+def strict_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    """The default strict run, 2 steps, uninterrupted: (output_dir, the finished process). Shared by
+    the e2e checks and the resume test (its uninterrupted twin), so the suite runs it once."""
+    out = tmp_path_factory.mktemp("strict") / "run"
+    proc = subprocess.run(train_cmd("steps=2", f"output_dir={out}"), cwd=REPO, env=os.environ | TRAIN_ENV,
+                          capture_output=True, text=True, timeout=420)
+    return out, proc

@@ -20,10 +20,12 @@ REPO = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.megatron]
 
 
-def _train(out: Path, *overrides: str, timeout: int = 420) -> list[dict]:
+def _train(out: Path, *overrides: str, timeout: int = 420, proc: subprocess.CompletedProcess | None = None
+           ) -> list[dict]:
     env = os.environ | {"WANDB_MODE": "offline", "TOKENIZERS_PARALLELISM": "false"}
     cmd = [sys.executable, "-m", "vime.train", "steps=2", f"output_dir={out}", *overrides]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    if proc is None:  # else: the run was made already (the shared `strict_run` fixture)
+        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1] and [r["version"] for r in rows] == [0, 1]
@@ -33,8 +35,8 @@ def _train(out: Path, *overrides: str, timeout: int = 420) -> list[dict]:
     return rows
 
 
-def test_strict_run_has_zero_mismatches_every_step(tmp_path):
-    rows = _train(tmp_path / "strict")
+def test_strict_run_has_zero_mismatches_every_step(strict_run):
+    rows = _train(strict_run[0], proc=strict_run[1])
     for r in rows:
         assert r["rollout_engine"].startswith("vllm ") and "strict plugin" in r["rollout_engine"]
         assert r["trainer_engine"].startswith("megatron-core ")

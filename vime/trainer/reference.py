@@ -108,5 +108,19 @@ class ReferenceTrainer:
                 p.copy_(master)
         return stats
 
+    def save(self, path) -> None:
+        """Model tensors, fp32 masters and AdamW state (torch.save; this fallback is TP1, one file)."""
+        torch.save({"params": [p.detach().clone() for p in self.params], "master": [m.detach() for m in self.master],
+                    "optimizer": self.optimizer.state_dict()}, f"{path}/reference_trainer.pt")
+
+    def load(self, path) -> None:
+        state = torch.load(f"{path}/reference_trainer.pt", weights_only=False)
+        with torch.no_grad():
+            for p, saved in zip(self.params, state["params"]):
+                p.copy_(saved)
+            for m, saved in zip(self.master, state["master"]):
+                m.copy_(saved)
+        self.optimizer.load_state_dict(state["optimizer"])
+
     def export_hf(self) -> dict[str, torch.Tensor]:
         return {k: v.detach() for k, v in self.model.state_dict_hf().items()}

@@ -1,0 +1,46 @@
+"""Loopback by default (issue 13): on one node the trainer's torch.distributed world rendezvous through
+a FileStore (nothing listens) and gloo binds the loopback interface, so no trainer socket is reachable
+from other hosts. Two real gloo ranks are started the way the driver configures them."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from vime import placement
+from vime.config import RayConfig
+
+RANK = """
+import sys, psutil, torch, torch.distributed as dist
+dist.init_process_group("gloo", init_method=sys.argv[1], rank=int(sys.argv[2]), world_size=2)
+t = torch.ones(1)
+dist.all_reduce(t)
+assert t.item() == 2.0
+listening = sorted({c.laddr.ip for c in psutil.Process().net_connections(kind="inet") if c.status == "LISTEN"})
+dist.barrier()
+print("LISTEN", ",".join(listening))
+"""
+
+
+def test_single_node_trainer_world_listens_on_loopback_only():
+    cfg = RayConfig()
+    rendezvous = placement.rendezvous_file(cfg)
+    env = os.environ | placement.single_node_env(cfg)
+    assert rendezvous.startswith("/tmp/vime_rdzv_") and env["GLOO_SOCKET_IFNAME"] == "lo"
+    try:
+        ranks = [subprocess.Popen([sys.executable, "-c", RANK, f"file://{rendezvous}", str(r)], env=env,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+        outs = [p.communicate(timeout=120) for p in ranks]
+    finally:
+        if os.path.exists(rendezvous):
+            os.unlink(rendezvous)
+    for p, (out, err) in zip(ranks, outs):
+        assert p.returncode == 0, err[-3000:]
+        addrs = out.split("LISTEN", 1)[1].split()[0].split(",") if "LISTEN " in out else []
+        assert addrs and set(addrs) <= {"127.0.0.1", "::1"}, out
+
+
+def test_multi_node_opts_in():
+    cfg = RayConfig(address="auto")
+    assert placement.rendezvous_file(cfg) is None and placement.single_node_env(cfg) == {}

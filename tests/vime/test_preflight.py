@@ -1,0 +1,158 @@
+"""Issue 13 without engines: config holes, unreadable checkpoints, output-dir safety, resume config
+rules and the stop signal. Each bad input must give one line that names the value or file and the fix,
+before any engine (or any directory) is made."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from vime import checkpoint, faults, preflight, rundir
+from vime.config import as_dict, to_object, validate
+from vime.errors import ConfigError, DataError
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _cli(*overrides: str) -> subprocess.CompletedProcess:
+    env = os.environ | {"WANDB_MODE": "offline"}
+    return subprocess.run([sys.executable, "-m", "vime.train", *overrides], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_unknown_plus_key_under_a_group_is_rejected(compose_cfg):
+    with pytest.raises(ConfigError, match=r"unknown config key\(s\) trainer\.lrr"):
+        to_object(compose_cfg("+trainer.lrr=0.1"))
+    with pytest.raises(ConfigError, match=r"algo\.nope"):
+        to_object(compose_cfg("+algo.nope=1"))
+    cfg = to_object(compose_cfg("+rollout.boundary_modes.attention=native"))  # a dict field: free keys
+    assert cfg.rollout.boundary_modes == {"attention": "native"}
+
+
+def test_unknown_key_on_the_command_line_leaves_no_directory(tmp_path):
+    out = tmp_path / "run"
+    proc = _cli("+trainer.lrr=0.1", f"output_dir={out}")
+    assert proc.returncode == 1, proc.stderr
+    assert "trainer.lrr" in proc.stderr and "Traceback" not in proc.stderr
+    assert not out.exists()
+
+
+def test_response_longer_than_max_model_len_is_rejected(compose_cfg):
+    cfg = validate(to_object(compose_cfg("algo.max_new_tokens=10000")))
+    with pytest.raises(ConfigError, match=r"max_new_tokens=10000 \+ the longest prompt \(12 tokens\) = 10012 > "
+                                          r"rollout.max_model_len=256; lower algo.max_new_tokens to at most 244"):
+        preflight.check_lengths(cfg, [[1] * 5, [2] * 12])
+    preflight.check_lengths(validate(to_object(compose_cfg("algo.max_new_tokens=244"))), [[2] * 12])
+
+
+def test_ray_resources_are_checked_with_numbers(compose_cfg):
+    cfg = validate(to_object(compose_cfg("ray.num_cpus=1")))
+    with pytest.raises(ConfigError, match=r"needs 2 CPUs \(has 1\) for 2 actors .* ray.num_cpus=1"):
+        preflight.check_local_resources(cfg)
+    preflight.check_local_resources(validate(to_object(compose_cfg())))  # the default fits
+    cfg = validate(to_object(compose_cfg("rollout.num_engines=2", "trainer.tp=2")))
+    with pytest.raises(ConfigError, match=r"needs 4 CPUs \(has 3\) for 4 actors"):
+        preflight.check_resources(cfg, {"CPU": 3.0}, "the cluster has 3")
+
+
+def test_unsupported_architecture_and_truncated_weights_are_named(tmp_path):
+    from rl_kernel.models.tiny import make_tiny_qwen3
+
+    model = Path(make_tiny_qwen3(tmp_path / "m", seed=0))
+    preflight.check_checkpoint(model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps(config | {"model_type": "llama",
+                                                            "architectures": ["LlamaForCausalLM"]}))
+    with pytest.raises(DataError, match=rf"{model / 'config.json'}: model_type='llama'.*not supported.*Qwen3"):
+        preflight.check_checkpoint(model)
+    (model / "config.json").write_text(json.dumps(config))
+    weights = next(model.glob("*.safetensors"))
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 2])
+    with pytest.raises(DataError, match=rf"{weights} is truncated: its tensors need {len(data)} bytes"):
+        preflight.check_checkpoint(model)
+    weights.write_bytes(data[:20])
+    with pytest.raises(DataError, match=rf"{weights} is truncated: its header needs"):
+        preflight.check_checkpoint(model)
+    (model / "config.json").write_text("{")
+    with pytest.raises(DataError, match=rf"cannot read {model / 'config.json'}"):
+        preflight.check_checkpoint(model)
+
+
+def test_existing_run_is_never_overwritten(tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "train.log").write_text("the first run\n")
+    proc = _cli(f"output_dir={out}")
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert f"output_dir={out} already holds a run (train.log)" in proc.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["train.log"]
+    assert (out / "train.log").read_text() == "the first run\n"
+    (out / "checkpoints").mkdir()
+    (out / "checkpoints" / "latest").write_text("step_000000")
+    with pytest.raises(SystemExit, match=rf"continue that run with `python -m vime.train resume={out}`"):
+        rundir.refuse_existing(out)
+
+
+def test_resume_runs_the_recorded_config_and_refuses_changes(compose_cfg, tmp_path):
+    from hydra import compose, initialize_config_dir
+
+    from tests.vime.conftest import CONFIGS
+
+    recorded = validate(to_object(compose_cfg("trainer.lr=0.5", "steps=4", f"output_dir={tmp_path}")))
+    checkpoint.save_config(tmp_path, as_dict(recorded))
+    with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=[f"resume={tmp_path}", "steps=6"], return_hydra_config=True)
+        rundir.prepare(cfg)
+        assert cfg.trainer.lr == 0.5 and cfg.steps == 6 and cfg.output_dir == str(tmp_path)
+        assert cfg.hydra.output_subdir.startswith(".hydra/resume-")
+        cfg = compose(config_name="config", overrides=[f"resume={tmp_path}", "trainer.lr=0.1"],
+                      return_hydra_config=True)
+        with pytest.raises(ConfigError, match=r"trainer.lr cannot be set"):
+            rundir.prepare(cfg)
+        cfg = compose(config_name="config", overrides=[f"resume={tmp_path / 'none'}"], return_hydra_config=True)
+        with pytest.raises(checkpoint.CheckpointError, match=r"no .*config.yaml"):
+            rundir.prepare(cfg)
+
+
+def test_checkpoint_schedule():
+    assert [s for s in range(5) if checkpoint.is_due(0, s, 5)] == [4]
+    assert [s for s in range(5) if checkpoint.is_due(2, s, 5)] == [1, 3, 4]
+
+
+def test_sigterm_and_sigint_become_stopped_with_their_exit_codes():
+    before = {s: signal.getsignal(s) for s in faults.SIGNALS}
+    try:
+        for signum, code in ((signal.SIGTERM, 143), (signal.SIGINT, 130)):
+            faults.install_signal_handlers()
+            with pytest.raises(faults.Stopped) as stop:
+                os.kill(os.getpid(), signum)
+                signal.sigtimedwait([], 0)  # give the handler a bytecode boundary
+            assert stop.value.exit_code == code
+            assert signal.getsignal(signum) is faults._exit_now  # a second signal ends the clean-up at once
+    finally:
+        for s, h in before.items():
+            signal.signal(s, h)
+
+
+def test_stale_temporary_files_are_swept_and_live_ones_kept(tmp_path):
+    stale, fresh, held = tmp_path / "vllm_dist_old", tmp_path / "vllm_dist_new", tmp_path / "vllm_dist_held"
+    for p in (stale, fresh, held):
+        p.write_text("x")
+    os.utime(stale, (1, 1))
+    os.utime(held, (1, 1))
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    orphan, live = tmp_path / f"vime_rdzv_{int(dead.stdout)}_ab", tmp_path / f"vime_rdzv_{os.getpid()}_cd"
+    orphan.write_text("")
+    live.write_text("")
+    with held.open() as keep_open:
+        removed = faults.sweep_stale({str(tmp_path / "vllm_dist_*"): 120.0}, str(tmp_path / "vime_rdzv_*"))
+        assert keep_open.readable()
+    assert sorted(removed) == sorted([str(stale), str(orphan)])
+    assert not stale.exists() and fresh.exists() and held.exists() and live.exists()

@@ -1,0 +1,290 @@
+"""Checkpoints and resume: nothing a run has done is lost.
+
+Layout under `<output_dir>`:
+
+    checkpoints/config.yaml          the run's resolved config (what `resume=<output_dir>` runs again)
+    checkpoints/step_<k>/trainer/    the trainer's native distributed checkpoint: Megatron
+                                     dist-checkpointing (model + optimizer, every rank writes its shards)
+    checkpoints/step_<k>/rng/        RNG states of every trainer rank
+    checkpoints/step_<k>/state.pt    driver state: next step (the data position), weight version,
+                                     metrics so far, driver RNG states, the W&B run id
+    checkpoints/latest               name of the last complete checkpoint, written last (atomic rename):
+                                     a step dir it does not name is an interrupted save and is ignored
+    hf_model/                        HF safetensors export of the final weights (+ config, tokenizer)
+
+A checkpoint is taken after step k's weight sync, so it holds weight version k + 1 and resume starts
+at step k + 1. Rollout sampling is seeded per (seed, step, engine), so a resumed run draws the same
+samples as one that never stopped; the test `tests/vime/test_resume.py` asserts equal bits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import random
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from vime.errors import VimeError
+
+log = logging.getLogger("vime")
+
+CHECKPOINTS = "checkpoints"
+LATEST = "latest"
+STATE = "state.pt"
+HF_DIR = "hf_model"
+# metrics that measure wall time: they differ between any two runs, resumed or not
+TIMING_KEYS = ("rollout_s", "score_s", "train_s", "step_s", "sync_s")
+_HF_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                  "special_tokens_map.json", "vocab.json", "merges.txt", "chat_template.jinja")
+
+
+class CheckpointError(VimeError):
+    """A checkpoint is missing, incomplete or does not belong to this run (the message names the path)."""
+
+
+def step_dir(output_dir: Path, step: int) -> Path:
+    return Path(output_dir) / CHECKPOINTS / f"step_{step:06d}"
+
+
+def latest(output_dir: Path) -> Path | None:
+    """The last complete checkpoint of the run in `output_dir`, or None when it has none."""
+    pointer = Path(output_dir) / CHECKPOINTS / LATEST
+    if not pointer.is_file():
+        return None
+    path = pointer.parent / pointer.read_text().strip()
+    if not (path / STATE).is_file():
+        raise CheckpointError(f"{pointer} names {path}, which has no {STATE}: the checkpoint is damaged; "
+                              "point it at an earlier step_* directory or start a new run")
+    return path
+
+
+def is_due(every: int, step: int, steps: int) -> bool:
+    """Save after `step`? Every `every` steps (0: never in between) and always after the last step."""
+    return step == steps - 1 or (every > 0 and (step + 1) % every == 0)
+
+
+# ---- driver side ------------------------------------------------------------------------------
+
+def rng_state() -> dict[str, Any]:
+    """Python, numpy and torch (CPU, and CUDA when present) RNG states of this process."""
+    import numpy as np
+
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    import numpy as np
+
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_config(output_dir: Path, config: dict) -> None:
+    """Record the run's resolved config once (`resume=` reads it back)."""
+    from omegaconf import OmegaConf
+
+    path = Path(output_dir) / CHECKPOINTS / "config.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    OmegaConf.save(OmegaConf.create(config), path)
+
+
+def saved_config(output_dir: Path) -> dict:
+    """The config a run recorded with `save_config`; CheckpointError if it has none."""
+    from omegaconf import OmegaConf
+
+    path = Path(output_dir) / CHECKPOINTS / "config.yaml"
+    if not path.is_file():
+        raise CheckpointError(f"resume={output_dir}: no {path} (not a vime run dir, or it stopped before its "
+                              "first step); pass the output_dir of a run that saved a checkpoint")
+    return OmegaConf.to_container(OmegaConf.load(path))
+
+
+def save(driver, step: int, rows: list[dict], wandb_id: str | None) -> Path:
+    """Checkpoint the run after `step` (collective over the trainer ranks); returns the step dir."""
+    path = step_dir(driver.output_dir, step)
+    if path.exists():
+        shutil.rmtree(path)  # an earlier save of this step that never completed (no `latest` names it)
+    (path / "trainer").mkdir(parents=True)
+    driver._call(driver.trainer, "save_checkpoint", "save checkpoint", str(path), trainer=True)
+    state = {"next_step": step + 1, "version": driver.timeline.trainer_version, "rows": rows,
+             "rng": rng_state(), "wandb_id": wandb_id}
+    torch.save(state, path / STATE)
+    pointer = path.parent / LATEST
+    tmp = pointer.with_suffix(".tmp")
+    tmp.write_text(path.name)
+    os.replace(tmp, pointer)
+    log.info("checkpoint: %s (weight version %d, resume at step %d)", path, state["version"], step + 1)
+    return path
+
+
+def resume_point(cfg, output_dir: Path) -> Path | None:
+    """The checkpoint a `resume=` run continues from (None for a new run). Also points W&B at the
+    run's own W&B run id, so its history continues there."""
+    if not cfg.resume:
+        return None
+    path = latest(output_dir)
+    if path is None:
+        raise CheckpointError(f"resume={cfg.resume}: {Path(output_dir) / CHECKPOINTS} holds no complete checkpoint "
+                              "(the run stopped before its first save); start a new run instead")
+    wandb_id = load_state(path).get("wandb_id")
+    if wandb_id:
+        os.environ["WANDB_RUN_ID"], os.environ["WANDB_RESUME"] = wandb_id, "allow"
+    return path
+
+
+def after_step(driver, step: int, rows: list[dict]) -> bool:
+    """Run after each step's metrics are logged: save a checkpoint when due, export the final weights
+    after the last step. Returns True when the run stops here (`checkpoint.stop_after`)."""
+    c, steps = driver.cfg.checkpoint, driver.cfg.steps
+    last = step == steps - 1
+    stop = c.stop_after is not None and step == c.stop_after and not last
+    if stop or is_due(c.every, step, steps):
+        run = getattr(driver.logger, "run", None)
+        save(driver, step, rows, run.id if run is not None else None)
+    if last and c.export_hf:
+        tensors = driver._call(driver.trainer, "export_hf", "export weights", trainer=True)[0]
+        export_hf(tensors, driver.model_path, driver.output_dir)
+    if stop:
+        driver.stopped_after = step
+        log.info("stopped after step %d (checkpoint.stop_after=%d); continue with: %s", step, step,
+                 resume_command(driver.output_dir))
+    return stop
+
+
+def resume_command(output_dir: Path) -> str:
+    return f"python -m vime.train resume={Path(output_dir).resolve()}"
+
+
+def load_state(path: Path) -> dict[str, Any]:
+    try:
+        return torch.load(Path(path) / STATE, weights_only=False)
+    except (OSError, EOFError, RuntimeError) as e:
+        raise CheckpointError(f"cannot read {Path(path) / STATE}: {e}; resume from an earlier step_* dir (edit "
+                              f"{Path(path).parent / LATEST}) or start a new run") from e
+
+
+def restore(driver, path: Path) -> dict[str, Any]:
+    """Load checkpoint `path` into a started driver: trainer model + optimizer + RNG, the weight
+    version, rollout engines synced to it, the driver's RNG. Returns the saved driver state."""
+    from vime.driver import BUCKET_BYTES, call
+    from vime.weights.sync import sync_weights
+
+    state = load_state(path)
+    versions = driver._call(driver.trainer, "load_checkpoint", "load checkpoint", str(path), trainer=True)
+    if any(v != state["version"] for v in versions):
+        raise CheckpointError(f"{path}: trainer ranks restored versions {versions}, the driver state says "
+                              f"{state['version']}")
+    driver.timeline.trainer_version = state["version"]
+    driver.timeline.step = state["next_step"]
+    sync_weights(driver.trainer, driver.engines, state["version"], BUCKET_BYTES, driver.timeline, call)
+    set_rng_state(state["rng"])
+    log.info("resumed from %s: weight version %d, next step %d", path, state["version"], state["next_step"])
+    if state["next_step"] >= driver.cfg.steps and driver.cfg.checkpoint.export_hf and \
+            not (Path(driver.output_dir) / HF_DIR / "model.safetensors").is_file():
+        # the run was stopped between its last checkpoint and the export: only the export is left
+        tensors = driver._call(driver.trainer, "export_hf", "export weights", trainer=True)[0]
+        export_hf(tensors, driver.model_path, driver.output_dir)
+    return state
+
+
+def restore_metrics(logger, rows: list[dict]) -> None:
+    """Put the metrics of the steps before the checkpoint back into a fresh `MetricsLogger` (its
+    metrics.jsonl then holds exactly those rows: steps after the checkpoint are run again)."""
+    from vime.logging import _jsonable
+
+    logger.rows.extend(rows)
+    with logger.jsonl.open("w") as f:
+        for row in rows:
+            f.write(json.dumps({k: _jsonable(v) for k, v in row.items()}) + "\n")
+
+
+def export_hf(tensors: dict[str, torch.Tensor], model_path: str, output_dir: Path) -> Path:
+    """Write `tensors` (HF names, full, the trainer's bits) as `<output_dir>/hf_model/model.safetensors`,
+    with the source checkpoint's config and tokenizer files next to it."""
+    from safetensors.torch import save_file
+
+    out = Path(output_dir) / HF_DIR
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(out / "model.safetensors"),
+              metadata={"format": "pt"})
+    for name in _HF_SIDE_FILES:
+        if (Path(model_path) / name).is_file():
+            shutil.copy2(Path(model_path) / name, out / name)
+    log.info("final weights: %s (HF safetensors)", out)
+    return out
+
+
+# ---- trainer side (inside the trainer actors) ---------------------------------------------------
+
+@contextlib.contextmanager
+def _cpu_checkpointing() -> Iterator[None]:
+    """Megatron's torch_dist strategy (0.16) assumes CUDA in two places: `torch.cuda.synchronize()`
+    before it writes (waiting for the device-to-host copy of GPU shards) and a failure flag it
+    all-reduces on `torch.cuda.current_device()`. With no CUDA there is nothing to wait for and the
+    flag lives on the CPU (gloo): for the duration of the call, synchronize is a no-op and the
+    current device is the CPU (a labelled workaround; with CUDA nothing changes)."""
+    if torch.cuda.is_available():
+        yield
+        return
+    saved = torch.cuda.synchronize, torch.cuda.current_device
+    torch.cuda.synchronize = lambda *args, **kwargs: None
+    torch.cuda.current_device = lambda: "cpu"
+    try:
+        yield
+    finally:
+        torch.cuda.synchronize, torch.cuda.current_device = saved
+
+
+def _megatron_sharded(policy, loading: bool) -> dict:
+    from rl_kernel.integrations.megatron._cpu import cuda_as_cpu
+
+    model_sd = policy.model.sharded_state_dict()
+    with cuda_as_cpu():
+        optim_sd = policy.optimizer.sharded_state_dict(model_sd, is_loading=loading)
+    return {"model": model_sd, "optimizer": optim_sd, "policy_steps": policy.steps}
+
+
+def save_megatron(policy, path: Path) -> None:
+    """Megatron dist-checkpointing save of model + optimizer (collective over the policy's ranks)."""
+    from megatron.core import dist_checkpointing
+
+    with _cpu_checkpointing():
+        dist_checkpointing.save(_megatron_sharded(policy, loading=False), str(path))
+
+
+def load_megatron(policy, path: Path) -> None:
+    """Load what `save_megatron` wrote into a freshly built policy of the same shape (collective)."""
+    from megatron.core import dist_checkpointing
+
+    from rl_kernel.integrations.megatron._cpu import cuda_as_cpu
+
+    if not (Path(path) / "metadata.json").is_file():
+        raise CheckpointError(f"{path} is not a Megatron distributed checkpoint (no metadata.json)")
+    with _cpu_checkpointing():
+        state = dist_checkpointing.load(_megatron_sharded(policy, loading=True), str(path))
+    policy.model.load_state_dict(state["model"])
+    with cuda_as_cpu():
+        policy.optimizer.load_state_dict(state["optimizer"])
+    policy.steps = int(state["policy_steps"])
+
+
+def save_rank_rng(path: Path, rank: int) -> None:
+    (Path(path) / "rng").mkdir(parents=True, exist_ok=True)
+    torch.save(rng_state(), Path(path) / "rng" / f"rank{rank}.pt")
+
+
+def load_rank_rng(path: Path, rank: int) -> None:
+    set_rng_state(torch.load(Path(path) / "rng" / f"rank{rank}.pt", weights_only=False))

@@ -1,0 +1,164 @@
+"""Clean stops: Ctrl-C / SIGTERM, exit codes, and the report a stopped run leaves.
+
+SIGINT and SIGTERM raise `Stopped` in the driver's main thread (wherever it waits, Ray included);
+`train.py` then flushes what the run has (metrics are written per step; the plot is drawn; the
+summary and the resume command are printed), shuts the engines down, hands W&B the exit code and
+exits 128 + signal (130 for SIGINT, 143 for SIGTERM) without a traceback. A second signal during
+that clean-up exits at once with the same code.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+from pathlib import Path
+
+log = logging.getLogger("vime")
+
+SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class Stopped(KeyboardInterrupt):  # noqa: N818 - a control-flow signal like KeyboardInterrupt, not an error
+    """A stop signal arrived; `exit_code` is 128 + its number. A KeyboardInterrupt, because that is the
+    only exception Ray's blocking calls (ray.wait / ray.get) let through from a signal handler: they
+    re-raise it as a plain KeyboardInterrupt, so the signal is also kept in `stop_signal()`."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum, self.name, self.exit_code = signum, signal.Signals(signum).name, 128 + signum
+
+
+def _exit_now(signum: int, frame) -> None:
+    del frame
+    os._exit(128 + signum)
+
+
+_received: list[int] = []
+
+
+def stop_signal() -> int:
+    """The last stop signal that arrived (SIGINT when none did: a plain KeyboardInterrupt)."""
+    return _received[-1] if _received else int(signal.SIGINT)
+
+
+def _stop(signum: int, frame) -> None:
+    del frame
+    _received.append(signum)
+    for s in SIGNALS:  # the clean-up that follows is not interrupted again; a second signal ends it at once
+        signal.signal(s, _exit_now)
+    raise Stopped(signum)
+
+
+def install_signal_handlers() -> None:
+    """Route SIGINT / SIGTERM to `Stopped` (main thread only; call again after `ray.init`, whose
+    core worker installs its own SIGTERM handler)."""
+    if threading.current_thread() is threading.main_thread():
+        for s in SIGNALS:
+            signal.signal(s, _stop)
+
+
+def ignore_signals() -> None:
+    """During the final clean-up: a further signal exits at once."""
+    if threading.current_thread() is threading.main_thread():
+        for s in SIGNALS:
+            signal.signal(s, _exit_now)
+
+
+def report_stop(driver, reason: str) -> None:
+    """What a run that did not finish leaves behind: the plot of the steps it has, one summary line,
+    and how to continue (from its last checkpoint)."""
+    from vime import checkpoint
+
+    rows = list(driver.logger.rows) if driver.logger is not None else []
+    plot = None
+    if driver.logger is not None:
+        try:
+            plot = driver.logger.plot()
+        except Exception as e:  # noqa: BLE001 - the plot is a courtesy here; the stop reason matters more
+            log.warning("plot: %s", e)
+    last = checkpoint.latest(driver.output_dir) if driver.output_dir.is_dir() else None
+    log.warning("%s after %d step(s) (%d tokens compared, %d mismatches); metrics %s, plot %s", reason, len(rows),
+                sum(r.get("tokens", 0) for r in rows), sum(r.get("mismatch_count", 0) for r in rows),
+                Path(driver.output_dir) / "metrics.jsonl", plot)
+    if last is not None:
+        log.warning("continue from %s with: %s", last.name, checkpoint.resume_command(driver.output_dir))
+    else:
+        log.warning("no checkpoint was saved yet: rerun with a new output_dir to start again")
+
+
+# ---- temporary files ------------------------------------------------------------------------------
+
+# What runs leave in /tmp and /dev/shm when a process is killed before it cleans up, and how old such
+# a file must be (besides held open or mapped by no process) to count as stale. vLLM's FileStore
+# rendezvous files are opened per operation, not held, so only a long-idle one is taken as stale.
+# vime's own rendezvous file names its driver's pid: it is stale once that process is gone.
+STALE_PATTERNS = {"/tmp/vllm_dist_*": 6 * 3600.0, "/dev/shm/rl_kernel_weights_*": 600.0,
+                  "/dev/shm/vime_weights_*": 600.0, "/dev/shm/psm_*": 600.0}
+RENDEZVOUS_PATTERN = "/tmp/vime_rdzv_*"
+
+
+def _in_use() -> set[str]:
+    """Paths some process holds open or mapped (/proc/*/fd and /proc/*/maps; what we may read)."""
+    used: set[str] = set()
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            used.update(os.readlink(fd) for fd in (proc / "fd").iterdir())
+            used.update(line.split(maxsplit=5)[5].strip() for line in (proc / "maps").read_text().splitlines()
+                        if len(line.split(maxsplit=5)) == 6)
+        except OSError:
+            continue
+    return used
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+def _orphaned_rendezvous(pattern: str) -> list[str]:
+    """vime rendezvous files (`vime_rdzv_<driver pid>_<id>`) whose driver process is gone."""
+    import glob
+
+    found = []
+    for path in glob.glob(pattern):
+        pid = Path(path).name.split("_")[2]
+        if pid.isdigit() and not _pid_alive(int(pid)):
+            found.append(path)
+    return found
+
+
+def sweep_stale(patterns: dict[str, float] | None = None, rendezvous: str = RENDEZVOUS_PATTERN) -> list[str]:
+    """Remove temporary files of earlier runs: files matching a pattern of `patterns` (pattern -> minimum
+    age in seconds) that no process holds open or mapped and that are older than that, and vime
+    rendezvous files whose driver is gone. Returns what was removed."""
+    import glob
+    import time
+
+    patterns = STALE_PATTERNS if patterns is None else patterns
+    candidates = [(p, age) for pattern, age in patterns.items() for p in glob.glob(pattern)]
+    removed = []
+    if candidates:
+        used, now = _in_use(), time.time()
+        for path, age in candidates:
+            try:
+                if path not in used and now - os.stat(path).st_mtime >= age:
+                    os.unlink(path)
+                    removed.append(path)
+            except OSError:
+                continue
+    for path in _orphaned_rendezvous(rendezvous):
+        try:
+            os.unlink(path)
+            removed.append(path)
+        except OSError:
+            continue
+    if removed:
+        log.info("removed %d stale temporary file(s) of earlier runs: %s", len(removed), ", ".join(removed[:5]))
+    return removed

@@ -1,0 +1,102 @@
+"""Checks that run before any engine starts: each one turns a late, obscure failure (a silently capped
+response, a placement that waits forever, a loader traceback) into one line naming the value, the
+file or the numbers, and what to do."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+from vime.config import VimeConfig
+from vime.errors import ConfigError, DataError
+
+SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM",)
+
+
+def check_lengths(cfg: VimeConfig, prompts: list[list[int]]) -> None:
+    """Every prompt plus `algo.max_new_tokens` must fit `rollout.max_model_len` (vLLM would cap the
+    response without a word)."""
+    longest = max((len(p) for p in prompts), default=0)
+    need = longest + cfg.algo.max_new_tokens
+    if need > cfg.rollout.max_model_len:
+        raise ConfigError(f"algo.max_new_tokens={cfg.algo.max_new_tokens} + the longest prompt ({longest} tokens) = "
+                          f"{need} > rollout.max_model_len={cfg.rollout.max_model_len}; lower algo.max_new_tokens "
+                          f"to at most {cfg.rollout.max_model_len - longest} or raise rollout.max_model_len")
+
+
+def required_resources(cfg: VimeConfig) -> dict[str, float]:
+    """Logical Ray resources the layout reserves: one bundle per trainer rank and per rollout engine."""
+    gpus = cfg.ray.gpus_per_actor if cfg.device == "cuda" else 0.0
+    actors = cfg.trainer.tp * cfg.trainer.cp + cfg.rollout.num_engines
+    need = {"CPU": cfg.ray.cpus_per_actor * actors}
+    if gpus:
+        need["GPU"] = gpus * (cfg.trainer.tp * cfg.trainer.cp + cfg.rollout.num_engines * cfg.rollout.tp)
+    return need
+
+
+def check_resources(cfg: VimeConfig, available: dict[str, float], where: str) -> None:
+    """Fail fast, with numbers, when the layout needs more Ray resources than `available` has."""
+    need = required_resources(cfg)
+    actors = cfg.trainer.tp * cfg.trainer.cp + cfg.rollout.num_engines
+    short = {k: (v, float(available.get(k, 0.0))) for k, v in need.items() if v > available.get(k, 0.0)}
+    if short:
+        what = ", ".join(f"{v:g} {k}s (has {h:g})" for k, (v, h) in short.items())
+        raise ConfigError(f"the layout needs {what} for {actors} actors ({cfg.trainer.tp * cfg.trainer.cp} trainer "
+                          f"rank(s) + {cfg.rollout.num_engines} rollout engine(s), ray.cpus_per_actor="
+                          f"{cfg.ray.cpus_per_actor:g}) but {where}; raise ray.num_cpus / ray.num_gpus, or lower "
+                          "ray.cpus_per_actor, trainer.tp x cp or rollout.num_engines")
+
+
+def check_local_resources(cfg: VimeConfig) -> None:
+    """For a Ray this run starts itself (`ray.address` unset): the numbers are in the config."""
+    if cfg.ray.address:
+        return
+    check_resources(cfg, {"CPU": float(cfg.ray.num_cpus), "GPU": float(cfg.ray.num_gpus)},
+                    f"ray.num_cpus={cfg.ray.num_cpus}, ray.num_gpus={cfg.ray.num_gpus}")
+
+
+def check_checkpoint(path: Path) -> None:
+    """An HF checkpoint dir vime can run: readable config.json of a supported architecture, and
+    safetensors files whose header and data are complete. Raises DataError naming the file."""
+    path = Path(path)
+    config = path / "config.json"
+    try:
+        meta = json.loads(config.read_text())
+    except (OSError, ValueError) as e:
+        raise DataError(f"cannot read {config}: {e}; point model.path at an HF checkpoint directory") from None
+    archs = meta.get("architectures") or []
+    if meta.get("model_type") != "qwen3" or not archs or not set(archs) <= set(SUPPORTED_ARCHITECTURES):
+        raise DataError(f"{config}: model_type={meta.get('model_type')!r}, architectures={archs} is not supported; "
+                        f"vime runs Qwen3 dense checkpoints ({', '.join(SUPPORTED_ARCHITECTURES)}): use one")
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise DataError(f"{path} has no *.safetensors weights; save the checkpoint with safetensors "
+                        "(save_pretrained(..., safe_serialization=True))")
+    for f in files:
+        check_safetensors(f)
+
+
+def check_safetensors(file: Path) -> None:
+    """The file holds its whole header and every tensor its header lists (a truncated copy does not)."""
+    fix = "copy or download it again"
+    try:
+        size = file.stat().st_size
+        with file.open("rb") as fh:
+            head = fh.read(8)
+            n = struct.unpack("<Q", head)[0] if len(head) == 8 else None
+            raw = fh.read(n) if n is not None and 8 + n <= size else None
+    except OSError as e:
+        raise DataError(f"cannot read {file}: {e}; check the path and its permissions") from None
+    if n is None:
+        raise DataError(f"{file} is truncated ({size} bytes, no safetensors header); {fix}")
+    if raw is None:
+        raise DataError(f"{file} is truncated: its header needs {8 + n} bytes, the file has {size}; {fix}")
+    try:
+        header = json.loads(raw)
+    except ValueError:
+        raise DataError(f"{file} has an unreadable safetensors header (not JSON); {fix}") from None
+    end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
+    if 8 + n + end > size:
+        raise DataError(f"{file} is truncated: its tensors need {8 + n + end} bytes, the file has {size}; {fix}")
+

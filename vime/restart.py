@@ -1,0 +1,108 @@
+"""Surviving a dead rollout engine.
+
+A rollout engine whose Ray actor dies (its process killed, OOM, a crash in vLLM's engine core) is
+replaced by a fresh actor in the same placement-group bundle, loaded with the trainer's current
+weights and version, and its share of the step is redone. Sampling is seeded per (seed, step,
+engine), so the redone share is the same samples: the step comes out as if nothing happened. Each
+restart is logged and counted (`engine_restarts` in every metrics row); more than
+`rollout.max_restarts` in a run ends it. A trainer rank that dies ends the run (the message says how
+to resume from the last checkpoint): its state is not recoverable without one.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import ray
+
+from vime.errors import EngineDiedError
+
+log = logging.getLogger("vime")
+
+
+def died(error: BaseException) -> bool:
+    """The error is an actor's death (not an exception the actor raised and survived)."""
+    return isinstance(error, EngineDiedError) and isinstance(error.__cause__, ray.exceptions.RayActorError)
+
+
+def _alive(actor) -> bool:
+    try:
+        ray.get(actor.info.remote(), timeout=120)
+        return True
+    except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+        return False
+
+
+def load_current_weights(driver, engine: int) -> None:
+    """Push the trainer's current weights and version into rollout engine `engine` only."""
+    from vime.driver import BUCKET_BYTES, call
+
+    version, name = driver.timeline.trainer_version, f"rollout engine {engine}"
+    buckets = call([r.export_buckets.remote(BUCKET_BYTES) for r in driver.trainer], "export weights",
+                   [f"trainer rank {r}" for r in range(len(driver.trainer))])[0]
+    for bucket in buckets:
+        call([driver.engines[engine].load_weights.remote(bucket, version)], "load weights", [name])
+    ack = call([driver.engines[engine].set_version.remote(version)], "acknowledge weights", [name])[0]
+    driver.timeline.acknowledged(engine, ack)
+
+
+def restart_engine(driver, engine: int, cause: str) -> None:
+    """Replace dead rollout engine `engine` by a fresh actor serving the trainer's current version."""
+    from vime.driver import call
+
+    limit = driver.cfg.rollout.max_restarts
+    if driver.engine_restarts >= limit:
+        raise EngineDiedError(f"rollout engine {engine} died and the run has restarted engines "
+                              f"{driver.engine_restarts} time(s) already (rollout.max_restarts={limit}): {cause}")
+    driver.engine_restarts += 1
+    log.warning("rollout engine %d died; restarting it on weight version %d (restart %d of at most %d). Cause: %s",
+                engine, driver.timeline.trainer_version, driver.engine_restarts, limit, cause)
+    try:
+        ray.kill(driver.engines[engine], no_restart=True)
+    except Exception:  # noqa: BLE001 - it is dead already; kill only frees its name and bundle
+        pass
+    driver.engines[engine] = driver.new_engine(engine)
+    info = call([driver.engines[engine].info.remote()], "restart", [f"rollout engine {engine}"])[0]
+    driver.timeline.engine_versions[engine] = info["version"]
+    if info["version"] != driver.timeline.trainer_version:
+        load_current_weights(driver, engine)
+    log.warning("rollout engine %d is back (pid %s), serving weight version %d", engine, info["pid"],
+                driver.timeline.trainer_version)
+
+
+def generate(driver, submit, engines: int) -> tuple[list, list[dict]]:
+    """Every engine's share of a step and the rl_kernel evidence of it. `submit(i)` issues engine i's
+    `generate` call; an engine that dies before both are in is restarted and its share submitted again."""
+    from vime.driver import call
+
+    refs = {i: submit(i) for i in range(engines)}
+    outs, evidence = [], []
+    for i in range(engines):
+        while True:
+            name = f"rollout engine {i}"
+            try:
+                out = call([refs[i]], "generate", [name])[0]
+                ev = call([driver.engines[i].evidence.remote()], "evidence", [name])[0]
+                break
+            except EngineDiedError as e:
+                if not died(e):
+                    raise
+                restart_engine(driver, i, str(e))
+                refs[i] = submit(i)
+        outs.append(out)
+        evidence.extend(ev)
+    return outs, evidence
+
+
+def sync(driver, sync_fn) -> dict:
+    """`sync_fn()` (the weight sync to every engine); when an engine dies during it, restart the dead
+    ones (they load the new version) and sync again."""
+    try:
+        return sync_fn()
+    except EngineDiedError as e:
+        if not died(e):
+            raise
+        for i, actor in enumerate(driver.engines):
+            if not _alive(actor):
+                restart_engine(driver, i, str(e))
+        return sync_fn()
