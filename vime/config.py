@@ -38,6 +38,7 @@ class TrainerEngine(StrEnum):
 
 
 class Task(StrEnum):
+    copy = "copy"              # "g=" -> "g": the embedded default, learnable by a tiny model in minutes
     arithmetic = "arithmetic"
     reverse = "reverse"
 
@@ -66,6 +67,7 @@ class ModelConfig:
 class DataConfig:
     task: Task = Task.arithmetic
     num_prompts: int = 512     # size of the generated prompt pool (cycled through in order)
+    letters: int = 8           # copy: letters a.. in the prompts
     max_operand: int = 99      # arithmetic: operands in [0, max_operand]
     min_len: int = 3           # reverse: string lengths in [min_len, max_len]
     max_len: int = 6
@@ -132,6 +134,14 @@ class WandbConfig:
 
 
 @dataclass
+class AuditConfig:
+    """`python -m vime.audit`: which rungs of the ablation ladder to run, or an earlier run to read."""
+    boundaries: list[str] = field(default_factory=lambda: list(BOUNDARIES))
+    sides: list[str] = field(default_factory=lambda: ["rollout", "trainer"])
+    run: str | None = None         # an earlier run's output_dir: summarise its per-step evidence instead
+
+
+@dataclass
 class VimeConfig:
     steps: int = 3
     seed: int = 0
@@ -145,6 +155,7 @@ class VimeConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     ray: RayConfig = field(default_factory=RayConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
+    audit: AuditConfig = field(default_factory=AuditConfig)
 
 
 def register_configs() -> None:
@@ -173,6 +184,15 @@ def side_modes(mode: Mode, overrides: dict[str, Mode]) -> dict[str, str]:
     modes = {b: Mode(mode).value for b in BOUNDARIES}
     modes.update({b: Mode(m).value for b, m in overrides.items()})
     return modes
+
+
+def modes_label(modes: dict[str, str]) -> str:
+    """'strict', 'native', or 'strict except attention=native, ...' for one side's modes."""
+    values = set(modes.values())
+    if len(values) == 1:
+        return values.pop()
+    base = max(("strict", "native"), key=lambda m: sum(v == m for v in modes.values()))
+    return f"{base} except " + ", ".join(f"{b}={m}" for b, m in modes.items() if m != base)
 
 
 def _require(ok: bool, what: str, fix: str) -> None:

@@ -60,8 +60,24 @@ class RolloutWorker:
                                   finish_reason="stop" if tokens and tokens[-1] in stop_token_ids else "length"))
         return samples
 
+    def set_modes(self, modes: dict[str, str]) -> dict[str, str]:
+        """Switch this engine's per-boundary rl_kernel modes (operator ablation, `vime.audit`)."""
+        apply_modes_env(modes)
+        self.engine.set_modes(modes)
+        self.modes = dict(modes)
+        return self.modes
+
+    def rescore(self, samples: list[Sample]) -> list[list[float]]:
+        """The engine's fp32 logprobs of each sample's fixed response tokens (forced decoding), under
+        the current modes; the rl_kernel evidence of this pass replaces that of the last rollout."""
+        self.engine.evidence(reset=True)
+        out = self.engine.rescore([s.prompt_ids for s in samples], [s.response_ids for s in samples],
+                                  _one_temperature(samples))
+        self._evidence = self.engine.evidence(reset=True)
+        return out
+
     def evidence(self) -> list[dict]:
-        """rl_kernel evidence of the last `generate` (engine workers included)."""
+        """rl_kernel evidence of the last `generate` or `rescore` (engine workers included)."""
         return self._evidence
 
     def load_weights(self, bucket: dict[str, torch.Tensor], version: int) -> int:
@@ -75,3 +91,10 @@ class RolloutWorker:
 
     def shutdown(self) -> None:
         self.engine.shutdown()
+
+
+def _one_temperature(samples: list[Sample]) -> float:
+    temps = {s.temperature for s in samples}
+    if len(temps) != 1:
+        raise ValueError(f"samples must share one temperature, got {sorted(temps)}")
+    return temps.pop()

@@ -71,6 +71,14 @@ class TrainerWorker:
     def evidence(self) -> list[dict]:
         return self._evidence
 
+    def set_modes(self, modes: dict[str, str]) -> dict[str, str]:
+        """Switch this rank's per-boundary rl_kernel modes for later forwards (`vime.audit`)."""
+        apply_modes_env(modes)
+        if hasattr(self.engine, "set_modes"):
+            self.engine.set_modes(modes)
+        self.modes = dict(modes)
+        return self.modes
+
     def train_step(self, samples: list[Sample], clip_eps: float, kl_coef: float) -> dict[str, float]:
         """One GRPO optimizer step on `samples` (old logprobs = the rollout's); version v -> v+1."""
         stats = self.engine.train_step(

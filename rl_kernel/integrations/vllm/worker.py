@@ -18,6 +18,15 @@ class RLKernelWorkerExtension:
         """The weight version of the model in this worker (None before the first update)."""
         return getattr(self.model_runner.get_model(), "weight_version", None)
 
+    def rl_kernel_set_modes(self, modes: dict[str, str]) -> dict[str, str]:
+        """Set this worker's rl_kernel mode per boundary (later forwards); returns the modes in force."""
+        import os
+
+        for boundary, m in modes.items():
+            os.environ[f"RL_KERNEL_MODE_{boundary.upper()}"] = m
+            rk.set_mode(m, boundary)
+        return rk.current_modes()
+
     def rl_kernel_modes(self) -> dict[str, str]:
         """The rl_kernel mode per boundary in this worker process."""
         return rk.current_modes()
