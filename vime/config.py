@@ -148,6 +148,9 @@ class VimeConfig:
     device: str = "cpu"            # cpu | cuda
     output_dir: str = "outputs/run"
     fail_on_mismatch: bool = False  # strict run: raise if any step shows mismatch_count > 0
+    verbose: bool = False          # engine / framework logs on the console too (always in <output_dir>/engines.log)
+    samples_every: int = 10        # print sample completions every N steps (0: never; W&B gets them every step)
+    compare: str | None = None     # "native": also run the native twin; or a sibling run's output_dir to plot beside
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)

@@ -17,7 +17,7 @@ import ray
 import torch
 from tqdm import tqdm
 
-from vime import consistency, placement
+from vime import consistency, placement, report
 from vime.config import Mode, VimeConfig, as_dict, side_modes
 from vime.consistency import Sample
 from vime.data.dataset import PromptSet, load_tokenizer, model_vocab_size
@@ -89,13 +89,19 @@ class Driver:
     def setup(self) -> None:
         cfg = self.cfg
         self.output_dir.mkdir(parents=True, exist_ok=True)
+        if not cfg.verbose:
+            import transformers
+
+            transformers.utils.logging.disable_progress_bar()
         self.model_path = make_model(cfg, self.output_dir)
         self.tokenizer = load_tokenizer(self.model_path)
         self.vocab_size = model_vocab_size(self.model_path)
         self.prompts = PromptSet(cfg.data, self.tokenizer, self.vocab_size)
         env = {"VLLM_CPU_KVCACHE_SPACE": str(cfg.rollout.kv_cache_space_gib), "TOKENIZERS_PARALLELISM": "false",
                "PYTHONUNBUFFERED": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": os.environ.get("VIME_VLLM_MP", "0")}
-        placement.start_ray(cfg.ray, env)
+        if not cfg.verbose:  # engine and framework output goes to <output_dir>/engines.log, not the console
+            env["VIME_ENGINE_LOG"] = str((self.output_dir / "engines.log").resolve())
+        placement.start_ray(cfg.ray, env, log_to_driver=cfg.verbose, log_file=env.get("VIME_ENGINE_LOG"))
         gpus = cfg.ray.gpus_per_actor if cfg.device == "cuda" else 0.0
         n_ranks = cfg.trainer.tp * cfg.trainer.cp
         trainer_pg = placement.make_group("trainer", [placement.bundle(cfg.ray, gpus)] * n_ranks)
@@ -114,7 +120,7 @@ class Driver:
                                 self.trainer_modes, cfg.seed, cfg.algo.kl_coef, cfg.algo.clip_eps)
                         for r in range(n_ranks)]
         master = call([self.trainer[0].address.remote()], "rendezvous", ["trainer rank 0"])[0]
-        with tqdm(total=2, desc="starting engines", leave=False) as bar:
+        with tqdm(total=2, desc="starting engines", leave=False, disable=None) as bar:
             tinfo_refs = [t.start.remote(*master) for t in self.trainer]  # trainer and rollout start together
             infos = self._call(self.engines, "info", "start")
             bar.update()
@@ -131,7 +137,8 @@ class Driver:
                                          f"{self.vocab_size}")
         self.labels = {"rollout_engine": infos[0]["label"], "trainer_engine": tinfo[0]["label"]}
         self.logger = MetricsLogger(self.output_dir, as_dict(cfg) | {"model_path": self.model_path} | self.labels,
-                                    cfg.wandb.mode, cfg.wandb.project, cfg.wandb.name, cfg.wandb.entity)
+                                    cfg.wandb.mode, cfg.wandb.project, cfg.wandb.name, cfg.wandb.entity,
+                                    samples_every=cfg.samples_every)
 
     def _call(self, actors: list, method: str, what: str, *args, trainer: bool = False) -> list:
         names = [f"trainer rank {i}" if trainer else f"rollout engine {i}" for i in range(len(actors))]
@@ -178,8 +185,15 @@ class Driver:
         sync = sync_weights(self.trainer, self.engines, self.timeline.trainer_version, BUCKET_BYTES,
                             self.timeline, call)
         rewards = torch.tensor([s.reward for s in samples])
+        tied = report.tied_groups(rewards.tolist(), cfg.algo.group_size)
+        warning = report.no_signal_warning(step, rewards.tolist(), cfg.algo.group_size)
+        if warning:
+            log.warning(warning)
         row = {"step": step, "version": version, "next_version": self.timeline.trainer_version,
                "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()),
+               "reward_min": float(rewards.min()), "reward_max": float(rewards.max()), "tied_groups": tied,
+               "correct_frac": float((rewards == 1.0).float().mean()),
+               "samples": report.completion_lines(samples, self.tokenizer.decode, 4),
                "response_len_mean": sum(len(s.response_ids) for s in samples) / len(samples),
                **result.metrics(), **stats, **sync,
                "rollout_s": t1 - t0, "score_s": t2 - t1, "train_s": t3 - t2, "step_s": time.perf_counter() - t0,
@@ -200,11 +214,19 @@ class Driver:
             if self.cfg.fail_on_mismatch and self.strict and row["mismatch_count"]:
                 raise ComparabilityError(f"strict run, step {step}: {row['mismatch_count']} of {row['tokens']} tokens "
                                          f"differ in bits (worst {result_worst(row)})")
-        plot = self.logger.plot()
-        total = sum(r["mismatch_count"] for r in rows)
-        log.info("done: %d steps, %d tokens compared, %d mismatches in total; metrics %s, plot %s",
-                 len(rows), sum(r["tokens"] for r in rows), total, self.logger.jsonl, plot)
+        self.rows = rows
         return rows
+
+    def finish(self, compare: list[dict] | None = None) -> Path | None:
+        """The figure (beside `compare`, a twin run's rows, when given), the W&B summary and the
+        end-of-run summary on the console; returns the figure's path."""
+        rows = getattr(self, "rows", [])
+        if not rows or self.logger is None:
+            return None
+        plot = self.logger.plot(compare, task=str(self.cfg.data.task))
+        for line in report.summary_lines(rows, self.output_dir, plot, self.model_path, compare):
+            log.info(line)
+        return plot
 
     def shutdown(self) -> None:
         for e in self.engines:

@@ -6,8 +6,11 @@ gets one bundle sized for its TP degree (on GPUs: `tp` GPUs; vLLM places its TP 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import sys
+from collections.abc import Iterator
 
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group
@@ -19,19 +22,46 @@ from vime.errors import ConfigError
 log = logging.getLogger("vime")
 
 
-def start_ray(cfg: RayConfig, env: dict[str, str]) -> None:
+def start_ray(cfg: RayConfig, env: dict[str, str], log_to_driver: bool = True, log_file: str | None = None) -> None:
     """Connect to `cfg.address`, or start a local Ray with `cfg.num_cpus` logical CPUs; `env` is set
-    in every actor (rl_kernel / vLLM settings)."""
+    in every actor (rl_kernel / vLLM settings). `log_to_driver=False` keeps actors' output off the
+    driver's console, and Ray's own log lines go to `log_file` instead of the console."""
     if ray.is_initialized():
         return
+    if not log_to_driver and log_file:
+        ray_log = logging.getLogger("ray")
+        handler = logging.FileHandler(log_file)
+        handler.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"))
+        ray_log.handlers = [handler]  # in place of Ray's own console handler
+        ray_log.propagate = False
     runtime_env = {"env_vars": env}
-    if cfg.address:
-        ray.init(address=cfg.address, runtime_env=runtime_env, log_to_driver=True)
-    else:
-        ray.init(num_cpus=cfg.num_cpus, num_gpus=cfg.num_gpus, include_dashboard=False, runtime_env=runtime_env,
-                 log_to_driver=True, configure_logging=False,
-                 object_store_memory=min(2 << 30, int(os.environ.get("VIME_OBJECT_STORE_BYTES", 1 << 30))))
+    with _stderr_to(log_file if not log_to_driver else None):  # Ray's start-up notices (C++ and Python)
+        if cfg.address:
+            ray.init(address=cfg.address, runtime_env=runtime_env, log_to_driver=log_to_driver)
+        else:
+            ray.init(num_cpus=cfg.num_cpus, num_gpus=cfg.num_gpus, include_dashboard=False, runtime_env=runtime_env,
+                     log_to_driver=log_to_driver, configure_logging=False,
+                     object_store_memory=min(2 << 30, int(os.environ.get("VIME_OBJECT_STORE_BYTES", 1 << 30))))
     log.info("ray: %s", {k: v for k, v in ray.cluster_resources().items() if not k.startswith("node:")})
+
+
+@contextlib.contextmanager
+def _stderr_to(path: str | None) -> Iterator[None]:
+    """Append this process's stderr (file descriptor 2) to `path` inside the block (no-op for None)."""
+    if not path:
+        yield
+        return
+    sys.stderr.flush()
+    saved = os.dup(2)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 2)
+    os.close(fd)
+    try:
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
 def bundle(cfg: RayConfig, gpus: float) -> dict[str, float]:

@@ -5,6 +5,8 @@ gives the GPU cluster shape. Outputs (metrics.jsonl, wandb/, consistency.png, th
 
 from __future__ import annotations
 
+import copy
+import json
 import logging
 import sys
 from pathlib import Path
@@ -27,12 +29,40 @@ def main(dcfg: DictConfig) -> None:
         cfg = validate(to_object(dcfg))
     except (ValidationError, ConfigError) as e:
         raise SystemExit(f"config error: {e}") from None
-    driver = Driver(cfg, Path(cfg.output_dir))
     try:
-        driver.run()
+        compare = run_compare(cfg)  # `compare=native`: the native twin first (its own dir), then this run
+        driver = Driver(cfg, Path(cfg.output_dir))
+        try:
+            driver.run()
+            driver.finish(compare)
+        finally:
+            driver.shutdown()
     except VimeError as e:
         log.error("%s: %s", type(e).__name__, e)
         raise SystemExit(1) from None
+
+
+def run_compare(cfg) -> list[dict] | None:
+    """Rows of the run to plot beside this one: `compare=native` runs the all-native twin of this
+    config under `<output_dir>/native` (same seed, same prompts); `compare=<dir>` reads a sibling
+    run's metrics.jsonl; unset: None."""
+    if not cfg.compare:
+        return None
+    if cfg.compare != "native":
+        path = Path(cfg.compare) / "metrics.jsonl"
+        if not path.is_file():
+            raise ConfigError(f"compare={cfg.compare}: no metrics.jsonl there; pass compare=native or a run's "
+                              "output_dir")
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    twin = copy.deepcopy(cfg)
+    twin.rollout.mode = twin.trainer.mode = "native"
+    twin.rollout.boundary_modes, twin.trainer.boundary_modes = {}, {}
+    twin.output_dir = str(Path(cfg.output_dir) / "native")
+    twin.wandb.name = f"{cfg.wandb.name or 'run'}-native"
+    log.info("compare=native: running the native twin first, outputs in %s", twin.output_dir)
+    driver = Driver(twin, Path(twin.output_dir))
+    try:
+        return driver.run()
     finally:
         driver.shutdown()
 

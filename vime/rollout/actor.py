@@ -24,11 +24,29 @@ def apply_modes_env(modes: dict[str, str]) -> None:
         rk.set_mode(m, boundary)
 
 
+def redirect_output() -> None:
+    """When `VIME_ENGINE_LOG` names a file, append this process's stdout and stderr (file descriptors
+    1 and 2: Python, C++ and the engine workers it spawns) to it: engine and framework logs stay in
+    the run's `engines.log` instead of the console."""
+    path = os.environ.get("VIME_ENGINE_LOG")
+    if not path:
+        return
+    import sys
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+
+
 class RolloutWorker:
     """Wrapped with `ray.remote` by the driver; plain class so it is testable in-process."""
 
     def __init__(self, engine_id: int, cfg: RolloutConfig, model_path: str, dtype: str, device: str,
                  modes: dict[str, str], seed: int):
+        redirect_output()
         apply_modes_env(modes)
         self.engine_id, self.cfg, self.modes, self.seed = engine_id, cfg, modes, seed
         torch.manual_seed(seed + engine_id)

@@ -14,7 +14,7 @@ import torch
 
 from vime.config import TrainerConfig, TrainerEngine
 from vime.consistency import Sample, Scored
-from vime.rollout.actor import apply_modes_env
+from vime.rollout.actor import apply_modes_env, redirect_output
 
 
 class TrainerWorker:
@@ -22,6 +22,7 @@ class TrainerWorker:
 
     def __init__(self, rank: int, world_size: int, cfg: TrainerConfig, model_path: str, dtype: str, device: str,
                  modes: dict[str, str], seed: int, kl_coef: float, clip_eps: float):
+        redirect_output()
         apply_modes_env(modes)
         self.rank, self.world_size, self.cfg, self.modes = rank, world_size, cfg, modes
         self._args = (model_path, dtype, device, kl_coef, clip_eps)
