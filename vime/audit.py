@@ -257,9 +257,19 @@ def plot_ladder(report: dict, path: Path) -> Path:
     ax2.set_xlabel("max |rollout - trainer| (log; 0 marked)")
     for ax in (ax1, ax2):
         ax.grid(axis="x", alpha=0.3)
+    from matplotlib.patches import Patch
+
+    ax1.legend(handles=[Patch(color="#2b8a3e", label="bitwise equal"),
+                        Patch(color="#e67700", label="rollout side native: differs"),
+                        Patch(color="#c92a2a", label="trainer side native (or base): differs")],
+               loc="lower right", fontsize=8)
     status = "parity holds" if report["base_parity"] else "parity BROKEN"
-    fig.suptitle(f"vime.audit: base config {status}; one boundary native at a time (fixed tokens)", fontsize=11)
-    fig.tight_layout()
+    fig.suptitle(f"vime.audit: configured run (base) {status} on {report['tokens']} tokens; then one boundary "
+                 "native at a time, one side at a time, same sampled tokens", fontsize=11)
+    import textwrap
+
+    fig.text(0.01, 0.005, "\n".join(textwrap.wrap(report["verdict"], 170)), fontsize=8, va="bottom")
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path

@@ -193,7 +193,7 @@ class Driver:
                "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()),
                "reward_min": float(rewards.min()), "reward_max": float(rewards.max()), "tied_groups": tied,
                "correct_frac": float((rewards == 1.0).float().mean()),
-               "samples": report.completion_lines(samples, self.tokenizer.decode, 4),
+               "samples": report.completion_lines(samples, self.tokenizer.decode, 4, start=step),
                "response_len_mean": sum(len(s.response_ids) for s in samples) / len(samples),
                **result.metrics(), **stats, **sync,
                "rollout_s": t1 - t0, "score_s": t2 - t1, "train_s": t3 - t2, "step_s": time.perf_counter() - t0,

@@ -35,13 +35,23 @@ def start_ray(cfg: RayConfig, env: dict[str, str], log_to_driver: bool = True, l
         ray_log.handlers = [handler]  # in place of Ray's own console handler
         ray_log.propagate = False
     runtime_env = {"env_vars": env}
-    with _stderr_to(log_file if not log_to_driver else None):  # Ray's start-up notices (C++ and Python)
-        if cfg.address:
-            ray.init(address=cfg.address, runtime_env=runtime_env, log_to_driver=log_to_driver)
-        else:
-            ray.init(num_cpus=cfg.num_cpus, num_gpus=cfg.num_gpus, include_dashboard=False, runtime_env=runtime_env,
-                     log_to_driver=log_to_driver, configure_logging=False,
-                     object_store_memory=min(2 << 30, int(os.environ.get("VIME_OBJECT_STORE_BYTES", 1 << 30))))
+    for attempt in range(1, 4):
+        try:
+            with _stderr_to(log_file if not log_to_driver else None):  # Ray's start-up notices (C++, Python)
+                if cfg.address:
+                    ray.init(address=cfg.address, runtime_env=runtime_env, log_to_driver=log_to_driver)
+                else:
+                    ray.init(num_cpus=cfg.num_cpus, num_gpus=cfg.num_gpus, include_dashboard=False,
+                             runtime_env=runtime_env, log_to_driver=log_to_driver, configure_logging=False,
+                             object_store_memory=min(2 << 30, int(os.environ.get("VIME_OBJECT_STORE_BYTES",
+                                                                                 1 << 30))))
+            break
+        except Exception as e:  # noqa: BLE001 - Ray raises a bare Exception when its raylet starts slowly
+            # Ray waits a fixed 30 s for a local raylet to register; on a busy machine it can take longer.
+            if cfg.address or "timed out during startup" not in str(e) or attempt == 3:
+                raise
+            log.warning("ray: local node start timed out (busy machine?); retrying (%d/3)", attempt + 1)
+            ray.shutdown()
     log.info("ray: %s", {k: v for k, v in ray.cluster_resources().items() if not k.startswith("node:")})
 
 

@@ -49,10 +49,13 @@ def no_signal_warning(step: int, rewards: Sequence[float], group_size: int) -> s
     return None
 
 
-def completion_lines(samples: Sequence, decode, n: int = 2) -> list[tuple[str, str, float]]:
-    """(prompt text, response text, reward) of `n` samples from different groups."""
+def completion_lines(samples: Sequence, decode, n: int = 2, start: int = 0) -> list[tuple[str, str, float]]:
+    """(prompt text, response text, reward) of `n` samples from different groups, the first from
+    group `start` (mod the number of groups) onwards, so successive steps show different prompts."""
     seen, out = set(), []
-    for s in samples:
+    groups = sorted({s.group for s in samples})
+    first = groups[start % len(groups)] if groups else 0
+    for s in sorted(samples, key=lambda x: ((x.group - first) % max(1, len(groups)), x.group)):
         if s.group in seen:
             continue
         seen.add(s.group)
