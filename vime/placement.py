@@ -48,11 +48,37 @@ def start_ray(cfg: RayConfig, env: dict[str, str], log_to_driver: bool = True, l
             break
         except Exception as e:  # noqa: BLE001 - Ray raises a bare Exception when its raylet starts slowly
             # Ray waits a fixed 30 s for a local raylet to register; on a busy machine it can take longer.
-            if cfg.address or "timed out during startup" not in str(e) or attempt == 3:
+            if cfg.address or "timed out during startup" not in str(e):
+                raise
+            _stop_started_ray_processes()  # the failed start leaves its GCS, dashboard and monitors running
+            if attempt == 3:
                 raise
             log.warning("ray: local node start timed out (busy machine?); retrying (%d/3)", attempt + 1)
-            ray.shutdown()
     log.info("ray: %s", {k: v for k, v in ray.cluster_resources().items() if not k.startswith("node:")})
+
+
+def _stop_started_ray_processes() -> None:
+    """Terminate the Ray processes this process started (its children running Ray's code), after a
+    local start that failed half-way; `ray.shutdown()` does not know about them."""
+    import psutil
+
+    ray.shutdown()
+    children = [c for c in psutil.Process().children(recursive=True)
+                if any("ray" in part for part in _cmdline(c)[:3])]
+    for c in children:
+        with contextlib.suppress(psutil.Error):
+            c.terminate()
+    _, alive = psutil.wait_procs(children, timeout=10)
+    for c in alive:
+        with contextlib.suppress(psutil.Error):
+            c.kill()
+
+
+def _cmdline(proc) -> list[str]:
+    try:
+        return proc.cmdline()
+    except Exception:  # noqa: BLE001 - a process that just exited has no command line
+        return []
 
 
 @contextlib.contextmanager
