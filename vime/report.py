@@ -100,14 +100,15 @@ def plot_run(rows: Sequence[dict], path: Path, compare: Sequence[dict] | None = 
         mean, std = _series(rs, "reward_mean"), _series(rs, "reward_std")
         ls = "-" if rs is rows else "--"
         ax_r.plot(steps, mean, ls, marker="o", ms=3, color=colors[label], label=f"{label}: mean reward")
-        ax_r.fill_between(steps, [max(0, m - s) for m, s in zip(mean, std)],
-                          [min(1, m + s) for m, s in zip(mean, std)], color=colors[label], alpha=0.12)
+        if rs is rows:  # one band only: two overlapping bands hide both curves
+            ax_r.fill_between(steps, [max(0, m - s) for m, s in zip(mean, std)],
+                              [min(1, m + s) for m, s in zip(mean, std)], color=colors[label], alpha=0.12)
     ax_r.set_ylim(0, 1.02)
     ax_r.set_ylabel("reward (0..1)")
     ax_r.set_xlabel("step")
     first, last = rows[0].get("reward_mean", math.nan), rows[-1].get("reward_mean", math.nan)
     ax_r.set_title(f"reward{f' on {task}' if task else ''}: {first:.2f} -> {last:.2f} "
-                   f"(band: ± std over the step's samples)", fontsize=10)
+                   f"(band: ± std over the {_label(rows)} run's samples)", fontsize=10)
     ax_r.legend(loc="upper left", fontsize=8)
 
     max_tokens = 1
@@ -119,7 +120,10 @@ def plot_run(rows: Sequence[dict], path: Path, compare: Sequence[dict] | None = 
         if label == "native":
             ax_m.plot(steps, [int(r.get("tokens", 0)) for r in rs], ":", color="grey", lw=1,
                       label="tokens compared")
-    ax_m.set_ylim(0, max(1, max(max(int(r.get("mismatch_count", 0)) for r in rs) for rs, _ in runs)) * 1.15 + 0.5)
+    top = max(max(int(r.get("mismatch_count", 0)) for r in rs) for rs, _ in runs)
+    if any(label == "native" for _, label in runs):
+        top = max(top, max_tokens)
+    ax_m.set_ylim(0, max(1, top) * 1.12 + 0.5)
     ax_m.yaxis.set_major_locator(MaxNLocator(integer=True))
     ax_m.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax_m.set_ylabel("tokens whose fp32 bits differ")
@@ -133,14 +137,14 @@ def plot_run(rows: Sequence[dict], path: Path, compare: Sequence[dict] | None = 
         steps = [r["step"] for r in rs]
         diffs = _series(rs, "max_abs_diff")
         if floor is not None:
+            zero = all(d == 0 for d in diffs)
             ax_d.plot(steps, [d if d > 0 else floor for d in diffs], marker="o", ms=3, color=colors[label],
-                      label=label)
+                      label=f"{label}: exactly 0 (drawn on the floor)" if zero else label)
         else:
             ax_d.plot(steps, diffs, marker="o", ms=3, color=colors[label], label=label)
     if floor is not None:
         ax_d.set_yscale("log")
-        ax_d.axhline(floor, color="grey", lw=0.6)
-        ax_d.text(0.01, 0.02, "floor line = exactly 0", transform=ax_d.transAxes, fontsize=8, color="grey")
+        ax_d.set_ylim(floor / 2, max(positive) * 3)
     else:
         ax_d.set_ylim(-0.05, 1)
         ax_d.text(0.5, 0.5, "0 on every step\n(no token differs)", transform=ax_d.transAxes, ha="center",
@@ -148,13 +152,17 @@ def plot_run(rows: Sequence[dict], path: Path, compare: Sequence[dict] | None = 
     ax_d.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax_d.set_xlabel("step")
     ax_d.set_title("max |rollout - trainer| logprob", fontsize=10)
-    ax_d.legend(fontsize=8)
+    ax_d.legend(fontsize=8, loc="best")
 
     worst = _worst_token(runs)
     total = sum(int(r.get("tokens", 0)) for r in rows)
     mism = sum(int(r.get("mismatch_count", 0)) for r in rows)
-    fig.suptitle(f"vime: {_label(rows)} run, {len(rows)} steps, {total} tokens compared, {mism} mismatches"
-                 f"{title_extra}", fontsize=12)
+    twin = ""
+    if compare:
+        twin = (f"; {_label(compare)} twin: {sum(int(r.get('mismatch_count', 0)) for r in compare)} of "
+                f"{sum(int(r.get('tokens', 0)) for r in compare)}")
+    fig.suptitle(f"vime: {_label(rows)} run, {len(rows)} steps, {mism} of {total} tokens differ (rollout vs "
+                 f"trainer logprob bits){twin}{title_extra}", fontsize=11.5)
     fig.text(0.5, 0.005, worst, ha="center", fontsize=8.5, family="monospace")
     fig.subplots_adjust(top=0.9, bottom=0.1, left=0.07, right=0.98)
     fig.savefig(path, dpi=110)
