@@ -39,6 +39,7 @@ class TrainerEngine(StrEnum):
 
 
 class Task(StrEnum):
+    copy = "copy"              # "g=" -> "g": the embedded default, learnable by a tiny model in minutes
     arithmetic = "arithmetic"
     reverse = "reverse"
 
@@ -67,6 +68,7 @@ class ModelConfig:
 class DataConfig:
     task: Task = Task.arithmetic
     num_prompts: int = 512     # size of the generated prompt pool (cycled through in order)
+    letters: int = 8           # copy: letters a.. in the prompts
     max_operand: int = 99      # arithmetic: operands in [0, max_operand]
     min_len: int = 3           # reverse: string lengths in [min_len, max_len]
     max_len: int = 6
@@ -143,12 +145,24 @@ class CheckpointConfig:
 
 
 @dataclass
+class AuditConfig:
+    """`python -m vime.audit`: which rungs of the ablation ladder to run, or an earlier run to read."""
+    boundaries: list[str] = field(default_factory=lambda: list(BOUNDARIES))
+    sides: list[str] = field(default_factory=lambda: ["rollout", "trainer"])
+    run: str | None = None         # an earlier run's output_dir: summarise its per-step evidence instead
+
+
+@dataclass
 class VimeConfig:
     steps: int = 3
     seed: int = 0
     device: str = "cpu"            # cpu | cuda
     output_dir: str = "outputs/run"
     fail_on_mismatch: bool = False  # strict run: raise if any step shows mismatch_count > 0
+    verbose: bool = False          # engine / framework logs on the console too (always in <output_dir>/engines.log),
+                                   # and actor errors with their Ray traceback
+    samples_every: int = 10        # print sample completions every N steps (0: never; W&B gets them every step)
+    compare: str | None = None     # "native": also run the native twin; or a sibling run's output_dir to plot beside
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
@@ -159,7 +173,7 @@ class VimeConfig:
     weights: WeightsConfig = field(default_factory=WeightsConfig)  # weight sync transport (vime/layout.py)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     resume: str | None = None      # an earlier run's output_dir: continue it from its last checkpoint
-    verbose: bool = False          # actor errors with their Ray traceback
+    audit: AuditConfig = field(default_factory=AuditConfig)
 
 
 def register_configs() -> None:
@@ -211,6 +225,15 @@ def side_modes(mode: Mode, overrides: dict[str, Mode]) -> dict[str, str]:
     modes = {b: Mode(mode).value for b in BOUNDARIES}
     modes.update({b: Mode(m).value for b, m in overrides.items()})
     return modes
+
+
+def modes_label(modes: dict[str, str]) -> str:
+    """'strict', 'native', or 'strict except attention=native, ...' for one side's modes."""
+    values = set(modes.values())
+    if len(values) == 1:
+        return values.pop()
+    base = max(("strict", "native"), key=lambda m: sum(v == m for v in modes.values()))
+    return f"{base} except " + ", ".join(f"{b}={m}" for b, m in modes.items() if m != base)
 
 
 def _require(ok: bool, what: str, fix: str) -> None:

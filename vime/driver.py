@@ -17,7 +17,7 @@ import ray
 import torch
 from tqdm import tqdm
 
-from vime import checkpoint, consistency, faults, placement, preflight, restart
+from vime import checkpoint, consistency, faults, placement, preflight, report, restart
 from vime.config import Mode, VimeConfig, as_dict, side_modes
 from vime.consistency import Sample
 from vime.data.dataset import PromptSet, load_tokenizer, model_vocab_size
@@ -97,6 +97,10 @@ class Driver:
         cfg = self.cfg
         faults.sweep_stale()  # temporary files that crashed runs left in /tmp and /dev/shm
         self.output_dir.mkdir(parents=True, exist_ok=True)
+        if not cfg.verbose:
+            import transformers
+
+            transformers.utils.logging.disable_progress_bar()
         self.model_path = make_model(cfg, self.output_dir)
         self.tokenizer = load_tokenizer(self.model_path)
         self.vocab_size = model_vocab_size(self.model_path)
@@ -107,7 +111,9 @@ class Driver:
                "PYTHONUNBUFFERED": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": os.environ.get("VIME_VLLM_MP", "0")}
         preflight.check_local_resources(cfg)
         env |= placement.single_node_env(cfg.ray)
-        placement.start_ray(cfg.ray, env)
+        if not cfg.verbose:  # engine and framework output goes to <output_dir>/engines.log, not the console
+            env["VIME_ENGINE_LOG"] = str((self.output_dir / "engines.log").resolve())
+        placement.start_ray(cfg.ray, env, log_to_driver=cfg.verbose, log_file=env.get("VIME_ENGINE_LOG"))
         check_layout(cfg, ray_node_gpus(ray.nodes()), read_config_json(self.model_path))  # before any engine
         faults.install_signal_handlers()  # after ray.init: its core worker sets its own SIGTERM handler
         if cfg.ray.address:
@@ -134,7 +140,7 @@ class Driver:
         self.rendezvous = placement.rendezvous_file(cfg.ray)
         init = f"file://{self.rendezvous}" if self.rendezvous else \
             "tcp://{}:{}".format(*call([self.trainer[0].address.remote()], "rendezvous", ["trainer rank 0"])[0])
-        with tqdm(total=2, desc="starting engines", leave=False) as bar:
+        with tqdm(total=2, desc="starting engines", leave=False, disable=None) as bar:
             tinfo_refs = [t.start.remote(init) for t in self.trainer]  # trainer and rollout start together
             infos = self._call(self.engines, "info", "start")
             bar.update()
@@ -155,7 +161,8 @@ class Driver:
         else:
             checkpoint.save_config(self.output_dir, as_dict(cfg))
         self.logger = MetricsLogger(self.output_dir, as_dict(cfg) | {"model_path": self.model_path} | self.labels,
-                                    cfg.wandb.mode, cfg.wandb.project, cfg.wandb.name, cfg.wandb.entity)
+                                    cfg.wandb.mode, cfg.wandb.project, cfg.wandb.name, cfg.wandb.entity,
+                                    samples_every=cfg.samples_every)
         if self.resumed is not None:
             checkpoint.restore_metrics(self.logger, self.resumed["rows"])
 
@@ -203,8 +210,15 @@ class Driver:
         sync = restart.sync(self, lambda: sync_weights(self.trainer, self.engines, self.timeline.trainer_version,
                                                        BUCKET_BYTES, self.timeline, call))
         rewards = torch.tensor([s.reward for s in samples])
+        tied = report.tied_groups(rewards.tolist(), cfg.algo.group_size)
+        warning = report.no_signal_warning(step, rewards.tolist(), cfg.algo.group_size)
+        if warning:
+            log.warning(warning)
         row = {"step": step, "version": version, "next_version": self.timeline.trainer_version,
                "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()),
+               "reward_min": float(rewards.min()), "reward_max": float(rewards.max()), "tied_groups": tied,
+               "correct_frac": float((rewards == 1.0).float().mean()),
+               "samples": report.completion_lines(samples, self.tokenizer.decode, 4, start=step),
                "response_len_mean": sum(len(s.response_ids) for s in samples) / len(samples),
                **result.metrics(), **stats, **sync,
                "rollout_s": t1 - t0, "score_s": t2 - t1, "train_s": t3 - t2, "step_s": time.perf_counter() - t0,
@@ -227,11 +241,19 @@ class Driver:
                                          f"differ in bits (worst {result_worst(row)})")
             if checkpoint.after_step(self, step, rows):
                 break
-        plot = self.logger.plot()
-        total = sum(r["mismatch_count"] for r in rows)
-        log.info("done: %d steps, %d tokens compared, %d mismatches in total; metrics %s, plot %s",
-                 len(rows), sum(r["tokens"] for r in rows), total, self.logger.jsonl, plot)
+        self.rows = rows
         return rows
+
+    def finish(self, compare: list[dict] | None = None) -> Path | None:
+        """The figure (beside `compare`, a twin run's rows, when given), the W&B summary and the
+        end-of-run summary on the console; returns the figure's path."""
+        rows = getattr(self, "rows", [])
+        if not rows or self.logger is None:
+            return None
+        plot = self.logger.plot(compare, task=str(self.cfg.data.task))
+        for line in report.summary_lines(rows, self.output_dir, plot, self.model_path, compare):
+            log.info(line)
+        return plot
 
     def shutdown(self, exit_code: int = 0) -> None:
         """Stop the engines and Ray; W&B records `exit_code`."""

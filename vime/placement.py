@@ -6,8 +6,11 @@ gets one bundle sized for its TP degree (on GPUs: `tp` GPUs; vLLM places its TP 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import sys
+from collections.abc import Iterator
 
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group
@@ -20,31 +23,84 @@ log = logging.getLogger("vime")
 START_ATTEMPTS = 3  # local Ray start-ups tried before giving up
 
 
-def start_ray(cfg: RayConfig, env: dict[str, str]) -> None:
+def start_ray(cfg: RayConfig, env: dict[str, str], log_to_driver: bool = True, log_file: str | None = None) -> None:
     """Connect to `cfg.address`, or start a local Ray with `cfg.num_cpus` logical CPUs; `env` is set
-    in every actor (rl_kernel / vLLM settings)."""
+    in every actor (rl_kernel / vLLM settings). `log_to_driver=False` keeps actors' output off the
+    driver's console, and Ray's own log lines go to `log_file` instead of the console."""
     if ray.is_initialized():
         return
+    if not log_to_driver and log_file:
+        ray_log = logging.getLogger("ray")
+        handler = logging.FileHandler(log_file)
+        handler.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"))
+        ray_log.handlers = [handler]  # in place of Ray's own console handler
+        ray_log.propagate = False
     runtime_env = {"env_vars": env}
-    if cfg.address:
-        ray.init(address=cfg.address, runtime_env=runtime_env, log_to_driver=True)
-    else:
-        for attempt in range(1, START_ATTEMPTS + 1):
-            try:
-                ray.init(num_cpus=cfg.num_cpus, num_gpus=cfg.num_gpus, include_dashboard=False,
-                         runtime_env=runtime_env, log_to_driver=True, configure_logging=False,
-                         _node_ip_address=cfg.bind_address,  # GCS, raylet, object manager: loopback by default
-                         object_store_memory=min(2 << 30, int(os.environ.get("VIME_OBJECT_STORE_BYTES", 1 << 30))))
-                break
-            except Exception as e:
-                # Ray waits a fixed 30 s for its local raylet to register (ray/_private/node.py); on a loaded
-                # machine that can run out. Only that failure is retried, on a fresh local Ray.
-                if "timed out during startup" not in str(e) or attempt == START_ATTEMPTS:
-                    raise
-                log.warning("ray: local node start-up timed out (attempt %d of %d), starting again", attempt,
-                            START_ATTEMPTS)
-                ray.shutdown()
+    for attempt in range(1, START_ATTEMPTS + 1):
+        try:
+            with _stderr_to(log_file if not log_to_driver else None):  # Ray's start-up notices (C++, Python)
+                if cfg.address:
+                    ray.init(address=cfg.address, runtime_env=runtime_env, log_to_driver=log_to_driver)
+                else:
+                    ray.init(num_cpus=cfg.num_cpus, num_gpus=cfg.num_gpus, include_dashboard=False,
+                             runtime_env=runtime_env, log_to_driver=log_to_driver, configure_logging=False,
+                             _node_ip_address=cfg.bind_address,  # GCS, raylet, object manager: loopback by default
+                             object_store_memory=min(2 << 30, int(os.environ.get("VIME_OBJECT_STORE_BYTES",
+                                                                                 1 << 30))))
+            break
+        except Exception as e:  # noqa: BLE001 - Ray raises a bare Exception when its raylet starts slowly
+            # Ray waits a fixed 30 s for a local raylet to register; on a busy machine it can take longer.
+            if cfg.address or "timed out during startup" not in str(e):
+                raise
+            _stop_started_ray_processes()  # the failed start leaves its GCS, dashboard and monitors running
+            if attempt == START_ATTEMPTS:
+                raise
+            log.warning("ray: local node start timed out (busy machine?); retrying (%d/%d)", attempt + 1,
+                        START_ATTEMPTS)
     log.info("ray: %s", {k: v for k, v in ray.cluster_resources().items() if not k.startswith("node:")})
+
+
+def _stop_started_ray_processes() -> None:
+    """Terminate the Ray processes this process started (its children running Ray's code), after a
+    local start that failed half-way; `ray.shutdown()` does not know about them."""
+    import psutil
+
+    ray.shutdown()
+    children = [c for c in psutil.Process().children(recursive=True)
+                if any("ray" in part for part in _cmdline(c)[:3])]
+    for c in children:
+        with contextlib.suppress(psutil.Error):
+            c.terminate()
+    _, alive = psutil.wait_procs(children, timeout=10)
+    for c in alive:
+        with contextlib.suppress(psutil.Error):
+            c.kill()
+
+
+def _cmdline(proc) -> list[str]:
+    try:
+        return proc.cmdline()
+    except Exception:  # noqa: BLE001 - a process that just exited has no command line
+        return []
+
+
+@contextlib.contextmanager
+def _stderr_to(path: str | None) -> Iterator[None]:
+    """Append this process's stderr (file descriptor 2) to `path` inside the block (no-op for None)."""
+    if not path:
+        yield
+        return
+    sys.stderr.flush()
+    saved = os.dup(2)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 2)
+    os.close(fd)
+    try:
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
 def single_node_env(cfg: RayConfig) -> dict[str, str]:

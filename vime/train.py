@@ -5,6 +5,8 @@ gives the GPU cluster shape. Outputs (metrics.jsonl, wandb/, consistency.png, th
 
 from __future__ import annotations
 
+import copy
+import json
 import logging
 import os
 import signal
@@ -33,26 +35,57 @@ def main(dcfg: DictConfig) -> None:
         raise SystemExit(f"config error: {e}") from None
     if not cfg.verbose:  # errors are reported once, by the driver, naming the engine or rank
         os.environ.setdefault("RAY_IGNORE_UNHANDLED_ERRORS", "1")
-    driver = Driver(cfg, Path(cfg.output_dir))
     code = 0
+    driver = None
     faults.install_signal_handlers()
     try:
+        compare = run_compare(cfg)  # `compare=native`: the native twin first (its own dir), then this run
+        driver = Driver(cfg, Path(cfg.output_dir))
         driver.run()
+        driver.finish(compare)
     except KeyboardInterrupt:  # faults.Stopped, or Ray's re-raise of it from a blocking call
         signum = faults.stop_signal()
         code = 128 + signum
-        faults.report_stop(driver, f"{signal.Signals(signum).name}: stopped")
+        if driver is not None:
+            faults.report_stop(driver, f"{signal.Signals(signum).name}: stopped")
     except VimeError as e:
         code = 1
         log.error("%s: %s", type(e).__name__, e)
         if cfg.verbose and e.__cause__ is not None:  # the actor's own traceback, as Ray reported it
             log.error("".join(traceback.format_exception(e.__cause__)))
-        faults.report_stop(driver, "failed")
+        if driver is not None:
+            faults.report_stop(driver, "failed")
     finally:
         faults.ignore_signals()
-        driver.shutdown(code)
+        if driver is not None:
+            driver.shutdown(code)
     if code:
         raise SystemExit(code)
+
+
+def run_compare(cfg) -> list[dict] | None:
+    """Rows of the run to plot beside this one: `compare=native` runs the all-native twin of this
+    config under `<output_dir>/native` (same seed, same prompts); `compare=<dir>` reads a sibling
+    run's metrics.jsonl; unset: None."""
+    if not cfg.compare:
+        return None
+    if cfg.compare != "native":
+        path = Path(cfg.compare) / "metrics.jsonl"
+        if not path.is_file():
+            raise ConfigError(f"compare={cfg.compare}: no metrics.jsonl there; pass compare=native or a run's "
+                              "output_dir")
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    twin = copy.deepcopy(cfg)
+    twin.rollout.mode = twin.trainer.mode = "native"
+    twin.rollout.boundary_modes, twin.trainer.boundary_modes = {}, {}
+    twin.output_dir = str(Path(cfg.output_dir) / "native")
+    twin.wandb.name = f"{cfg.wandb.name or 'run'}-native"
+    log.info("compare=native: running the native twin first, outputs in %s", twin.output_dir)
+    driver = Driver(twin, Path(twin.output_dir))
+    try:
+        return driver.run()
+    finally:
+        driver.shutdown()
 
 
 if __name__ == "__main__":

@@ -23,7 +23,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.megatron]
 def _train(out: Path, *overrides: str, timeout: int = 420, proc: subprocess.CompletedProcess | None = None
            ) -> list[dict]:
     env = os.environ | {"WANDB_MODE": "offline", "TOKENIZERS_PARALLELISM": "false"}
-    cmd = [sys.executable, "-m", "vime.train", "steps=2", f"output_dir={out}", *overrides]
+    # The arithmetic task: its format term gives every step's groups reward variance, so the weights
+    # move on both steps (the default copy task can start with all groups tied at reward 0).
+    cmd = [sys.executable, "-m", "vime.train", "steps=2", "data.task=arithmetic", f"output_dir={out}", *overrides]
     if proc is None:  # else: the run was made already (the shared `strict_run` fixture)
         proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"

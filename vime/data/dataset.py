@@ -49,7 +49,8 @@ class PromptSet:
     """Generated problems, tokenized; `batch(step, n)` cycles through them in order."""
 
     def __init__(self, cfg: DataConfig, tokenizer, vocab_size: int):
-        make = {Task.arithmetic: lambda: tasks.arithmetic(cfg.num_prompts, cfg.seed, cfg.max_operand),
+        make = {Task.copy: lambda: tasks.copy(cfg.num_prompts, cfg.letters),
+                Task.arithmetic: lambda: tasks.arithmetic(cfg.num_prompts, cfg.seed, cfg.max_operand),
                 Task.reverse: lambda: tasks.reverse(cfg.num_prompts, cfg.seed, cfg.min_len, cfg.max_len)}
         self.tokenizer = tokenizer
         self.prompts = []

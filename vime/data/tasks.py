@@ -1,10 +1,14 @@
 """Generated prompt sets with verifiable rewards (no downloads).
 
+copy: "g=" -> "g" (the embedded default: a tiny random model learns it in a few dozen steps);
 arithmetic: "12+7=" -> "19";  reverse: "rev abc=" -> "cba".
 Reward of a response (text up to the first EOS): 1.0 when it starts with the answer (stripped);
 otherwise partial credit 0.5 x (fraction of answer characters matched at the same position)
-+ 0.1 x (fraction of the response's characters that belong to the answer alphabet, a format
-term). The shaping gives a random tiny model reward variance inside a group, so GRPO has signal.
++ `format_weight` x (fraction of the response's characters that belong to the answer alphabet, a
+format term; 0.1 for arithmetic and reverse). The shaping gives a random tiny model reward
+variance inside a group, so GRPO has signal. The copy task has no format term: it rewards every
+letter alike, so it pulls a tiny policy towards one letter for every prompt (a collapse it does
+not climb out of) instead of towards the right one.
 """
 
 from __future__ import annotations
@@ -22,6 +26,15 @@ class Problem:
     prompt: str
     answer: str
     alphabet: str  # characters an answer can contain
+    format_weight: float = 0.1  # weight of the format term of the reward
+
+
+def copy(n: int, letters: int = 8) -> list[Problem]:
+    """"x=" -> "x" for x cycling through the first `letters` lowercase letters (n problems)."""
+    if not 1 <= letters <= len(LETTERS):
+        raise ValueError(f"letters must be in [1, {len(LETTERS)}], got {letters}")
+    return [Problem(f"{LETTERS[i % letters]}=", LETTERS[i % letters], LETTERS[:letters], format_weight=0.0)
+            for i in range(n)]
 
 
 def arithmetic(n: int, seed: int, max_operand: int = 99) -> list[Problem]:
@@ -51,4 +64,4 @@ def reward(problem: Problem, response: str) -> float:
         return 1.0
     matched = sum(1 for a, b in zip(problem.answer, text) if a == b) / len(problem.answer)
     in_alphabet = sum(c in problem.alphabet for c in text) / len(text) if text else 0.0
-    return 0.5 * matched + 0.1 * in_alphabet
+    return 0.5 * matched + problem.format_weight * in_alphabet

@@ -24,11 +24,29 @@ def apply_modes_env(modes: dict[str, str]) -> None:
         rk.set_mode(m, boundary)
 
 
+def redirect_output() -> None:
+    """When `VIME_ENGINE_LOG` names a file, append this process's stdout and stderr (file descriptors
+    1 and 2: Python, C++ and the engine workers it spawns) to it: engine and framework logs stay in
+    the run's `engines.log` instead of the console."""
+    path = os.environ.get("VIME_ENGINE_LOG")
+    if not path:
+        return
+    import sys
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+
+
 class RolloutWorker:
     """Wrapped with `ray.remote` by the driver; plain class so it is testable in-process."""
 
     def __init__(self, engine_id: int, cfg: RolloutConfig, model_path: str, dtype: str, device: str,
                  modes: dict[str, str], seed: int):
+        redirect_output()
         apply_modes_env(modes)
         self.engine_id, self.cfg, self.modes, self.seed = engine_id, cfg, modes, seed
         torch.manual_seed(seed + engine_id)
@@ -60,8 +78,24 @@ class RolloutWorker:
                                   finish_reason="stop" if tokens and tokens[-1] in stop_token_ids else "length"))
         return samples
 
+    def set_modes(self, modes: dict[str, str]) -> dict[str, str]:
+        """Switch this engine's per-boundary rl_kernel modes (operator ablation, `vime.audit`)."""
+        apply_modes_env(modes)
+        self.engine.set_modes(modes)
+        self.modes = dict(modes)
+        return self.modes
+
+    def rescore(self, samples: list[Sample]) -> list[list[float]]:
+        """The engine's fp32 logprobs of each sample's fixed response tokens (forced decoding), under
+        the current modes; the rl_kernel evidence of this pass replaces that of the last rollout."""
+        self.engine.evidence(reset=True)
+        out = self.engine.rescore([s.prompt_ids for s in samples], [s.response_ids for s in samples],
+                                  _one_temperature(samples))
+        self._evidence = self.engine.evidence(reset=True)
+        return out
+
     def evidence(self) -> list[dict]:
-        """rl_kernel evidence of the last `generate` (engine workers included)."""
+        """rl_kernel evidence of the last `generate` or `rescore` (engine workers included)."""
         return self._evidence
 
     def load_weights(self, bucket: dict[str, torch.Tensor], version: int) -> int:
@@ -75,3 +109,10 @@ class RolloutWorker:
 
     def shutdown(self) -> None:
         self.engine.shutdown()
+
+
+def _one_temperature(samples: list[Sample]) -> float:
+    temps = {s.temperature for s in samples}
+    if len(temps) != 1:
+        raise ValueError(f"samples must share one temperature, got {sorted(temps)}")
+    return temps.pop()

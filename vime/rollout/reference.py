@@ -33,6 +33,20 @@ class ReferenceRollout:
         out = engine.generate(requests, seed=seed)
         return [(c.token_ids, c.logprobs.to(torch.float32).tolist(), [self.version] * len(c.token_ids)) for c in out]
 
+    def set_modes(self, modes: dict[str, str]) -> None:
+        """Nothing to do: this engine runs in the actor's process, whose rl_kernel modes are set."""
+
+    def rescore(self, prompts: list[list[int]], responses: list[list[int]], temperature: float) -> list[list[float]]:
+        """fp32 logprobs of fixed responses by teacher forcing (this fallback has no forced decode)."""
+        from vime.trainer.reference import pack
+
+        ids, cu, rows, targets, positions = pack([p + r for p, r in zip(prompts, responses)],
+                                                 [len(p) for p in prompts])
+        with torch.no_grad():
+            hidden = self.model.forward_packed(ids.to(self.model.device), cu.to(self.model.device))
+            lp = self.model.logprobs(hidden[rows], targets.to(self.model.device), temperature)
+        return [t.to(torch.float32).tolist() for t in lp.split([len(r) for r in responses])]
+
     def update_weights(self, weights: dict[str, torch.Tensor], version: int) -> None:
         self.model.load_hf_weights(weights)
 

@@ -95,6 +95,28 @@ class VllmRollout:
             results.append((ids, logprobs, _versions(c, len(ids))))
         return results
 
+    def set_modes(self, modes: dict[str, str]) -> None:
+        """Per-boundary rl_kernel modes of later forwards, in every worker (strict engines only)."""
+        if not self.strict:
+            raise ValueError("an all-native vLLM engine runs vLLM's own model: it has no rl_kernel boundary to "
+                             "switch; start it with a strict boundary")
+        self.rkv.set_worker_modes(self.llm, modes)
+
+    def rescore(self, prompts: list[list[int]], responses: list[list[int]], temperature: float) -> list[list[float]]:
+        """fp32 logprobs of fixed `responses` after `prompts`, decoded token by token (forced
+        decoding on vLLM's ordinary decode path: paged KV cache, batching, chunked prefill)."""
+        if not self.strict:
+            raise ValueError("re-scoring fixed tokens needs rl_kernel's strict vLLM engine (forced decoding)")
+        params = [self.rkv.forced_sampling_params(r, temperature=temperature) for r in responses]
+        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        results = []
+        for out, want in zip(outs, responses):
+            c = out.outputs[0]
+            if list(c.token_ids) != list(want):
+                raise RuntimeError(f"forced decoding produced {list(c.token_ids)}, expected {list(want)}")
+            results.append([float(c.logprobs[j][t].logprob) for j, t in enumerate(want)])
+        return results
+
     def update_weights(self, weights: dict[str, torch.Tensor], version: int) -> None:
         """Load one bucket of version `version`; the first bucket of a version opens the update session."""
         if self._updating is None:

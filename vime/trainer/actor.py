@@ -15,7 +15,7 @@ import torch
 
 from vime.config import TrainerConfig, TrainerEngine
 from vime.consistency import Sample, Scored
-from vime.rollout.actor import apply_modes_env
+from vime.rollout.actor import apply_modes_env, redirect_output
 
 
 class TrainerWorker:
@@ -23,6 +23,7 @@ class TrainerWorker:
 
     def __init__(self, rank: int, world_size: int, cfg: TrainerConfig, model_path: str, dtype: str, device: str,
                  modes: dict[str, str], seed: int, kl_coef: float, clip_eps: float):
+        redirect_output()
         apply_modes_env(modes)
         self.rank, self.world_size, self.cfg, self.modes = rank, world_size, cfg, modes
         self._args = (model_path, dtype, device, kl_coef, clip_eps)
@@ -72,6 +73,14 @@ class TrainerWorker:
 
     def evidence(self) -> list[dict]:
         return self._evidence
+
+    def set_modes(self, modes: dict[str, str]) -> dict[str, str]:
+        """Switch this rank's per-boundary rl_kernel modes for later forwards (`vime.audit`)."""
+        apply_modes_env(modes)
+        if hasattr(self.engine, "set_modes"):
+            self.engine.set_modes(modes)
+        self.modes = dict(modes)
+        return self.modes
 
     def train_step(self, samples: list[Sample], clip_eps: float, kl_coef: float) -> dict[str, float]:
         """One GRPO optimizer step on `samples` (old logprobs = the rollout's); version v -> v+1."""

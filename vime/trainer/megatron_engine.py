@@ -1,5 +1,6 @@
 """Megatron-core trainer rank: `rl_kernel.integrations.megatron.MegatronPolicy` (strict: rl_kernel's
-layer spec; native: Megatron's own modules) on one rank of a TP x CP torch.distributed world
+layer spec; native: Megatron's own modules; per-boundary modes: rl_kernel's layer spec with the
+native boundaries running rl_kernel's native forms) on one rank of a TP x CP torch.distributed world
 (gloo on CPU, NCCL on CUDA) that the trainer actors form among themselves."""
 
 from __future__ import annotations
@@ -10,8 +11,8 @@ import math
 import torch
 import torch.distributed as dist
 
-from vime.config import Mode, TrainerConfig
-from vime.errors import ConfigError, TrainingError
+from vime.config import Mode, TrainerConfig, modes_label, side_modes
+from vime.errors import TrainingError
 
 
 class MegatronTrainer:
@@ -21,18 +22,15 @@ class MegatronTrainer:
 
         from rl_kernel.integrations.megatron import MegatronPolicy, PolicyLossConfig
 
-        if cfg.boundary_modes:
-            raise ConfigError(f"trainer.boundary_modes={dict(cfg.boundary_modes)}: MegatronPolicy runs one mode for "
-                              "every boundary; use trainer.mode=strict|native (per-boundary ablation runs on the "
-                              "rollout side, or with trainer.engine=reference)")
         if device == "cuda":
             torch.cuda.set_device(0)  # Ray gives each trainer actor its own GPU (CUDA_VISIBLE_DEVICES)
         if not dist.is_initialized():
             dist.init_process_group("nccl" if device == "cuda" else "gloo", rank=rank, world_size=world_size,
                                     init_method=init_method,
                                     timeout=datetime.timedelta(minutes=10))
-        mode = Mode(cfg.mode).value
-        self.label = f"megatron-core {megatron.core.__version__} ({mode}, tp={cfg.tp}, cp={cfg.cp})"
+        modes = side_modes(cfg.mode, cfg.boundary_modes)
+        mode = Mode(cfg.mode).value if not cfg.boundary_modes else modes
+        self.label = f"megatron-core {megatron.core.__version__} ({modes_label(modes)}, tp={cfg.tp}, cp={cfg.cp})"
         make = lambda: MegatronPolicy(  # noqa: E731
             model_path, tp=cfg.tp, cp=cfg.cp, mode=mode, lr=cfg.lr,
             weight_decay=cfg.weight_decay, clip_grad=cfg.grad_clip,
@@ -41,6 +39,10 @@ class MegatronTrainer:
         self.policy = make()
         self.ref = make() if kl_coef > 0 else None  # frozen initial policy for the KL term
         self.vocab_size = self.policy.shape.vocab_size
+
+    def set_modes(self, modes: dict[str, str]) -> None:
+        """Per-boundary modes of later forwards (`vime.audit` flips one boundary at a time)."""
+        self.policy.set_modes(modes)
 
     def score(self, sequences: list[list[int]], prompt_lens: list[int], temperature: float):
         logprobs = self.policy.logprobs(sequences, prompt_lens, temperature)

@@ -8,7 +8,9 @@ groups are created here when absent (order tp-cp, no pipeline or data parallelis
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,6 +36,30 @@ from rl_kernel.integrations.megatron.model import build_gpt_model, forward_hidde
 
 _TP_SHARDED = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "word_embeddings", "output_layer")
 _TP_PARTIAL_GRADS = ("q_layernorm", "k_layernorm")  # shared by the heads of every TP rank: grads sum over TP
+
+
+def resolve_modes(mode: str | dict[str, str]) -> dict[str, str]:
+    """{boundary: 'strict' | 'native'} for every rl_kernel boundary, from one mode or a full dict."""
+    if isinstance(mode, str):
+        if mode not in rk.MODES:
+            raise ValueError(f"mode must be 'strict' or 'native', got {mode!r}")
+        return {b: mode for b in rk.BOUNDARIES}
+    modes = dict(mode)
+    if set(modes) != set(rk.BOUNDARIES) or not set(modes.values()) <= set(rk.MODES):
+        raise ValueError(f"per-boundary modes must give 'strict' or 'native' for each of {rk.BOUNDARIES}; "
+                         f"got {modes}")
+    return modes
+
+
+@contextlib.contextmanager
+def _modes(modes: dict[str, str]) -> Iterator[None]:
+    """Run a block with rl_kernel's per-boundary modes set to `modes` (restored after)."""
+    with contextlib.ExitStack() as stack:
+        for m in rk.MODES:
+            boundaries = [b for b, v in modes.items() if v == m]
+            if boundaries:
+                stack.enter_context(rk.mode(m, *boundaries))
+        yield
 
 
 @dataclass
@@ -86,17 +112,21 @@ class MegatronPolicy:
     """A Qwen3 policy in Megatron-core, loaded from an HF checkpoint directory.
 
     mode "strict": rl_kernel's layer spec (bitwise equal to `Qwen3Reference` and to the rollout at the
-    same or any tp dividing 8, at any cp); "native": Megatron's own modules. Optimizer: Megatron's
-    (Adam, fp32 main params for bf16 models, grad clipping at `clip_grad`).
+    same or any tp dividing 8, at any cp); "native": Megatron's own modules. A dict {boundary: mode}
+    (every boundary of `rl_kernel.BOUNDARIES`, as `resolve_modes` builds) sets modes per boundary:
+    with any boundary strict the model uses rl_kernel's layer spec and a native boundary runs
+    rl_kernel's native (framework-style torch) form of its ops, as a strict vLLM engine does;
+    `set_modes` changes them between calls (operator ablation without rebuilding). Optimizer:
+    Megatron's (Adam, fp32 main params for bf16 models, grad clipping at `clip_grad`).
     """
 
-    def __init__(self, hf_path: str | Path, *, tp: int = 1, cp: int = 1, mode: str = "strict", lr: float = 1e-6,
+    def __init__(self, hf_path: str | Path, *, tp: int = 1, cp: int = 1, mode: str | dict[str, str] = "strict",
+                 lr: float = 1e-6,
                  weight_decay: float = 0.0, adam_betas: tuple[float, float] = (0.9, 0.999), adam_eps: float = 1e-8,
                  clip_grad: float = 1.0, loss: PolicyLossConfig | None = None,
                  micro_batch_size: int | None = None, dtype: torch.dtype = torch.bfloat16,
                  device: str | torch.device | None = None):
-        if mode not in ("strict", "native"):
-            raise ValueError(f"mode must be 'strict' or 'native', got {mode!r}")
+        modes = resolve_modes(mode)
         if not dist.is_initialized():
             raise RuntimeError("MegatronPolicy needs torch.distributed initialised (world size tp * cp) first")
         if dist.get_world_size() != tp * cp:
@@ -105,7 +135,10 @@ class MegatronPolicy:
         self.shape = read_config(hf_path)
         check_tokenizer(hf_path, self.shape)
         check_tp(self.shape, tp)
-        self.mode, self.tp, self.cp, self.loss_config = mode, tp, cp, loss or PolicyLossConfig()
+        # The layer spec: rl_kernel's modules when any boundary is strict, else Megatron's own.
+        self.spec_mode = "strict" if "strict" in modes.values() else "native"
+        self.modes = modes
+        self.tp, self.cp, self.loss_config = tp, cp, loss or PolicyLossConfig()
         self.micro_batch_size = micro_batch_size
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.cp_unit = cp_unit(self.device)  # CP deals whole units of the strict attention's partials
@@ -118,7 +151,7 @@ class MegatronPolicy:
         else:
             parallel_state.initialize_model_parallel(tp, 1, context_parallel_size=cp)
         self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
-        self.model = build_gpt_model(self.shape, mode, tp, cp, dtype, self.device)
+        self.model = build_gpt_model(self.shape, self.spec_mode, tp, cp, dtype, self.device)
         self.load_hf_state_dict(load_hf_state_dict(hf_path), _reload_optimizer=False)
         self.model.ddp_config = DistributedDataParallelConfig()  # no DDP wrapper: dp = 1, grads reduced here
         opt_config = OptimizerConfig(
@@ -131,6 +164,21 @@ class MegatronPolicy:
         with cuda_as_cpu():
             self.optimizer = get_megatron_optimizer(opt_config, [self.model])
         self.steps = 0
+
+    @property
+    def mode(self) -> str:
+        """'strict' or 'native' when every boundary runs that mode, else 'mixed'."""
+        values = set(self.modes.values())
+        return values.pop() if len(values) == 1 else "mixed"
+
+    def set_modes(self, mode: str | dict[str, str]) -> None:
+        """Change the per-boundary modes of later forwards (same weights). A policy built with
+        Megatron's own modules (every boundary native) has no rl_kernel op to switch to strict."""
+        modes = resolve_modes(mode)
+        if self.spec_mode == "native" and "strict" in modes.values():
+            raise ValueError("this policy was built all-native (Megatron's own modules); build it with a strict "
+                             "boundary to switch boundaries between strict and native")
+        self.modes = modes
 
     # ---- weights -------------------------------------------------------------------------------
 
@@ -187,10 +235,10 @@ class MegatronPolicy:
         """(fp32 logprobs of this CP rank's rows, those rows' global indices)."""
         cp_rank = parallel_state.get_context_parallel_rank() if self.cp > 1 else 0
         local = packed.layout.local_index(cp_rank)
-        with rk.mode(self.mode):
+        with _modes(self.modes):
             hidden = forward_hidden(self.model, packed.layout, packed.ids)
             lp = token_logprobs(self.model, hidden, packed.targets[local].to(self.device),
-                                temps[local].to(self.device), self.shape.vocab_size, self.mode == "strict")
+                                temps[local].to(self.device), self.shape.vocab_size, self.spec_mode == "strict")
         return lp, local
 
     def _gather_rows(self, lp: torch.Tensor, packed: _Packed) -> torch.Tensor:

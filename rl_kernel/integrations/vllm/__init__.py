@@ -26,7 +26,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from rl_kernel.integrations.vllm.sampling import TEMPERATURE_KEY
+from rl_kernel.integrations.vllm.sampling import FORCED_TOKENS_KEY, TEMPERATURE_KEY
 
 ARCH = "RLKernelQwen3ForCausalLM"
 WEIGHT_TRANSFER_BACKEND = "rl_kernel_cpu"
@@ -35,9 +35,10 @@ WORKER_EXTENSION = "rl_kernel.integrations.vllm.worker.RLKernelWorkerExtension"
 SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM",)
 
 __all__ = [
-    "ARCH", "TEMPERATURE_KEY", "WEIGHT_TRANSFER_BACKEND", "finish_weight_update", "native_llm_kwargs",
-    "native_sampling_params", "push_weights", "register", "reset_evidence", "send_weights", "strict_llm_kwargs",
-    "strict_sampling_params", "worker_evidence", "worker_weight_versions",
+    "ARCH", "FORCED_TOKENS_KEY", "TEMPERATURE_KEY", "WEIGHT_TRANSFER_BACKEND", "finish_weight_update",
+    "forced_sampling_params", "native_llm_kwargs", "native_sampling_params", "push_weights", "register",
+    "reset_evidence", "send_weights", "set_worker_modes", "strict_llm_kwargs", "strict_sampling_params",
+    "worker_evidence", "worker_weight_versions",
 ]
 
 
@@ -112,6 +113,22 @@ def strict_sampling_params(temperature: float = 1.0, max_tokens: int = 16, seed:
     extra = dict(kwargs.pop("extra_args", None) or {}) | {TEMPERATURE_KEY: float(temperature)}
     return SamplingParams(temperature=1.0, max_tokens=max_tokens, seed=seed, logprobs=logprobs,
                           extra_args=extra, **kwargs)
+
+
+def forced_sampling_params(tokens: list[int], temperature: float = 1.0, **kwargs: Any):
+    """SamplingParams for a strict engine that decodes exactly `tokens` (re-scoring: each output
+    logprob is the strict log-prob of the forced token, computed on the ordinary decode path)."""
+    if not tokens:
+        raise ValueError("forced decoding needs at least one token")
+    extra = dict(kwargs.pop("extra_args", None) or {}) | {FORCED_TOKENS_KEY: [int(t) for t in tokens]}
+    return strict_sampling_params(temperature=temperature, max_tokens=len(tokens), logprobs=0, extra_args=extra,
+                                  ignore_eos=True, **kwargs)
+
+
+def set_worker_modes(llm, modes: dict[str, str]) -> list[dict[str, str]]:
+    """Set rl_kernel's per-boundary modes in every worker of a strict engine (later forwards run
+    them: operator ablation without restarting the engine); returns each worker's modes."""
+    return llm.collective_rpc("rl_kernel_set_modes", args=(dict(modes),))
 
 
 def native_sampling_params(temperature: float = 1.0, max_tokens: int = 16, seed: int | None = None,

@@ -11,6 +11,13 @@ Strict contract for top-k / top-p / min-p, penalties, logit bias, bad words, all
 prompt logprobs: not supported. Each would change the distribution after the strict log-probs (and vLLM renormalises
 those in its own, non-contract arithmetic), so a request that sets one is rejected with an error at
 submission (`validate_params`), never silently sampled from another distribution.
+
+Forced decoding (re-scoring fixed tokens, `vime.audit`): a request whose
+`extra_args[FORCED_TOKENS_KEY]` lists token ids samples exactly those, one per decode step: the
+processor keeps the strict log-prob of the forced token and sets every other entry of the row to
+-inf, so vLLM's sampler can only pick it and returns its strict log-prob bits unchanged. The
+tokens come out of the real decode path (paged KV cache, batching, chunked prefill), so their
+log-probs are the ones sampling would have recorded.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ import torch
 import rl_kernel as rk
 
 TEMPERATURE_KEY = "rl_kernel_temperature"
+FORCED_TOKENS_KEY = "rl_kernel_forced_tokens"
 
 
 def _rejections(params) -> list[str]:
@@ -73,6 +81,8 @@ class StrictLogprobsProcessor(LogitsProcessor):
 
     def __init__(self, vllm_config, device: torch.device, is_pin_memory: bool) -> None:
         self.temperatures: dict[int, float] = {}
+        # batch row -> (forced token ids, the request's running output token list)
+        self.forced: dict[int, tuple[list[int], list[int]]] = {}
 
     def is_argmax_invariant(self) -> bool:
         return False  # it must also run for greedy rows, and before vLLM's temperature
@@ -82,14 +92,20 @@ class StrictLogprobsProcessor(LogitsProcessor):
             return
         for index in batch_update.removed:
             self.temperatures.pop(index, None)
-        for index, params, _, _ in batch_update.added:
-            self.temperatures[index] = float((params.extra_args or {})[TEMPERATURE_KEY])
+            self.forced.pop(index, None)
+        for index, params, _, output_ids in batch_update.added:
+            extra = params.extra_args or {}
+            self.temperatures[index] = float(extra[TEMPERATURE_KEY])
+            self.forced.pop(index, None)
+            if extra.get(FORCED_TOKENS_KEY) is not None:
+                self.forced[index] = ([int(t) for t in extra[FORCED_TOKENS_KEY]], output_ids)
         for a, b, direction in batch_update.moved:
-            ta, tb = self.temperatures.pop(a, None), self.temperatures.pop(b, None)
-            if ta is not None:
-                self.temperatures[b] = ta
-            if tb is not None and direction.name == "SWAP":
-                self.temperatures[a] = tb
+            for state in (self.temperatures, self.forced):
+                ta, tb = state.pop(a, None), state.pop(b, None)
+                if ta is not None:
+                    state[b] = ta
+                if tb is not None and direction.name == "SWAP":
+                    state[a] = tb
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         if logits.shape[0] == 0:
@@ -98,4 +114,11 @@ class StrictLogprobsProcessor(LogitsProcessor):
         if missing:
             raise rk.StrictModeError("logprobs", "vllm", f"batch rows {missing} have no strict temperature")
         temps = torch.tensor([self.temperatures[i] for i in range(logits.shape[0])], dtype=torch.float64)
-        return rk.log_softmax(logits, temps)
+        logprobs = rk.log_softmax(logits, temps)
+        for row, (tokens, output_ids) in self.forced.items():
+            j = len(output_ids)  # tokens generated so far: the next one is tokens[j]
+            if row < logprobs.shape[0] and j < len(tokens):
+                keep = logprobs[row, tokens[j]].clone()
+                logprobs[row].fill_(float("-inf"))
+                logprobs[row, tokens[j]] = keep
+        return logprobs

@@ -19,6 +19,15 @@ class RLKernelWorkerExtension:
         `rl_kernel_cpu` weight-transfer engine (None before the first, or without that engine)."""
         return getattr(self.weight_transfer_engine, "weight_version", None)
 
+    def rl_kernel_set_modes(self, modes: dict[str, str]) -> dict[str, str]:
+        """Set this worker's rl_kernel mode per boundary (later forwards); returns the modes in force."""
+        import os
+
+        for boundary, m in modes.items():
+            os.environ[f"RL_KERNEL_MODE_{boundary.upper()}"] = m
+            rk.set_mode(m, boundary)
+        return rk.current_modes()
+
     def rl_kernel_modes(self) -> dict[str, str]:
         """The rl_kernel mode per boundary in this worker process."""
         return rk.current_modes()

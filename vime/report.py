@@ -1,0 +1,228 @@
+"""What a person reads after a run: the figure, the end-of-run summary, W&B key groups, sample
+completions and the no-learning-signal warning (pure functions over the per-step metric rows)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from pathlib import Path
+
+# W&B panel groups: a metric row key -> its grouped key. Keys not listed are not sent as scalars.
+WANDB_GROUPS = {
+    "consistency": ("mismatch_count", "max_abs_diff", "mean_abs_diff", "tokens", "worst_sample", "worst_position",
+                    "worst_token_id", "worst_rollout", "worst_trainer", "worst_abs_diff", "train_mismatch_count",
+                    "train_max_abs_diff", "train_mean_abs_diff"),
+    "rollout": ("reward_mean", "reward_std", "reward_min", "reward_max", "response_len_mean", "tied_groups",
+                "correct_frac"),
+    "train": ("loss", "pg_loss", "clip_frac", "ratio_mean", "kl", "grad_norm"),
+    "timing": ("rollout_s", "score_s", "train_s", "sync_s", "step_s"),
+    "weights": ("version", "next_version", "sync_bytes", "sync_buckets"),
+}
+GROUP_OF = {key: group for group, keys in WANDB_GROUPS.items() for key in keys}
+SUMMARY_KEYS = ("mismatch_count", "max_abs_diff")  # also written to the W&B run summary, ungrouped
+
+
+def wandb_row(row: dict) -> dict[str, float]:
+    """The numeric metrics of a row under their W&B group (`consistency/mismatch_count`, ...)."""
+    out = {}
+    for k, v in row.items():
+        if k in GROUP_OF and isinstance(v, int | float) and not isinstance(v, bool):
+            out[f"{GROUP_OF[k]}/{k}"] = v
+    return out
+
+
+def tied_groups(rewards: Sequence[float], group_size: int) -> int:
+    """How many GRPO groups have all-equal rewards (advantage exactly 0: no learning signal)."""
+    groups = [rewards[i:i + group_size] for i in range(0, len(rewards), group_size)]
+    return sum(1 for g in groups if max(g) == min(g))
+
+
+def no_signal_warning(step: int, rewards: Sequence[float], group_size: int) -> str | None:
+    """A warning line when every group of the step is tied, else None."""
+    n_groups = len(rewards) // group_size
+    if n_groups and tied_groups(rewards, group_size) == n_groups:
+        values = sorted({round(r, 4) for r in rewards})
+        return (f"step {step}: no learning signal: every one of the {n_groups} groups has tied rewards "
+                f"(values {values[:4]}{' ...' if len(values) > 4 else ''}), so all advantages are 0 and this "
+                "update does not change the policy; if it persists, the task is too hard or already solved "
+                "at this temperature (try another task, more samples per group, or a higher temperature)")
+    return None
+
+
+def completion_lines(samples: Sequence, decode, n: int = 2, start: int = 0) -> list[tuple[str, str, float]]:
+    """(prompt text, response text, reward) of `n` samples from different groups, the first from
+    group `start` (mod the number of groups) onwards, so successive steps show different prompts."""
+    seen, out = set(), []
+    groups = sorted({s.group for s in samples})
+    first = groups[start % len(groups)] if groups else 0
+    for s in sorted(samples, key=lambda x: ((x.group - first) % max(1, len(groups)), x.group)):
+        if s.group in seen:
+            continue
+        seen.add(s.group)
+        out.append((decode(s.prompt_ids), decode(s.response_ids), float(s.reward)))
+        if len(out) == n:
+            break
+    return out
+
+
+# ---- the figure -------------------------------------------------------------------------------
+
+
+def _series(rows: Sequence[dict], key: str) -> list[float]:
+    return [float(r.get(key, math.nan)) if r.get(key) is not None else math.nan for r in rows]
+
+
+def _label(rows: Sequence[dict]) -> str:
+    return "strict" if rows and rows[0].get("strict") else "native"
+
+
+def plot_run(rows: Sequence[dict], path: Path, compare: Sequence[dict] | None = None,
+             task: str = "", title_extra: str = "") -> Path:
+    """One figure for a run (and, when given, its twin in the other mode): reward per step (0..1),
+    mismatch_count per step (integer axis from 0), max |diff| per step (log axis when any is
+    non-zero; exact zeros drawn on the floor and labelled), and the worst token."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    runs = [(rows, _label(rows))] + ([(compare, _label(compare))] if compare else [])
+    colors = {"strict": "#2b8a3e", "native": "#c92a2a"}
+    fig = plt.figure(figsize=(11, 7.2))
+    grid = fig.add_gridspec(2, 2, height_ratios=[1.25, 1], hspace=0.42, wspace=0.22)
+    ax_r = fig.add_subplot(grid[0, :])
+    ax_m = fig.add_subplot(grid[1, 0])
+    ax_d = fig.add_subplot(grid[1, 1])
+
+    for rs, label in runs:
+        steps = [r["step"] for r in rs]
+        mean, std = _series(rs, "reward_mean"), _series(rs, "reward_std")
+        ls = "-" if rs is rows else "--"
+        ax_r.plot(steps, mean, ls, marker="o", ms=3, color=colors[label], label=f"{label}: mean reward")
+        if rs is rows:  # one band only: two overlapping bands hide both curves
+            ax_r.fill_between(steps, [max(0, m - s) for m, s in zip(mean, std)],
+                              [min(1, m + s) for m, s in zip(mean, std)], color=colors[label], alpha=0.12)
+    ax_r.set_ylim(0, 1.02)
+    ax_r.set_ylabel("reward (0..1)")
+    ax_r.set_xlabel("step")
+    first, last = rows[0].get("reward_mean", math.nan), rows[-1].get("reward_mean", math.nan)
+    ax_r.set_title(f"reward{f' on {task}' if task else ''}: {first:.2f} -> {last:.2f} "
+                   f"(band: ± std over the {_label(rows)} run's samples)", fontsize=10)
+    ax_r.legend(loc="upper left", fontsize=8)
+
+    max_tokens = 1
+    for rs, label in runs:
+        steps = [r["step"] for r in rs]
+        counts = [int(r.get("mismatch_count", 0)) for r in rs]
+        max_tokens = max(max_tokens, *(int(r.get("tokens", 0)) for r in rs))
+        ax_m.plot(steps, counts, marker="o", ms=3, color=colors[label], label=label)
+        if label == "native":
+            ax_m.plot(steps, [int(r.get("tokens", 0)) for r in rs], ":", color="grey", lw=1,
+                      label="tokens compared")
+    top = max(max(int(r.get("mismatch_count", 0)) for r in rs) for rs, _ in runs)
+    if any(label == "native" for _, label in runs):
+        top = max(top, max_tokens)
+    ax_m.set_ylim(0, max(1, top) * 1.12 + 0.5)
+    ax_m.yaxis.set_major_locator(MaxNLocator(integer=True))
+    ax_m.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax_m.set_ylabel("tokens whose fp32 bits differ")
+    ax_m.set_xlabel("step")
+    ax_m.set_title("mismatch_count (0 = rollout == trainer, bit for bit)", fontsize=10)
+    ax_m.legend(fontsize=8)
+
+    positive = [d for rs, _ in runs for d in _series(rs, "max_abs_diff") if d > 0 and math.isfinite(d)]
+    floor = min(positive) / 10 if positive else None
+    for rs, label in runs:
+        steps = [r["step"] for r in rs]
+        diffs = _series(rs, "max_abs_diff")
+        if floor is not None:
+            zero = all(d == 0 for d in diffs)
+            ax_d.plot(steps, [d if d > 0 else floor for d in diffs], marker="o", ms=3, color=colors[label],
+                      label=f"{label}: exactly 0 (drawn on the floor)" if zero else label)
+        else:
+            ax_d.plot(steps, diffs, marker="o", ms=3, color=colors[label], label=label)
+    if floor is not None:
+        ax_d.set_yscale("log")
+        ax_d.set_ylim(floor / 2, max(positive) * 3)
+    else:
+        ax_d.set_ylim(-0.05, 1)
+        ax_d.text(0.5, 0.5, "0 on every step\n(no token differs)", transform=ax_d.transAxes, ha="center",
+                  fontsize=10, color=colors["strict"])
+    ax_d.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax_d.set_xlabel("step")
+    ax_d.set_title("max |rollout - trainer| logprob", fontsize=10)
+    ax_d.legend(fontsize=8, loc="best")
+
+    worst = _worst_token(runs)
+    total = sum(int(r.get("tokens", 0)) for r in rows)
+    mism = sum(int(r.get("mismatch_count", 0)) for r in rows)
+    twin = ""
+    if compare:
+        twin = (f"; {_label(compare)} twin: {sum(int(r.get('mismatch_count', 0)) for r in compare)} of "
+                f"{sum(int(r.get('tokens', 0)) for r in compare)}")
+    fig.suptitle(f"vime: {_label(rows)} run, {len(rows)} steps, {mism} of {total} tokens differ (rollout vs "
+                 f"trainer logprob bits){twin}{title_extra}", fontsize=11.5)
+    fig.text(0.5, 0.005, worst, ha="center", fontsize=8.5, family="monospace")
+    fig.subplots_adjust(top=0.9, bottom=0.1, left=0.07, right=0.98)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return Path(path)
+
+
+def _worst_token(runs) -> str:
+    parts = []
+    for rs, label in runs:
+        cands = [r for r in rs if r.get("worst_position") is not None]
+        if not cands:
+            parts.append(f"{label}: no token differs")
+            continue
+        r = max(cands, key=lambda x: float(x.get("max_abs_diff", 0)))
+        parts.append(f"{label} worst token: step {r['step']} sample {r['worst_sample']} position "
+                     f"{r['worst_position']} token {r['worst_token_id']}: rollout {r['worst_rollout']:.7g} vs "
+                     f"trainer {r['worst_trainer']:.7g}")
+    return "   |   ".join(parts)
+
+
+# ---- the end-of-run summary ----------------------------------------------------------------------
+
+
+def summary_lines(rows: Sequence[dict], output_dir: Path, plot: Path | None, model_path: str | None,
+                  compare: Sequence[dict] | None = None) -> list[str]:
+    """The closing block: steps, tokens compared, mismatches and what 0 means, reward first -> last,
+    time per step, where the outputs are."""
+    if not rows:
+        return ["no step ran"]
+    tokens = sum(int(r.get("tokens", 0)) for r in rows)
+    mism = sum(int(r.get("mismatch_count", 0)) for r in rows)
+    worst = max(float(r.get("max_abs_diff", 0.0)) for r in rows)
+    step_s = sorted(float(r.get("step_s", 0.0)) for r in rows)
+    k = max(1, len(rows) // 5)
+    head = sum(float(r["reward_mean"]) for r in rows[:k]) / k
+    tail = sum(float(r["reward_mean"]) for r in rows[-k:]) / k
+    mode = _label(rows)
+    if mism == 0:
+        meaning = ("0 means the trainer recomputed, for every sampled token, exactly the fp32 bits the rollout "
+                   "engine recorded: importance ratios are exactly 1 before the update")
+    else:
+        meaning = (f"{mism} tokens' rollout and trainer logprobs differ in bits (max |diff| {worst:.3e}): the "
+                   "update's importance ratios carry that numeric drift")
+    lines = [
+        f"run summary ({mode})",
+        f"  steps            {len(rows)} (weight versions 0 -> {rows[-1].get('next_version', len(rows))})",
+        f"  tokens compared  {tokens} (every active response token, every step)",
+        f"  mismatches       {mism} in total, {sum(1 for r in rows if r.get('mismatch_count'))} steps with any; "
+        f"max |diff| {worst:.3e}",
+        f"                   {meaning}",
+        f"  reward           {rows[0]['reward_mean']:.3f} -> {rows[-1]['reward_mean']:.3f} (mean of first {k} "
+        f"steps {head:.3f}, last {k} steps {tail:.3f})",
+        f"  time per step    median {step_s[len(step_s) // 2]:.2f} s (min {step_s[0]:.2f}, max {step_s[-1]:.2f})",
+    ]
+    if compare:
+        cm = sum(int(r.get("mismatch_count", 0)) for r in compare)
+        ct = sum(int(r.get("tokens", 0)) for r in compare)
+        lines.append(f"  {_label(compare)} twin      {cm} of {ct} tokens differ over {len(compare)} steps")
+    lines += [f"  outputs          {output_dir} (metrics.jsonl, train.log, wandb/)",
+              f"  figure           {plot}" if plot else "  figure           -",
+              f"  checkpoint       {model_path}"]
+    return lines
