@@ -8,6 +8,9 @@
 #   tp        tests/gpu/tp_nccl.py under torchrun (TP2 == TP1 bitwise with canonical TP 2)
 #   parity    tests/gpu/parity.py: Qwen3-8B-shaped rollout == teacher forcing, bitwise
 #   bench     benchmarks/kernels.py (GEMM, prefill, decode, logprob rows)
+#   cp        pytest tests/gpu/test_cp_triton.py and the Megatron CUDA tests (strict CP under Triton == CP1;
+#             needs megatron-core, carried as a wheel in .whl/)
+#   path      tests/gpu/gpu_path.py: CP2 == CP1 over NCCL, and a Qwen3-8B-sized weight push over CUDA IPC / NCCL
 set -u
 cd "$(dirname "$0")/.."
 export OUT=${OUT:-/tmp/gpu_out} GPU_CHECK_BUDGET_S=${GPU_CHECK_BUDGET_S:-560}
@@ -22,4 +25,7 @@ TAIL_LINES=40 stage train2 130 $PY -m torch.distributed.run --standalone --nproc
 stage parity 70 $PY tests/gpu/parity.py --shape 8b --layers 2 --json "$OUT/parity.json"
 TAIL_LINES=40 stage bench 150 $PY benchmarks/kernels.py --only ${BENCH_ONLY:-gemm,logprob,prefill,decode} --json "$OUT/kernels.json" \
   --md "$OUT/kernels.md"
+TAIL_LINES=20 stage cp 150 $PY -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_cp_triton.py \
+  tests/megatron/test_megatron_gpu.py
+TAIL_LINES=30 stage path 150 $PY tests/gpu/gpu_path.py --json "$OUT/gpu_path.json"
 finish
