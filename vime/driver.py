@@ -108,6 +108,8 @@ class Driver:
         preflight.check_lengths(cfg, [p.token_ids for p in self.prompts.prompts])
         resume_from = checkpoint.resume_point(cfg, self.output_dir)
         env = {"VLLM_CPU_KVCACHE_SPACE": str(cfg.rollout.kv_cache_space_gib), "TOKENIZERS_PARALLELISM": "false",
+               # the GEMM contract's row-parallel K groups: the widest TP of any engine, the same on both sides
+               "RL_KERNEL_CANONICAL_TP": str(max(cfg.trainer.tp, cfg.rollout.tp)),
                "PYTHONUNBUFFERED": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": os.environ.get("VIME_VLLM_MP", "0")}
         preflight.check_local_resources(cfg)
         env |= placement.single_node_env(cfg.ray)

@@ -58,6 +58,10 @@ def _run(rank: int, world: int, jobs: list[dict], ckpt: str, out: str, port: int
                             rank=rank, world_size=world)
     from megatron.core import parallel_state
 
+    import rl_kernel as rk
+
+    rk.set_canonical_tp(world)  # the widest TP any job of this world runs: every job's GEMMs share the K groups
+
     results = {}
     try:
         for job in jobs:
