@@ -42,14 +42,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def spawn(world: int, jobs: list[dict], ckpt: Path, out: Path, device: str = "cpu") -> dict:
+def spawn(world: int, jobs: list[dict], ckpt: Path, out: Path, device: str = "cpu", canonical_tp: int = 2) -> dict:
     """Run `jobs` on a fresh world of `world` processes (gloo on CPU, NCCL on CUDA, one GPU per
-    rank); returns rank 0's results."""
-    mp.spawn(_run, args=(world, jobs, str(ckpt), str(out), free_port(), device), nprocs=world, join=True)
+    rank); returns rank 0's results. `canonical_tp`: the widest TP of the "deployment" the tests compare
+    across spawns (TP1 against TP2), the same in every spawn (the Triton GEMM contract's K groups)."""
+    mp.spawn(_run, args=(world, jobs, str(ckpt), str(out), free_port(), device, canonical_tp), nprocs=world,
+             join=True)
     return torch.load(out, weights_only=False)
 
 
-def _run(rank: int, world: int, jobs: list[dict], ckpt: str, out: str, port: int, device: str) -> None:
+def _run(rank: int, world: int, jobs: list[dict], ckpt: str, out: str, port: int, device: str,
+         canonical_tp: int) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     if device == "cuda":
@@ -60,7 +63,7 @@ def _run(rank: int, world: int, jobs: list[dict], ckpt: str, out: str, port: int
 
     import rl_kernel as rk
 
-    rk.set_canonical_tp(world)  # the widest TP any job of this world runs: every job's GEMMs share the K groups
+    rk.set_canonical_tp(canonical_tp)
 
     results = {}
     try:
