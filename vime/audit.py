@@ -41,11 +41,10 @@ from pathlib import Path
 import hydra
 import torch
 from omegaconf import DictConfig
-from omegaconf.errors import ValidationError
 
 from rl_kernel import BOUNDARIES
 from vime import consistency
-from vime.config import VimeConfig, as_dict, modes_label, register_configs, to_object, validate
+from vime.config import VimeConfig, as_dict, config_or_exit, modes_label, register_configs
 from vime.consistency import Consistency, Sample
 from vime.errors import ComparabilityError, ConfigError, VimeError
 
@@ -346,10 +345,7 @@ register_configs()
 
 @hydra.main(version_base="1.3", config_path="../configs", config_name="config")
 def main(dcfg: DictConfig) -> None:
-    try:
-        cfg = validate(to_object(dcfg))
-    except (ValidationError, ConfigError) as e:
-        raise SystemExit(f"config error: {e}") from None
+    cfg = config_or_exit(dcfg)
     try:
         audit(cfg, Path(cfg.output_dir))
     except VimeError as e:

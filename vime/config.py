@@ -16,7 +16,7 @@ from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import InterpolationResolutionError
+from omegaconf.errors import InterpolationResolutionError, ValidationError
 
 from rl_kernel.modes import BOUNDARIES
 from vime.errors import ConfigError
@@ -288,3 +288,12 @@ def as_dict(cfg: VimeConfig) -> dict[str, Any]:
             return {k: plain(v) for k, v in x.items()}
         return x
     return plain(dataclasses.asdict(cfg))
+
+
+def config_or_exit(dcfg: DictConfig) -> VimeConfig:
+    """The validated config of an entry point (`vime.train`, `vime.audit`); a bad one ends the process
+    with one line: `config error: ...`."""
+    try:
+        return validate(to_object(dcfg))
+    except (ValidationError, ConfigError) as e:
+        raise SystemExit(f"config error: {e}") from None

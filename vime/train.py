@@ -16,10 +16,9 @@ from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig
-from omegaconf.errors import ValidationError
 
 from vime import faults
-from vime.config import register_configs, to_object, validate
+from vime.config import config_or_exit, register_configs
 from vime.driver import Driver
 from vime.errors import ConfigError, VimeError
 
@@ -29,10 +28,7 @@ register_configs()
 
 @hydra.main(version_base="1.3", config_path="../configs", config_name="config")
 def main(dcfg: DictConfig) -> None:
-    try:
-        cfg = validate(to_object(dcfg))
-    except (ValidationError, ConfigError) as e:
-        raise SystemExit(f"config error: {e}") from None
+    cfg = config_or_exit(dcfg)
     if not cfg.verbose:  # errors are reported once, by the driver, naming the engine or rank
         os.environ.setdefault("RAY_IGNORE_UNHANDLED_ERRORS", "1")
     code = 0
