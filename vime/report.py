@@ -224,5 +224,10 @@ def summary_lines(rows: Sequence[dict], output_dir: Path, plot: Path | None, mod
         lines.append(f"  {_label(compare)} twin      {cm} of {ct} tokens differ over {len(compare)} steps")
     lines += [f"  outputs          {output_dir} (metrics.jsonl, train.log, wandb/)",
               f"  figure           {plot}" if plot else "  figure           -",
-              f"  checkpoint       {model_path}"]
+              f"  model            {model_path} (the starting weights)"]
+    from vime import checkpoint  # the run's own checkpoints, when it saved any
+
+    last = checkpoint.latest(output_dir) if Path(output_dir).is_dir() else None
+    if last is not None:
+        lines.append(f"  checkpoint       {last} (continue with: {checkpoint.resume_command(output_dir)})")
     return lines
