@@ -16,7 +16,7 @@ WANDB_GROUPS = {
                 "correct_frac"),
     "train": ("loss", "pg_loss", "clip_frac", "ratio_mean", "kl", "grad_norm"),
     "timing": ("rollout_s", "score_s", "train_s", "sync_s", "step_s"),
-    "weights": ("version", "next_version", "sync_bytes", "sync_buckets"),
+    "weights": ("version", "next_version", "sync_bytes", "sync_buckets", "sync_gbps"),
 }
 GROUP_OF = {key: group for group, keys in WANDB_GROUPS.items() for key in keys}
 SUMMARY_KEYS = ("mismatch_count", "max_abs_diff")  # also written to the W&B run summary, ungrouped
@@ -186,6 +186,33 @@ def _worst_token(runs) -> str:
 
 # ---- the end-of-run summary ----------------------------------------------------------------------
 
+# The per-step table of the summary: (row key, header, format); sync_bytes shown in GB.
+STEP_COLUMNS = (("step", "step", "{:>4d}"), ("tokens", "tokens", "{:>6d}"), ("mismatch_count", "mismatch", "{:>8d}"),
+                ("max_abs_diff", "max|diff|", "{:>9.2e}"), ("rollout_s", "rollout_s", "{:>9.2f}"),
+                ("score_s", "score_s", "{:>7.2f}"), ("train_s", "train_s", "{:>7.2f}"),
+                ("sync_s", "sync_s", "{:>6.2f}"), ("sync_bytes", "sync_GB", "{:>7.3f}"),
+                ("sync_gbps", "sync_GB/s", "{:>9.2f}"), ("step_s", "step_s", "{:>6.2f}"))
+
+
+def step_table(rows: Sequence[dict], max_rows: int = 12) -> list[str]:
+    """Per-step phase timings and weight-sync rate, one line per step (the first and last `max_rows // 2`
+    steps of a longer run); a missing value shows as '-'."""
+    def cell(row, key, fmt):
+        v = row.get(key)
+        if v is None:
+            return "-"
+        if key == "sync_bytes":
+            v = float(v) / 1e9
+        return fmt.format(int(v) if fmt.endswith("d}") else float(v))
+    widths = [max(len(h), len(f.format(0))) for _, h, f in STEP_COLUMNS]
+    lines = ["  " + " ".join(h.rjust(w) for (_, h, _), w in zip(STEP_COLUMNS, widths))]
+    shown = list(rows) if len(rows) <= max_rows else [*rows[:max_rows // 2], None, *rows[-(max_rows // 2):]]
+    for r in shown:
+        lines.append("  ..." if r is None else
+                     "  " + " ".join(cell(r, k, f).rjust(w) for (k, _, f), w in zip(STEP_COLUMNS, widths)))
+    return lines
+
+
 
 def summary_lines(rows: Sequence[dict], output_dir: Path, plot: Path | None, model_path: str | None,
                   compare: Sequence[dict] | None = None) -> list[str]:
@@ -218,6 +245,7 @@ def summary_lines(rows: Sequence[dict], output_dir: Path, plot: Path | None, mod
         f"steps {head:.3f}, last {k} steps {tail:.3f})",
         f"  time per step    median {step_s[len(step_s) // 2]:.2f} s (min {step_s[0]:.2f}, max {step_s[-1]:.2f})",
     ]
+    lines += ["  per step (seconds; sync in GB of weights and GB/s):", *step_table(rows)]
     if compare:
         cm = sum(int(r.get("mismatch_count", 0)) for r in compare)
         ct = sum(int(r.get("tokens", 0)) for r in compare)

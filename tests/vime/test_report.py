@@ -56,6 +56,19 @@ def test_summary_says_what_zero_means_and_where_outputs_are(tmp_path):
     assert "512 in total" in native and "differ in bits" in native
 
 
+def test_summary_has_a_per_step_table_of_phase_timings_and_sync_rate(tmp_path):
+    rows = [r | {"rollout_s": 1.5, "score_s": 0.25, "train_s": 0.5, "sync_s": 2.0, "sync_bytes": 4.0e9,
+                 "sync_gbps": 2.0} for r in _rows(3)]
+    table = report.step_table(rows)
+    assert table[0].split() == ["step", "tokens", "mismatch", "max|diff|", "rollout_s", "score_s", "train_s",
+                                "sync_s", "sync_GB", "sync_GB/s", "step_s"]
+    assert table[2].split() == ["1", "128", "0", "0.00e+00", "1.50", "0.25", "0.50", "2.00", "4.000", "2.00", "2.00"]
+    assert "\n".join(table) in "\n".join(report.summary_lines(rows, tmp_path, None, "/m"))
+    long = report.step_table(_rows(30), max_rows=4)  # first and last steps of a long run; missing values as '-'
+    assert len(long) == 6 and long[3].strip() == "..." and long[-1].split()[0] == "29" and "-" in long[1].split()
+    assert report.wandb_row({"sync_gbps": 2.5}) == {"weights/sync_gbps": 2.5}
+
+
 @pytest.mark.parametrize("compare", [False, True])
 def test_plot_run_writes_one_figure(tmp_path, compare):
     path = report.plot_run(_rows(6), tmp_path / "c.png", _rows(6, mismatch=100, strict=False) if compare else None,

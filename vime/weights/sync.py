@@ -31,4 +31,6 @@ def sync_weights(trainer_ranks: list, engines: list, version: int, bucket_bytes:
                 [f"rollout engine {i}" for i in range(len(engines))])
     for i, v in enumerate(acks):
         timeline.acknowledged(i, v)
-    return {"sync_s": time.perf_counter() - t0, "sync_bytes": float(nbytes), "sync_buckets": float(len(buckets))}
+    seconds = time.perf_counter() - t0
+    return {"sync_s": seconds, "sync_bytes": float(nbytes), "sync_buckets": float(len(buckets)),
+            "sync_gbps": nbytes / seconds / 1e9 if seconds > 0 else 0.0}  # GB (1e9 bytes) of weights per second
