@@ -65,9 +65,9 @@ def latest(output_dir: Path) -> Path | None:
     return path
 
 
-def is_due(every: int, step: int, steps: int) -> bool:
-    """Save after `step`? Every `every` steps (0: never in between) and always after the last step."""
-    return step == steps - 1 or (every > 0 and (step + 1) % every == 0)
+def is_due(every: int, step: int, steps: int, final: bool = True) -> bool:
+    """Save after `step`? Every `every` steps (0: never in between) and after the last step (unless not `final`)."""
+    return (final and step == steps - 1) or (every > 0 and (step + 1) % every == 0)
 
 
 # ---- driver side ------------------------------------------------------------------------------
@@ -151,7 +151,7 @@ def after_step(driver, step: int, rows: list[dict]) -> bool:
     c, steps = driver.cfg.checkpoint, driver.cfg.steps
     last = step == steps - 1
     stop = c.stop_after is not None and step == c.stop_after and not last
-    if stop or is_due(c.every, step, steps):
+    if stop or is_due(c.every, step, steps, c.final):
         run = getattr(driver.logger, "run", None)
         save(driver, step, rows, run.id if run is not None else None)
     if last and c.export_hf:

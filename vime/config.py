@@ -138,10 +138,13 @@ class WandbConfig:
 
 @dataclass
 class CheckpointConfig:
-    """Checkpoints under `<output_dir>/checkpoints/` (vime/checkpoint.py); the end of a run always saves one."""
+    """Checkpoints under `<output_dir>/checkpoints/` (vime/checkpoint.py); the end of a run saves one unless
+    `final=false`."""
     every: int = 0                 # also save after every `every` steps (0: only at the end)
     stop_after: int | None = None  # stop cleanly after this step (checkpoint saved), as a job limit; resume= goes on
     export_hf: bool = True         # write <output_dir>/hf_model (HF safetensors) at the end of the run
+    final: bool = True             # save one after the last step (false: only `every` / `stop_after` ones; for
+                                   # throwaway runs of a large model, e.g. the H200 preset)
 
 
 @dataclass

@@ -23,7 +23,8 @@ from vime import checkpoint
 from vime.config import to_object, validate
 from vime.errors import ConfigError, VimeError
 
-RESUMABLE = ("steps", "checkpoint.stop_after", "checkpoint.every", "checkpoint.export_hf", "verbose", "wandb.mode")
+RESUMABLE = ("steps", "checkpoint.stop_after", "checkpoint.every", "checkpoint.export_hf", "checkpoint.final",
+             "verbose", "wandb.mode")
 
 
 def refuse_existing(output_dir: Path) -> None:
