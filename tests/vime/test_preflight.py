@@ -124,6 +124,8 @@ def test_resume_runs_the_recorded_config_and_refuses_changes(compose_cfg, tmp_pa
 def test_checkpoint_schedule():
     assert [s for s in range(5) if checkpoint.is_due(0, s, 5)] == [4]
     assert [s for s in range(5) if checkpoint.is_due(2, s, 5)] == [1, 3, 4]
+    assert [s for s in range(5) if checkpoint.is_due(0, s, 5, final=False)] == []  # checkpoint.final=false
+    assert [s for s in range(5) if checkpoint.is_due(2, s, 5, final=False)] == [1, 3]
 
 
 def test_sigterm_and_sigint_become_stopped_with_their_exit_codes():
