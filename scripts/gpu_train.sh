@@ -1,0 +1,207 @@
+#!/usr/bin/env bash
+# `python -m vime.train` on the H200 machine: ONE command, about 6 minutes, at most GPU_TRAIN_BUDGET_S (480 s).
+#
+#   bash scripts/gpu_train.sh [Hydra overrides for every run, e.g. steps=8 model.tiny.num_layers=2]
+#
+# Needs .whl/ beside the repository (`bash scripts/gpu_wheels.sh` on a machine with internet); installs it into
+# /tmp/site. Makes the Qwen3-8B-layer-shaped random checkpoint of `+experiment=h200_8b_layers` once
+# (/tmp/gpu_train_model), then runs the preset (each run under `timeout`, each >= 5 steps):
+#   strict_1gpu   strict on both sides, trainer and rollout engine sharing GPU 0 (fail_on_mismatch=true)
+#   native_1gpu   rollout.mode=native trainer.mode=native fail_on_mismatch=false
+#   strict_2gpu   trainer on GPU 0, rollout engine on GPU 1            (only when 2 GPUs are visible)
+#   native_2gpu   the same, native
+# Results under ${OUT:-/tmp/out} (6-7 files): gpu_train_h200.json (every run: status, per-step rows, medians,
+# versions), gpu_train_h200.txt (this script's log: per-run end-of-run summaries with their per-step tables),
+# <run>.metrics.jsonl per run, runs.tar.gz (each run's output_dir: train.log, engines.log, config, figure).
+# Exit status: 0 when every strict run that ran showed 0 mismatches on every step; 1 otherwise; 2 when the
+# environment is not ready (a missing import, no GPU, no wheels).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/out}
+PY=${PYTHON:-python3}
+MODEL_ROOT=${GPU_TRAIN_MODEL:-/tmp/gpu_train_model}
+START=$(date +%s)
+DEADLINE=$((START + ${GPU_TRAIN_BUDGET_S:-480}))
+RUN_MAX=${GPU_TRAIN_RUN_S:-170}
+mkdir -p "$OUT"
+LOG="$OUT/gpu_train_h200.txt"
+STATUS="$OUT/.status"
+: > "$LOG"
+: > "$STATUS"
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false RAY_USAGE_STATS_ENABLED=0
+# never use NVLink multicast on the shared multi-GPU hosts (KINDS.md)
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+# Ray's object store carries the weight sync (~4 GB a step at 4 layers): its largest allowed size
+export VIME_OBJECT_STORE_BYTES=${VIME_OBJECT_STORE_BYTES:-2147483648}
+
+say() { echo "$*" | tee -a "$LOG"; }
+die() { say "gpu_train: $*"; exit 2; }
+
+if [ "${GPU_TRAIN_SKIP_INSTALL:-0}" != 1 ]; then
+  compgen -G ".whl/*.whl" > /dev/null || die "no wheels in .whl/: run 'bash scripts/gpu_wheels.sh' on a machine \
+with internet, and carry .whl/ with the repository"
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    >> "$LOG" 2>&1 || die "installing .whl/*.whl into /tmp/site failed (pip's output above, in $LOG)"
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}   # vime and rl_kernel from this checkout, in Ray's workers too
+
+# Every import vime.train needs, named when missing; the GPUs.
+NGPU=$($PY -W ignore - "$@" <<'EOF' 2>> "$LOG" | tail -1
+import importlib, sys
+mods = ("torch", "triton", "ray", "hydra", "omegaconf", "megatron.core", "transformers", "tokenizers", "safetensors",
+        "matplotlib", "tqdm", "psutil", "numpy", "yaml", "rl_kernel", "vime.train")
+missing = []
+for m in mods:
+    try:
+        importlib.import_module(m)
+    except Exception as e:  # noqa: BLE001 - any failure to import is reported the same way
+        missing.append(f"{m} ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
+if missing:
+    print("gpu_train: cannot import " + "; ".join(missing) + ". Wheels: bash scripts/gpu_wheels.sh (here .whl/ is "
+          "installed into /tmp/site); the rest must be on the image.", file=sys.stderr)
+    print("ERR")
+    sys.exit(0)
+import megatron.core, ray, torch, transformers, triton  # noqa: E401
+n = torch.cuda.device_count()
+print(f"python {sys.version.split()[0]} torch {torch.__version__} triton {triton.__version__} megatron-core "
+      f"{megatron.core.__version__} ray {ray.__version__} transformers {transformers.__version__}; {n} GPU(s)"
+      + (f": {torch.cuda.get_device_name(0)}" if n else ""), file=sys.stderr)
+print(n)
+EOF
+)
+tail -1 "$LOG"
+case "$NGPU" in ERR|"") die "the environment is not ready (see above)";; esac
+if [ "$NGPU" -lt 1 ] && [[ " $* " != *" device=cpu "* ]]; then
+  die "no CUDA GPU visible (torch.cuda.device_count() == 0)"
+fi
+
+# The preset's checkpoint, made once for every run (a stamp of its shapes decides whether to remake it).
+MODEL=$($PY -W ignore - "$MODEL_ROOT" "$@" <<'EOF' 2>> "$LOG" | tail -1
+import json, sys, time
+from pathlib import Path
+from hydra import compose, initialize_config_dir
+from vime.config import register_configs, to_object, validate
+from vime.driver import make_model
+import dataclasses
+root, overrides = Path(sys.argv[1]), sys.argv[2:]
+register_configs()
+with initialize_config_dir(config_dir=str(Path("configs").resolve()), version_base="1.3"):
+    cfg = validate(to_object(compose("config", ["+experiment=h200_8b_layers", *overrides, f"output_dir={root}"])))
+if cfg.model.path:
+    print(cfg.model.path)
+    sys.exit(0)
+stamp = json.dumps(dataclasses.asdict(cfg.model.tiny) | {"dtype": cfg.model.dtype}, sort_keys=True)
+model = root / "model"
+made = (root / "stamp.json").read_text() if (root / "stamp.json").is_file() else None
+if made != stamp or not (model / "config.json").is_file():
+    import shutil
+    shutil.rmtree(root, ignore_errors=True)
+    t0 = time.time()
+    make_model(cfg, root)
+    (root / "stamp.json").write_text(stamp)
+    print(f"gpu_train: made {model} in {time.time() - t0:.0f} s", file=sys.stderr)
+print(model)
+EOF
+)
+tail -1 "$LOG"
+[ -n "$MODEL" ] && [ -f "$MODEL/config.json" ] || die "could not make the preset's checkpoint (see $LOG)"
+
+# run NAME OVERRIDES...: one vime.train run under min(RUN_MAX, time left); its summary block goes to the log.
+run() {
+  local name=$1; shift
+  local left=$((DEADLINE - $(date +%s))) t0 rc status
+  if [ "$left" -lt 60 ]; then echo "$name SKIP 0 no time left" >> "$STATUS"; say "== $name: SKIP (no time left)"; return; fi
+  local limit=$(( left < RUN_MAX ? left : RUN_MAX ))
+  rm -rf "${OUT:?}/$name" "$OUT/$name.console.log" "$OUT/$name.metrics.jsonl"
+  say "== $name (timeout ${limit}s): python -m vime.train +experiment=h200_8b_layers $* model.path=$MODEL output_dir=$OUT/$name"
+  t0=$(date +%s)
+  timeout -k 20 "$limit" $PY -m vime.train +experiment=h200_8b_layers "$@" model.path="$MODEL" \
+    output_dir="$OUT/$name" > "$OUT/$name.console.log" 2>&1
+  rc=$?
+  case $rc in 0) status=PASS;; 124|137) status=TIMEOUT;; *) status="FAIL($rc)";; esac
+  echo "$name $status $(( $(date +%s) - t0 ))" >> "$STATUS"
+  if [ "$rc" -ne 0 ]; then  # a killed or failed run may leave its local Ray behind, holding GPU memory
+    $PY -m ray.scripts.scripts stop --force > /dev/null 2>&1 || true
+    tail -n 25 "$OUT/$name.console.log" | cut -c1-300 | tee -a "$LOG"
+  fi
+  sed -n '/run summary/,$p' "$OUT/$name.console.log" | sed -E 's/^\[[^]]*\]\[vime\]\[INFO\] - //' \
+    | grep -v "^\s*$" | cut -c1-240 | tee -a "$LOG"
+  [ -f "$OUT/$name/metrics.jsonl" ] && cp "$OUT/$name/metrics.jsonl" "$OUT/$name.metrics.jsonl"
+  [ -d "$OUT/$name" ] && mv "$OUT/$name.console.log" "$OUT/$name/console.log"
+  say "== $name: $status in $(( $(date +%s) - t0 ))s"
+}
+
+NATIVE=(rollout.mode=native trainer.mode=native fail_on_mismatch=false)
+TWO=(ray.num_gpus=2 ray.gpus_per_actor=1 weights.transport=nccl weights.colocate=false)
+RUNS=(strict_1gpu native_1gpu)
+run strict_1gpu "$@"
+run native_1gpu "${NATIVE[@]}" "$@"
+if [ "$NGPU" -ge 2 ]; then
+  RUNS+=(strict_2gpu native_2gpu)
+  run strict_2gpu "${TWO[@]}" "$@"
+  run native_2gpu "${TWO[@]}" "${NATIVE[@]}" "$@"
+else
+  say "== strict_2gpu, native_2gpu: SKIP (1 GPU visible)"
+fi
+
+# The combined JSON and the verdict.
+$PY -W ignore - "$OUT" "$STATUS" "$START" "$*" "${RUNS[@]}" <<'EOF' 2>&1 | tee -a "$LOG"
+import json, statistics, sys, time
+from pathlib import Path
+out, status_file, start, args, runs = Path(sys.argv[1]), Path(sys.argv[2]), float(sys.argv[3]), sys.argv[4], sys.argv[5:]
+status = {}
+for line in status_file.read_text().splitlines():
+    name, st, secs, *_ = line.split(" ") + [""]
+    status[name] = {"status": st, "wall_s": float(secs or 0)}
+TIMES = ("rollout_s", "score_s", "train_s", "sync_s", "step_s", "sync_gbps")
+KEEP = ("step", "version", "tokens", "mismatch_count", "max_abs_diff", "mean_abs_diff", "train_mismatch_count",
+        "reward_mean", "loss", "grad_norm", "clip_frac", "ratio_mean", "sync_bytes", "sync_buckets", *TIMES)
+result = {"script": "scripts/gpu_train.sh", "preset": "h200_8b_layers", "overrides": args, "runs": {}}
+try:
+    import megatron.core, ray, torch, transformers, triton  # noqa: E401
+    result["versions"] = {"torch": torch.__version__, "triton": triton.__version__, "ray": ray.__version__,
+                          "megatron-core": megatron.core.__version__, "transformers": transformers.__version__}
+    result["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+except Exception as e:  # noqa: BLE001
+    result["versions"] = f"unavailable: {e}"
+for name in runs:
+    path = out / f"{name}.metrics.jsonl"
+    rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.is_file() else []
+    r = status.get(name, {"status": "NOT RUN", "wall_s": 0.0}) | {"strict": name.startswith("strict")}
+    r["steps"] = [{k: row.get(k) for k in KEEP} for row in rows]
+    if rows:
+        r["labels"] = {k: rows[0].get(k) for k in ("rollout_engine", "trainer_engine")}
+        r["mismatch_total"] = sum(int(x["mismatch_count"]) for x in rows)
+        r["tokens_total"] = sum(int(x["tokens"]) for x in rows)
+        r["steps_with_mismatch"] = sum(1 for x in rows if x["mismatch_count"])
+        later = rows[1:] or rows  # step 0 carries compilation and warm-up
+        r["median_after_step0"] = {k: statistics.median(float(x[k]) for x in later) for k in TIMES if k in rows[0]}
+        r["sync_gb"] = float(rows[0].get("sync_bytes", 0)) / 1e9
+    result["runs"][name] = r
+ran = {n: r for n, r in result["runs"].items() if r["steps"]}
+strict_ok = all(r["status"] == "PASS" and r["mismatch_total"] == 0 and len(r["steps"]) >= 5
+                for n, r in result["runs"].items() if r["strict"] and r["status"] != "SKIP")
+native_every = all(r.get("steps_with_mismatch") == len(r["steps"]) for n, r in ran.items() if not r["strict"])
+result["summary"] = {"strict_ok": strict_ok, "native_mismatch_every_step": native_every,
+                     "wall_s": time.time() - start}
+(out / "gpu_train_h200.json").write_text(json.dumps(result, indent=1))
+print(f"{'run':<12} {'status':<9} {'steps':>5} {'tokens':>7} {'mismatch':>8} " +
+      " ".join(f"{k:>10}" for k in TIMES) + "   (medians after step 0)")
+for n, r in result["runs"].items():
+    m = r.get("median_after_step0", {})
+    print(f"{n:<12} {r['status']:<9} {len(r['steps']):>5} {r.get('tokens_total', 0):>7} {r.get('mismatch_total', 0):>8} "
+          + " ".join(f"{m[k]:>10.3f}" if k in m else f"{'-':>10}" for k in TIMES))
+print(f"RESULT gpu_train: strict {'0 mismatches on every step' if strict_ok else 'FAILED'}; native "
+      f"{'mismatches on every step' if native_every else 'not mismatched on every step'}; "
+      f"{result['summary']['wall_s']:.0f}s; {out / 'gpu_train_h200.json'}")
+sys.exit(0 if strict_ok else 1)
+EOF
+rc=$?
+dirs=()
+for name in "${RUNS[@]}"; do [ -d "$OUT/$name" ] && dirs+=("$name"); done
+if [ "${#dirs[@]}" -gt 0 ] && [ "${GPU_TRAIN_KEEP_DIRS:-0}" != 1 ]; then
+  tar czf "$OUT/runs.tar.gz" -C "$OUT" "${dirs[@]}" && (cd "$OUT" && rm -rf "${dirs[@]}")
+fi
+rm -f "$STATUS"
+exit $rc
