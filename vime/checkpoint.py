@@ -40,7 +40,7 @@ LATEST = "latest"
 STATE = "state.pt"
 HF_DIR = "hf_model"
 # metrics that measure wall time: they differ between any two runs, resumed or not
-TIMING_KEYS = ("rollout_s", "score_s", "train_s", "step_s", "sync_s")
+TIMING_KEYS = ("rollout_s", "score_s", "train_s", "step_s", "sync_s", "sync_gbps")
 _HF_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                   "special_tokens_map.json", "vocab.json", "merges.txt", "chat_template.jinja")
 

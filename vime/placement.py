@@ -45,8 +45,7 @@ def start_ray(cfg: RayConfig, env: dict[str, str], log_to_driver: bool = True, l
                     ray.init(num_cpus=cfg.num_cpus, num_gpus=cfg.num_gpus, include_dashboard=False,
                              runtime_env=runtime_env, log_to_driver=log_to_driver, configure_logging=False,
                              _node_ip_address=cfg.bind_address,  # GCS, raylet, object manager: loopback by default
-                             object_store_memory=min(2 << 30, int(os.environ.get("VIME_OBJECT_STORE_BYTES",
-                                                                                 1 << 30))))
+                             object_store_memory=object_store_bytes())
             break
         except Exception as e:  # noqa: BLE001 - Ray raises a bare Exception when its raylet starts slowly
             # Ray waits a fixed 30 s for a local raylet to register; on a busy machine it can take longer.
@@ -58,6 +57,12 @@ def start_ray(cfg: RayConfig, env: dict[str, str], log_to_driver: bool = True, l
             log.warning("ray: local node start timed out (busy machine?); retrying (%d/%d)", attempt + 1,
                         START_ATTEMPTS)
     log.info("ray: %s", {k: v for k, v in ray.cluster_resources().items() if not k.startswith("node:")})
+
+
+def object_store_bytes() -> int:
+    """The object store of a local Ray: `VIME_OBJECT_STORE_BYTES`, default 1 GiB (CPU runs' weights are
+    small; scripts/gpu_train.sh sets 8 GiB: room for the H200 preset's ~4 GB weight sync, no spilling)."""
+    return int(os.environ.get("VIME_OBJECT_STORE_BYTES", 1 << 30))
 
 
 def _stop_started_ray_processes() -> None:

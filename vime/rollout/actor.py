@@ -103,6 +103,11 @@ class RolloutWorker:
         self.engine.update_weights(bucket, version)
         return len(bucket)
 
+    def load_buckets(self, buckets: list[dict[str, torch.Tensor]], version: int) -> int:
+        """`load_weights` of every bucket in order (Ray resolves the driver's object reference here, from
+        the store); returns how many tensors."""
+        return sum(self.load_weights(b, version) for b in buckets)
+
     def set_version(self, version: int) -> int:
         """All buckets of `version` are in: serve it from now on. Returns the version the engine reports."""
         return self.engine.set_version(version)

@@ -130,6 +130,16 @@ class TrainerWorker:
             buckets.append(current)
         return buckets if self.rank == 0 else []
 
+    def export_to_store(self, bucket_bytes: int) -> dict:
+        """`export_buckets`, put in Ray's object store by this rank (collective; rank 0's answer is used):
+        {"buckets": [a reference to the list of buckets], "bytes": tensor bytes, "count": buckets}. The
+        reference travels inside a list so that the driver passes it on without fetching the weights."""
+        import ray
+
+        buckets = self.export_buckets(bucket_bytes)
+        nbytes = sum(t.numel() * t.element_size() for b in buckets for t in b.values())
+        return {"buckets": [ray.put(buckets)] if self.rank == 0 else [], "bytes": nbytes, "count": len(buckets)}
+
 
 def _one_temperature(samples: list[Sample]) -> float:
     temps = {s.temperature for s in samples}
