@@ -77,7 +77,7 @@ if [ "$NGPU" -lt 1 ] && [[ " $* " != *" device=cpu "* ]]; then
 fi
 
 # The preset's checkpoint, made once for every run (a stamp of its shapes decides whether to remake it).
-MODEL=$($PY -W ignore - "$MODEL_ROOT" "$@" <<'EOF' 2>> "$LOG" | tail -1
+MODEL=$(timeout 300 $PY -W ignore - "$MODEL_ROOT" "$@" <<'EOF' 2>> "$LOG" | tail -1
 import json, sys, time
 from pathlib import Path
 from hydra import compose, initialize_config_dir
