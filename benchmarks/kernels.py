@@ -127,9 +127,11 @@ def bench_tiles() -> None:
     """Triton tiles for the one-chain GEMM at decode-sized M (o and down projections): time, and whether the bits
     equal the cuBLASLt server's (a tile's shape must move no bit)."""
     variants = [(64, 32, 64, 4, 5), (64, 32, 128, 4, 4), (64, 16, 128, 4, 4), (64, 64, 64, 4, 4), (64, 64, 128, 4, 3),
-                (64, 32, 256, 4, 3), (128, 128, 64, 8, 4)]
-    for name, (n, k) in (("o", SHAPES["o"]), ("down", SHAPES["down"])):
-        for m in (1, 16, 128):
+                (64, 32, 256, 4, 3), (128, 128, 64, 8, 4), (128, 64, 64, 4, 4), (128, 32, 128, 4, 4),
+                (64, 128, 64, 4, 4)]
+    for name, m_values in (("o", (1, 16, 128)), ("down", (1, 16, 128)), ("qkv", (64, 128)), ("gate_up", (64, 128))):
+        n, k = SHAPES[name]
+        for m in m_values:
             x, w = torch.randn(m, k, device=DEV).to(BF16), (torch.randn(n, k, device=DEV) * 0.02).to(BF16)
             cublas = bench(lambda: F.linear(x, w))  # noqa: B023 (called right here)
             ref = gemm.linear(x, w, server="cublaslt") if rk.backends.triton.cublaslt_ready() else None
@@ -178,17 +180,22 @@ def _prefill_case(t: int, h: int = 32, hkv: int = 8, d: int = 128) -> None:
     flops = 2 * t * t * h * d  # causal: half of 4 T^2 H d
     ref = attention.varlen_attention(q, k, v, cu, d**-0.5)
     configs = {}  # other launch configurations: time, and whether the bits equal the default's (they must)
-    for bm, warps, stages in ((64, 4, 2), (64, 8, 2), (128, 8, 3), (128, 4, 2), (64, 4, 3)):
-        cfg = {"BLOCK_M": bm, "num_warps": warps, "num_stages": stages}
+    for bm, warps, stages, flat in ((128, 8, 3, False), (128, 8, 3, True), (128, 8, 2, True), (128, 8, 4, True),
+                                    (128, 4, 3, True), (64, 4, 3, True), (64, 4, 2, False)):
+        cfg = {"BLOCK_M": bm, "num_warps": warps, "num_stages": stages, "FLAT": flat}
+        name = f"{bm}/w{warps}/s{stages}" + ("/flat" if flat else "/nested")
         try:
             out = attention.varlen_attention(q, k, v, cu, d**-0.5, config=cfg)
             ms = bench(lambda c=cfg: attention.varlen_attention(q, k, v, cu, d**-0.5, config=c))
-            configs[f"{bm}/w{warps}/s{stages}"] = {"ms": round(ms, 4), "bits_equal_default": bits_equal(out, ref)}
+            configs[name] = {"ms": round(ms, 4), "bits_equal_default": bits_equal(out, ref)}
         except Exception as e:
-            configs[f"{bm}/w{warps}/s{stages}"] = repr(e)[:120]
+            configs[name] = repr(e)[:120]
     row("attn", f"prefill T={t} (32/8 heads, d=128)", strict, native, flops / PEAK_BF16 * 1e3, ">=0.6x SDPA",
         tflops_strict=round(flops / strict * 1e-9, 1), tflops_native=round(flops / native * 1e-9, 1),
         configs=configs)
+    print("          launch configurations:", ", ".join(f"{k} {v['ms'] if isinstance(v, dict) else v}"
+                                                   + ("" if not isinstance(v, dict) or v["bits_equal_default"]
+                                                      else " BITS DIFFER") for k, v in configs.items()), flush=True)
 
 
 def bench_decode(bw: float) -> None:

@@ -197,6 +197,9 @@ def test_attention_layouts_bitwise(heads, kv_heads, d, page):
     for schedule in ("split", "fused"):
         poison()
         assert same(attention.paged_attention(q, kc, vc, table, seq_lens, cu, scale, schedule=schedule), packed)
+    for flat in (False, True):  # the fused schedule as one loop over chunks (merge at split boundaries) or nested
+        config = dict(attention.PREFILL, FLAT=flat)
+        assert same(attention.varlen_attention(q, k, v, cu, scale, config=config), packed), f"FLAT={flat}"
     last = cu[1:] - 1  # decode: the last token of every sequence, one batch
     qsl = torch.arange(len(lens) + 1, dtype=torch.int32, device=DEV)
     for schedule in ("split", "fused"):

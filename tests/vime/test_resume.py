@@ -85,13 +85,14 @@ def test_stopped_then_resumed_run_is_identical_in_bits(strict_run, tmp_path):
 
 def _actor_pids(pid: int, actor: str) -> list[int]:
     """Processes of the run's `actor` class (RolloutWorker, TrainerWorker): descendants of the driver
-    (its Ray) whose title names the class."""
+    (its Ray) whose title names the class, less the helpers they fork (a trainer rank's checkpoint
+    writers carry its title too)."""
     import psutil
 
     found = []
     for p in psutil.Process(pid).children(recursive=True):
         try:
-            if actor in " ".join(p.cmdline()):
+            if actor in " ".join(p.cmdline()) and actor not in " ".join(p.parent().cmdline()):
                 found.append(p.pid)
         except psutil.NoSuchProcess:
             pass

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from vime import faults
 from vime.config import TrainerConfig, TrainerEngine
 from vime.consistency import Sample, Scored
 from vime.rollout.actor import apply_modes_env, redirect_output
@@ -24,6 +25,7 @@ class TrainerWorker:
     def __init__(self, rank: int, world_size: int, cfg: TrainerConfig, model_path: str, dtype: str, device: str,
                  modes: dict[str, str], seed: int, kl_coef: float, clip_eps: float):
         redirect_output()
+        faults.forked_children_die_with_this_process()
         apply_modes_env(modes)
         self.rank, self.world_size, self.cfg, self.modes = rank, world_size, cfg, modes
         self._args = (model_path, dtype, device, kl_coef, clip_eps)
