@@ -36,6 +36,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import rl_kernel as rk  # noqa: E402
+from rl_kernel.bits import bit_mismatches  # noqa: E402
 from rl_kernel.integrations.megatron import MegatronPolicy, PolicyLossConfig, TrainBatch  # noqa: E402
 from rl_kernel.models.qwen3 import Qwen3Reference  # noqa: E402
 from rl_kernel.models.rollout import Request, RolloutEngine  # noqa: E402
@@ -242,7 +243,7 @@ def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
 
 
 def _weights_changed(new: dict[str, torch.Tensor], old: dict[str, torch.Tensor]) -> int:
-    return sum(int((new[k].view(torch.int16) != old[k].view(torch.int16)).sum()) for k in new)
+    return bit_mismatches([new[k] for k in new], [old[k] for k in new])
 
 
 def _run_mode(mode: str, args: argparse.Namespace, ckpt: Path, device: torch.device, out: dict, on_step) -> None:

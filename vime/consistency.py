@@ -16,13 +16,9 @@ from collections.abc import Sequence
 
 import torch
 
-from rl_kernel import BOUNDARIES, contracts
+from rl_kernel import BOUNDARIES, OP_BOUNDARY, contracts
+from rl_kernel.bits import bits
 from vime.errors import ComparabilityError
-
-# rl_kernel op name (as in evidence records) -> the mode boundary that governs it.
-OP_BOUNDARY = {"gemm": "gemm", "rms_norm": "norm", "rope": "rope", "silu_and_mul": "activation",
-               "attention": "attention", "logprobs": "logprob", "log_softmax": "logprob",
-               "all_reduce": "collective"}
 
 
 @dataclasses.dataclass
@@ -98,7 +94,7 @@ def compare(rollout: Sequence[torch.Tensor], trainer: Sequence[torch.Tensor],
             raise ComparabilityError(f"sample {i}: logprobs must be fp32, got {a.dtype} and {b.dtype}")
         if a.shape != b.shape:
             raise ComparabilityError(f"sample {i}: {a.numel()} rollout logprobs vs {b.numel()} trainer logprobs")
-        differ = a.view(torch.int32) != b.view(torch.int32)
+        differ = bits(a) != bits(b)
         diff = (a.to(torch.float64) - b.to(torch.float64)).abs()
         mismatches += int(differ.sum())
         tokens += a.numel()
