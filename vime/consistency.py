@@ -18,36 +18,8 @@ import torch
 
 from rl_kernel import BOUNDARIES, OP_BOUNDARY, contracts
 from rl_kernel.bits import bits
+from vime.engines import Sample, Scored
 from vime.errors import ComparabilityError
-
-
-@dataclasses.dataclass
-class Sample:
-    """One rollout sample: a response to one prompt, with what produced each of its tokens."""
-    group: int                  # prompt index within the step (a GRPO group)
-    prompt_ids: list[int]
-    response_ids: list[int]
-    logprobs: list[float]       # rollout logprob of each response token (fp32 values)
-    versions: list[int]         # weight version that produced each response token
-    engine: int                 # rollout engine id
-    temperature: float
-    top_k: int = -1
-    top_p: float = 1.0
-    vocab_size: int = 0         # real vocab range the engine normalised over
-    finish_reason: str = ""
-    reward: float = 0.0
-    advantage: float = 0.0
-
-
-@dataclasses.dataclass
-class Scored:
-    """The trainer's teacher-forcing logprobs for one sample, with what it scored."""
-    token_ids: list[int]        # the response token ids it scored
-    positions: list[int]        # their positions in the sequence (prompt_len + j)
-    logprobs: torch.Tensor      # fp32 [len(token_ids)]
-    version: int                # weight version of the trainer's weights
-    temperature: float
-    vocab_size: int
 
 
 @dataclasses.dataclass

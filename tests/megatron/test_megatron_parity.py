@@ -142,11 +142,11 @@ def test_train_step_matches_plain_fp32_pytorch(world1, tiny_qwen3_path):
     update for 99% of the elements and within 2 * lr for all."""
     from transformers import Qwen3ForCausalLM
 
-    from rl_kernel.integrations.megatron import PolicyLossConfig, policy_loss
+    from vime.trainer.grpo import LossConfig, policy_loss
 
     model = Qwen3ForCausalLM.from_pretrained(str(tiny_qwen3_path), dtype=torch.float32, attn_implementation="eager")
     seqs, prompts = samples()
-    cfg, clip = PolicyLossConfig(clip_low=0.2, clip_high=0.28, kl_coef=0.1), 1.0  # as in the workers
+    cfg, clip = LossConfig(clip_low=0.2, clip_high=0.28, kl_coef=0.1), 1.0  # as in the workers
     r = world1["tp1cp1"]
     old = r["ref"]
     extra = train_inputs(old)

@@ -9,7 +9,8 @@ import torch
 
 import rl_kernel as rk
 from rl_kernel.bits import same_bits
-from vime.consistency import Sample, Scored, check_comparable, check_contracts, compare, rollout_tensor
+from vime.consistency import check_comparable, check_contracts, compare, rollout_tensor
+from vime.engines import Sample, Scored
 from vime.errors import ComparabilityError
 
 
