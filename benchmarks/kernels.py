@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import rl_kernel as rk  # noqa: E402
 from rl_kernel.backends.triton import attention, gemm, logprob, norm  # noqa: E402
+from rl_kernel.bits import same_bits  # noqa: E402
 from rl_kernel.ops.norm import _native_rms_norm  # noqa: E402
 
 DEV = "cuda"
@@ -78,11 +79,6 @@ def copy_bandwidth() -> float:
     return 2 * a.numel() / (ms * 1e-3)
 
 
-def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return torch.equal(a.view(torch.int16) if a.element_size() == 2 else a.view(torch.int32),
-                       b.view(torch.int16) if b.element_size() == 2 else b.view(torch.int32))
-
-
 # ---- GEMM -----------------------------------------------------------------------------------------------
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
@@ -102,13 +98,13 @@ def _gemm_case(name: str, m: int, n: int, k: int, bw: float) -> None:
     for server in ("triton", "cublaslt"):  # both servers of the one-chain contract, and their bits
         extra[f"{server}_ms"] = round(bench(lambda s=server: gemm.linear(*args(), server=s)), 4)  # noqa: B023
     x, w = args()
-    extra["servers_bitwise"] = bits_equal(gemm.linear(x, w, server="triton"), gemm.linear(x, w, server="cublaslt"))
+    extra["servers_bitwise"] = same_bits(gemm.linear(x, w, server="triton"), gemm.linear(x, w, server="cublaslt"))
     if m <= 128:
         alt = "fused" if m <= gemm.SPLIT_MAX_M else "split"
         extra[f"{alt}_schedule_ms"] = round(bench(lambda: gemm.linear(*args(), schedule=alt)), 4)
         x, w = args()
         fused, split = gemm.linear(x, w, schedule="fused"), gemm.linear(x, w, schedule="split")
-        extra["schedules_bitwise"] = bits_equal(fused, split)
+        extra["schedules_bitwise"] = same_bits(fused, split)
     row("gemm", f"{name} M={m} N={n} K={k}", strict, native, floor, target, **extra)
 
 
@@ -142,7 +138,7 @@ def bench_tiles() -> None:
                     out = gemm.linear(x, w, tile=t)
                     ms = bench(lambda t=t: gemm.linear(x, w, tile=t))  # noqa: B023
                     row("tile", case, ms, cublas, None, "", bits_equal_cublaslt=None if ref is None else
-                        bits_equal(out, ref))
+                        same_bits(out, ref))
                 except Exception as e:  # a tile that does not compile (registers, shared memory) is a result too
                     ROWS.append({"group": "tile", "case": case, "error": repr(e)[:200]})
                     print(f"tile      {case}: {e!r}"[:200], flush=True)
@@ -187,7 +183,7 @@ def _prefill_case(t: int, h: int = 32, hkv: int = 8, d: int = 128) -> None:
         try:
             out = attention.varlen_attention(q, k, v, cu, d**-0.5, config=cfg)
             ms = bench(lambda c=cfg: attention.varlen_attention(q, k, v, cu, d**-0.5, config=c))
-            configs[name] = {"ms": round(ms, 4), "bits_equal_default": bits_equal(out, ref)}
+            configs[name] = {"ms": round(ms, 4), "bits_equal_default": same_bits(out, ref)}
         except Exception as e:
             configs[name] = repr(e)[:120]
     row("attn", f"prefill T={t} (32/8 heads, d=128)", strict, native, flops / PEAK_BF16 * 1e3, ">=0.6x SDPA",
@@ -272,7 +268,7 @@ def bench_logprob(bw: float) -> None:
                 hid, w, tg, temps, 0, v, server=s)[0]), 3)
         except Exception as e:
             variants[server] = repr(e)[:100]
-    variants["servers_bitwise"] = bits_equal(logprob.logprobs_and_lse(hid, w, tg, temps, 0, v, server="triton")[0],
+    variants["servers_bitwise"] = same_bits(logprob.logprobs_and_lse(hid, w, tg, temps, 0, v, server="triton")[0],
                                               logprob.logprobs_and_lse(hid, w, tg, temps, 0, v, server="cublaslt")[0])
     row("logprob", f"linear-logprob T={t} D={d} V={v}", s, n, max(flops / PEAK_BF16, inputs / bw) * 1e3,
         ">=1.2x native, peak <=1.1x inputs", extra_peak_gb_strict=round(peaks["strict"] / 1e9, 3),

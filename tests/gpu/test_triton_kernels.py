@@ -18,22 +18,12 @@ from rl_kernel.backends.torch import norm as torch_norm  # noqa: E402
 from rl_kernel.backends.torch import rope as torch_rope  # noqa: E402
 from rl_kernel.backends.torch.numerics import tree_sum  # noqa: E402
 from rl_kernel.backends.triton import activation, attention, gemm, logprob, norm, rope  # noqa: E402
+from rl_kernel.bits import bit_mismatches as mismatches  # noqa: E402
+from rl_kernel.bits import same_bits as same  # noqa: E402
 from rl_kernel.ops.attention import _native_paged, _native_varlen  # noqa: E402
 
 DEV = "cuda"
 BF16 = torch.bfloat16
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
-
-
-def same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(bits(a), bits(b))
-
-
-def mismatches(a: torch.Tensor, b: torch.Tensor) -> int:
-    return int((bits(a) != bits(b)).sum())
 
 
 def poison() -> None:
