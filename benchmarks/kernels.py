@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import rl_kernel as rk  # noqa: E402
 from rl_kernel.backends.triton import attention, gemm, logprob, norm  # noqa: E402
+from rl_kernel.bits import same_bits  # noqa: E402
 from rl_kernel.ops.norm import _native_rms_norm  # noqa: E402
 
 DEV = "cuda"
@@ -78,11 +79,6 @@ def copy_bandwidth() -> float:
     return 2 * a.numel() / (ms * 1e-3)
 
 
-def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return torch.equal(a.view(torch.int16) if a.element_size() == 2 else a.view(torch.int32),
-                       b.view(torch.int16) if b.element_size() == 2 else b.view(torch.int32))
-
-
 # ---- GEMM -----------------------------------------------------------------------------------------------
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
@@ -102,13 +98,13 @@ def _gemm_case(name: str, m: int, n: int, k: int, bw: float) -> None:
     for server in ("triton", "cublaslt"):  # both servers of the one-chain contract, and their bits
         extra[f"{server}_ms"] = round(bench(lambda s=server: gemm.linear(*args(), server=s)), 4)  # noqa: B023
     x, w = args()
-    extra["servers_bitwise"] = bits_equal(gemm.linear(x, w, server="triton"), gemm.linear(x, w, server="cublaslt"))
+    extra["servers_bitwise"] = same_bits(gemm.linear(x, w, server="triton"), gemm.linear(x, w, server="cublaslt"))
     if m <= 128:
         alt = "fused" if m <= gemm.SPLIT_MAX_M else "split"
         extra[f"{alt}_schedule_ms"] = round(bench(lambda: gemm.linear(*args(), schedule=alt)), 4)
         x, w = args()
         fused, split = gemm.linear(x, w, schedule="fused"), gemm.linear(x, w, schedule="split")
-        extra["schedules_bitwise"] = bits_equal(fused, split)
+        extra["schedules_bitwise"] = same_bits(fused, split)
     row("gemm", f"{name} M={m} N={n} K={k}", strict, native, floor, target, **extra)
 
 
@@ -127,9 +123,11 @@ def bench_tiles() -> None:
     """Triton tiles for the one-chain GEMM at decode-sized M (o and down projections): time, and whether the bits
     equal the cuBLASLt server's (a tile's shape must move no bit)."""
     variants = [(64, 32, 64, 4, 5), (64, 32, 128, 4, 4), (64, 16, 128, 4, 4), (64, 64, 64, 4, 4), (64, 64, 128, 4, 3),
-                (64, 32, 256, 4, 3), (128, 128, 64, 8, 4)]
-    for name, (n, k) in (("o", SHAPES["o"]), ("down", SHAPES["down"])):
-        for m in (1, 16, 128):
+                (64, 32, 256, 4, 3), (128, 128, 64, 8, 4), (128, 64, 64, 4, 4), (128, 32, 128, 4, 4),
+                (64, 128, 64, 4, 4)]
+    for name, m_values in (("o", (1, 16, 128)), ("down", (1, 16, 128)), ("qkv", (64, 128)), ("gate_up", (64, 128))):
+        n, k = SHAPES[name]
+        for m in m_values:
             x, w = torch.randn(m, k, device=DEV).to(BF16), (torch.randn(n, k, device=DEV) * 0.02).to(BF16)
             cublas = bench(lambda: F.linear(x, w))  # noqa: B023 (called right here)
             ref = gemm.linear(x, w, server="cublaslt") if rk.backends.triton.cublaslt_ready() else None
@@ -140,7 +138,7 @@ def bench_tiles() -> None:
                     out = gemm.linear(x, w, tile=t)
                     ms = bench(lambda t=t: gemm.linear(x, w, tile=t))  # noqa: B023
                     row("tile", case, ms, cublas, None, "", bits_equal_cublaslt=None if ref is None else
-                        bits_equal(out, ref))
+                        same_bits(out, ref))
                 except Exception as e:  # a tile that does not compile (registers, shared memory) is a result too
                     ROWS.append({"group": "tile", "case": case, "error": repr(e)[:200]})
                     print(f"tile      {case}: {e!r}"[:200], flush=True)
@@ -178,17 +176,22 @@ def _prefill_case(t: int, h: int = 32, hkv: int = 8, d: int = 128) -> None:
     flops = 2 * t * t * h * d  # causal: half of 4 T^2 H d
     ref = attention.varlen_attention(q, k, v, cu, d**-0.5)
     configs = {}  # other launch configurations: time, and whether the bits equal the default's (they must)
-    for bm, warps, stages in ((64, 4, 2), (64, 8, 2), (128, 8, 3), (128, 4, 2), (64, 4, 3)):
-        cfg = {"BLOCK_M": bm, "num_warps": warps, "num_stages": stages}
+    for bm, warps, stages, flat in ((128, 8, 3, False), (128, 8, 3, True), (128, 8, 2, True), (128, 8, 4, True),
+                                    (128, 4, 3, True), (64, 4, 3, True), (64, 4, 2, False)):
+        cfg = {"BLOCK_M": bm, "num_warps": warps, "num_stages": stages, "FLAT": flat}
+        name = f"{bm}/w{warps}/s{stages}" + ("/flat" if flat else "/nested")
         try:
             out = attention.varlen_attention(q, k, v, cu, d**-0.5, config=cfg)
             ms = bench(lambda c=cfg: attention.varlen_attention(q, k, v, cu, d**-0.5, config=c))
-            configs[f"{bm}/w{warps}/s{stages}"] = {"ms": round(ms, 4), "bits_equal_default": bits_equal(out, ref)}
+            configs[name] = {"ms": round(ms, 4), "bits_equal_default": same_bits(out, ref)}
         except Exception as e:
-            configs[f"{bm}/w{warps}/s{stages}"] = repr(e)[:120]
+            configs[name] = repr(e)[:120]
     row("attn", f"prefill T={t} (32/8 heads, d=128)", strict, native, flops / PEAK_BF16 * 1e3, ">=0.6x SDPA",
         tflops_strict=round(flops / strict * 1e-9, 1), tflops_native=round(flops / native * 1e-9, 1),
         configs=configs)
+    print("          launch configurations:", ", ".join(f"{k} {v['ms'] if isinstance(v, dict) else v}"
+                                                   + ("" if not isinstance(v, dict) or v["bits_equal_default"]
+                                                      else " BITS DIFFER") for k, v in configs.items()), flush=True)
 
 
 def bench_decode(bw: float) -> None:
@@ -265,7 +268,7 @@ def bench_logprob(bw: float) -> None:
                 hid, w, tg, temps, 0, v, server=s)[0]), 3)
         except Exception as e:
             variants[server] = repr(e)[:100]
-    variants["servers_bitwise"] = bits_equal(logprob.logprobs_and_lse(hid, w, tg, temps, 0, v, server="triton")[0],
+    variants["servers_bitwise"] = same_bits(logprob.logprobs_and_lse(hid, w, tg, temps, 0, v, server="triton")[0],
                                               logprob.logprobs_and_lse(hid, w, tg, temps, 0, v, server="cublaslt")[0])
     row("logprob", f"linear-logprob T={t} D={d} V={v}", s, n, max(flops / PEAK_BF16, inputs / bw) * 1e3,
         ">=1.2x native, peak <=1.1x inputs", extra_peak_gb_strict=round(peaks["strict"] / 1e9, 3),

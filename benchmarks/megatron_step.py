@@ -63,9 +63,10 @@ def _worker(rank: int, world: int, args: argparse.Namespace, port: int) -> None:
     from megatron.core import parallel_state
 
     import rl_kernel as rk
-    from rl_kernel.integrations.megatron import MegatronPolicy, TrainBatch
+    from rl_kernel.integrations.megatron import MegatronPolicy
     from rl_kernel.models.qwen3 import Qwen3Reference
     from vime.consistency import compare
+    from vime.trainer.grpo import LossConfig, TrainBatch, score, train_step
 
     rk.set_backend(args.backend)
 
@@ -81,7 +82,7 @@ def _worker(rank: int, world: int, args: argparse.Namespace, port: int) -> None:
         policy = MegatronPolicy(args.ckpt, tp=world, mode=mode, lr=1e-6, device="cuda")
         rk.evidence.reset()
         t0 = time.perf_counter()
-        old = policy.logprobs(seqs, prompts)
+        old = score(policy, seqs, prompts)
         _sync()
         entry = {"logprobs_s": time.perf_counter() - t0,
                  "ops": sorted({f"{r['op']}:{r['mode']}:{r['backend']}" for r in rk.evidence.snapshot()})}
@@ -90,7 +91,7 @@ def _worker(rank: int, world: int, args: argparse.Namespace, port: int) -> None:
         for i in range(args.warmup + args.steps):
             _sync()
             t0 = time.perf_counter()
-            metrics = policy.train_step(batch)
+            metrics = train_step(policy, batch, LossConfig())
             _sync()
             if i >= args.warmup:
                 times.append(time.perf_counter() - t0)

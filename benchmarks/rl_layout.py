@@ -36,10 +36,12 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import rl_kernel as rk  # noqa: E402
-from rl_kernel.integrations.megatron import MegatronPolicy, PolicyLossConfig, TrainBatch  # noqa: E402
+from rl_kernel.bits import bit_mismatches  # noqa: E402
+from rl_kernel.integrations.megatron import MegatronPolicy  # noqa: E402
 from rl_kernel.models.qwen3 import Qwen3Reference  # noqa: E402
 from rl_kernel.models.rollout import Request, RolloutEngine  # noqa: E402
 from vime.consistency import compare  # noqa: E402
+from vime.trainer.grpo import LossConfig, TrainBatch, score, train_step  # noqa: E402
 
 # Model shapes (HF Qwen3 config fields) and batch defaults per preset. "8b": Qwen3-8B layers (few of them).
 PRESETS = {
@@ -242,7 +244,7 @@ def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
 
 
 def _weights_changed(new: dict[str, torch.Tensor], old: dict[str, torch.Tensor]) -> int:
-    return sum(int((new[k].view(torch.int16) != old[k].view(torch.int16)).sum()) for k in new)
+    return bit_mismatches([new[k] for k in new], [old[k] for k in new])
 
 
 def _run_mode(mode: str, args: argparse.Namespace, ckpt: Path, device: torch.device, out: dict, on_step) -> None:
@@ -253,8 +255,7 @@ def _run_mode(mode: str, args: argparse.Namespace, ckpt: Path, device: torch.dev
     tp_group = parallel_state.get_tensor_model_parallel_group() if args.tp > 1 else None
     engine_id, tp_rank = parallel_state.get_context_parallel_rank(), parallel_state.get_tensor_model_parallel_rank()
     (policy, ref), out["setup_s"] = _timed(device, lambda: (
-        MegatronPolicy(ckpt, tp=args.tp, cp=args.cp, mode=mode, lr=args.lr, clip_grad=1.0, device=device,
-                       loss=PolicyLossConfig(clip_low=0.2, clip_high=0.28)),
+        MegatronPolicy(ckpt, tp=args.tp, cp=args.cp, mode=mode, lr=args.lr, clip_grad=1.0, device=device),
         Qwen3Reference.from_pretrained(ckpt, group=tp_group, device=device)))
     per_engine = -(-args.prompts // args.cp) * args.group
     blocks = per_engine * -(-(args.prompt_len[1] + args.new_tokens) // args.block_size)
@@ -269,11 +270,12 @@ def _run_mode(mode: str, args: argparse.Namespace, ckpt: Path, device: torch.dev
         seqs = [prompts[i // args.group] + r for i, r in enumerate(responses)]
         prompt_lens = [len(prompts[i // args.group]) for i in range(len(seqs))]
         with rk.evidence.recording() as trainer_ops:
-            lps, logprobs_s = _timed(device, policy.logprobs, seqs, prompt_lens, args.temperature)
+            lps, logprobs_s = _timed(device, score, policy, seqs, prompt_lens, args.temperature)
         row = {"step": step, "weight_version": step, **_compare(old, lps)}
         advantages, reward = _advantages(responses, args.group)
-        metrics, train_s = _timed(device, policy.train_step,
-                                  TrainBatch(seqs, prompt_lens, advantages, old, temperature=args.temperature))
+        metrics, train_s = _timed(device, train_step, policy,
+                                  TrainBatch(seqs, prompt_lens, advantages, old, temperature=args.temperature),
+                                  LossConfig(clip_low=0.2, clip_high=0.28))
         hf, export_s = _timed(device, policy.export_hf_state_dict)
         _, load_s = _timed(device, ref.load_hf_weights, hf)
         if dist.get_rank() == 0:  # bf16 elements this step's update changed (so the push is not vacuous)

@@ -9,7 +9,17 @@ for what a contract pins and `python -m rl_kernel.selftest` to check the guarant
 from rl_kernel import contracts, evidence
 from rl_kernel.backends import get_backend, set_backend
 from rl_kernel.errors import StrictModeError
-from rl_kernel.modes import BOUNDARIES, MODES, canonical_tp, current_modes, get_mode, mode, set_canonical_tp, set_mode
+from rl_kernel.modes import (
+    BOUNDARIES,
+    MODES,
+    OP_BOUNDARY,
+    canonical_tp,
+    current_modes,
+    get_mode,
+    mode,
+    set_canonical_tp,
+    set_mode,
+)
 from rl_kernel.ops.activation import silu_and_mul
 from rl_kernel.ops.attention import attention_varlen, paged_attention, write_kv_cache
 from rl_kernel.ops.collective import all_reduce
@@ -19,8 +29,8 @@ from rl_kernel.ops.norm import rms_norm
 from rl_kernel.ops.rope import rope
 
 __all__ = [
-    "BOUNDARIES", "MODES", "StrictModeError", "all_reduce", "attention_varlen", "canonical_tp", "contracts",
-    "current_modes", "evidence", "get_backend", "get_mode", "linear", "linear_fp32", "log_softmax", "logprobs", "mode",
-    "paged_attention", "rms_norm", "rope", "row_parallel_linear", "set_backend", "set_canonical_tp", "set_mode",
-    "silu_and_mul", "write_kv_cache",
+    "BOUNDARIES", "MODES", "OP_BOUNDARY", "StrictModeError", "all_reduce", "attention_varlen", "canonical_tp",
+    "contracts", "current_modes", "evidence", "get_backend", "get_mode", "linear", "linear_fp32", "log_softmax",
+    "logprobs", "mode", "paged_attention", "rms_norm", "rope", "row_parallel_linear", "set_backend",
+    "set_canonical_tp", "set_mode", "silu_and_mul", "write_kv_cache",
 ]

@@ -14,6 +14,10 @@ from collections.abc import Iterator
 
 BOUNDARIES = ("norm", "gemm", "activation", "rope", "attention", "logprob", "collective")
 MODES = ("strict", "native")
+# Each op (as named in its contracts and evidence records) -> the boundary whose mode governs it.
+OP_BOUNDARY = {"gemm": "gemm", "rms_norm": "norm", "rope": "rope", "silu_and_mul": "activation",
+               "attention": "attention", "logprobs": "logprob", "log_softmax": "logprob",
+               "all_reduce": "collective"}
 
 
 def _check(name: str, boundaries: tuple[str, ...]) -> tuple[str, ...]:

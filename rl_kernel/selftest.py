@@ -29,33 +29,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import rl_kernel as rk
+from rl_kernel.bits import bits, max_abs_diff
 
 Pairs = list[tuple[torch.Tensor, torch.Tensor]]  # (expected, actual): must agree bit for bit
 RowFn = Callable[[torch.Tensor], torch.Tensor]  # row index tensor of any shape -> outputs [*index.shape, ...]
-
-_INT_VIEW = {torch.float64: torch.int64, torch.float32: torch.int32, torch.bfloat16: torch.int16,
-             torch.float16: torch.int16}
-
-
-# --- comparing bits ---------------------------------------------------------------------------------
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    """The raw bit patterns of a float tensor, as the signed integer dtype of the same width."""
-    return t.contiguous().view(_INT_VIEW[t.dtype])
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """True when a and b have the same shape, dtype and bit pattern in every element."""
-    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(bits(a), bits(b))
-
-
-def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    """Largest |a - b| over the elements whose bits differ (inf when a differing element is inf/nan)."""
-    differ = bits(a) != bits(b)
-    if not bool(differ.any()):
-        return 0.0
-    d = (a[differ].double() - b[differ].double()).abs()
-    return float(torch.nan_to_num(d, nan=math.inf).max())
 
 
 @dataclasses.dataclass

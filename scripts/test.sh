@@ -5,4 +5,4 @@ cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
 .venv/bin/ruff check .
 export WANDB_MODE=offline VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
-exec .venv/bin/python -m pytest tests "$@"
+exec .venv/bin/python -m pytest tests --durations=25 "$@"

@@ -45,7 +45,8 @@ from omegaconf import DictConfig
 from rl_kernel import BOUNDARIES
 from vime import consistency
 from vime.config import VimeConfig, as_dict, config_or_exit, modes_label, register_configs
-from vime.consistency import Consistency, Sample
+from vime.consistency import Consistency
+from vime.engines import Sample
 from vime.errors import ComparabilityError, ConfigError, VimeError
 
 log = logging.getLogger("vime")

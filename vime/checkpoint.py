@@ -203,12 +203,12 @@ def restore(driver, path: Path) -> dict[str, Any]:
 def restore_metrics(logger, rows: list[dict]) -> None:
     """Put the metrics of the steps before the checkpoint back into a fresh `MetricsLogger` (its
     metrics.jsonl then holds exactly those rows: steps after the checkpoint are run again)."""
-    from vime.logging import _jsonable
+    from vime.metrics_log import jsonable
 
     logger.rows.extend(rows)
     with logger.jsonl.open("w") as f:
         for row in rows:
-            f.write(json.dumps({k: _jsonable(v) for k, v in row.items()}) + "\n")
+            f.write(json.dumps({k: jsonable(v) for k, v in row.items()}) + "\n")
 
 
 def export_hf(tensors: dict[str, torch.Tensor], model_path: str, output_dir: Path) -> Path:

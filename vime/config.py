@@ -28,12 +28,12 @@ class Mode(StrEnum):
     native = "native"
 
 
-class RolloutEngine(StrEnum):
+class RolloutBackend(StrEnum):
     vllm = "vllm"            # vllm.LLM with the rl_kernel plugin (strict) or vLLM's own kernels (native)
     reference = "reference"  # FALLBACK: rl_kernel.models.rollout over Qwen3Reference
 
 
-class TrainerEngine(StrEnum):
+class TrainerBackend(StrEnum):
     megatron = "megatron"    # megatron-core GPTModel via rl_kernel.integrations.megatron
     reference = "reference"  # FALLBACK: Qwen3Reference + a plain torch optimizer
 
@@ -89,7 +89,7 @@ class AlgoConfig:
 
 @dataclass
 class RolloutConfig:
-    engine: RolloutEngine = RolloutEngine.vllm
+    engine: RolloutBackend = RolloutBackend.vllm
     mode: Mode = Mode.strict
     boundary_modes: dict[str, Mode] = field(default_factory=dict)  # e.g. {attention: native}
     num_engines: int = 1
@@ -107,7 +107,7 @@ class RolloutConfig:
 
 @dataclass
 class TrainerConfig:
-    engine: TrainerEngine = TrainerEngine.megatron
+    engine: TrainerBackend = TrainerBackend.megatron
     mode: Mode = Mode.strict
     boundary_modes: dict[str, Mode] = field(default_factory=dict)
     tp: int = 1
@@ -277,7 +277,7 @@ def validate(cfg: VimeConfig) -> VimeConfig:
              f"{a.prompts_per_step * a.group_size} samples per step > rollout.max_num_seqs x num_engines",
              "raise rollout.max_num_seqs or lower algo.prompts_per_step / group_size")
     if cfg.device == "cpu":
-        _require(r.engine != RolloutEngine.vllm or r.tp <= 2, f"rollout.tp={r.tp} on CPU",
+        _require(r.engine != RolloutBackend.vllm or r.tp <= 2, f"rollout.tp={r.tp} on CPU",
                  "this CPU build runs at most TP2 per engine")
     return cfg
 

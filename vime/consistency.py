@@ -16,42 +16,10 @@ from collections.abc import Sequence
 
 import torch
 
-from rl_kernel import BOUNDARIES, contracts
+from rl_kernel import BOUNDARIES, OP_BOUNDARY, contracts
+from rl_kernel.bits import bits
+from vime.engines import Sample, Scored
 from vime.errors import ComparabilityError
-
-# rl_kernel op name (as in evidence records) -> the mode boundary that governs it.
-OP_BOUNDARY = {"gemm": "gemm", "rms_norm": "norm", "rope": "rope", "silu_and_mul": "activation",
-               "attention": "attention", "logprobs": "logprob", "log_softmax": "logprob",
-               "all_reduce": "collective"}
-
-
-@dataclasses.dataclass
-class Sample:
-    """One rollout sample: a response to one prompt, with what produced each of its tokens."""
-    group: int                  # prompt index within the step (a GRPO group)
-    prompt_ids: list[int]
-    response_ids: list[int]
-    logprobs: list[float]       # rollout logprob of each response token (fp32 values)
-    versions: list[int]         # weight version that produced each response token
-    engine: int                 # rollout engine id
-    temperature: float
-    top_k: int = -1
-    top_p: float = 1.0
-    vocab_size: int = 0         # real vocab range the engine normalised over
-    finish_reason: str = ""
-    reward: float = 0.0
-    advantage: float = 0.0
-
-
-@dataclasses.dataclass
-class Scored:
-    """The trainer's teacher-forcing logprobs for one sample, with what it scored."""
-    token_ids: list[int]        # the response token ids it scored
-    positions: list[int]        # their positions in the sequence (prompt_len + j)
-    logprobs: torch.Tensor      # fp32 [len(token_ids)]
-    version: int                # weight version of the trainer's weights
-    temperature: float
-    vocab_size: int
 
 
 @dataclasses.dataclass
@@ -98,7 +66,7 @@ def compare(rollout: Sequence[torch.Tensor], trainer: Sequence[torch.Tensor],
             raise ComparabilityError(f"sample {i}: logprobs must be fp32, got {a.dtype} and {b.dtype}")
         if a.shape != b.shape:
             raise ComparabilityError(f"sample {i}: {a.numel()} rollout logprobs vs {b.numel()} trainer logprobs")
-        differ = a.view(torch.int32) != b.view(torch.int32)
+        differ = bits(a) != bits(b)
         diff = (a.to(torch.float64) - b.to(torch.float64)).abs()
         mismatches += int(differ.sum())
         tokens += a.numel()

@@ -19,11 +19,11 @@ from tqdm import tqdm
 
 from vime import checkpoint, consistency, faults, placement, preflight, report, restart
 from vime.config import Mode, VimeConfig, as_dict, side_modes
-from vime.consistency import Sample
 from vime.data.dataset import PromptSet, load_tokenizer, model_vocab_size
+from vime.engines import Sample
 from vime.errors import ComparabilityError, EngineDiedError, TrainingError, VimeError
 from vime.layout import check_layout, ray_node_gpus, read_config_json
-from vime.logging import MetricsLogger
+from vime.metrics_log import MetricsLogger
 from vime.rollout.actor import RolloutWorker
 from vime.timeline import Timeline
 from vime.trainer.actor import TrainerWorker
@@ -203,11 +203,11 @@ class Driver:
         result = consistency.compare([consistency.rollout_tensor(s.logprobs) for s in samples],
                                      [sc.logprobs for sc in scored], [sc.positions for sc in scored],
                                      [sc.token_ids for sc in scored])
-        stats = self._call(self.trainer, "train_step", "train step", samples, cfg.algo.clip_eps, cfg.algo.kl_coef,
-                           trainer=True)[0]
-        trained = stats.pop("version")
-        if trained != self.timeline.trained():
-            raise TrainingError(f"trainer reports version {trained}, driver expects {self.timeline.trainer_version}")
+        stats = self._call(self.trainer, "train_step", "train step", samples, trainer=True)[0]
+        reported = stats.pop("version")
+        expected = self.timeline.trained()  # the trainer's weights are now version v+1
+        if reported != expected:
+            raise TrainingError(f"trainer reports version {reported}, driver expects {expected}")
         t3 = time.perf_counter()
         sync = restart.sync(self, lambda: sync_weights(self.trainer, self.engines, self.timeline.trainer_version,
                                                        BUCKET_BYTES, self.timeline, call))

@@ -9,9 +9,11 @@ that clean-up exits at once with the same code.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import signal
+import sys
 import threading
 from pathlib import Path
 
@@ -86,6 +88,28 @@ def report_stop(driver, reason: str) -> None:
         log.warning("continue from %s with: %s", last.name, checkpoint.resume_command(driver.output_dir))
     else:
         log.warning("no checkpoint was saved yet: rerun with a new output_dir to start again")
+
+
+# ---- processes a worker forks --------------------------------------------------------------------
+
+PR_SET_PDEATHSIG = 1
+_forking_pid = [0]
+
+
+def _die_with_parent() -> None:
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL))
+    if os.getppid() != _forking_pid[0]:  # the parent died between fork and prctl
+        os._exit(1)
+
+
+def forked_children_die_with_this_process() -> None:
+    """From now on every process this one forks gets SIGKILL when its parent dies (Linux
+    PR_SET_PDEATHSIG). Called in trainer ranks: Megatron's checkpoint writers are forked processes
+    that inherit the rank's Ray connections, so writers outliving a killed rank keep it alive to Ray
+    and the driver would wait on it forever instead of reporting the dead rank."""
+    if sys.platform.startswith("linux"):
+        os.register_at_fork(before=lambda: _forking_pid.__setitem__(0, os.getpid()),
+                            after_in_child=_die_with_parent)
 
 
 # ---- temporary files ------------------------------------------------------------------------------

@@ -97,7 +97,7 @@ class _StrictLinear(torch.autograd.Function):
         x2d = x.reshape(-1, x.shape[-1])
         world = 1 if group is None else dist.get_world_size(group)
         if row_parallel and world > 1:
-            y = _row_parallel_partial(x2d, weight, group)
+            y = _row_parallel_partial(x2d, weight, group, world)
             y = (y if bias is None else y + bias.to(torch.float32)).to(x.dtype)
         else:
             k_group = _row_parallel_group(x2d.shape[-1], 1, backends.strict_backend("gemm", x2d.device)) \
@@ -135,13 +135,11 @@ def _row_parallel_group(k_local: int, world: int, backend: str) -> int:
     return k_group
 
 
-def _row_parallel_partial(x2d: torch.Tensor, weight: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-    world = 1 if group is None else dist.get_world_size(group)
+def _row_parallel_partial(x2d: torch.Tensor, weight: torch.Tensor, group: dist.ProcessGroup | None,
+                          world: int) -> torch.Tensor:
+    """fp32 [M, N]: this rank's K groups, then the rank-order tree all-reduce over `group` (`world` > 1 ranks)."""
     k_group = _row_parallel_group(x2d.shape[-1], world, backends.strict_backend("gemm", x2d.device))
-    partial = _strict_linear(x2d, weight, k_group=k_group)
-    if world == 1:
-        return partial
-    return tree_all_reduce(partial, group)
+    return tree_all_reduce(_strict_linear(x2d, weight, k_group=k_group), group)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -19,6 +19,7 @@ import time
 import torch
 
 import rl_kernel as rk
+from rl_kernel.bits import bits
 from rl_kernel.models.qwen3 import Qwen3Config, Qwen3Reference
 from rl_kernel.models.rollout import Request, RolloutEngine
 
@@ -71,7 +72,7 @@ def compare(model: Qwen3Reference, reqs: list[Request], budget: int, block_size:
     t2 = time.perf_counter()
     roll = torch.cat([c.logprobs.cpu() for c in done])
     tf = torch.cat(train)
-    differ = roll.view(torch.int32) != tf.view(torch.int32)
+    differ = bits(roll) != bits(tf)
     worst = float((roll.double() - tf.double()).abs().max()) if roll.numel() else 0.0
     steps = len(engine.trace)
     mixed = sum(1 for st in engine.trace if any(n > 1 for _, _, n in st) and any(n == 1 for _, _, n in st))

@@ -13,12 +13,9 @@ import rl_kernel as rk
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 pytest.importorskip("triton")
 
+from rl_kernel.bits import bits  # noqa: E402
 from rl_kernel.errors import StrictModeError  # noqa: E402
 from rl_kernel.integrations.megatron import cp as cpm  # noqa: E402
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(torch.int16 if t.element_size() == 2 else torch.int32)
 
 
 def simulated_cp(q, k, v, layout, scale, split_chunks=None):

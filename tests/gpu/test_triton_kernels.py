@@ -18,22 +18,12 @@ from rl_kernel.backends.torch import norm as torch_norm  # noqa: E402
 from rl_kernel.backends.torch import rope as torch_rope  # noqa: E402
 from rl_kernel.backends.torch.numerics import tree_sum  # noqa: E402
 from rl_kernel.backends.triton import activation, attention, gemm, logprob, norm, rope  # noqa: E402
+from rl_kernel.bits import bit_mismatches as mismatches  # noqa: E402
+from rl_kernel.bits import same_bits as same  # noqa: E402
 from rl_kernel.ops.attention import _native_paged, _native_varlen  # noqa: E402
 
 DEV = "cuda"
 BF16 = torch.bfloat16
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
-
-
-def same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(bits(a), bits(b))
-
-
-def mismatches(a: torch.Tensor, b: torch.Tensor) -> int:
-    return int((bits(a) != bits(b)).sum())
 
 
 def poison() -> None:
@@ -197,6 +187,9 @@ def test_attention_layouts_bitwise(heads, kv_heads, d, page):
     for schedule in ("split", "fused"):
         poison()
         assert same(attention.paged_attention(q, kc, vc, table, seq_lens, cu, scale, schedule=schedule), packed)
+    for flat in (False, True):  # the fused schedule as one loop over chunks (merge at split boundaries) or nested
+        config = dict(attention.PREFILL, FLAT=flat)
+        assert same(attention.varlen_attention(q, k, v, cu, scale, config=config), packed), f"FLAT={flat}"
     last = cu[1:] - 1  # decode: the last token of every sequence, one batch
     qsl = torch.arange(len(lens) + 1, dtype=torch.int32, device=DEV)
     for schedule in ("split", "fused"):

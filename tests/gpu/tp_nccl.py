@@ -20,13 +20,7 @@ import torch.distributed as dist
 
 import rl_kernel as rk
 from rl_kernel.backends.torch.numerics import tree_sum
-
-
-def bits_equal(a: torch.Tensor, b: torch.Tensor) -> tuple[bool, int]:
-    ia = a.contiguous().view(torch.int16 if a.element_size() == 2 else torch.int32)
-    ib = b.contiguous().view(torch.int16 if b.element_size() == 2 else torch.int32)
-    n = int((ia != ib).sum())
-    return n == 0, n
+from rl_kernel.bits import bit_mismatches
 
 
 def main() -> None:
@@ -43,7 +37,7 @@ def main() -> None:
     results = {}
 
     def record(name: str, a: torch.Tensor, b: torch.Tensor) -> None:
-        same = torch.tensor([int(bits_equal(a, b)[1])], device=dev)
+        same = torch.tensor([bit_mismatches(a, b)], device=dev)
         dist.all_reduce(same)
         results[name] = int(same)
 

@@ -84,8 +84,9 @@ def _job(job: dict, ckpt: str, device: str) -> dict:
     from megatron.core import parallel_state
 
     from rl_kernel import evidence
-    from rl_kernel.integrations.megatron import MegatronPolicy, PolicyLossConfig, TrainBatch
+    from rl_kernel.integrations.megatron import MegatronPolicy
     from rl_kernel.models.qwen3 import Qwen3Reference
+    from vime.trainer.grpo import LossConfig, TrainBatch, score, train_step
 
     tp, cp = job["tp"], job["cp"]
     seqs, prompts = samples(long=job.get("long", False))
@@ -99,23 +100,19 @@ def _job(job: dict, ckpt: str, device: str) -> dict:
     for mode in job.get("modes", ("strict",)):
         policy = MegatronPolicy(ckpt, tp=tp, cp=cp, mode=mode, lr=LR, device=device)
         evidence.reset()
-        res[f"{mode}"] = policy.logprobs(seqs, prompts, TEMPERATURE)
+        res[f"{mode}"] = score(policy, seqs, prompts, TEMPERATURE)
         res[f"{mode}_evidence"] = sorted({(r["op"], r["mode"]) for r in evidence.snapshot()})
         if job.get("packings"):
-            policy.micro_batch_size = 1
-            res[f"{mode}_mb1"] = policy.logprobs(seqs, prompts, TEMPERATURE)
-            policy.micro_batch_size = 4
+            res[f"{mode}_mb1"] = score(policy, seqs, prompts, TEMPERATURE, micro_batch_size=1)
             order = list(reversed(range(len(seqs))))
-            rev = policy.logprobs([seqs[i] for i in order], [prompts[i] for i in order], TEMPERATURE)
+            rev = score(policy, [seqs[i] for i in order], [prompts[i] for i in order], TEMPERATURE, micro_batch_size=4)
             res[f"{mode}_mb4_reversed"] = [rev[order.index(i)] for i in range(len(seqs))]
-            policy.micro_batch_size = None
         if job.get("export") and mode == "strict":
             res["export"] = policy.export_hf_state_dict()
         if job.get("train") and mode == "strict":
-            policy.loss_config = PolicyLossConfig(clip_low=0.2, clip_high=0.28, kl_coef=0.1)
             extra = train_inputs(res["ref"])
             batch = TrainBatch(seqs, prompts, extra["advantages"], res["ref"], extra["ref_logprobs"], TEMPERATURE)
-            res["train_metrics"] = policy.train_step(batch)
+            res["train_metrics"] = train_step(policy, batch, LossConfig(clip_low=0.2, clip_high=0.28, kl_coef=0.1))
             res["train_main_grad"] = policy.export_hf_state_dict("main_grad")
             res["train_main"] = policy.export_hf_state_dict("main")
             res["train_model"] = policy.export_hf_state_dict("model")

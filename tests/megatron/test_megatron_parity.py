@@ -11,13 +11,10 @@ import pytest
 import torch
 from megatron_workers import LR, TEMPERATURE, samples, train_inputs
 
+from rl_kernel.bits import bit_mismatches as mismatches  # response tokens whose fp32 bits differ
+from rl_kernel.bits import same_bits
+
 pytestmark = [pytest.mark.megatron, pytest.mark.slow]
-
-
-def mismatches(a: list[torch.Tensor], b: list[torch.Tensor]) -> int:
-    """Response tokens whose fp32 bit patterns differ (all tokens are compared)."""
-    assert [x.shape for x in a] == [y.shape for y in b]
-    return sum(int((x.view(torch.int32) != y.view(torch.int32)).sum()) for x, y in zip(a, b))
 
 
 def n_tokens(a: list[torch.Tensor]) -> int:
@@ -103,7 +100,7 @@ def test_export_round_trip_through_megatron_is_exact(world1, world2, tiny_qwen3_
         out = r["export"]
         assert set(out) == set(hf)
         for name, t in hf.items():
-            assert out[name].dtype == t.dtype and torch.equal(out[name].view(torch.int16), t.view(torch.int16)), name
+            assert same_bits(out[name], t), name
 
 
 def test_train_step_strict_metrics(world1):
@@ -128,7 +125,7 @@ def test_train_step_tp2_matches_tp1(world1, world2, world4):
     for key, other in (("tp2", world2["tp2cp1"]), ("tp2cp2", world4["tp2cp2"])):
         rel = {name: _rel(other["train_main_grad"][name], g) for name, g in t1["train_main_grad"].items()}
         diff = {name: float((other["train_main"][name] - w).abs().max()) for name, w in t1["train_main"].items()}
-        same = sum(int(torch.equal(other["train_model"][n].view(torch.int16), w.view(torch.int16)))
+        same = sum(int(same_bits(other["train_model"][n], w))
                    for n, w in t1["train_model"].items())
         print(f"{key} vs tp1: max grad rel err {max(rel.values()):.2e}, max main-param diff {max(diff.values()):.2e}, "
               f"bf16 weights bitwise equal in {same}/{len(t1['train_model'])} tensors")
@@ -145,11 +142,11 @@ def test_train_step_matches_plain_fp32_pytorch(world1, tiny_qwen3_path):
     update for 99% of the elements and within 2 * lr for all."""
     from transformers import Qwen3ForCausalLM
 
-    from rl_kernel.integrations.megatron import PolicyLossConfig, policy_loss
+    from vime.trainer.grpo import LossConfig, policy_loss
 
     model = Qwen3ForCausalLM.from_pretrained(str(tiny_qwen3_path), dtype=torch.float32, attn_implementation="eager")
     seqs, prompts = samples()
-    cfg, clip = PolicyLossConfig(clip_low=0.2, clip_high=0.28, kl_coef=0.1), 1.0  # as in the workers
+    cfg, clip = LossConfig(clip_low=0.2, clip_high=0.28, kl_coef=0.1), 1.0  # as in the workers
     r = world1["tp1cp1"]
     old = r["ref"]
     extra = train_inputs(old)

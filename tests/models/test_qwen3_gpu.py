@@ -5,7 +5,7 @@ backend's bits on CUDA equal to its bits on the CPU. Skipped without CUDA (tests
 from __future__ import annotations
 
 import pytest
-from test_qwen3_rollout import _mismatches, _requests, _teacher_forcing
+from test_qwen3_rollout import _requests, _teacher_forcing, mismatch_stats
 
 import rl_kernel as rk
 from rl_kernel.models import Qwen3Reference
@@ -29,8 +29,8 @@ def test_rollout_equals_teacher_forcing_cuda(backend, tiny_qwen3_path):
             native_tf = _teacher_forcing(model, reqs, native_outs)
     finally:
         rk.set_backend(saved)
-    bad, n, max_diff = _mismatches([o.logprobs.cpu() for o in outs], tf)
-    native_bad, _, native_max = _mismatches([o.logprobs.cpu() for o in native_outs], native_tf)
+    bad, n, max_diff = mismatch_stats([o.logprobs.cpu() for o in outs], tf)
+    native_bad, _, native_max = mismatch_stats([o.logprobs.cpu() for o in native_outs], native_tf)
     print(f"cuda {backend}: strict {bad} / {n} differ; native {native_bad} / {n} (max |diff| {native_max:.3g})")
     assert n == 54 and bad == 0 and max_diff == 0.0
     assert native_bad > 0  # native twin: cuBLAS / SDPA on the H200 (observed 8 / 54 with the torch backend)
@@ -47,6 +47,6 @@ def test_torch_backend_cuda_equals_cpu(tiny_qwen3_path):
         cuda = Qwen3Reference.from_pretrained(tiny_qwen3_path, device="cuda").sequence_logprobs(seqs, prompt_lens)
     finally:
         rk.set_backend(saved)
-    bad, n, max_diff = _mismatches(cpu, cuda)
+    bad, n, max_diff = mismatch_stats(cpu, cuda)
     print(f"torch backend CPU vs CUDA: {bad} / {n} differ (max |diff| {max_diff:.3g})")
     assert bad == 0

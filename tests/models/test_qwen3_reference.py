@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 import rl_kernel as rk
+from rl_kernel.bits import same_bits
 from rl_kernel.models import Qwen3Reference
 
 STRICT_OPS = {"rms_norm", "gemm", "rope", "attention", "silu_and_mul", "logprobs"}
@@ -144,16 +145,16 @@ def test_state_dict_roundtrip_and_weight_swap(tiny_qwen3_path):
     sd = model.state_dict_hf()
     assert sd.keys() == ckpt.keys()
     for name, t in ckpt.items():
-        assert torch.equal(sd[name].view(torch.int16), t.view(torch.int16)), name
+        assert same_bits(sd[name], t), name
     seqs = _sequences([12])
     before = model.sequence_logprobs(seqs, [1])[0]
     # A bucketed update of one tensor changes the result; loading the original back restores every bit.
     name = "model.layers.1.mlp.down_proj.weight"
     model.load_hf_weights({name: ckpt[name] * 2})
     changed = model.sequence_logprobs(seqs, [1])[0]
-    assert not torch.equal(changed.view(torch.int32), before.view(torch.int32))
+    assert not same_bits(changed, before)
     model.load_hf_weights({name: ckpt[name]})
-    assert torch.equal(model.sequence_logprobs(seqs, [1])[0].view(torch.int32), before.view(torch.int32))
+    assert same_bits(model.sequence_logprobs(seqs, [1])[0], before)
 
 
 def test_sequence_logprobs_prompt_and_temperature(tiny_qwen3_path):
@@ -163,8 +164,8 @@ def test_sequence_logprobs_prompt_and_temperature(tiny_qwen3_path):
     full = model.sequence_logprobs(seqs, [1, 1], temperature=[1.0, 0.5])
     part = model.sequence_logprobs(seqs, [4, 1], temperature=[1.0, 0.5])
     assert [len(x) for x in part] == [6, 5]
-    assert torch.equal(part[0].view(torch.int32), full[0][3:].view(torch.int32))
-    assert torch.equal(part[1].view(torch.int32), full[1].view(torch.int32))
+    assert same_bits(part[0], full[0][3:])
+    assert same_bits(part[1], full[1])
     hot = model.sequence_logprobs(seqs, [1, 1], temperature=1.0)
     assert not torch.equal(hot[1], full[1])
 

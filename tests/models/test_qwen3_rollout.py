@@ -9,6 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import rl_kernel as rk
+from rl_kernel.bits import bit_mismatches, same_bits
 from rl_kernel.models import Qwen3Reference
 from rl_kernel.models.rollout import Completion, Request, RolloutEngine
 
@@ -29,9 +30,9 @@ def _teacher_forcing(model: Qwen3Reference, reqs: list[Request], outs: list[Comp
     return [tf[order.index(i)] for i in range(len(reqs))]
 
 
-def _mismatches(a: list[torch.Tensor], b: list[torch.Tensor]) -> tuple[int, int, float]:
+def mismatch_stats(a: list[torch.Tensor], b: list[torch.Tensor]) -> tuple[int, int, float]:
     """(tokens whose fp32 bits differ, tokens compared, max |diff|), over every token."""
-    bad = sum(int((x.view(torch.int32) != y.view(torch.int32)).sum()) for x, y in zip(a, b))
+    bad = bit_mismatches(a, b)
     return bad, sum(x.numel() for x in a), max(float((x - y).abs().max()) for x, y in zip(a, b) if x.numel())
 
 
@@ -49,7 +50,7 @@ def _rollout_vs_teacher(path, dtype: torch.dtype, block_size: int = 8, budget: i
     chunks = [(i, n) for step in engine.trace for i, first, n in step if first < len(reqs[i].prompt_ids)]
     assert sum(n for i, n in chunks if i == 1) == 70 and sum(1 for i, _ in chunks if i == 1) >= 5
     assert any(len(step) >= 3 for step in engine.trace)
-    return _mismatches([o.logprobs for o in outs], _teacher_forcing(model, reqs, outs))
+    return mismatch_stats([o.logprobs for o in outs], _teacher_forcing(model, reqs, outs))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -84,7 +85,7 @@ def test_rollout_is_schedule_invariant_strict(tiny_qwen3_fp32_path, report_nativ
             runs = [RolloutEngine(model, num_blocks=n, block_size=bs, max_num_batched_tokens=b, block_seed=s)
                     .generate(_requests(), seed=3) for n, bs, b, s in ((64, 8, 13, 0), (16, 32, 96, 7))]
         same_tokens = all(x.token_ids == y.token_ids for x, y in zip(*runs))
-        results[mode] = same_tokens, _mismatches([o.logprobs for o in runs[0]], [o.logprobs for o in runs[1]])
+        results[mode] = same_tokens, mismatch_stats([o.logprobs for o in runs[0]], [o.logprobs for o in runs[1]])
     report_native(f"schedule: same tokens {results['native'][0]}, (mismatches, tokens, max diff) "
                   f"{results['native'][1]}")
     assert results["strict"] == (True, (0, 54, 0.0))
@@ -114,7 +115,7 @@ def test_any_schedule_gives_teacher_forcing_bits(bf16_model, budget, block_size,
         _reference_cache["tokens"] = [o.token_ids for o in outs]
         _reference_cache["tf"] = _teacher_forcing(bf16_model, reqs, outs)
     assert [o.token_ids for o in outs] == _reference_cache["tokens"]
-    assert _mismatches([o.logprobs for o in outs], _reference_cache["tf"])[0] == 0
+    assert mismatch_stats([o.logprobs for o in outs], _reference_cache["tf"])[0] == 0
 
 
 def test_blocks_are_shuffled_and_reused(tiny_qwen3_path):
@@ -138,7 +139,7 @@ def test_stop_tokens_and_bad_requests(tiny_qwen3_path):
     stopped = engine.generate([Request([5, 6, 7], 8, stop_token_ids=(stop,))], seed=0)[0]
     cut = free.token_ids.index(stop) + 1
     assert stopped.token_ids == free.token_ids[:cut]
-    assert torch.equal(stopped.logprobs.view(torch.int32), free.logprobs[:cut].view(torch.int32))
+    assert same_bits(stopped.logprobs, free.logprobs[:cut])
     with pytest.raises(ValueError, match="more than the cache's 8 blocks"):
         engine.generate([Request([1] * 30, 8)])
     with pytest.raises(ValueError, match="prompt token ids must lie in \\[0, 512\\)"):

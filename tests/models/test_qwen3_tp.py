@@ -16,6 +16,7 @@ import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
 import rl_kernel as rk
+from rl_kernel.bits import bit_mismatches, same_bits
 from rl_kernel.models import Qwen3Reference, make_tiny_qwen3
 from rl_kernel.models.rollout import Request, RolloutEngine
 
@@ -70,18 +71,10 @@ def _worker(rank: int, backend: str, init_file: str, path: str, out_dir: str) ->
         ckpt = load_file(f"{path}/model.safetensors")
         gathered = model.state_dict_hf()
         assert gathered.keys() == ckpt.keys()
-        assert all(torch.equal(gathered[k].cpu().view(torch.int16), v.view(torch.int16)) for k, v in ckpt.items())
+        assert all(same_bits(gathered[k].cpu(), v) for k, v in ckpt.items())
         torch.save(_run(model), f"{out_dir}/rank{rank}.pt")
     finally:
         dist.destroy_process_group()
-
-
-def _bits_equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
-    return len(a) == len(b) and all(torch.equal(x.view(torch.int32), y.view(torch.int32)) for x, y in zip(a, b))
-
-
-def _mismatches(a: list[torch.Tensor], b: list[torch.Tensor]) -> int:
-    return sum(int((x.view(torch.int32) != y.view(torch.int32)).sum()) for x, y in zip(a, b))
 
 
 @pytest.mark.parametrize("backend", [
@@ -99,15 +92,15 @@ def test_tp2_equals_tp1_bitwise(backend, tmp_path):
     n = sum(x.numel() for x in ref["tf"])
     # Both ranks hold the same bits; the strict runs used the deterministic all-reduce and no native op.
     for key in ("tf", "rollout", "rollout_tf", "native_tf"):
-        assert _bits_equal(tp2[0][key], tp2[1][key]), key
+        assert same_bits(tp2[0][key], tp2[1][key]), key
     assert tp2[0]["tokens"] == tp2[1]["tokens"]
     assert ("all_reduce", "strict") in ranks["ops"]["strict"] and {m for _, m in ranks["ops"]["strict"]} == {"strict"}
     assert ("all_reduce", "native") in ranks["ops"]["native"] and {m for _, m in ranks["ops"]["native"]} == {"native"}
     # Strict: TP2 == TP1 (teacher forcing), TP2 rollout == TP2 teacher forcing == TP1 rollout.
-    assert _bits_equal(ranks["tf"], ref["tf"]), f"{_mismatches(ranks['tf'], ref['tf'])} / {n} differ"
-    assert _bits_equal(ranks["rollout"], ranks["rollout_tf"])
-    assert ranks["tokens"] == ref["tokens"] and _bits_equal(ranks["rollout"], ref["rollout"])
+    assert same_bits(ranks["tf"], ref["tf"]), f"{bit_mismatches(ranks['tf'], ref['tf'])} / {n} differ"
+    assert same_bits(ranks["rollout"], ranks["rollout_tf"])
+    assert ranks["tokens"] == ref["tokens"] and same_bits(ranks["rollout"], ref["rollout"])
     # Native twin: TP2 vs TP1 differ.
-    bad = _mismatches(ranks["native_tf"], ref["native_tf"])
+    bad = bit_mismatches(ranks["native_tf"], ref["native_tf"])
     print(f"{backend}: strict TP2 vs TP1: 0 / {n} tokens differ; native TP2 vs TP1: {bad} / {n}")
     assert bad > 0

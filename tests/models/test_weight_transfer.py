@@ -7,6 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from rl_kernel.bits import same_bits
 from rl_kernel.models.qwen3 import Qwen3Reference
 from rl_kernel.models.weight_transfer import (
     ALIGN,
@@ -69,7 +70,7 @@ def test_pack_unpack_is_a_bit_copy():
     back = unpack(buf, [TensorMeta.of(n, t) for n, t in named], sizes)
     for (n, t), (m, u) in zip(named, back):
         assert n == m and u.dtype == t.dtype and u.shape == t.shape
-        assert torch.equal(u.contiguous().view(torch.uint8), t.contiguous().view(torch.uint8))
+        assert same_bits(u, t)
 
 
 def test_push_roundtrip_versions_and_ack():
@@ -82,7 +83,7 @@ def test_push_roundtrip_versions_and_ack():
     ack = tx.push(named, 1)
     assert ack["version"] == 1 and ack["tensors"] == 4 and ack["buckets"] > 1 and rx.version == 1
     for n, t in named:
-        assert torch.equal(got[n].view(torch.uint8), t.view(torch.uint8))
+        assert same_bits(got[n], t)
     with pytest.raises(WeightVersionError, match="must grow"):
         tx.push(named, 1)
     tx.version = None  # a sender that lost track: the engine still refuses a stale version
@@ -132,4 +133,4 @@ def test_push_into_the_rollout_model(tiny_qwen3_path):
     ack = _wire(rx, bucket_bytes=64 << 10).push(sorted(src.items()), 1)
     assert ack["tensors"] == len(src) and rx.version == 1
     for n, t in model.state_dict_hf().items():
-        assert torch.equal(t.view(torch.int16), src[n].view(torch.int16)), n
+        assert same_bits(t, src[n]), n

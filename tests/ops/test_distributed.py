@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rl_kernel.selftest import max_abs_diff, run_distributed, same_bits, tree_in_rank_order
+from rl_kernel.bits import max_abs_diff, same_bits
+from rl_kernel.selftest import run_distributed, tree_in_rank_order
 
 pytestmark = pytest.mark.slow
 

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 import rl_kernel as rk
-from rl_kernel.selftest import cu_seqlens, max_abs_diff, qkv, same_bits
+from rl_kernel.bits import max_abs_diff, same_bits
+from rl_kernel.selftest import cu_seqlens, qkv
 
 pytestmark = pytest.mark.slow
 

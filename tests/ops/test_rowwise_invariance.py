@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import rl_kernel as rk
-from rl_kernel.selftest import max_abs_diff, same_bits
+from rl_kernel.bits import max_abs_diff, same_bits
 
 SETTINGS = settings(max_examples=6, deadline=None, database=None)
 WIDE = 1 << 17  # a row this wide is one reduction that native torch splits across threads

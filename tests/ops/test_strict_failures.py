@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import rl_kernel as rk
+from rl_kernel import OP_BOUNDARY
 from rl_kernel.backends.torch.logprob import MAX_VOCAB
 
 
@@ -116,3 +117,14 @@ def test_strict_run_records_only_strict_contracts():
     assert ran and rk.evidence.native_ops(ran) == []
     assert all(contracts[r["contract_id"]] == r["fingerprint"] for r in ran)
     assert {r["op"] for r in ran} == {"gemm", "rms_norm", "silu_and_mul", "rope", "attention", "logprobs"}
+
+
+def test_op_boundary_names_the_boundary_each_op_obeys():
+    """`rl_kernel.OP_BOUNDARY` (the map vime's contract gate reads) covers every op with a contract, and
+    setting an op's boundary native is what makes that op run natively."""
+    assert {c.op for c in rk.contracts.all_contracts().values()} <= set(OP_BOUNDARY)
+    assert set(OP_BOUNDARY.values()) <= set(rk.BOUNDARIES)
+    for name, (op, call) in _calls(torch.float32).items():
+        with rk.mode("native", OP_BOUNDARY[op]), rk.evidence.recording() as ran:
+            call()
+        assert {r["op"] for r in ran if r["mode"] == "native"} == {op}, (name, ran)

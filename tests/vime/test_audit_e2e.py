@@ -23,8 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from rl_kernel import BOUNDARIES
-from vime.consistency import OP_BOUNDARY
+from rl_kernel import BOUNDARIES, OP_BOUNDARY
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.megatron]

@@ -5,14 +5,14 @@ from __future__ import annotations
 import pytest
 from hydra.errors import ConfigCompositionException
 
-from vime.config import Mode, RolloutEngine, TrainerEngine, side_modes, to_object, validate
+from vime.config import Mode, RolloutBackend, TrainerBackend, side_modes, to_object, validate
 from vime.errors import ConfigError
 
 
 def test_default_config_is_the_cpu_tiny_run(compose_cfg):
     cfg = validate(to_object(compose_cfg()))
     assert cfg.device == "cpu" and cfg.model.path is None
-    assert cfg.rollout.engine == RolloutEngine.vllm and cfg.trainer.engine == TrainerEngine.megatron
+    assert cfg.rollout.engine == RolloutBackend.vllm and cfg.trainer.engine == TrainerBackend.megatron
     assert cfg.rollout.mode == Mode.strict and cfg.trainer.mode == Mode.strict
     assert cfg.wandb.mode == "offline"
     assert cfg.algo.group_size >= 2

@@ -8,7 +8,9 @@ import pytest
 import torch
 
 import rl_kernel as rk
-from vime.consistency import Sample, Scored, check_comparable, check_contracts, compare, rollout_tensor
+from rl_kernel.bits import same_bits
+from vime.consistency import check_comparable, check_contracts, compare, rollout_tensor
+from vime.engines import Sample, Scored
 from vime.errors import ComparabilityError
 
 
@@ -61,7 +63,7 @@ def test_incomparable_shapes_are_errors(a, b, message):
 
 def test_rollout_floats_must_be_exact_fp32():
     x = torch.randn(16)
-    assert torch.equal(rollout_tensor(x.tolist()).view(torch.int32), x.view(torch.int32))
+    assert same_bits(rollout_tensor(x.tolist()), x)
     with pytest.raises(ComparabilityError, match="not fp32"):
         rollout_tensor([0.1])  # the Python float 0.1 is no fp32 value
 
@@ -141,7 +143,7 @@ def test_sampling_log_softmax_pairs_with_the_trainers_logprobs():
         full = rk.log_softmax(rk.linear_fp32(h, head), 0.7)
     with rk.evidence.recording() as trainer:
         chosen = rk.logprobs(h, head, torch.tensor([1, 2, 3, 4]), 0.7)
-    assert torch.equal(full[torch.arange(4), torch.tensor([1, 2, 3, 4])].view(torch.int32), chosen.view(torch.int32))
+    assert same_bits(full[torch.arange(4), torch.tensor([1, 2, 3, 4])], chosen)
     verdict = check_contracts(rollout, trainer, STRICT, STRICT)
     assert verdict["log_softmax"] == verdict["logprobs"] == "paired"
     with pytest.raises(ComparabilityError, match="'log_softmax' / 'logprobs'"):

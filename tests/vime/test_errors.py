@@ -14,6 +14,7 @@ import torch
 from vime.config import TrainerConfig, VimeConfig
 from vime.driver import call, make_model
 from vime.errors import EngineDiedError, TrainingError, VimeError
+from vime.trainer.grpo import LossConfig, TrainBatch
 from vime.trainer.reference import ReferenceTrainer
 
 REPO = Path(__file__).resolve().parents[2]
@@ -65,12 +66,12 @@ def test_a_dead_or_failing_actor_is_named():
 
 
 def test_non_finite_loss_is_a_training_error(tiny_qwen3_path):
-    trainer = ReferenceTrainer(TrainerConfig(lr=1e-3), str(tiny_qwen3_path), "bfloat16", "cpu", kl_coef=0.0)
+    trainer = ReferenceTrainer(TrainerConfig(lr=1e-3), str(tiny_qwen3_path), "bfloat16", "cpu", LossConfig())
     seqs, plens = [[10, 11, 12, 13, 14], [10, 11, 12, 20]], [3, 3]
     old, _ = trainer.score(seqs, plens, 1.0)
     with pytest.raises(TrainingError, match="non-finite loss"):
-        trainer.train_step(seqs, plens, 1.0, old, [float("nan"), 1.0], clip_eps=0.2, kl_coef=0.0)
-    stats = trainer.train_step(seqs, plens, 1.0, old, [1.0, -1.0], clip_eps=0.2, kl_coef=0.0)
+        trainer.train_step(TrainBatch(seqs, plens, [float("nan"), 1.0], old))
+    stats = trainer.train_step(TrainBatch(seqs, plens, [1.0, -1.0], old))
     assert stats["grad_norm"] > 0 and stats["ratio_mean"] == 1.0  # old == current logprobs: ratio exactly 1
     new, _ = trainer.score(seqs, plens, 1.0)
     assert not torch.equal(torch.cat(new), torch.cat(old))  # the step moved the weights

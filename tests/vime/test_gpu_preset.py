@@ -13,7 +13,7 @@ import pytest
 
 from tests.vime.conftest import REPO, TRAIN_ENV, train_cmd
 from vime import preflight
-from vime.config import Mode, RolloutEngine, TrainerEngine, to_object, validate
+from vime.config import Mode, RolloutBackend, TrainerBackend, to_object, validate
 from vime.layout import check_layout
 
 PRESET = "+experiment=h200_8b_layers"
@@ -34,7 +34,7 @@ def _hf_config(cfg) -> dict:
 def test_h200_preset_composes_validates_and_places_on_one_and_two_gpus(compose_cfg):
     cfg = validate(to_object(compose_cfg(PRESET, "output_dir=/tmp/x")))
     assert cfg.device == "cuda" and cfg.steps >= 5 and cfg.fail_on_mismatch and cfg.model.path is None
-    assert cfg.rollout.engine == RolloutEngine.reference and cfg.trainer.engine == TrainerEngine.megatron
+    assert cfg.rollout.engine == RolloutBackend.reference and cfg.trainer.engine == TrainerBackend.megatron
     assert cfg.rollout.mode == cfg.trainer.mode == Mode.strict and cfg.model.dtype == "bfloat16"
     t = cfg.model.tiny
     assert (t.vocab_size, t.hidden_size, t.intermediate_size, t.num_heads, t.num_kv_heads, t.head_dim) == \

@@ -13,7 +13,8 @@ from vime.data import tasks
 from vime.data.dataset import PromptSet, load_tokenizer
 from vime.errors import DataError, WeightSyncError
 from vime.timeline import Timeline
-from vime.trainer.grpo import group_advantages, policy_loss
+from vime.trainer.grpo import LossConfig, group_advantages, policy_loss
+from vime.trainer.packing import pack
 
 
 def test_group_advantages_normalise_within_each_group():
@@ -33,16 +34,62 @@ def test_policy_loss_clips_and_adds_k3_kl():
     lp = torch.tensor([-1.0, -1.0, -1.0], requires_grad=True)
     old = torch.tensor([-1.0, -1.5, -0.5])   # ratios 1, e^0.5 (clipped for A > 0), e^-0.5
     adv = torch.tensor([1.0, 1.0, -1.0])
-    loss, stats = policy_loss(lp, old, adv, torch.ones(3), clip_eps=0.2)
+    loss, stats = policy_loss(lp, old, adv, torch.ones(3), LossConfig(clip_low=0.2, clip_high=0.2))
     expected = -(1.0 + 1.2 * 1.0 + torch.exp(torch.tensor(-0.5)).clamp(0.8, 1.2) * -1.0) / 3
     assert float(loss.detach()) == pytest.approx(float(expected), rel=1e-6)
-    assert stats["clip_frac"] == pytest.approx(2 / 3)
+    assert float(stats["clipped"] / stats["tokens"]) == pytest.approx(2 / 3)  # clip_frac: tokens 1 and 2
     loss.backward()
     assert lp.grad[1] == 0.0 and lp.grad[0] != 0.0  # a clipped token has no gradient
     ref = torch.tensor([-1.0, -2.0, -1.0])
-    with_kl, stats = policy_loss(lp.detach(), old, adv, torch.ones(3), 0.2, kl_coef=0.5, ref_logprobs=ref)
+    with_kl, stats = policy_loss(lp.detach(), old, adv, torch.ones(3), LossConfig(0.2, 0.2, kl_coef=0.5), ref)
     k3 = (torch.exp(ref - lp.detach()) - (ref - lp.detach()) - 1).mean()
-    assert float(with_kl) == pytest.approx(float(expected + 0.5 * k3), rel=1e-6) and stats["kl"] > 0
+    assert float(with_kl) == pytest.approx(float(expected + 0.5 * k3), rel=1e-6) and stats["kl_sum"] > 0
+
+
+def test_clip_frac_counts_tokens_whose_clipped_branch_is_active():
+    """The standard (PPO / verl) clip fraction: a ratio outside [1 - eps, 1 + eps] counts only where the
+    clipped term wins (A > 0 above the range, A < 0 below it), not wherever |ratio - 1| > eps."""
+    lp = torch.zeros(4)
+    old = torch.tensor([-0.5, -0.5, 0.5, 0.5])  # ratios e^0.5 (above 1.2) twice, e^-0.5 (below 0.8) twice
+    adv = torch.tensor([1.0, -1.0, 1.0, -1.0])  # clipped branch active for tokens 0 (A > 0) and 3 (A < 0)
+    _, stats = policy_loss(lp, old, adv, torch.ones(4), LossConfig(clip_low=0.2, clip_high=0.2))
+    assert float(stats["clipped"]) == 2.0 and float(stats["tokens"]) == 4.0
+
+
+def test_pack_rows_targets_and_per_row_values():
+    p = pack([[5, 6, 7, 8], [9, 10, 11]], [2, 1])
+    assert p.ids.tolist() == [5, 6, 7, 8, 9, 10, 11] and p.cu_seqlens.tolist() == [0, 4, 7]
+    assert p.rows.tolist() == [1, 2, 4, 5] and p.counts == [2, 2] and p.positions == [[2, 3], [1, 2]]
+    assert p.targets[p.rows].tolist() == [7, 8, 10, 11]  # row t predicts token t + 1
+    assert p.per_row([0.5, 2.0]).tolist() == [0.5] * 4 + [2.0] * 3
+    assert p.on_rows([torch.tensor([1.0, 2.0]), 3.0]).tolist() == [0, 1, 2, 0, 3, 3, 0]
+    with pytest.raises(ValueError, match="prompt_len 4 must be in"):
+        pack([[1, 2, 3]], [4])
+
+
+def test_policy_loss_clipping_kl_and_normaliser():
+    lp = torch.tensor([-1.0, -2.0, -0.5, -3.0], requires_grad=True)
+    old = torch.tensor([-1.0, -2.5, -0.5, -1.0])
+    adv = torch.tensor([1.0, 1.0, -1.0, 2.0])
+    mask = torch.tensor([1.0, 1.0, 1.0, 0.0])
+    cfg = LossConfig(clip_low=0.2, clip_high=0.28)
+    loss, m = policy_loss(lp, old, adv, mask, cfg)
+    ratio = torch.exp(lp.detach() - old)
+    # token 1: ratio e^0.5 = 1.65 > 1.28 with A > 0 -> clipped term -1.28 wins the max
+    expected = (-1.0 * 1.0 + -1.0 * 1.28 + 1.0 * ratio[2]) / 3
+    assert torch.allclose(loss, expected) and m["clipped"] == 1 and m["tokens"] == 3
+    loss.backward()
+    assert lp.grad[1] == 0 and lp.grad[3] == 0 and lp.grad[0] == pytest.approx(-1 / 3)
+    loss2, _ = policy_loss(lp.detach(), old, adv, mask, cfg, normalizer=6.0)
+    assert torch.allclose(loss2, expected / 2)
+    ref = lp.detach() - 0.1
+    loss3, m3 = policy_loss(lp.detach(), old, adv, mask, LossConfig(kl_coef=0.5), ref)
+    kl = torch.exp(torch.tensor(-0.1)) + 0.1 - 1
+    assert torch.allclose(m3["kl_sum"], 3 * kl)
+    with pytest.raises(ValueError, match="kl_coef > 0 needs ref_logprobs"):
+        policy_loss(lp, old, adv, mask, LossConfig(kl_coef=0.1))
+    with pytest.raises(ValueError, match="must all be \\[N\\]"):
+        policy_loss(lp, old[:2], adv, mask)
 
 
 def test_timeline_versions_and_acknowledgements():

@@ -16,6 +16,8 @@ from collections.abc import Iterator
 import torch
 import vllm
 
+from rl_kernel.bits import bits
+
 MAX_BATCHED_TOKENS = 64
 ENGINE_ARGS = dict(
     gpu_memory_utilization=0.3, max_model_len=512, max_num_batched_tokens=MAX_BATCHED_TOKENS,
@@ -80,6 +82,6 @@ def compare_with_reference(outputs, prompts: list[list[int]], temperatures: list
     want = torch.cat(want)
     got = torch.tensor(got, dtype=torch.float32)  # Python floats hold fp32 values exactly
     assert got.shape == want.shape
-    differ = got.view(torch.int32) != want.view(torch.int32)
+    differ = bits(got) != bits(want)
     return {"tokens": got.numel(), "mismatches": int(differ.sum()),
             "max_abs_diff": float((got.double() - want.double()).abs().max()) if got.numel() else 0.0}

@@ -11,8 +11,8 @@ import os
 
 import torch
 
-from vime.config import RolloutConfig, RolloutEngine
-from vime.consistency import Sample
+from vime.config import RolloutBackend, RolloutConfig
+from vime.engines import Rollout, Sample, one_temperature
 
 
 def apply_modes_env(modes: dict[str, str]) -> None:
@@ -50,7 +50,8 @@ class RolloutWorker:
         apply_modes_env(modes)
         self.engine_id, self.cfg, self.modes, self.seed = engine_id, cfg, modes, seed
         torch.manual_seed(seed + engine_id)
-        if RolloutEngine(cfg.engine) == RolloutEngine.vllm:
+        self.engine: Rollout
+        if RolloutBackend(cfg.engine) == RolloutBackend.vllm:
             from vime.rollout.vllm_engine import VllmRollout
             self.engine = VllmRollout(cfg, model_path, dtype, device, modes, seed + engine_id)
         else:
@@ -74,7 +75,7 @@ class RolloutWorker:
         for (g, ids), (tokens, logprobs, versions) in zip([gp for gp in groups for _ in range(group_size)], outs):
             samples.append(Sample(group=g, prompt_ids=list(ids), response_ids=list(tokens), logprobs=list(logprobs),
                                   versions=list(versions), engine=self.engine_id, temperature=temperature,
-                                  vocab_size=self.engine.vocab_size,
+                                  top_k=self.engine.top_k, top_p=self.engine.top_p, vocab_size=self.engine.vocab_size,
                                   finish_reason="stop" if tokens and tokens[-1] in stop_token_ids else "length"))
         return samples
 
@@ -90,7 +91,7 @@ class RolloutWorker:
         the current modes; the rl_kernel evidence of this pass replaces that of the last rollout."""
         self.engine.evidence(reset=True)
         out = self.engine.rescore([s.prompt_ids for s in samples], [s.response_ids for s in samples],
-                                  _one_temperature(samples))
+                                  one_temperature(samples))
         self._evidence = self.engine.evidence(reset=True)
         return out
 
@@ -114,10 +115,3 @@ class RolloutWorker:
 
     def shutdown(self) -> None:
         self.engine.shutdown()
-
-
-def _one_temperature(samples: list[Sample]) -> float:
-    temps = {s.temperature for s in samples}
-    if len(temps) != 1:
-        raise ValueError(f"samples must share one temperature, got {sorted(temps)}")
-    return temps.pop()

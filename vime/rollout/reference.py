@@ -16,6 +16,7 @@ LABEL = "reference (FALLBACK: rl_kernel.models.rollout, not vLLM)"
 
 class ReferenceRollout:
     label = LABEL
+    top_k, top_p = -1, 1.0  # samples from the full softmax (rl_kernel.models.rollout has no top-k / top-p)
 
     def __init__(self, cfg: RolloutConfig, model_path: str, dtype: str, device: str):
         self.cfg = cfg
@@ -38,14 +39,12 @@ class ReferenceRollout:
 
     def rescore(self, prompts: list[list[int]], responses: list[list[int]], temperature: float) -> list[list[float]]:
         """fp32 logprobs of fixed responses by teacher forcing (this fallback has no forced decode)."""
-        from vime.trainer.reference import pack
+        from vime.trainer import grpo
+        from vime.trainer.reference import Forward
 
-        ids, cu, rows, targets, positions = pack([p + r for p, r in zip(prompts, responses)],
-                                                 [len(p) for p in prompts])
-        with torch.no_grad():
-            hidden = self.model.forward_packed(ids.to(self.model.device), cu.to(self.model.device))
-            lp = self.model.logprobs(hidden[rows], targets.to(self.model.device), temperature)
-        return [t.to(torch.float32).tolist() for t in lp.split([len(r) for r in responses])]
+        lp = grpo.score(Forward(self.model), [p + r for p, r in zip(prompts, responses)], [len(p) for p in prompts],
+                        temperature)
+        return [t.to(torch.float32).tolist() for t in lp]
 
     def update_weights(self, weights: dict[str, torch.Tensor], version: int) -> None:
         self.model.load_hf_weights(weights)

@@ -69,6 +69,7 @@ class VllmRollout:
         self.llm = vllm.LLM(**make_kwargs(model_path, **engine_kwargs))
         self.vocab_size = int(self.llm.llm_engine.model_config.get_vocab_size())
         self.version = 0
+        self.top_k, self.top_p = -1, 1.0  # set from the sampling parameters of each `generate`
         self._updating: int | None = None  # version of the open weight-update session
         self.llm.update_weight_version("0")
 
@@ -83,6 +84,7 @@ class VllmRollout:
         self.llm.collective_rpc(_reseed_worker, args=(int(seed),))
         params = [make(temperature=temperature, max_tokens=max_new_tokens, logprobs=0,
                        stop_token_ids=list(stop_token_ids)) for _ in prompts]
+        self.top_k, self.top_p = int(params[0].top_k), float(params[0].top_p)  # recorded on every sample
         outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         results = []
         for out in outs:

@@ -13,9 +13,11 @@ from pathlib import Path
 
 import torch
 
-from vime.config import TrainerConfig, TrainerEngine
-from vime.consistency import Sample, Scored
+from vime import faults
+from vime.config import TrainerBackend, TrainerConfig
+from vime.engines import Sample, Scored, Trainer, one_temperature
 from vime.rollout.actor import apply_modes_env, redirect_output
+from vime.trainer.grpo import LossConfig, TrainBatch
 
 
 class TrainerWorker:
@@ -24,11 +26,13 @@ class TrainerWorker:
     def __init__(self, rank: int, world_size: int, cfg: TrainerConfig, model_path: str, dtype: str, device: str,
                  modes: dict[str, str], seed: int, kl_coef: float, clip_eps: float):
         redirect_output()
+        faults.forked_children_die_with_this_process()
         apply_modes_env(modes)
         self.rank, self.world_size, self.cfg, self.modes = rank, world_size, cfg, modes
-        self._args = (model_path, dtype, device, kl_coef, clip_eps)
+        self._args = (model_path, dtype, device)
+        self.loss = LossConfig(clip_low=clip_eps, clip_high=clip_eps, kl_coef=kl_coef)  # fixed for the run
         torch.manual_seed(seed)
-        self.engine = None
+        self.engine: Trainer | None = None
         self.version = 0
         self._evidence: list[dict] = []
 
@@ -45,14 +49,14 @@ class TrainerWorker:
     def start(self, init_method: str) -> dict:
         """Join the trainer's torch.distributed world at `init_method` (`file://...` on one node,
         `tcp://host:port` across nodes) and load the policy; returns `info()`."""
-        model_path, dtype, device, kl_coef, clip_eps = self._args
-        if TrainerEngine(self.cfg.engine) == TrainerEngine.megatron:
+        model_path, dtype, device = self._args
+        if TrainerBackend(self.cfg.engine) == TrainerBackend.megatron:
             from vime.trainer.megatron_engine import MegatronTrainer
-            self.engine = MegatronTrainer(self.cfg, model_path, dtype, device, kl_coef, clip_eps, self.rank,
+            self.engine = MegatronTrainer(self.cfg, model_path, dtype, device, self.loss, self.rank,
                                           self.world_size, init_method)
         else:
             from vime.trainer.reference import ReferenceTrainer
-            self.engine = ReferenceTrainer(self.cfg, model_path, dtype, device, kl_coef)
+            self.engine = ReferenceTrainer(self.cfg, model_path, dtype, device, self.loss)
         return self.info()
 
     def info(self) -> dict:
@@ -62,7 +66,7 @@ class TrainerWorker:
     def score(self, samples: list[Sample]) -> list[Scored]:
         import rl_kernel as rk
 
-        temperature = _one_temperature(samples)
+        temperature = one_temperature(samples)
         rk.evidence.reset()
         logprobs, positions = self.engine.score([s.prompt_ids + s.response_ids for s in samples],
                                                 [len(s.prompt_ids) for s in samples], temperature)
@@ -77,19 +81,22 @@ class TrainerWorker:
     def set_modes(self, modes: dict[str, str]) -> dict[str, str]:
         """Switch this rank's per-boundary rl_kernel modes for later forwards (`vime.audit`)."""
         apply_modes_env(modes)
-        if hasattr(self.engine, "set_modes"):
-            self.engine.set_modes(modes)
+        self.engine.set_modes(modes)
         self.modes = dict(modes)
         return self.modes
 
-    def train_step(self, samples: list[Sample], clip_eps: float, kl_coef: float) -> dict[str, float]:
-        """One GRPO optimizer step on `samples` (old logprobs = the rollout's); version v -> v+1."""
-        stats = self.engine.train_step(
+    def train_step(self, samples: list[Sample]) -> dict[str, float]:
+        """One GRPO optimizer step on `samples` (old logprobs = the rollout's); version v -> v+1. The
+        trainer's train-mode logprobs are also compared with the rollout's: a second, independent
+        measurement, reported as train_mismatch_count / train_max_abs_diff / train_mean_abs_diff."""
+        stats = self.engine.train_step(TrainBatch(
             [s.prompt_ids + s.response_ids for s in samples], [len(s.prompt_ids) for s in samples],
-            _one_temperature(samples), [torch.tensor(s.logprobs, dtype=torch.float32) for s in samples],
-            [s.advantage for s in samples], clip_eps, kl_coef)
+            [s.advantage for s in samples], [torch.tensor(s.logprobs, dtype=torch.float32) for s in samples],
+            temperature=one_temperature(samples)))
         self.version += 1
-        return stats | {"version": self.version}
+        measured = ("mismatch_count", "max_abs_diff", "mean_abs_diff")
+        out = {k: v for k, v in stats.items() if k not in (*measured, "tokens")}
+        return out | {f"train_{k}": stats[k] for k in measured} | {"version": self.version}
 
     def save_checkpoint(self, path: str) -> int:
         """Write this rank's part of checkpoint `path` (trainer/ and rng/; collective); returns the version."""
@@ -140,9 +147,3 @@ class TrainerWorker:
         nbytes = sum(t.numel() * t.element_size() for b in buckets for t in b.values())
         return {"buckets": [ray.put(buckets)] if self.rank == 0 else [], "bytes": nbytes, "count": len(buckets)}
 
-
-def _one_temperature(samples: list[Sample]) -> float:
-    temps = {s.temperature for s in samples}
-    if len(temps) != 1:
-        raise ValueError(f"a step's samples must share one temperature, got {sorted(temps)}")
-    return temps.pop()

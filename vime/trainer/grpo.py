@@ -1,14 +1,30 @@
-"""GRPO: group-normalised advantages and the clipped policy loss (pure torch).
+"""GRPO, the algorithm: group-normalised advantages, the clipped policy loss, and the training step and
+teacher-forcing scoring over any differentiable policy engine (`PolicyModel`: Megatron-core through
+`rl_kernel.integrations.megatron.MegatronPolicy`, or the reference fallback). Pure torch.
 
 Advantages: within each group (the samples of one prompt) A_i = (r_i - mean(r)) / (std(r) + eps),
 std unbiased (as torch.std); a group whose rewards are all equal gets A = 0 exactly.
-Loss: per-token clipped surrogate  -min(ratio * A, clip(ratio, 1 - eps, 1 + eps) * A),
-ratio = exp(logp - logp_old), plus kl_coef * k3(logp, logp_ref), averaged over all active tokens.
+
+Loss, per active token t (mask 1): ratio = exp(logp - old_logp); the clipped surrogate
+pg = max(-A * ratio, -A * clip(ratio, 1 - clip_low, 1 + clip_high)); with `kl_coef` > 0 the k3
+estimator of KL(pi || ref), kl = exp(ref - logp) - (ref - logp) - 1, is added as kl_coef * kl.
+The loss is sum(mask * (pg + kl_coef * kl)) / normalizer, where the normalizer defaults to the
+number of active tokens; the step passes the batch's total so micro-batches add up to the batch mean.
+`clip_frac` is the standard (PPO / verl) one: the fraction of active tokens whose clipped branch is
+active, i.e. where -A * clip(ratio) > -A * ratio (the clipped term wins the max and has no gradient).
 """
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+from typing import Protocol
+
 import torch
+
+from rl_kernel.bits import bits
+from vime.errors import TrainingError
+from vime.trainer.packing import Packed, pack
 
 
 def group_advantages(rewards: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -23,25 +39,163 @@ def group_advantages(rewards: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return torch.where(tied, 0.0, adv).to(torch.float32)
 
 
-def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
-                mask: torch.Tensor, clip_eps: float, kl_coef: float = 0.0,
-                ref_logprobs: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
-    """Token-level GRPO loss. All tensors are [T] (packed response tokens); `advantages` is the
-    sample's advantage repeated on its tokens; `mask` selects active tokens. Returns (loss, stats)."""
-    mask = mask.to(torch.float32)
-    n = mask.sum().clamp(min=1.0)
-    ratio = torch.exp(logprobs - old_logprobs)
-    surrogate = torch.minimum(ratio * advantages, ratio.clamp(1 - clip_eps, 1 + clip_eps) * advantages)
-    loss = -(surrogate * mask).sum() / n
-    stats = {"clip_frac": float((((ratio - 1).abs() > clip_eps).float() * mask).sum() / n),
-             "ratio_mean": float((ratio.detach() * mask).sum() / n)}
-    if kl_coef > 0:
-        if ref_logprobs is None:
-            raise ValueError("kl_coef > 0 needs ref_logprobs")
-        log_r = ref_logprobs - logprobs
-        k3 = torch.exp(log_r) - log_r - 1
-        kl = (k3 * mask).sum() / n
-        loss = loss + kl_coef * kl
-        stats["kl"] = float(kl.detach())
-    stats["pg_loss"] = float(loss.detach())
-    return loss, stats
+@dataclass(frozen=True)
+class LossConfig:
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    kl_coef: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.clip_low < 0 or self.clip_high < 0 or self.kl_coef < 0:
+            raise ValueError(f"clip_low, clip_high and kl_coef must be >= 0, got {self}")
+
+
+def policy_loss(
+    logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+    config: LossConfig = LossConfig(), ref_logprobs: torch.Tensor | None = None,
+    normalizer: float | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """(loss, metrics) of the clipped policy-gradient objective; all inputs [N] per token, fp32.
+
+    metrics (detached sums over active tokens, to be divided by the token count by the caller):
+    pg_sum, kl_sum (when kl_coef > 0), clipped (tokens whose clipped branch is active), ratio_sum, tokens."""
+    shapes = {t.shape for t in (logprobs, old_logprobs, advantages, mask)}
+    if len(shapes) != 1 or logprobs.dim() != 1:
+        raise ValueError(f"logprobs, old_logprobs, advantages and mask must all be [N]; got {shapes}")
+    if config.kl_coef > 0 and ref_logprobs is None:
+        raise ValueError("kl_coef > 0 needs ref_logprobs (the reference policy's logprobs)")
+    mask = mask.to(logprobs.dtype)
+    log_ratio = logprobs - old_logprobs.to(logprobs.dtype)
+    ratio = torch.exp(log_ratio)
+    adv = advantages.to(logprobs.dtype)
+    unclipped = -adv * ratio
+    clipped = -adv * ratio.clamp(1.0 - config.clip_low, 1.0 + config.clip_high)
+    per_token = torch.maximum(unclipped, clipped)
+    metrics = {"pg_sum": (per_token * mask).sum().detach(),
+               "clipped": ((clipped > unclipped).to(mask.dtype) * mask).sum().detach(),
+               "ratio_sum": (ratio * mask).sum().detach(), "tokens": mask.sum().detach()}
+    if config.kl_coef > 0:
+        delta = ref_logprobs.to(logprobs.dtype) - logprobs
+        kl = torch.exp(delta) - delta - 1.0
+        per_token = per_token + config.kl_coef * kl
+        metrics["kl_sum"] = (kl * mask).sum().detach()
+    denom = float(mask.sum()) if normalizer is None else float(normalizer)
+    if denom <= 0:
+        raise ValueError("no active tokens (mask is all zero and no normalizer given)")
+    return (per_token * mask).sum() / denom, metrics
+
+
+@dataclass
+class TrainBatch:
+    """One optimizer step's samples. Per sequence i: token ids, prompt length, advantage, and the
+    fp32 logprobs of its response tokens j >= prompt_lens[i] under the behaviour policy (rollout),
+    optionally under a reference policy (for the KL term)."""
+
+    sequences: list[list[int]]
+    prompt_lens: list[int]
+    advantages: list[float]
+    old_logprobs: list[torch.Tensor]
+    ref_logprobs: list[torch.Tensor] | None = None
+    temperature: float = 1.0
+
+
+class PolicyModel(Protocol):
+    """What the GRPO step needs from a differentiable policy engine (every rank of a model-parallel
+    engine calls these collectively with the same arguments)."""
+
+    def forward_logprobs(self, ids: torch.Tensor, cu_seqlens: torch.Tensor, targets: torch.Tensor,
+                         temps: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Teacher-forcing fp32 logprobs (differentiable under grad mode) of packed rows: (values, the row
+        indices they belong to). The rows computed on this rank include every row of `rows` it owns."""
+
+    def gather_logprobs(self, values: torch.Tensor, index: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+        """[T] logprobs of every row from the ranks' `forward_logprobs` results (the same on every rank)."""
+
+    def zero_grad(self) -> None:
+        """Start a step: training mode, gradients cleared."""
+
+    def reduce_metrics(self, sums: dict[str, float], maxes: dict[str, float]) -> dict[str, float]:
+        """Sum `sums` and take the max of `maxes` over the ranks that split the tokens; merged dict."""
+
+    def optimizer_step(self) -> float | None:
+        """Finish the step (gradient reductions, clipping, update); the gradient norm, or None when the
+        gradients are not finite (nothing updated)."""
+
+
+def micro_batches(n: int, size: int | None) -> list[range]:
+    size = size or n
+    return [range(a, min(n, a + size)) for a in range(0, n, size)]
+
+
+def score(model: PolicyModel, sequences: list[list[int]], prompt_lens: list[int],
+          temperature: float | list[float] = 1.0, micro_batch_size: int | None = None) -> list[torch.Tensor]:
+    """Teacher-forcing fp32 logprobs: entry i holds log p(sequences[i][j] | sequences[i][:j]) at the
+    sequence's temperature, for j in [prompt_lens[i], len(sequences[i])). Micro-batches of
+    `micro_batch_size` sequences are packed (varlen); the bits do not depend on the packing."""
+    temps = [temperature] * len(sequences) if isinstance(temperature, int | float) else list(temperature)
+    if len(temps) != len(sequences):
+        raise ValueError(f"{len(sequences)} sequences but {len(temps)} temperatures")
+    out: list[torch.Tensor] = []
+    for mb in micro_batches(len(sequences), micro_batch_size):
+        p = pack([sequences[i] for i in mb], [prompt_lens[i] for i in mb])
+        with torch.no_grad():
+            values, index = model.forward_logprobs(p.ids, p.cu_seqlens, p.targets,
+                                                   p.per_row([temps[i] for i in mb]), p.rows)
+            full = model.gather_logprobs(values, index, p.cu_seqlens)
+        out.extend(full[p.rows].split(p.counts))
+    return out
+
+
+def _micro_batch_loss(model: PolicyModel, p: Packed, batch: TrainBatch, mb: range, config: LossConfig,
+                      total_tokens: int, sums: dict[str, float], maxes: dict[str, float]) -> None:
+    """Forward, loss and backward of one micro-batch; adds its metrics to `sums` / `maxes`."""
+    old = p.on_rows([batch.old_logprobs[i] for i in mb])
+    adv = p.on_rows([float(batch.advantages[i]) for i in mb])
+    mask = p.on_rows([1.0] * len(mb))
+    ref = None if batch.ref_logprobs is None else p.on_rows([batch.ref_logprobs[i] for i in mb])
+    lp, index = model.forward_logprobs(p.ids, p.cu_seqlens, p.targets, p.per_row([batch.temperature] * len(mb)),
+                                       p.rows)
+    old, adv, mask = (t[index].to(lp.device) for t in (old, adv, mask))
+    ref = None if ref is None else ref[index].to(lp.device)
+    loss, m = policy_loss(lp, old, adv, mask, config, ref, normalizer=total_tokens)
+    loss.backward()
+    active = mask.bool()
+    mine, theirs = lp.detach()[active], old[active]
+    diff = mine - theirs
+    sums["loss"] += float(loss.detach())
+    for key in ("pg_sum", "clipped", "ratio_sum", "tokens", "kl_sum"):
+        sums[key] += float(m.get(key, 0.0))
+    sums["mismatch_count"] += float((bits(mine) != bits(theirs)).sum())
+    sums["abs_diff_sum"] += float(diff.abs().sum())
+    maxes["max_abs_diff"] = max(maxes["max_abs_diff"], float(diff.abs().max()) if diff.numel() else 0.0)
+
+
+def train_step(model: PolicyModel, batch: TrainBatch, config: LossConfig,
+               micro_batch_size: int | None = None) -> dict[str, float]:
+    """One optimizer step of the clipped policy-gradient loss over the whole batch (token mean over all
+    response tokens, summed over micro-batches and ranks). Returns metrics, including the agreement of
+    the trainer's train-mode logprobs with the old (rollout) ones on every response token (before the
+    update). A non-finite loss or gradient raises TrainingError and leaves the weights unchanged."""
+    n = len(batch.sequences)
+    if not (len(batch.prompt_lens) == len(batch.advantages) == len(batch.old_logprobs) == n):
+        raise ValueError("sequences, prompt_lens, advantages and old_logprobs must have one entry per sequence")
+    total_tokens = sum(len(s) - p for s, p in zip(batch.sequences, batch.prompt_lens))
+    model.zero_grad()
+    sums = dict.fromkeys(("loss", "pg_sum", "clipped", "ratio_sum", "tokens", "kl_sum", "mismatch_count",
+                          "abs_diff_sum"), 0.0)
+    maxes = {"max_abs_diff": 0.0}
+    for mb in micro_batches(n, micro_batch_size):
+        p = pack([batch.sequences[i] for i in mb], [batch.prompt_lens[i] for i in mb])
+        _micro_batch_loss(model, p, batch, mb, config, total_tokens, sums, maxes)
+    sums = model.reduce_metrics(sums, maxes)
+    if not math.isfinite(sums["loss"]):
+        raise TrainingError(f"non-finite loss {sums['loss']}: lower trainer.lr or check the rewards / advantages")
+    grad_norm = model.optimizer_step()
+    if grad_norm is None:
+        raise TrainingError("non-finite gradients (the optimizer step was skipped): lower trainer.lr or check "
+                            "the rewards / advantages")
+    tokens = max(sums["tokens"], 1.0)
+    return {"loss": sums["loss"], "pg_loss": sums["pg_sum"] / tokens, "clip_frac": sums["clipped"] / tokens,
+            "ratio_mean": sums["ratio_sum"] / tokens, "kl": sums["kl_sum"] / tokens, "tokens": sums["tokens"],
+            "grad_norm": grad_norm, "mismatch_count": sums["mismatch_count"], "max_abs_diff": sums["max_abs_diff"],
+            "mean_abs_diff": sums["abs_diff_sum"] / tokens}

@@ -1,26 +1,27 @@
-"""Megatron-core trainer rank: `rl_kernel.integrations.megatron.MegatronPolicy` (strict: rl_kernel's
-layer spec; native: Megatron's own modules; per-boundary modes: rl_kernel's layer spec with the
-native boundaries running rl_kernel's native forms) on one rank of a TP x CP torch.distributed world
-(gloo on CPU, NCCL on CUDA) that the trainer actors form among themselves."""
+"""Megatron-core trainer rank (a `vime.engines.Trainer`): rl_kernel's engine adapter
+`rl_kernel.integrations.megatron.MegatronPolicy` (strict: rl_kernel's layer spec; native: Megatron's own
+modules; per-boundary modes: rl_kernel's layer spec with the native boundaries running rl_kernel's
+native forms) on one rank of a TP x CP torch.distributed world (gloo on CPU, NCCL on CUDA) that the
+trainer actors form among themselves, driven by vime's GRPO scoring and training step
+(`vime.trainer.grpo`)."""
 
 from __future__ import annotations
 
 import datetime
-import math
 
 import torch
 import torch.distributed as dist
 
 from vime.config import Mode, TrainerConfig, modes_label, side_modes
-from vime.errors import TrainingError
+from vime.trainer import grpo
 
 
 class MegatronTrainer:
-    def __init__(self, cfg: TrainerConfig, model_path: str, dtype: str, device: str, kl_coef: float, clip_eps: float,
+    def __init__(self, cfg: TrainerConfig, model_path: str, dtype: str, device: str, loss: grpo.LossConfig,
                  rank: int, world_size: int, init_method: str):
         import megatron.core
 
-        from rl_kernel.integrations.megatron import MegatronPolicy, PolicyLossConfig
+        from rl_kernel.integrations.megatron import MegatronPolicy
 
         if device == "cuda":
             torch.cuda.set_device(0)  # Ray gives each trainer actor its own GPU (CUDA_VISIBLE_DEVICES)
@@ -31,13 +32,12 @@ class MegatronTrainer:
         modes = side_modes(cfg.mode, cfg.boundary_modes)
         mode = Mode(cfg.mode).value if not cfg.boundary_modes else modes
         self.label = f"megatron-core {megatron.core.__version__} ({modes_label(modes)}, tp={cfg.tp}, cp={cfg.cp})"
+        self.loss, self.micro_batch_size = loss, cfg.micro_batch_size or None
         make = lambda: MegatronPolicy(  # noqa: E731
-            model_path, tp=cfg.tp, cp=cfg.cp, mode=mode, lr=cfg.lr,
-            weight_decay=cfg.weight_decay, clip_grad=cfg.grad_clip,
-            loss=PolicyLossConfig(clip_low=clip_eps, clip_high=clip_eps, kl_coef=kl_coef),
-            micro_batch_size=cfg.micro_batch_size or None, dtype=getattr(torch, dtype), device=device)
+            model_path, tp=cfg.tp, cp=cfg.cp, mode=mode, lr=cfg.lr, weight_decay=cfg.weight_decay,
+            clip_grad=cfg.grad_clip, dtype=getattr(torch, dtype), device=device)
         self.policy = make()
-        self.ref = make() if kl_coef > 0 else None  # frozen initial policy for the KL term
+        self.ref = make() if loss.kl_coef > 0 else None  # frozen initial policy for the KL term
         self.vocab_size = self.policy.shape.vocab_size
 
     def set_modes(self, modes: dict[str, str]) -> None:
@@ -45,29 +45,14 @@ class MegatronTrainer:
         self.policy.set_modes(modes)
 
     def score(self, sequences: list[list[int]], prompt_lens: list[int], temperature: float):
-        logprobs = self.policy.logprobs(sequences, prompt_lens, temperature)
+        logprobs = grpo.score(self.policy, sequences, prompt_lens, temperature, self.micro_batch_size)
         return logprobs, [list(range(p, len(s))) for s, p in zip(sequences, prompt_lens)]
 
-    def train_step(self, sequences, prompt_lens, temperature: float, old_logprobs: list[torch.Tensor],
-                   advantages: list[float], clip_eps: float, kl_coef: float) -> dict[str, float]:
-        from rl_kernel.integrations.megatron import TrainBatch
-
-        ref = self.ref.logprobs(sequences, prompt_lens, temperature) if self.ref is not None else None
-        batch = TrainBatch(sequences, prompt_lens, advantages, old_logprobs, ref, temperature)
-        try:
-            stats = self.policy.train_step(batch)
-        except RuntimeError as e:
-            if "non-finite" in str(e):
-                raise TrainingError(f"{e}: lower trainer.lr or check the rewards / advantages") from e
-            raise
-        if not math.isfinite(stats["loss"]):
-            raise TrainingError(f"non-finite loss {stats['loss']}: lower trainer.lr or check the rewards / advantages")
-        # The policy also compares its train-mode forward with the old (rollout) logprobs: a second,
-        # independent measurement, logged as train_*.
-        out = {k: v for k, v in stats.items() if k not in ("mismatch_count", "max_abs_diff", "mean_abs_diff",
-                                                             "tokens", "step")}
-        out |= {f"train_{k}": stats[k] for k in ("mismatch_count", "max_abs_diff", "mean_abs_diff") if k in stats}
-        return out
+    def train_step(self, batch: grpo.TrainBatch) -> dict[str, float]:
+        if self.ref is not None:
+            batch.ref_logprobs = grpo.score(self.ref, batch.sequences, batch.prompt_lens, batch.temperature,
+                                            self.micro_batch_size)
+        return grpo.train_step(self.policy, batch, self.loss, self.micro_batch_size)
 
     def save(self, path) -> None:
         """Model + optimizer in Megatron's distributed checkpoint format (collective)."""

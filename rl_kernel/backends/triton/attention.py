@@ -17,7 +17,9 @@ past a row's position are exact identities (alpha = 1, p = 0), so packed prefill
 chunked prefill, page size, block-table order, batch composition and row placement do not matter.
 Two schedules give the same bits: `fused` (one program loops over all splits and merges in
 registers) and `split` (one program per split writes its fp32 partial, exactly; a second kernel
-merges them with the same operations). Launch grids depend on tensor shapes only (no host sync).
+merges them with the same operations). The fused schedule has two loop forms, nested (a loop per
+split) and FLAT (one loop over all chunks, merging and resetting at split boundaries), with the same
+operations in the same order. Launch grids depend on tensor shapes only (no host sync).
 """
 
 from __future__ import annotations
@@ -77,31 +79,12 @@ def _load_kv(k_ptr, v_ptr, block_table_ptr, b, stride_bt, kv_base, kvh, c, ctx_l
 
 
 @triton.jit
-def _split_partial(q, qpos, b, kvh, k_ptr, v_ptr, block_table_ptr, stride_bt, kv_base, ctx_len,
-                   stride_kt, stride_kh, stride_vt, stride_vh, c_begin, c_end, c_full, qk_scale,
-                   PAGED: tl.constexpr, BLOCK_SIZE: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr,
-                   BLOCK_M: tl.constexpr, PRECISION: tl.constexpr):
-    """Online softmax over key chunks [c_begin, c_end) from an empty state: (m, l, o), fp32.
-
-    Chunks before `c_full` hold only keys at or before every row's position: there the mask and the
-    per-row skip are identities and are left out (the same operations on every value)."""
-    m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
-    l = tl.zeros((BLOCK_M,), tl.float32)
-    o = tl.zeros((BLOCK_M, D), tl.float32)
-    for c in range(c_begin, tl.minimum(c_end, c_full)):
-        kpos, k, v = _load_kv(k_ptr, v_ptr, block_table_ptr, b, stride_bt, kv_base, kvh, c, ctx_len, stride_kt,
-                              stride_kh, stride_vt, stride_vh, PAGED, False, BLOCK_SIZE, D, CHUNK)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-        m_new = tl.maximum(m, tl.max(s, 1))
-        alpha = tl.math.exp2(m - m_new)
-        p = tl.math.exp2(s - m_new[:, None])
-        l = l * alpha + tl.sum(p, 1)
-        o = tl.dot(p.to(v.dtype), v, o * alpha[:, None], input_precision=PRECISION)
-        m = m_new
-    for c in range(tl.maximum(c_begin, c_full), c_end):
-        kpos, k, v = _load_kv(k_ptr, v_ptr, block_table_ptr, b, stride_bt, kv_base, kvh, c, ctx_len, stride_kt,
-                              stride_kh, stride_vt, stride_vh, PAGED, True, BLOCK_SIZE, D, CHUNK)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+def _chunk_update(q, qpos, kpos, k, v, m, l, o, c, qk_scale, MASKED: tl.constexpr, CHUNK: tl.constexpr,
+                  PRECISION: tl.constexpr):
+    """One key chunk into the online-softmax state (m, l, o). Unmasked: every key is at or before every
+    row's position, so the mask and the per-row skip are identities and are left out."""
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+    if MASKED:
         s = tl.where(kpos[None, :] <= qpos[:, None], s, float("-inf"))
         live = c * CHUNK <= qpos  # rows with a key in this chunk; for the others the chunk is skipped exactly
         m_new = tl.where(live, tl.maximum(m, tl.max(s, 1)), 0.0)
@@ -110,7 +93,70 @@ def _split_partial(q, qpos, b, kvh, k_ptr, v_ptr, block_table_ptr, stride_bt, kv
         l = tl.where(live, l * alpha + tl.sum(p, 1), l)
         o = tl.where(live[:, None], tl.dot(p.to(v.dtype), v, o * alpha[:, None], input_precision=PRECISION), o)
         m = tl.where(live, m_new, m)
+    else:
+        m_new = tl.maximum(m, tl.max(s, 1))
+        alpha = tl.math.exp2(m - m_new)
+        p = tl.math.exp2(s - m_new[:, None])
+        l = l * alpha + tl.sum(p, 1)
+        o = tl.dot(p.to(v.dtype), v, o * alpha[:, None], input_precision=PRECISION)
+        m = m_new
     return m, l, o
+
+
+@triton.jit
+def _split_partial(q, qpos, b, kvh, k_ptr, v_ptr, block_table_ptr, stride_bt, kv_base, ctx_len,
+                   stride_kt, stride_kh, stride_vt, stride_vh, c_begin, c_end, c_full, qk_scale,
+                   PAGED: tl.constexpr, BLOCK_SIZE: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr,
+                   BLOCK_M: tl.constexpr, PRECISION: tl.constexpr):
+    """Online softmax over key chunks [c_begin, c_end) from an empty state: (m, l, o), fp32.
+    Chunks before `c_full` hold only keys at or before every row's position."""
+    m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l = tl.zeros((BLOCK_M,), tl.float32)
+    o = tl.zeros((BLOCK_M, D), tl.float32)
+    for c in range(c_begin, tl.minimum(c_end, c_full)):
+        kpos, k, v = _load_kv(k_ptr, v_ptr, block_table_ptr, b, stride_bt, kv_base, kvh, c, ctx_len, stride_kt,
+                              stride_kh, stride_vt, stride_vh, PAGED, False, BLOCK_SIZE, D, CHUNK)
+        m, l, o = _chunk_update(q, qpos, kpos, k, v, m, l, o, c, qk_scale, False, CHUNK, PRECISION)
+    for c in range(tl.maximum(c_begin, c_full), c_end):
+        kpos, k, v = _load_kv(k_ptr, v_ptr, block_table_ptr, b, stride_bt, kv_base, kvh, c, ctx_len, stride_kt,
+                              stride_kh, stride_vt, stride_vh, PAGED, True, BLOCK_SIZE, D, CHUNK)
+        m, l, o = _chunk_update(q, qpos, kpos, k, v, m, l, o, c, qk_scale, True, CHUNK, PRECISION)
+    return m, l, o
+
+
+@triton.jit
+def _all_splits(q, qpos, b, kvh, k_ptr, v_ptr, block_table_ptr, stride_bt, kv_base, ctx_len,
+                stride_kt, stride_kh, stride_vt, stride_vh, n_chunks, c_full, qk_scale,
+                PAGED: tl.constexpr, BLOCK_SIZE: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr,
+                SPLIT_CHUNKS: tl.constexpr, BLOCK_M: tl.constexpr, PRECISION: tl.constexpr):
+    """The fused schedule as one loop over chunks: the same operations as `_split_partial` per split
+    followed by `_merge` in split order, with the merge and the reset to an empty state done at each
+    split boundary inside the loop (one software pipeline over all chunks instead of one per split)."""
+    m_t = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l_t = tl.zeros((BLOCK_M,), tl.float32)
+    o_t = tl.zeros((BLOCK_M, D), tl.float32)
+    m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l = tl.zeros((BLOCK_M,), tl.float32)
+    o = tl.zeros((BLOCK_M, D), tl.float32)
+    for c in range(0, tl.minimum(n_chunks, c_full)):
+        if (c % SPLIT_CHUNKS == 0) & (c > 0):
+            m_t, l_t, o_t = _merge(m_t, l_t, o_t, m, l, o)
+            m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+            l = tl.zeros((BLOCK_M,), tl.float32)
+            o = tl.zeros((BLOCK_M, D), tl.float32)
+        kpos, k, v = _load_kv(k_ptr, v_ptr, block_table_ptr, b, stride_bt, kv_base, kvh, c, ctx_len, stride_kt,
+                              stride_kh, stride_vt, stride_vh, PAGED, False, BLOCK_SIZE, D, CHUNK)
+        m, l, o = _chunk_update(q, qpos, kpos, k, v, m, l, o, c, qk_scale, False, CHUNK, PRECISION)
+    for c in range(c_full, n_chunks):
+        if (c % SPLIT_CHUNKS == 0) & (c > 0):
+            m_t, l_t, o_t = _merge(m_t, l_t, o_t, m, l, o)
+            m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+            l = tl.zeros((BLOCK_M,), tl.float32)
+            o = tl.zeros((BLOCK_M, D), tl.float32)
+        kpos, k, v = _load_kv(k_ptr, v_ptr, block_table_ptr, b, stride_bt, kv_base, kvh, c, ctx_len, stride_kt,
+                              stride_kh, stride_vt, stride_vh, PAGED, True, BLOCK_SIZE, D, CHUNK)
+        m, l, o = _chunk_update(q, qpos, kpos, k, v, m, l, o, c, qk_scale, True, CHUNK, PRECISION)
+    return _merge(m_t, l_t, o_t, m, l, o)
 
 
 @triton.jit
@@ -132,7 +178,8 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, pm_ptr, pl_ptr, po_ptr, nsplit_pt
                  stride_bt, stride_lse_h, qk_scale,
                  G: tl.constexpr, D: tl.constexpr, PAGED: tl.constexpr, STORE_LSE: tl.constexpr,
                  SPLIT: tl.constexpr, BLOCK_SIZE: tl.constexpr, CHUNK: tl.constexpr,
-                 SPLIT_CHUNKS: tl.constexpr, BLOCK_M: tl.constexpr, PRECISION: tl.constexpr):
+                 SPLIT_CHUNKS: tl.constexpr, BLOCK_M: tl.constexpr, PRECISION: tl.constexpr,
+                 FLAT: tl.constexpr):
     b, tile = _find_tile(tile_start_ptr, B, LOG_B)
     # programs past the last tile (the grid is an upper bound) have no valid row and run no chunk
     tile_ok = tile < tl.load(tile_start_ptr + b + 1) - tl.load(tile_start_ptr + b)
@@ -169,16 +216,21 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, pm_ptr, pl_ptr, po_ptr, nsplit_pt
         if (s == 0) & (kvh == 0):
             tl.store(nsplit_ptr + q0 + tok, qpos // (CHUNK * SPLIT_CHUNKS) + 1, mask=row_ok & (r % G == 0))
     else:
-        m_t = tl.full((BLOCK_M,), float("-inf"), tl.float32)
-        l_t = tl.zeros((BLOCK_M,), tl.float32)
-        o_t = tl.zeros((BLOCK_M, D), tl.float32)
-        for s in range(0, n_splits):
-            c0 = s * SPLIT_CHUNKS
-            m, l, o = _split_partial(q, qpos, b, kvh, k_ptr, v_ptr, block_table_ptr, stride_bt, q0, ctx_len,
-                                     stride_kt, stride_kh, stride_vt, stride_vh, c0,
-                                     tl.minimum(c0 + SPLIT_CHUNKS, n_chunks), c_full, qk_scale,
-                                     PAGED, BLOCK_SIZE, D, CHUNK, BLOCK_M, PRECISION)
-            m_t, l_t, o_t = _merge(m_t, l_t, o_t, m, l, o)
+        if FLAT:
+            m_t, l_t, o_t = _all_splits(q, qpos, b, kvh, k_ptr, v_ptr, block_table_ptr, stride_bt, q0, ctx_len,
+                                        stride_kt, stride_kh, stride_vt, stride_vh, n_chunks, c_full, qk_scale,
+                                        PAGED, BLOCK_SIZE, D, CHUNK, SPLIT_CHUNKS, BLOCK_M, PRECISION)
+        else:
+            m_t = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+            l_t = tl.zeros((BLOCK_M,), tl.float32)
+            o_t = tl.zeros((BLOCK_M, D), tl.float32)
+            for s in range(0, n_splits):
+                c0 = s * SPLIT_CHUNKS
+                m, l, o = _split_partial(q, qpos, b, kvh, k_ptr, v_ptr, block_table_ptr, stride_bt, q0, ctx_len,
+                                         stride_kt, stride_kh, stride_vt, stride_vh, c0,
+                                         tl.minimum(c0 + SPLIT_CHUNKS, n_chunks), c_full, qk_scale,
+                                         PAGED, BLOCK_SIZE, D, CHUNK, BLOCK_M, PRECISION)
+                m_t, l_t, o_t = _merge(m_t, l_t, o_t, m, l, o)
         out = tl.div_rn(o_t, l_t[:, None])
         o_off = (q0 + tok).to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
         tl.store(out_ptr + o_off, out.to(q.dtype), mask=row_ok[:, None])
@@ -229,6 +281,7 @@ def _run(q, k, v, q_start, ctx_len, block_table, block_size, scale, paged, sched
     kv_heads = k.shape[-2]
     cfg = dict(config or (PAGED if paged else PREFILL))
     block_m = cfg.pop("BLOCK_M")
+    flat = cfg.pop("FLAT", False)
     g, d = _check(q, kv_heads, block_m)
     precision = _precision(q, k)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
@@ -261,7 +314,7 @@ def _run(q, k, v, q_start, ctx_len, block_table, block_size, scale, paged, sched
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         table.stride(0), 0 if lse is None else lse.stride(0), float(scale) * LOG2E,
         G=g, D=d, PAGED=paged, STORE_LSE=lse is not None, SPLIT=split, BLOCK_SIZE=block_size,
-        CHUNK=CHUNK, SPLIT_CHUNKS=SPLIT_CHUNKS, BLOCK_M=block_m, PRECISION=precision, **cfg, **LAUNCH)
+        CHUNK=CHUNK, SPLIT_CHUNKS=SPLIT_CHUNKS, BLOCK_M=block_m, PRECISION=precision, FLAT=flat, **cfg, **LAUNCH)
     if split:
         _merge_kernel[(tq, heads)](pm, pl, po, nsplit, out, heads, num_splits, out.stride(0), out.stride(1),
                                    D=d, num_warps=1, **LAUNCH)
@@ -377,6 +430,7 @@ def split_partials(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_row: tor
     heads = q.shape[1]
     cfg = dict(config or PREFILL)
     block_m = cfg.pop("BLOCK_M")
+    cfg.pop("FLAT", None)  # one split per program here: nothing to flatten
     g, d = _check(q, k.shape[1], block_m)
     precision = _precision(q, k)
     dev, i32 = q.device, torch.int32

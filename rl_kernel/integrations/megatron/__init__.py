@@ -1,9 +1,10 @@
 """rl_kernel inside Megatron-core: a strict Qwen3 trainer whose logprobs match the rollout bit for bit.
 
-- `MegatronPolicy` / `TrainBatch`: the trainer API (logprobs, train_step, weight export/import).
+- `MegatronPolicy`: the engine adapter (model and optimizer from an HF checkpoint, packed teacher-forcing
+  logprobs, gradient reductions and optimizer step, weight export/import). The RL algorithm that drives
+  it (packing, the GRPO loss and step) is vime's: `vime.trainer.grpo`.
 - `get_rl_kernel_layer_spec`: Megatron layer specs (strict: rl_kernel modules; native: Megatron's).
 - `convert`: HF Qwen3 <-> Megatron GPTModel weights (TP-sharded), exact both ways.
-- `loss.policy_loss`: the GRPO/PPO clipped policy loss (pure torch).
 See docs/megatron.md.
 """
 
@@ -13,8 +14,7 @@ import importlib
 
 # Exports load on first use, so that `integrations.megatron.cp` (context-parallel attention, torch only)
 # imports where megatron-core is absent (the GPU image).
-_EXPORTS = {"PolicyLossConfig": "loss", "policy_loss": "loss", "MegatronPolicy": "policy", "TrainBatch": "policy",
-            "get_rl_kernel_layer_spec": "spec"}
+_EXPORTS = {"MegatronPolicy": "policy", "get_rl_kernel_layer_spec": "spec"}
 __all__ = sorted(_EXPORTS)
 
 

@@ -20,6 +20,11 @@ from rl_kernel.integrations.megatron.cp import TokenLayout
 from rl_kernel.integrations.megatron.spec import RKRMSNorm, get_rl_kernel_layer_spec, packed_params
 from rl_kernel.models.qwen3 import Qwen3Config
 
+# Attribute set on the parameters that every TP rank holds whole but whose gradient each rank computes
+# only from its own attention heads (the qk-norms): their gradients are summed over the TP group. The
+# TP-sharded parameters carry Megatron's own `tensor_model_parallel` / `partition_dim` attributes.
+TP_PARTIAL_GRAD = "rl_kernel_tp_partial_grad"
+
 
 @dataclass
 class Qwen3TransformerConfig(TransformerConfig):
@@ -60,7 +65,12 @@ def build_gpt_model(shape: Qwen3Config, mode: str, tp: int, cp: int, dtype: torc
         max_sequence_length=1 << 20, pre_process=True, post_process=True, parallel_output=True,
         share_embeddings_and_output_weights=shape.tie_word_embeddings, position_embedding_type="none",
     )
-    return model.to(device=device, dtype=dtype)  # as Megatron's Float16Module: every param in the model dtype
+    model = model.to(device=device, dtype=dtype)  # as Megatron's Float16Module: every param in the model dtype
+    for layer in model.decoder.layers:  # qk-norm: whole on every TP rank, each rank's grad covers its heads only
+        for norm in (layer.self_attention.q_layernorm, layer.self_attention.k_layernorm):
+            for p in norm.parameters():
+                setattr(p, TP_PARTIAL_GRAD, True)
+    return model
 
 
 def lm_head_weight(model: GPTModel) -> torch.Tensor:

@@ -24,7 +24,7 @@ CONSOLE_NAMES = {"reward_mean": "reward", "tied_groups": "tied", "mismatch_count
                  "max_abs_diff": "max|diff|", "version": "ver"}
 
 
-def _jsonable(x):
+def jsonable(x):
     if isinstance(x, float) and not math.isfinite(x):
         return str(x)
     return x
@@ -52,7 +52,7 @@ class MetricsLogger:
     def log(self, row: dict) -> None:
         self.rows.append(row)
         with self.jsonl.open("a") as f:
-            f.write(json.dumps({k: _jsonable(v) for k, v in row.items()}) + "\n")
+            f.write(json.dumps({k: jsonable(v) for k, v in row.items()}) + "\n")
         if self.run is not None:
             import wandb
 
