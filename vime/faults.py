@@ -73,13 +73,14 @@ def report_stop(driver, reason: str) -> None:
     and how to continue (from its last checkpoint)."""
     from vime import checkpoint
 
-    rows = list(driver.logger.rows) if driver.logger is not None else []
+    if driver.logger is None:  # it failed while setting up: no step ran, nothing to report or continue
+        return
+    rows = list(driver.logger.rows)
     plot = None
-    if driver.logger is not None:
-        try:
-            plot = driver.logger.plot()
-        except Exception as e:  # noqa: BLE001 - the plot is a courtesy here; the stop reason matters more
-            log.warning("plot: %s", e)
+    try:
+        plot = driver.logger.plot()
+    except Exception as e:  # noqa: BLE001 - the plot is a courtesy here; the stop reason matters more
+        log.warning("plot: %s", e)
     last = checkpoint.latest(driver.output_dir) if driver.output_dir.is_dir() else None
     log.warning("%s after %d step(s) (%d tokens compared, %d mismatches); metrics %s, plot %s", reason, len(rows),
                 sum(r.get("tokens", 0) for r in rows), sum(r.get("mismatch_count", 0) for r in rows),
