@@ -305,5 +305,9 @@ class VllmRollout:
             self.llm.llm_engine.engine_core.shutdown()
         except Exception as e:  # noqa: BLE001 - at exit, report and go on
             log.warning("vLLM shutdown: %s", e)
-        if _gone(self._workers(), wait_s=10.0):  # what the workers did not remove (vLLM leaves some; a dead one all)
-            self.remove_temp_files()
+        if not _gone(self._workers(), wait_s=10.0):  # workers that outlive vLLM's own shutdown are ended here
+            for w in self._workers():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(w.proc.pid, signal.SIGKILL)
+            _gone(self._workers(), wait_s=10.0)
+        self.remove_temp_files()  # what the workers did not remove (vLLM leaves some; a dead one all)
