@@ -120,7 +120,8 @@ def forked_children_die_with_this_process() -> None:
 # rendezvous files are opened per operation, not held, so only a long-idle one is taken as stale.
 # vime's own rendezvous file names its driver's pid: it is stale once that process is gone.
 STALE_PATTERNS = {"/tmp/vllm_dist_*": 6 * 3600.0, "/dev/shm/rl_kernel_weights_*": 600.0,
-                  "/dev/shm/vime_weights_*": 600.0, "/dev/shm/psm_*": 600.0}
+                  "/dev/shm/vime_weights_*": 600.0, "/dev/shm/psm_*": 600.0,
+                  "/dev/shm/vllm_dist_*": 600.0}  # vLLM's CPU all-reduce segments (TP > 1), mapped while in use
 RENDEZVOUS_PATTERN = "/tmp/vime_rdzv_*"
 
 
