@@ -259,10 +259,11 @@ class Driver:
 
     def shutdown(self, exit_code: int = 0) -> None:
         """Stop the engines and Ray; W&B records `exit_code`."""
-        try:  # all engines at once; a stopped or failed run does not wait long for a busy or dead one
-            ray.get([e.shutdown.remote() for e in self.engines], timeout=60 if exit_code == 0 else 20)
-        except Exception as exc:  # noqa: BLE001 - best effort at exit; the run's outcome is already decided
-            log.warning("engine shutdown: %s", (str(exc).splitlines() or [""])[0])
+        if self.engines and ray.is_initialized():  # (ray.get would start a Ray just to stop nothing)
+            try:  # all engines at once; a stopped or failed run does not wait long for a busy or dead one
+                ray.get([e.shutdown.remote() for e in self.engines], timeout=60 if exit_code == 0 else 20)
+            except Exception as exc:  # noqa: BLE001 - best effort at exit; the run's outcome is already decided
+                log.warning("engine shutdown: %s", (str(exc).splitlines() or [""])[0])
         if self.logger is not None:
             self.logger.close(exit_code)
         if ray.is_initialized():

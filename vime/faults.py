@@ -73,13 +73,14 @@ def report_stop(driver, reason: str) -> None:
     and how to continue (from its last checkpoint)."""
     from vime import checkpoint
 
-    rows = list(driver.logger.rows) if driver.logger is not None else []
+    if driver.logger is None:  # it failed while setting up: no step ran, nothing to report or continue
+        return
+    rows = list(driver.logger.rows)
     plot = None
-    if driver.logger is not None:
-        try:
-            plot = driver.logger.plot()
-        except Exception as e:  # noqa: BLE001 - the plot is a courtesy here; the stop reason matters more
-            log.warning("plot: %s", e)
+    try:
+        plot = driver.logger.plot()
+    except Exception as e:  # noqa: BLE001 - the plot is a courtesy here; the stop reason matters more
+        log.warning("plot: %s", e)
     last = checkpoint.latest(driver.output_dir) if driver.output_dir.is_dir() else None
     log.warning("%s after %d step(s) (%d tokens compared, %d mismatches); metrics %s, plot %s", reason, len(rows),
                 sum(r.get("tokens", 0) for r in rows), sum(r.get("mismatch_count", 0) for r in rows),
@@ -119,7 +120,8 @@ def forked_children_die_with_this_process() -> None:
 # rendezvous files are opened per operation, not held, so only a long-idle one is taken as stale.
 # vime's own rendezvous file names its driver's pid: it is stale once that process is gone.
 STALE_PATTERNS = {"/tmp/vllm_dist_*": 6 * 3600.0, "/dev/shm/rl_kernel_weights_*": 600.0,
-                  "/dev/shm/vime_weights_*": 600.0, "/dev/shm/psm_*": 600.0}
+                  "/dev/shm/vime_weights_*": 600.0, "/dev/shm/psm_*": 600.0,
+                  "/dev/shm/vllm_dist_*": 600.0}  # vLLM's CPU all-reduce segments (TP > 1), mapped while in use
 RENDEZVOUS_PATTERN = "/tmp/vime_rdzv_*"
 
 

@@ -42,9 +42,10 @@ def start_ray(cfg: RayConfig, env: dict[str, str], log_to_driver: bool = True, l
                 if cfg.address:
                     ray.init(address=cfg.address, runtime_env=runtime_env, log_to_driver=log_to_driver)
                 else:
+                    loopback_node(cfg.bind_address)
                     ray.init(num_cpus=cfg.num_cpus, num_gpus=cfg.num_gpus, include_dashboard=False,
                              runtime_env=runtime_env, log_to_driver=log_to_driver, configure_logging=False,
-                             _node_ip_address=cfg.bind_address,  # GCS, raylet, object manager: loopback by default
+                             _node_ip_address=cfg.bind_address,  # every Ray listener: loopback by default
                              object_store_memory=object_store_bytes())
             break
         except Exception as e:  # noqa: BLE001 - Ray raises a bare Exception when its raylet starts slowly
@@ -63,6 +64,28 @@ def object_store_bytes() -> int:
     """The object store of a local Ray: `VIME_OBJECT_STORE_BYTES`, default 1 GiB (CPU runs' weights are
     small; scripts/gpu_train.sh sets 8 GiB: room for the H200 preset's ~4 GB weight sync, no spilling)."""
     return int(os.environ.get("VIME_OBJECT_STORE_BYTES", 1 << 30))
+
+
+LOOPBACK = ("127.0.0.1", "::1", "localhost")
+RAY_SINGLE_NODE_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # "0": Ray's single-node (loopback) mode
+
+
+def loopback_node(bind_address: str) -> None:
+    """Make a local Ray node's address the loopback address when `bind_address` is one.
+
+    `ray.init(_node_ip_address="127.0.0.1")` alone is not enough: Ray replaces a loopback address by the
+    host's routable one (`services.resolve_ip_for_localhost`), so its gRPC servers (GCS, raylet, every
+    worker) would listen on all interfaces and its agents and metrics servers on the host address. Ray
+    keeps the loopback address only in its single-node mode (`RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`, the
+    default on macOS and Windows), which is read when `ray` is imported: set it for the processes Ray
+    starts, and in this already imported one. Then every listener of the Ray node binds 127.0.0.1
+    (`docs/vime.md`, "What listens where"). The flag does nothing else (it only picks the node address)."""
+    if bind_address not in LOOPBACK:
+        return
+    import ray._private.ray_constants as ray_constants
+
+    os.environ[RAY_SINGLE_NODE_ENV] = "0"
+    ray_constants.ENABLE_RAY_CLUSTER = False
 
 
 def _stop_started_ray_processes() -> None:

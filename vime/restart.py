@@ -5,7 +5,10 @@ replaced by a fresh actor in the same placement-group bundle, loaded with the tr
 weights and version, and its share of the step is redone. Sampling is seeded per (seed, step,
 engine), so the redone share is the same samples: the step comes out as if nothing happened. Each
 restart is logged and counted (`engine_restarts` in every metrics row); more than
-`rollout.max_restarts` in a run ends it. A trainer rank that dies ends the run (the message says how
+`rollout.max_restarts` in a run ends it. A vLLM engine whose TP worker process dies (`rollout.tp > 1`)
+counts as dead too: its actor reports "rollout engine i, TP rank r died" (`TPWorkerDiedError`, after
+shutting the engine down and removing its temporary files), and the actor is replaced the same way.
+A trainer rank that dies ends the run (the message says how
 to resume from the last checkpoint): its state is not recoverable without one.
 """
 
@@ -16,13 +19,28 @@ import logging
 import ray
 
 from vime.errors import EngineDiedError
+from vime.rollout.vllm_engine import TPWorkerDiedError
 
 log = logging.getLogger("vime")
 
 
+def tp_worker_death(error: BaseException) -> TPWorkerDiedError | None:
+    """The TP worker death a rollout actor reported, when `error` (from `driver.call`) is one."""
+    inner = getattr(error.__cause__, "cause", None)  # the RayTaskError's original exception
+    return inner if isinstance(inner, TPWorkerDiedError) else None
+
+
 def died(error: BaseException) -> bool:
-    """The error is an actor's death (not an exception the actor raised and survived)."""
-    return isinstance(error, EngineDiedError) and isinstance(error.__cause__, ray.exceptions.RayActorError)
+    """The error is an engine's death (its actor, or one of its TP worker processes), not an exception
+    the engine raised and survived."""
+    return isinstance(error, EngineDiedError) and (isinstance(error.__cause__, ray.exceptions.RayActorError)
+                                                   or tp_worker_death(error) is not None)
+
+
+def _who(error: BaseException, engine: int) -> str:
+    dead = tp_worker_death(error)
+    return f"rollout engine {engine}, TP rank {dead.tp_rank}" if dead and dead.engine == engine else \
+        f"rollout engine {engine}"
 
 
 def _alive(actor) -> bool:
@@ -31,6 +49,10 @@ def _alive(actor) -> bool:
         return True
     except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
         return False
+    except ray.exceptions.RayTaskError as e:  # a TP worker of the engine died: the engine is gone
+        if isinstance(e.cause, TPWorkerDiedError):
+            return False
+        raise
 
 
 def load_current_weights(driver, engine: int) -> None:
@@ -46,8 +68,9 @@ def load_current_weights(driver, engine: int) -> None:
     driver.timeline.acknowledged(engine, ack)
 
 
-def restart_engine(driver, engine: int, cause: str) -> None:
-    """Replace dead rollout engine `engine` by a fresh actor serving the trainer's current version."""
+def restart_engine(driver, engine: int, cause: str, who: str | None = None) -> None:
+    """Replace dead rollout engine `engine` by a fresh actor serving the trainer's current version; `who`
+    names what died ("rollout engine 0, TP rank 1"; default: the engine)."""
     from vime.driver import call
 
     limit = driver.cfg.rollout.max_restarts
@@ -55,8 +78,9 @@ def restart_engine(driver, engine: int, cause: str) -> None:
         raise EngineDiedError(f"rollout engine {engine} died and the run has restarted engines "
                               f"{driver.engine_restarts} time(s) already (rollout.max_restarts={limit}): {cause}")
     driver.engine_restarts += 1
-    log.warning("rollout engine %d died; restarting it on weight version %d (restart %d of at most %d). Cause: %s",
-                engine, driver.timeline.trainer_version, driver.engine_restarts, limit, cause)
+    log.warning("%s died; restarting it on weight version %d (restart %d of at most %d). Cause: %s",
+                who or f"rollout engine {engine}", driver.timeline.trainer_version, driver.engine_restarts, limit,
+                cause)
     try:
         ray.kill(driver.engines[engine], no_restart=True)
     except Exception:  # noqa: BLE001 - it is dead already; kill only frees its name and bundle
@@ -87,7 +111,7 @@ def generate(driver, submit, engines: int) -> tuple[list, list[dict]]:
             except EngineDiedError as e:
                 if not died(e):
                     raise
-                restart_engine(driver, i, str(e))
+                restart_engine(driver, i, str(e), _who(e, i))
                 refs[i] = submit(i)
         outs.append(out)
         evidence.extend(ev)
@@ -104,5 +128,5 @@ def sync(driver, sync_fn) -> dict:
             raise
         for i, actor in enumerate(driver.engines):
             if not _alive(actor):
-                restart_engine(driver, i, str(e))
+                restart_engine(driver, i, str(e), _who(e, i))
         return sync_fn()

@@ -43,3 +43,33 @@ def strict_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
     proc = subprocess.run(train_cmd("steps=2", f"output_dir={out}"), cwd=REPO, env=os.environ | TRAIN_ENV,
                           capture_output=True, text=True, timeout=420)
     return out, proc
+
+
+def wandb_exit_codes(out: Path) -> list[int | None]:
+    """The exit code each offline W&B run under `<out>/wandb` recorded, oldest run first (None: the run has
+    no exit record: it never finished). Read from the run's `.wandb` file (a LevelDB-style log of
+    `wandb_internal_pb2.Record`s: 7-byte file header, 32 KiB blocks, 7-byte chunk headers), whose exit
+    record is what `wandb sync` uploads as the run's exit code."""
+    import struct
+
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    codes = []
+    for path in sorted((out / "wandb").glob("offline-run-*/run-*.wandb")):  # names start with the start time
+        data, pos, chunk, code = path.read_bytes(), 7, b"", None
+        assert data[:4] == b":W&B", path
+        while pos + 7 <= len(data):
+            left = 32768 - pos % 32768
+            size, kind = struct.unpack("<HB", data[pos + 4:pos + 7]) if left >= 7 else (0, 0)
+            if left < 7 or (size == 0 and kind == 0):  # block trailer / zero padding
+                pos += left
+                continue
+            chunk, pos = chunk + data[pos + 7:pos + 7 + size], pos + 7 + size
+            if kind in (1, 4):  # a full record, or the last chunk of one
+                record = pb.Record()
+                record.ParseFromString(chunk)
+                chunk = b""
+                if record.WhichOneof("record_type") == "exit":
+                    code = record.exit.exit_code
+        codes.append(code)
+    return codes

@@ -3,7 +3,8 @@
 One run is stopped with SIGTERM after its first checkpoint, then resumed with `resume=<dir>`. The
 stop is clean (exit 143, no traceback, the resume command printed); starting a new run in that dir
 is refused without touching it; the resumed run ends with the same metrics and the same final
-weights, in raw bits, as the uninterrupted twin (`strict_run`, shared with test_train_e2e.py).
+weights, in raw bits, as the uninterrupted twin (`strict_run`, shared with test_train_e2e.py). W&B
+records each run's true exit code (143 stopped, 1 failed, 0 finished; read from the offline run file).
 Where the signal lands within step 1 does not matter: whatever came after the checkpoint is redone.
 """
 
@@ -20,7 +21,7 @@ import pytest
 import torch
 
 from rl_kernel.bits import same_bits
-from tests.vime.conftest import REPO, TRAIN_ENV, train_cmd
+from tests.vime.conftest import REPO, TRAIN_ENV, train_cmd, wandb_exit_codes
 from vime.checkpoint import TIMING_KEYS
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.megatron]
@@ -62,6 +63,7 @@ def test_stopped_then_resumed_run_is_identical_in_bits(strict_run, tmp_path):
     assert "Traceback" not in text, text[-4000:]
     assert "continue from step_00000" in text and f"python -m vime.train resume={out}" in text
     assert (out / "consistency.png").is_file()  # the plot of the steps so far
+    assert wandb_exit_codes(out) == [143]  # W&B records the stop's exit code, not 0
 
     log_size = (out / "train.log").stat().st_size
     again = subprocess.run(train_cmd("steps=2", f"output_dir={out}"), cwd=REPO, env=os.environ | TRAIN_ENV,
@@ -73,6 +75,7 @@ def test_stopped_then_resumed_run_is_identical_in_bits(strict_run, tmp_path):
                              capture_output=True, text=True, timeout=420)
     assert resumed.returncode == 0, resumed.stderr[-6000:]
     assert "resumed from" in resumed.stderr + resumed.stdout
+    assert wandb_exit_codes(out)[0] == 143 and wandb_exit_codes(out)[-1] == 0  # the resumed run finished
 
     rows, base_rows = _rows(out), _rows(base)
     assert [r["step"] for r in rows] == [0, 1]  # nothing lost, nothing repeated
@@ -129,6 +132,62 @@ def test_a_killed_rollout_engine_is_restarted_and_a_killed_trainer_ends_the_run_
     assert "rollout engine 0 died; restarting it on weight version 1 (restart 1 of at most 3)" in text
     assert "EngineDiedError: trainer rank 0 died during" in text and "Traceback" not in text, text[-6000:]
     assert f"with: python -m vime.train resume={out}" in text
+    assert wandb_exit_codes(out) == [1]  # the failed run's exit code
     rows, base_rows = _rows(out), _rows(base)
     assert [r["engine_restarts"] for r in rows] == [0, 1]
     assert _untimed(rows) == [r | {"engine_restarts": n} for r, n in zip(_untimed(base_rows), (0, 1))]
+
+
+def _tp_worker(engine_pid: int, rank: int) -> int:
+    """The pid of vLLM's TP worker `rank` of the engine in process `engine_pid` (title `VLLM::Worker_TP<rank>`)."""
+    import psutil
+
+    found = [p.pid for p in psutil.Process(engine_pid).children(recursive=True)
+             if f"Worker_TP{rank}" in " ".join(p.cmdline())]
+    assert len(found) == 1, found
+    return found[0]
+
+
+def _engine_temp_files(pids: list[int]) -> set[str]:
+    from vime.rollout.vllm_engine import _mapped_temp_files
+
+    return _mapped_temp_files(pids)
+
+
+def test_a_killed_vllm_tp_worker_restarts_its_engine(tmp_path):
+    """rollout.tp=2: kill -9 of the engine's TP rank 1 process after step 0. The death is reported as
+    "rollout engine 0, TP rank 1 died" and handled like the engine's death: a fresh engine on weight
+    version 1 redoes step 1, counted in `engine_restarts`; every step still has 0 mismatches and the run
+    finishes (exit 0, W&B exit code 0). The dead engine's temporary files (its workers' shared memory in
+    /dev/shm, its /tmp/vllm_dist_* rendezvous file) are gone at the end."""
+    import glob
+
+    dist = ("/tmp/vllm_dist_*", "/dev/shm/vllm_dist_*")  # vLLM's FileStore file, its CPU all-reduce segments
+    dist_before = {f for pattern in dist for f in glob.glob(pattern)}
+    out = tmp_path / "tp_killed"
+    proc = subprocess.Popen(train_cmd("steps=3", "rollout.tp=2", f"output_dir={out}"), cwd=REPO,
+                            env=os.environ | TRAIN_ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    _wait_rows(proc, out / "metrics.jsonl", 1)
+    engines = _actor_pids(proc.pid, "RolloutWorker")
+    assert len(engines) == 1, engines
+    workers = [_tp_worker(engines[0], r) for r in (0, 1)]
+    files = _engine_temp_files(workers)
+    assert files, "the TP workers map no shared memory?"
+    os.kill(workers[1], signal.SIGKILL)
+    text, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, text[-6000:]
+    assert "rollout engine 0, TP rank 1 died; restarting it on weight version 1 (restart 1 of at most 3)" in text
+    assert "rollout engine 0, TP rank 1 died (pid " in text, text[-6000:]
+    assert "Traceback" not in text and "GLHF" not in text, text[-6000:]
+    rows = _rows(out)
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert [r["engine_restarts"] for r in rows] == [0, 1, 1]
+    assert all(r["mismatch_count"] == 0 and r["max_abs_diff"] == 0.0 and r["tokens"] > 0 for r in rows), rows
+    assert wandb_exit_codes(out) == [0]
+    def left() -> set[str]:
+        return {f for f in files if os.path.exists(f)} | ({f for p in dist for f in glob.glob(p)} - dist_before)
+
+    deadline = time.monotonic() + 30  # an engine actor can finish its clean-up just after the driver exits
+    while left() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not left(), left()

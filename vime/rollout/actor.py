@@ -7,6 +7,7 @@ buckets and acknowledges versions, and reports the rl_kernel evidence of its las
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -41,6 +42,32 @@ def redirect_output() -> None:
     os.close(fd)
 
 
+def _engine_call(method):
+    """A RolloutWorker method that uses the engine: when one of the engine's TP worker processes has died
+    (before or during the call), shut the engine down (removing its temporary files) and raise the
+    death ("rollout engine i, TP rank r died"), which the driver treats as the engine's death."""
+
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        death = getattr(self.engine, "worker_death", None)
+        if death is None:
+            return method(self, *args, **kwargs)
+        dead = death()
+        if dead is None:
+            try:
+                return method(self, *args, **kwargs)
+            except Exception as e:  # noqa: BLE001 - re-raised as is unless a TP worker died under it
+                dead = death(wait_s=10.0)
+                if dead is None:
+                    raise
+                self.engine.shutdown()
+                raise dead from e
+        self.engine.shutdown()
+        raise dead
+
+    return call
+
+
 class RolloutWorker:
     """Wrapped with `ray.remote` by the driver; plain class so it is testable in-process."""
 
@@ -53,16 +80,18 @@ class RolloutWorker:
         self.engine: Rollout
         if RolloutBackend(cfg.engine) == RolloutBackend.vllm:
             from vime.rollout.vllm_engine import VllmRollout
-            self.engine = VllmRollout(cfg, model_path, dtype, device, modes, seed + engine_id)
+            self.engine = VllmRollout(cfg, model_path, dtype, device, modes, seed + engine_id, engine_id)
         else:
             from vime.rollout.reference import ReferenceRollout
             self.engine = ReferenceRollout(cfg, model_path, dtype, device)
         self._evidence: list[dict] = []
 
+    @_engine_call
     def info(self) -> dict:
         return {"engine": self.engine_id, "label": self.engine.label, "vocab_size": self.engine.vocab_size,
                 "version": self.engine.version, "modes": self.modes, "pid": os.getpid()}
 
+    @_engine_call
     def generate(self, groups: list[tuple[int, list[int]]], group_size: int, max_new_tokens: int,
                  temperature: float, stop_token_ids: list[int], step: int) -> list[Sample]:
         """`groups`: (group index, prompt ids); each prompt is sampled `group_size` times on this engine."""
@@ -79,6 +108,7 @@ class RolloutWorker:
                                   finish_reason="stop" if tokens and tokens[-1] in stop_token_ids else "length"))
         return samples
 
+    @_engine_call
     def set_modes(self, modes: dict[str, str]) -> dict[str, str]:
         """Switch this engine's per-boundary rl_kernel modes (operator ablation, `vime.audit`)."""
         apply_modes_env(modes)
@@ -86,6 +116,7 @@ class RolloutWorker:
         self.modes = dict(modes)
         return self.modes
 
+    @_engine_call
     def rescore(self, samples: list[Sample]) -> list[list[float]]:
         """The engine's fp32 logprobs of each sample's fixed response tokens (forced decoding), under
         the current modes; the rl_kernel evidence of this pass replaces that of the last rollout."""
@@ -99,16 +130,19 @@ class RolloutWorker:
         """rl_kernel evidence of the last `generate` or `rescore` (engine workers included)."""
         return self._evidence
 
+    @_engine_call
     def load_weights(self, bucket: dict[str, torch.Tensor], version: int) -> int:
         """Load one bucket of HF-named full tensors of weight version `version`; returns how many tensors."""
         self.engine.update_weights(bucket, version)
         return len(bucket)
 
+    @_engine_call
     def load_buckets(self, buckets: list[dict[str, torch.Tensor]], version: int) -> int:
         """`load_weights` of every bucket in order (Ray resolves the driver's object reference here, from
         the store); returns how many tensors."""
         return sum(self.load_weights(b, version) for b in buckets)
 
+    @_engine_call
     def set_version(self, version: int) -> int:
         """All buckets of `version` are in: serve it from now on. Returns the version the engine reports."""
         return self.engine.set_version(version)

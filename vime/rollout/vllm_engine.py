@@ -9,19 +9,100 @@ kernels (`native_llm_kwargs`). Both take new weights through vLLM's weight-updat
 when the version is set), which for vLLM's own model redoes vLLM's post-load weight processing.
 Either way vLLM stamps each output with its engine weight version, which becomes the per-token
 version of the sample.
+
+With `rollout.tp > 1` vLLM's multiprocess executor runs every TP rank in its own process. A watcher
+thread records the first of them to exit; the engine then reports "rollout engine i, TP rank r died"
+(`TPWorkerDiedError`, which the driver handles as the engine's death: `vime/restart.py`) and removes
+the engine's temporary files (its shared-memory segments in /dev/shm, its /tmp/vllm_dist_* rendezvous
+file), which the killed worker can no longer remove.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import signal
+import threading
+from pathlib import Path
 
 import torch
 
 from vime.config import RolloutConfig
-from vime.errors import WeightSyncError
+from vime.errors import EngineDiedError, WeightSyncError
 
 log = logging.getLogger("vime")
+TEMP_PREFIXES = ("/dev/shm/", "/tmp/vllm_dist_")  # where a vLLM engine and its workers keep temporary files
+
+
+class TPWorkerDiedError(EngineDiedError):
+    """A TP worker process of a vLLM engine died: the engine cannot serve any more (a rollout engine death)."""
+
+    def __init__(self, message: str, engine: int | None = None, tp_rank: int | None = None):
+        super().__init__(message)
+        self.engine, self.tp_rank = engine, tp_rank
+
+
+def _how(pid: int, exitcode: int | None) -> str:
+    if exitcode is not None and exitcode < 0:
+        with contextlib.suppress(ValueError):
+            return f"pid {pid}, killed by {signal.Signals(-exitcode).name}"
+    # a Ray worker reaps its children itself (SIGCHLD ignored): the exit status is then unknown
+    return f"pid {pid}, exit code {exitcode}" if exitcode is not None else f"pid {pid}, its process exited"
+
+
+def _gone(workers: list, wait_s: float = 0.0) -> bool:
+    """All `workers` (vLLM worker handles) have exited. Read from their sentinels, not `is_alive()`, which
+    never sees the exit inside a Ray worker (it reaps its children itself, so waitpid finds none)."""
+    import multiprocessing.connection
+    import time
+
+    deadline = time.monotonic() + wait_s
+    pending = [w.proc.sentinel for w in workers]
+    while pending:
+        pending = [s for s in pending if s not in multiprocessing.connection.wait(pending, timeout=0)]
+        if not pending or time.monotonic() >= deadline:
+            break
+        time.sleep(0.1)
+    return not pending
+
+
+def _mapped_temp_files(pids: list[int]) -> set[str]:
+    """Files under TEMP_PREFIXES that processes `pids` hold open or mapped (and that still exist: a
+    name already unlinked, such as Ray's object store, is no file of theirs to remove)."""
+    found: set[str] = set()
+    for pid in pids:
+        proc = Path(f"/proc/{pid}")
+        with contextlib.suppress(OSError):
+            found.update(line.split(maxsplit=5)[5].strip() for line in (proc / "maps").read_text().splitlines()
+                         if len(line.split(maxsplit=5)) == 6)
+        with contextlib.suppress(OSError):
+            for fd in (proc / "fd").iterdir():
+                with contextlib.suppress(OSError):
+                    found.add(os.readlink(fd))
+    return {f for f in found if f.startswith(TEMP_PREFIXES) and not f.endswith(" (deleted)")}
+
+
+@contextlib.contextmanager
+def _record_file_store(paths: list[str]) -> object:
+    """Record the FileStore rendezvous file (`/tmp/vllm_dist_<id>`) vLLM's mp executor makes for its workers."""
+    try:
+        from vllm.v1.executor import multiproc_executor as mpe
+    except ImportError:
+        yield
+        return
+    make = mpe.get_file_store_init_method
+
+    def recording() -> str:
+        method = make()
+        paths.append(method.removeprefix("file://"))
+        return method
+
+    mpe.get_file_store_init_method = recording
+    try:
+        yield
+    finally:
+        mpe.get_file_store_init_method = make
 
 
 def _reseed_worker(worker, seed: int) -> None:
@@ -48,7 +129,8 @@ def _versions(output, n: int) -> list[int]:
 
 
 class VllmRollout:
-    def __init__(self, cfg: RolloutConfig, model_path: str, dtype: str, device: str, modes: dict[str, str], seed: int):
+    def __init__(self, cfg: RolloutConfig, model_path: str, dtype: str, device: str, modes: dict[str, str], seed: int,
+                 engine_id: int = 0):
         import vllm
 
         from rl_kernel.integrations import vllm as rkv
@@ -66,7 +148,12 @@ class VllmRollout:
                 cpus = sorted(os.sched_getaffinity(0))
                 os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(cpus[i % len(cpus)]) for i in range(cfg.tp))
         make_kwargs = rkv.strict_llm_kwargs if self.strict else rkv.native_llm_kwargs
-        self.llm = vllm.LLM(**make_kwargs(model_path, **engine_kwargs))
+        self.engine_id, self._temp_files, self._closing = engine_id, [], False
+        self._death: tuple[int, int | None, int] | None = None  # (TP rank, exit code, pid) of a dead worker
+        self._died = threading.Event()
+        with _record_file_store(self._temp_files):
+            self.llm = vllm.LLM(**make_kwargs(model_path, **engine_kwargs))
+        self._watch_workers()
         self.vocab_size = int(self.llm.llm_engine.model_config.get_vocab_size())
         self.version = 0
         self.top_k, self.top_p = -1, 1.0  # set from the sampling parameters of each `generate`
@@ -153,8 +240,76 @@ class VllmRollout:
             self.rkv.reset_evidence(self.llm)
         return records
 
+    # ---- TP workers ------------------------------------------------------------------------------
+
+    def _workers(self) -> list:
+        """vLLM's mp executor's worker handles (`.proc`, `.rank`): TP > 1 with the engine core in this
+        process; [] otherwise (one process, or the engine core in its own process: VIME_VLLM_MP=1)."""
+        core = getattr(getattr(self.llm.llm_engine, "engine_core", None), "engine_core", None)
+        return list(getattr(getattr(core, "model_executor", None), "workers", None) or [])
+
+    def _watch_workers(self) -> None:
+        workers = self._workers()
+        if not workers:
+            return
+        # the workers' shared memory (vLLM's message queues, the CPU all-reduce segments): the workers are
+        # vLLM's spawned processes, so nothing of Ray's is among what they map
+        self._temp_files.extend(_mapped_temp_files([w.proc.pid for w in workers]))
+
+        def watch() -> None:
+            import multiprocessing.connection
+
+            ready = multiprocessing.connection.wait([w.proc.sentinel for w in workers])
+            if self._closing:
+                return
+            dead = next(w for w in workers if w.proc.sentinel == ready[0])
+            dead.proc.join(timeout=5)
+            self._death = (dead.rank, dead.proc.exitcode, dead.proc.pid)
+            self._died.set()
+
+        threading.Thread(target=watch, daemon=True, name="vime-tp-worker-watch").start()
+
+    def worker_death(self, wait_s: float = 0.0) -> TPWorkerDiedError | None:
+        """The error for this engine's dead TP worker, if one died (waiting up to `wait_s` for the watcher:
+        a peer's collective fails a moment before the dead process is reaped); None while all live."""
+        if not self._died.wait(wait_s) or self._death is None:
+            return None
+        rank, code, pid = self._death
+        return TPWorkerDiedError(f"rollout engine {self.engine_id}, TP rank {rank} died ({_how(pid, code)})",
+                                 engine=self.engine_id, tp_rank=rank)
+
+    def remove_temp_files(self) -> list[str]:
+        """Remove the engine's temporary files (after its workers are gone): what its workers mapped, its
+        FileStore rendezvous file and the CPU all-reduce segments named after it
+        (`/dev/shm/vllm_dist_<id>-tp:0-[0-1]-cpushm_<rank>`). Returns what was removed."""
+        import glob
+
+        paths = set(self._temp_files)
+        for store in [f for f in self._temp_files if f.startswith("/tmp/vllm_dist_")]:
+            paths.update(glob.glob(glob.escape(f"/dev/shm/{Path(store).name}") + "-*"))
+        removed = []
+        for path in sorted(paths):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+                removed.append(path)
+        return removed
+
     def shutdown(self) -> None:
+        if self._closing:
+            return
+        self._closing = True
+        if self._death is not None:  # the other ranks are stuck in a broken TP group: end them now
+            for w in self._workers():
+                if not _gone([w]):
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(w.proc.pid, signal.SIGKILL)
         try:
             self.llm.llm_engine.engine_core.shutdown()
         except Exception as e:  # noqa: BLE001 - at exit, report and go on
             log.warning("vLLM shutdown: %s", e)
+        if not _gone(self._workers(), wait_s=10.0):  # workers that outlive vLLM's own shutdown are ended here
+            for w in self._workers():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(w.proc.pid, signal.SIGKILL)
+            _gone(self._workers(), wait_s=10.0)
+        self.remove_temp_files()  # what the workers did not remove (vLLM leaves some; a dead one all)
