@@ -116,6 +116,10 @@ class TrainerConfig:
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     micro_batch_size: int = 0      # sequences per micro-batch; 0 = the whole step in one micro-batch
+    # The step's consistency metric comes from the training forward (on-policy: the same weights, the
+    # same logprobs). true: also run the separate no-grad scoring forward first and compare that one
+    # (it checks the trainer's inference path too, for one more forward per step).
+    scoring_pass: bool = False
 
 
 @dataclass

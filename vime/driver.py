@@ -194,8 +194,19 @@ class Driver:
         version = self.timeline.check_ready_for_rollout()
         samples = self.rollout(step)
         t1 = time.perf_counter()
-        scored = self._call(self.trainer, "score", "score", samples, trainer=True)[0]
+        # The trainer's logprobs of the rollout's tokens, at the rollout's weight version: by default from
+        # the training forward itself (on-policy, the same weights); `trainer.scoring_pass` adds the
+        # separate no-grad scoring forward and compares that instead.
+        separate = cfg.trainer.scoring_pass
+        scored = self._call(self.trainer, "score", "score", samples, trainer=True)[0] if separate else None
         t2 = time.perf_counter()
+        stats = self._call(self.trainer, "train_step", "train step", samples, not separate, trainer=True)[0]
+        scored = scored if separate else stats.pop("scored")
+        reported = stats.pop("version")
+        expected = self.timeline.trained()  # the trainer's weights are now version v+1
+        if reported != expected:
+            raise TrainingError(f"trainer reports version {reported}, driver expects {expected}")
+        t3 = time.perf_counter()
         consistency.check_comparable(samples, scored, version)
         rollout_ev = self.rollout_evidence
         trainer_ev = self._call(self.trainer, "evidence", "evidence", trainer=True)[0]
@@ -203,12 +214,6 @@ class Driver:
         result = consistency.compare([consistency.rollout_tensor(s.logprobs) for s in samples],
                                      [sc.logprobs for sc in scored], [sc.positions for sc in scored],
                                      [sc.token_ids for sc in scored])
-        stats = self._call(self.trainer, "train_step", "train step", samples, trainer=True)[0]
-        reported = stats.pop("version")
-        expected = self.timeline.trained()  # the trainer's weights are now version v+1
-        if reported != expected:
-            raise TrainingError(f"trainer reports version {reported}, driver expects {expected}")
-        t3 = time.perf_counter()
         sync = restart.sync(self, lambda: sync_weights(self.trainer, self.engines, self.timeline.trainer_version,
                                                        BUCKET_BYTES, self.timeline, call))
         rewards = torch.tensor([s.reward for s in samples])

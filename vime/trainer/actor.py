@@ -64,6 +64,7 @@ class TrainerWorker:
                 "version": self.version, "modes": self.modes, "pid": os.getpid()}
 
     def score(self, samples: list[Sample]) -> list[Scored]:
+        """The trainer's no-grad teacher-forcing logprobs of `samples` (the separate scoring pass)."""
         import rl_kernel as rk
 
         temperature = one_temperature(samples)
@@ -71,6 +72,10 @@ class TrainerWorker:
         logprobs, positions = self.engine.score([s.prompt_ids + s.response_ids for s in samples],
                                                 [len(s.prompt_ids) for s in samples], temperature)
         self._evidence = rk.evidence.snapshot()
+        return self._scored(samples, logprobs, positions, temperature)
+
+    def _scored(self, samples: list[Sample], logprobs: list[torch.Tensor], positions: list[list[int]],
+                temperature: float) -> list[Scored]:
         return [Scored(token_ids=list(s.response_ids), positions=list(p), logprobs=lp.to(torch.float32).contiguous(),
                        version=self.version, temperature=temperature, vocab_size=self.engine.vocab_size)
                 for s, lp, p in zip(samples, logprobs, positions)]
@@ -85,18 +90,30 @@ class TrainerWorker:
         self.modes = dict(modes)
         return self.modes
 
-    def train_step(self, samples: list[Sample]) -> dict[str, float]:
+    def train_step(self, samples: list[Sample], score: bool = False) -> dict:
         """One GRPO optimizer step on `samples` (old logprobs = the rollout's); version v -> v+1. The
         trainer's train-mode logprobs are also compared with the rollout's: a second, independent
-        measurement, reported as train_mismatch_count / train_max_abs_diff / train_mean_abs_diff."""
+        measurement, reported as train_mismatch_count / train_max_abs_diff / train_mean_abs_diff.
+        With `score`, the step's training forward is also its scoring forward: the result holds
+        "scored" (what `score` returns, at version v) and `evidence()` is that forward's."""
+        import rl_kernel as rk
+
+        temperature = one_temperature(samples)
+        rk.evidence.reset()
         stats = self.engine.train_step(TrainBatch(
             [s.prompt_ids + s.response_ids for s in samples], [len(s.prompt_ids) for s in samples],
             [s.advantage for s in samples], [torch.tensor(s.logprobs, dtype=torch.float32) for s in samples],
-            temperature=one_temperature(samples)))
+            temperature=temperature, keep_logprobs=score))
+        # the packer takes response token j of sequence i at position prompt_lens[i] + j
+        scored = self._scored(samples, stats.pop("logprobs"), [list(range(len(s.prompt_ids), len(s.prompt_ids)
+                              + len(s.response_ids))) for s in samples], temperature) if score else None
+        if score:
+            self._evidence = rk.evidence.snapshot()
         self.version += 1
         measured = ("mismatch_count", "max_abs_diff", "mean_abs_diff")
         out = {k: v for k, v in stats.items() if k not in (*measured, "tokens")}
-        return out | {f"train_{k}": stats[k] for k in measured} | {"version": self.version}
+        return out | {f"train_{k}": stats[k] for k in measured} | {"version": self.version} | \
+            ({"scored": scored} if score else {})
 
     def save_checkpoint(self, path: str) -> int:
         """Write this rank's part of checkpoint `path` (trainer/ and rng/; collective); returns the version."""

@@ -97,6 +97,7 @@ class TrainBatch:
     old_logprobs: list[torch.Tensor]
     ref_logprobs: list[torch.Tensor] | None = None
     temperature: float = 1.0
+    keep_logprobs: bool = False  # return the training forward's logprobs (train_step's "logprobs")
 
 
 class PolicyModel(Protocol):
@@ -147,8 +148,10 @@ def score(model: PolicyModel, sequences: list[list[int]], prompt_lens: list[int]
 
 
 def _micro_batch_loss(model: PolicyModel, p: Packed, batch: TrainBatch, mb: range, config: LossConfig,
-                      total_tokens: int, sums: dict[str, float], maxes: dict[str, float]) -> None:
-    """Forward, loss and backward of one micro-batch; adds its metrics to `sums` / `maxes`."""
+                      total_tokens: int, sums: dict[str, float], maxes: dict[str, float],
+                      kept: list[torch.Tensor]) -> None:
+    """Forward, loss and backward of one micro-batch; adds its metrics to `sums` / `maxes` and, when
+    `batch.keep_logprobs`, its sequences' response logprobs (fp32, the forward's own values) to `kept`."""
     old = p.on_rows([batch.old_logprobs[i] for i in mb])
     adv = p.on_rows([float(batch.advantages[i]) for i in mb])
     mask = p.on_rows([1.0] * len(mb))
@@ -159,6 +162,8 @@ def _micro_batch_loss(model: PolicyModel, p: Packed, batch: TrainBatch, mb: rang
     ref = None if ref is None else ref[index].to(lp.device)
     loss, m = policy_loss(lp, old, adv, mask, config, ref, normalizer=total_tokens)
     loss.backward()
+    if batch.keep_logprobs:
+        kept.extend(model.gather_logprobs(lp.detach(), index, p.cu_seqlens)[p.rows].split(p.counts))
     active = mask.bool()
     mine, theirs = lp.detach()[active], old[active]
     diff = mine - theirs
@@ -171,11 +176,13 @@ def _micro_batch_loss(model: PolicyModel, p: Packed, batch: TrainBatch, mb: rang
 
 
 def train_step(model: PolicyModel, batch: TrainBatch, config: LossConfig,
-               micro_batch_size: int | None = None) -> dict[str, float]:
+               micro_batch_size: int | None = None) -> dict:
     """One optimizer step of the clipped policy-gradient loss over the whole batch (token mean over all
     response tokens, summed over micro-batches and ranks). Returns metrics, including the agreement of
     the trainer's train-mode logprobs with the old (rollout) ones on every response token (before the
-    update). A non-finite loss or gradient raises TrainingError and leaves the weights unchanged."""
+    update), and with `batch.keep_logprobs` those logprobs themselves under "logprobs" (one fp32 tensor
+    per sequence, as `score` returns them: the same bits in strict mode, from the forward the step
+    needs anyway). A non-finite loss or gradient raises TrainingError and leaves the weights unchanged."""
     n = len(batch.sequences)
     if not (len(batch.prompt_lens) == len(batch.advantages) == len(batch.old_logprobs) == n):
         raise ValueError("sequences, prompt_lens, advantages and old_logprobs must have one entry per sequence")
@@ -184,9 +191,10 @@ def train_step(model: PolicyModel, batch: TrainBatch, config: LossConfig,
     sums = dict.fromkeys(("loss", "pg_sum", "clipped", "ratio_sum", "tokens", "kl_sum", "mismatch_count",
                           "abs_diff_sum"), 0.0)
     maxes = {"max_abs_diff": 0.0}
+    kept: list[torch.Tensor] = []
     for mb in micro_batches(n, micro_batch_size):
         p = pack([batch.sequences[i] for i in mb], [batch.prompt_lens[i] for i in mb])
-        _micro_batch_loss(model, p, batch, mb, config, total_tokens, sums, maxes)
+        _micro_batch_loss(model, p, batch, mb, config, total_tokens, sums, maxes, kept)
     sums = model.reduce_metrics(sums, maxes)
     if not math.isfinite(sums["loss"]):
         raise TrainingError(f"non-finite loss {sums['loss']}: lower trainer.lr or check the rewards / advantages")
@@ -198,4 +206,4 @@ def train_step(model: PolicyModel, batch: TrainBatch, config: LossConfig,
     return {"loss": sums["loss"], "pg_loss": sums["pg_sum"] / tokens, "clip_frac": sums["clipped"] / tokens,
             "ratio_mean": sums["ratio_sum"] / tokens, "kl": sums["kl_sum"] / tokens, "tokens": sums["tokens"],
             "grad_norm": grad_norm, "mismatch_count": sums["mismatch_count"], "max_abs_diff": sums["max_abs_diff"],
-            "mean_abs_diff": sums["abs_diff_sum"] / tokens}
+            "mean_abs_diff": sums["abs_diff_sum"] / tokens} | ({"logprobs": kept} if batch.keep_logprobs else {})
