@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 import rl_kernel as rk
 from rl_kernel.models.layers import AttentionFn, Qwen3Model
-from rl_kernel.models.qwen3_layout import weight_layout
+from rl_kernel.models.qwen3_layout import VOCAB_DIVISOR, weight_layout
 
 
 @dataclass(frozen=True)
@@ -89,7 +89,7 @@ class Qwen3Reference:
 
     def __init__(self, config: Qwen3Config, dtype: torch.dtype = torch.bfloat16,
                  group: dist.ProcessGroup | None = None, device: torch.device | str = "cpu",
-                 vocab_multiple: int = 128):
+                 vocab_multiple: int = VOCAB_DIVISOR):
         self.config = config
         self.dtype, self.group, self.device = dtype, group, torch.device(device)
         self.model = Qwen3Model(config, group, dtype, self.device, vocab_multiple)
@@ -155,7 +155,7 @@ class Qwen3Reference:
     @classmethod
     def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.bfloat16,
                         group: dist.ProcessGroup | None = None, device: torch.device | str = "cpu",
-                        vocab_multiple: int = 128) -> Qwen3Reference:
+                        vocab_multiple: int = VOCAB_DIVISOR) -> Qwen3Reference:
         """Load an HF Qwen3 checkpoint directory (config.json + *.safetensors), sharded for `group`."""
         from safetensors.torch import load_file
 

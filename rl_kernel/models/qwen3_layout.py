@@ -62,9 +62,9 @@ class TPShape:
 @dataclass(frozen=True)
 class WeightLayout:
     """How the HF tensor `name` (full shape `shape`) is sharded: along `dim` (None: replicated),
-    `vocab` rows padded, its `kv_heads` heads (k/v projections; 0: none) replicated when tp > kv_heads;
-    stored in `module` (a
-    parameter name of `rl_kernel.models.layers.Qwen3Model`), segment `part` of it along dim 0."""
+    `vocab` rows padded, its `kv_heads` heads (k/v projections; 0: none) replicated when tp > kv_heads.
+    Stored in `module` (a parameter name of `rl_kernel.models.layers.Qwen3Model`), segment `part`
+    of it along dim 0."""
 
     name: str
     shape: tuple[int, ...]
