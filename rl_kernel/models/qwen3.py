@@ -4,8 +4,10 @@ Teacher forcing (`forward_packed`, `sequence_logprobs`) runs packed varlen atten
 engine (`rl_kernel.models.rollout`) runs the same layers over a paged KV cache through `forward`.
 In strict mode both paths give the same fp32 logprob bits for the same token.
 
-Tensor parallelism (`group`) follows Megatron's and vLLM's layouts: q heads and kv heads split
-contiguously per rank (column-parallel q/k/v, gate/up), o_proj and down_proj split along K
+The layers are the shared `rl_kernel.models.layers` blocks (the vLLM model and the Megatron spec run
+the same ones). Tensor parallelism (`group`) follows the one layout table,
+`rl_kernel.models.qwen3_layout`: q heads and kv heads split contiguously per rank (column-parallel
+q/k/v, gate/up; kv heads replicated when tp > num_kv_heads), o_proj and down_proj split along K
 (row-parallel, `rk.row_parallel_linear`), embedding and LM head split by contiguous vocab rows,
 the vocab padded to a multiple of `vocab_multiple * tp` with zero rows. With tp dividing 8, strict
 TP gives the same bits as TP1.
@@ -14,7 +16,6 @@ TP gives the same bits as TP1.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,9 +23,8 @@ import torch
 import torch.distributed as dist
 
 import rl_kernel as rk
-
-# attention(layer, q [T, H, d], k [T, Hkv, d], v [T, Hkv, d]) -> [T, H, d], after QK-norm and RoPE.
-AttentionFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+from rl_kernel.models.layers import AttentionFn, Qwen3Model
+from rl_kernel.models.qwen3_layout import VOCAB_DIVISOR, weight_layout
 
 
 @dataclass(frozen=True)
@@ -84,65 +84,45 @@ class _Shard:
 
 
 class Qwen3Reference:
-    """Qwen3ForCausalLM inference forward from rl_kernel ops, optionally tensor-parallel over `group`."""
+    """Qwen3ForCausalLM inference forward from rl_kernel ops, optionally tensor-parallel over `group`:
+    the shared `Qwen3Model` blocks (`self.model`) with HF weight loading and export."""
 
     def __init__(self, config: Qwen3Config, dtype: torch.dtype = torch.bfloat16,
                  group: dist.ProcessGroup | None = None, device: torch.device | str = "cpu",
-                 vocab_multiple: int = 128):
-        c = self.config = config
+                 vocab_multiple: int = VOCAB_DIVISOR):
+        self.config = config
         self.dtype, self.group, self.device = dtype, group, torch.device(device)
-        self.tp = dist.get_world_size(group) if group is not None else 1
-        self.rank = dist.get_rank(group) if group is not None else 0
-        for what, n in (("num_attention_heads", c.num_heads), ("num_key_value_heads", c.num_kv_heads),
-                        ("intermediate_size", c.intermediate_size)):
-            if n % self.tp:
-                raise ValueError(f"{what}={n} is not divisible by tp={self.tp}: Qwen3Reference splits heads, "
-                                 "kv heads and MLP columns evenly over the TP ranks; choose a tp that divides them")
-        self.heads, self.kv_heads = c.num_heads // self.tp, c.num_kv_heads // self.tp
-        self.inter = c.intermediate_size // self.tp
-        pad = vocab_multiple * self.tp
-        self.padded_vocab = -(-c.vocab_size // pad) * pad
-        self.scale = c.head_dim ** -0.5
-
-        def empty(*shape: int) -> torch.Tensor:
-            return torch.zeros(*shape, dtype=dtype, device=self.device)
-
-        d, D, vl = c.head_dim, c.hidden_size, self.padded_vocab // self.tp
-        self.embed = empty(vl, D)
-        self.lm_head = self.embed if c.tie_word_embeddings else empty(vl, D)
-        self.norm = empty(D)
-        self.layers = [dict(
-            input_norm=empty(D), post_norm=empty(D), q_norm=empty(d), k_norm=empty(d),
-            qkv=empty((self.heads + 2 * self.kv_heads) * d, D), o=empty(D, self.heads * d),
-            gate_up=empty(2 * self.inter, D), down=empty(D, self.inter),
-        ) for _ in range(c.num_layers)]
-        self._shards = self._shard_table()
+        self.model = Qwen3Model(config, group, dtype, self.device, vocab_multiple)
+        self.tp, self.rank, self.vocab_multiple = self.model.tp, self.model.rank, vocab_multiple
+        shape = self.model.shape
+        self.heads, self.kv_heads, self.inter = shape.heads, shape.kv_heads, shape.inter
+        self.padded_vocab = shape.vocab * self.tp
+        self.scale = self.model.scale
+        self._layout = weight_layout(config)
+        views = self.model.hf_views()
+        self._shards = {n: _Shard(views[n], w.dim, w.shape) for n, w in self._layout.items()}
 
     # ---- weights -------------------------------------------------------------------------------
 
-    def _shard_table(self) -> dict[str, _Shard]:
-        c, d, D = self.config, self.config.head_dim, self.config.hidden_size
-        q, kv = self.heads * d, self.kv_heads * d
-        t = {"model.embed_tokens.weight": _Shard(self.embed, 0, (c.vocab_size, D)),
-             "model.norm.weight": _Shard(self.norm, None, (D,))}
-        if not c.tie_word_embeddings:
-            t["lm_head.weight"] = _Shard(self.lm_head, 0, (c.vocab_size, D))
-        for i, L in enumerate(self.layers):
-            p = f"model.layers.{i}."
-            t |= {
-                p + "input_layernorm.weight": _Shard(L["input_norm"], None, (D,)),
-                p + "post_attention_layernorm.weight": _Shard(L["post_norm"], None, (D,)),
-                p + "self_attn.q_norm.weight": _Shard(L["q_norm"], None, (d,)),
-                p + "self_attn.k_norm.weight": _Shard(L["k_norm"], None, (d,)),
-                p + "self_attn.q_proj.weight": _Shard(L["qkv"][:q], 0, (c.num_heads * d, D)),
-                p + "self_attn.k_proj.weight": _Shard(L["qkv"][q:q + kv], 0, (c.num_kv_heads * d, D)),
-                p + "self_attn.v_proj.weight": _Shard(L["qkv"][q + kv:], 0, (c.num_kv_heads * d, D)),
-                p + "self_attn.o_proj.weight": _Shard(L["o"], 1, (D, c.num_heads * d)),
-                p + "mlp.gate_proj.weight": _Shard(L["gate_up"][:self.inter], 0, (c.intermediate_size, D)),
-                p + "mlp.up_proj.weight": _Shard(L["gate_up"][self.inter:], 0, (c.intermediate_size, D)),
-                p + "mlp.down_proj.weight": _Shard(L["down"], 1, (D, c.intermediate_size)),
-            }
-        return t
+    @property
+    def embed(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight
+
+    @property
+    def lm_head(self) -> torch.Tensor:
+        return self.model.lm_head.weight
+
+    @property
+    def norm(self) -> torch.Tensor:
+        return self.model.norm.weight
+
+    @property
+    def layers(self) -> list[dict[str, torch.Tensor]]:
+        """Each layer's weight tensors by short name (the parameters of `self.model.layers`)."""
+        return [dict(input_norm=b.input_layernorm.weight, post_norm=b.post_attention_layernorm.weight,
+                     q_norm=b.self_attn.q_norm.weight, k_norm=b.self_attn.k_norm.weight,
+                     qkv=b.self_attn.qkv_proj.weight, o=b.self_attn.o_proj.weight,
+                     gate_up=b.mlp.gate_up_proj.weight, down=b.mlp.down_proj.weight) for b in self.model.layers]
 
     def load_hf_weights(self, weights: dict[str, torch.Tensor], strict: bool = False) -> None:
         """Copy full (unsharded) HF-named tensors into this rank's shards, in place. Any subset of
@@ -154,37 +134,28 @@ class Qwen3Reference:
         if strict and missing:
             raise KeyError(f"checkpoint lacks {len(missing)} weights, e.g. {missing[:5]}")
         for name, full in weights.items():
-            s = self._shards[name]
-            if tuple(full.shape) != s.full_shape:
-                raise ValueError(f"{name}: shape {tuple(full.shape)} does not match the config's {s.full_shape}")
+            w = self._layout[name]
+            if tuple(full.shape) != w.shape:
+                raise ValueError(f"{name}: shape {tuple(full.shape)} does not match the config's {w.shape}")
             full = full.to(device=self.device, dtype=self.dtype)
-            if s.dim is not None:
-                n = s.local.shape[s.dim]
-                if s.full_shape[s.dim] < n * self.tp:  # vocab rows: pad with zeros to the padded vocab
-                    pad = [0, 0] * (full.dim() - 1 - s.dim) + [0, n * self.tp - s.full_shape[s.dim]]
-                    full = torch.nn.functional.pad(full, pad)
-                full = full.narrow(s.dim, self.rank * n, n)
             with torch.no_grad():
-                s.local.copy_(full)
+                self._shards[name].local.copy_(w.shard(full, self.rank, self.tp, self.vocab_multiple))
 
     def state_dict_hf(self) -> dict[str, torch.Tensor]:
         """Full HF-named tensors (shards gathered from every rank: a bit copy), in the model dtype."""
         out = {}
         for name, s in self._shards.items():
-            full = s.local
+            parts = [s.local]
             if s.dim is not None and self.tp > 1:
                 parts = [torch.empty_like(s.local) for _ in range(self.tp)]
                 dist.all_gather(parts, s.local.contiguous(), group=self.group)
-                full = torch.cat(parts, dim=s.dim)
-            if s.dim is not None:
-                full = full.narrow(s.dim, 0, s.full_shape[s.dim])
-            out[name] = full.clone()
+            out[name] = self._layout[name].unshard(parts).clone()
         return out
 
     @classmethod
     def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.bfloat16,
                         group: dist.ProcessGroup | None = None, device: torch.device | str = "cpu",
-                        vocab_multiple: int = 128) -> Qwen3Reference:
+                        vocab_multiple: int = VOCAB_DIVISOR) -> Qwen3Reference:
         """Load an HF Qwen3 checkpoint directory (config.json + *.safetensors), sharded for `group`."""
         from safetensors.torch import load_file
 
@@ -208,43 +179,17 @@ class Qwen3Reference:
     # ---- forward -------------------------------------------------------------------------------
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Vocab-parallel lookup: each rank looks up the ids it owns (zeros elsewhere), then an all-reduce."""
+        """Vocab-parallel lookup of token ids (checked against the model vocab)."""
         ids = input_ids.to(device=self.device, dtype=torch.int64)
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size):
             raise ValueError(f"token ids must lie in [0, {self.config.vocab_size}) (the model vocab); got "
                              f"[{int(ids.min())}, {int(ids.max())}]: tokenizer and checkpoint disagree?")
-        if self.tp == 1:
-            return self.embed[ids]
-        local = ids - self.rank * self.embed.shape[0]
-        owned = (local >= 0) & (local < self.embed.shape[0])
-        rows = torch.where(owned.unsqueeze(-1), self.embed[local.clamp(0, self.embed.shape[0] - 1)], 0.0)
-        return rk.all_reduce(rows, self.group)
-
-    def _row_parallel(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        return rk.row_parallel_linear(x, w, self.group if self.tp > 1 else None)
+        return self.model.embed_tokens(ids)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionFn) -> torch.Tensor:
         """Final-norm hidden states [T, D] of tokens `input_ids` [T] at `positions` [T]; `attention`
         supplies the attention of each layer (packed varlen, or paged over a KV cache)."""
-        c, d = self.config, self.config.head_dim
-        positions = positions.to(self.device)
-        h, residual = self.embed_tokens(input_ids), None
-        for i, L in enumerate(self.layers):
-            if residual is None:
-                h, residual = rk.rms_norm(h, L["input_norm"], c.rms_norm_eps), h
-            else:
-                h, residual = rk.rms_norm(h, L["input_norm"], c.rms_norm_eps, residual=residual)
-            qkv = rk.linear(h, L["qkv"])
-            q, k, v = qkv.split([self.heads * d, self.kv_heads * d, self.kv_heads * d], dim=-1)
-            q = rk.rope(rk.rms_norm(q.reshape(-1, self.heads, d), L["q_norm"], c.rms_norm_eps), positions, c.rope_theta)
-            k = rk.rope(rk.rms_norm(k.reshape(-1, self.kv_heads, d), L["k_norm"], c.rms_norm_eps),
-                        positions, c.rope_theta)
-            attn = attention(i, q, k, v.reshape(-1, self.kv_heads, d))
-            h = self._row_parallel(attn.reshape(-1, self.heads * d), L["o"])
-            h, residual = rk.rms_norm(h, L["post_norm"], c.rms_norm_eps, residual=residual)
-            h = self._row_parallel(rk.silu_and_mul(rk.linear(h, L["gate_up"])), L["down"])
-        h, _ = rk.rms_norm(h, self.norm, c.rms_norm_eps, residual=residual)
-        return h
+        return self.model(None, positions.to(self.device), attention, inputs_embeds=self.embed_tokens(input_ids))
 
     def forward_packed(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
         """Teacher-forcing forward of packed sequences: input_ids [T], cu_seqlens [B+1] (0, ..., T);
@@ -259,8 +204,11 @@ class Qwen3Reference:
     def logprobs(self, hidden: torch.Tensor, targets: torch.Tensor,
                  temperature: float | torch.Tensor = 1.0) -> torch.Tensor:
         """fp32 log p(targets[t] | hidden[t]) at `temperature` over the real vocab (vocab-parallel)."""
-        return rk.logprobs(hidden, self.lm_head, targets.to(self.device), temperature,
-                           vocab_size=self.config.vocab_size, group=self.group)
+        return self.model.lm_head.logprobs(hidden, targets.to(self.device), temperature)
+
+    def logits_fp32(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits [T, padded vocab] of the whole vocab on every rank (columns >= vocab_size: padding)."""
+        return self.model.lm_head.logits(hidden)
 
     def sequence_logprobs(self, sequences: list[list[int]], prompt_lens: list[int],
                           temperature: float | list[float] = 1.0) -> list[torch.Tensor]:

@@ -15,7 +15,6 @@ import random
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 
 import rl_kernel as rk
 from rl_kernel.models.qwen3 import Qwen3Reference
@@ -161,11 +160,7 @@ class RolloutEngine:
         m = self.model
         temps = torch.tensor([s.req.temperature for s in seqs], dtype=torch.float64, device=m.device)
         with torch.no_grad():
-            logits = rk.linear_fp32(hidden, m.lm_head)
-            if m.tp > 1:  # full vocab on every rank (a bit copy), so every rank samples the same token
-                parts = [torch.empty_like(logits) for _ in range(m.tp)]
-                dist.all_gather(parts, logits.contiguous(), group=m.group)
-                logits = torch.cat(parts, dim=-1)
+            logits = m.logits_fp32(hidden)  # full vocab on every rank, so every rank samples the same token
             probs = torch.exp(rk.log_softmax(logits, temps, vocab_size=m.config.vocab_size).to(torch.float64))
             tokens = torch.cat([torch.multinomial(probs[j], 1, generator=s.generator) for j, s in enumerate(seqs)])
             lps = m.logprobs(hidden, tokens, temps)

@@ -104,3 +104,15 @@ def test_tp2_equals_tp1_bitwise(backend, tmp_path):
     bad = bit_mismatches(ranks["native_tf"], ref["native_tf"])
     print(f"{backend}: strict TP2 vs TP1: 0 / {n} tokens differ; native TP2 vs TP1: {bad} / {n}")
     assert bad > 0
+
+
+def test_tp2_replicates_kv_heads(tmp_path):
+    """tp > num_kv_heads: each rank holds a copy of the one kv head (the layout table's KV replication,
+    as vLLM shards it); export keeps one copy, and strict TP2 still equals TP1 bit for bit."""
+    path = make_tiny_qwen3(tmp_path / "model", vocab_size=VOCAB, seed=3, num_kv_heads=1)
+    mp.spawn(_worker, args=("gloo", str(tmp_path / "init"), str(path), str(tmp_path)), nprocs=WORLD, join=True)
+    tp2 = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
+    tp1 = _run(Qwen3Reference.from_pretrained(path))
+    for key in ("tf", "rollout", "rollout_tf"):
+        assert _bits_equal(tp2[0][key], tp1[key]) and _bits_equal(tp2[1][key], tp1[key]), key
+    assert tp2[0]["tokens"] == tp1["tokens"]

@@ -40,6 +40,19 @@ def test_tp2_native_logprobs_differ_from_reference(tiny_qwen3_path, reference):
     assert result["mismatches"] > 0, result
 
 
+def test_tp2_strict_replicates_kv_heads(tmp_path_factory):
+    """tp 2 > num_kv_heads 1: both ranks hold the one kv head (the layout table's KV replication, shared
+    with the reference); strict TP2 logprobs equal the TP1 reference bit for bit. Before the strict
+    engine below, with its own engine."""
+    from rl_kernel.models import Qwen3Reference, make_tiny_qwen3
+
+    path = make_tiny_qwen3(tmp_path_factory.mktemp("tiny_qwen3_kv1"), num_kv_heads=1, seed=4)
+    with running_llm(**strict_llm_kwargs(path, tensor_parallel_size=2, **ENGINE_ARGS)) as llm:
+        result = _check(llm, Qwen3Reference.from_pretrained(path), 7, strict_sampling_params)
+    print(f"strict TP2, 1 kv head: {result}")
+    assert result["mismatches"] == 0, result
+
+
 @pytest.fixture(scope="module")
 def llm(tiny_qwen3_path):
     with running_llm(**strict_llm_kwargs(tiny_qwen3_path, tensor_parallel_size=2, **ENGINE_ARGS)) as engine:

@@ -16,21 +16,18 @@ from pathlib import Path
 
 import torch
 
+from rl_kernel.models import qwen3_layout
 from rl_kernel.models.qwen3 import Qwen3Config
-
-VOCAB_DIVISOR = 128
 
 
 def padded_vocab(config: Qwen3Config, tp: int) -> int:
     """Megatron's padded vocab: a multiple of VOCAB_DIVISOR * tp (the padding rows score -inf)."""
-    multiple = VOCAB_DIVISOR * tp
-    return -(-config.vocab_size // multiple) * multiple
+    return qwen3_layout.padded_vocab(config.vocab_size, tp)
 
 
 def check_tp(config: Qwen3Config, tp: int) -> None:
-    if config.num_kv_heads % tp or config.num_heads % tp or config.intermediate_size % tp:
-        raise ValueError(f"tp={tp} must divide num_kv_heads={config.num_kv_heads}, num_heads={config.num_heads} "
-                         f"and intermediate_size={config.intermediate_size}")
+    """Megatron-core splits whole query groups over TP ranks: no kv-head replication."""
+    qwen3_layout.check_tp(config, tp, kv_replication=False)
 
 
 def read_config(path: str | Path) -> Qwen3Config:
@@ -71,78 +68,68 @@ def check_tokenizer(path: str | Path, shape: Qwen3Config) -> None:
                          "token ids >= vocab_size cannot be scored; use the tokenizer the checkpoint was made with")
 
 
-def _rows(t: torch.Tensor, rank: int, parts: int) -> torch.Tensor:
-    return t.chunk(parts, dim=0)[rank]
-
-
-def _pad_vocab(t: torch.Tensor, padded: int) -> torch.Tensor:
-    return torch.cat([t, t.new_zeros(padded - t.shape[0], *t.shape[1:])]) if padded > t.shape[0] else t
-
-
 def hf_to_megatron(hf: dict[str, torch.Tensor], shape: Qwen3Config, tp_rank: int = 0, tp: int = 1
                    ) -> dict[str, torch.Tensor]:
     """Megatron GPTModel state dict of TP rank `tp_rank` (local-spec names) from HF Qwen3 tensors."""
     check_tp(shape, tp)
-    hd, heads, groups = shape.head_dim, shape.num_heads, shape.num_kv_heads
-    per_group = heads // groups
-    padded = padded_vocab(shape, tp)
+    layout = qwen3_layout.weight_layout(shape)
+
+    def local(name: str) -> torch.Tensor:
+        return layout[name].shard(hf[name], tp_rank, tp)
+
+    hd, per_group = shape.head_dim, shape.num_heads // shape.num_kv_heads
     out = {
-        "embedding.word_embeddings.weight": _rows(_pad_vocab(hf["model.embed_tokens.weight"], padded), tp_rank, tp),
-        "decoder.final_layernorm.weight": hf["model.norm.weight"],
+        "embedding.word_embeddings.weight": local("model.embed_tokens.weight"),
+        "decoder.final_layernorm.weight": local("model.norm.weight"),
     }
     if not shape.tie_word_embeddings:
-        out["output_layer.weight"] = _rows(_pad_vocab(hf["lm_head.weight"], padded), tp_rank, tp)
+        out["output_layer.weight"] = local("lm_head.weight")
     for i in range(shape.num_layers):
         h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
-        q = hf[h + "self_attn.q_proj.weight"].reshape(groups, per_group * hd, -1)
-        k = hf[h + "self_attn.k_proj.weight"].reshape(groups, hd, -1)
-        v = hf[h + "self_attn.v_proj.weight"].reshape(groups, hd, -1)
-        qkv = torch.cat([q, k, v], dim=1)  # [G, (per_group + 2) * hd, D]
-        out[m + "self_attention.linear_qkv.weight"] = _rows(qkv, tp_rank, tp).reshape(-1, qkv.shape[-1])
-        out[m + "self_attention.q_layernorm.weight"] = hf[h + "self_attn.q_norm.weight"]
-        out[m + "self_attention.k_layernorm.weight"] = hf[h + "self_attn.k_norm.weight"]
-        out[m + "self_attention.linear_proj.weight"] = hf[h + "self_attn.o_proj.weight"].chunk(tp, dim=1)[tp_rank]
-        out[m + "input_layernorm.weight"] = hf[h + "input_layernorm.weight"]
-        out[m + "pre_mlp_layernorm.weight"] = hf[h + "post_attention_layernorm.weight"]
-        gate = _rows(hf[h + "mlp.gate_proj.weight"], tp_rank, tp)
-        up = _rows(hf[h + "mlp.up_proj.weight"], tp_rank, tp)
-        out[m + "mlp.linear_fc1.weight"] = torch.cat([gate, up])
-        out[m + "mlp.linear_fc2.weight"] = hf[h + "mlp.down_proj.weight"].chunk(tp, dim=1)[tp_rank]
+        q = local(h + "self_attn.q_proj.weight").reshape(-1, per_group * hd, shape.hidden_size)
+        k = local(h + "self_attn.k_proj.weight").reshape(-1, hd, shape.hidden_size)
+        v = local(h + "self_attn.v_proj.weight").reshape(-1, hd, shape.hidden_size)
+        out[m + "self_attention.linear_qkv.weight"] = torch.cat([q, k, v], dim=1).reshape(-1, shape.hidden_size)
+        for hf_name, mg_name in _RENAMED:
+            out[m + mg_name] = local(h + hf_name)
+        out[m + "mlp.linear_fc1.weight"] = torch.cat([local(h + "mlp.gate_proj.weight"),
+                                                      local(h + "mlp.up_proj.weight")])
     return {name: t.contiguous() for name, t in out.items()}
+
+
+# HF name -> Megatron name of the per-layer tensors that only change name (q/k/v and gate/up are fused).
+_RENAMED = (
+    ("self_attn.q_norm.weight", "self_attention.q_layernorm.weight"),
+    ("self_attn.k_norm.weight", "self_attention.k_layernorm.weight"),
+    ("self_attn.o_proj.weight", "self_attention.linear_proj.weight"),
+    ("input_layernorm.weight", "input_layernorm.weight"),
+    ("post_attention_layernorm.weight", "pre_mlp_layernorm.weight"),
+    ("mlp.down_proj.weight", "mlp.linear_fc2.weight"),
+)
 
 
 def megatron_to_hf(shards: list[dict[str, torch.Tensor]], shape: Qwen3Config) -> dict[str, torch.Tensor]:
     """HF Qwen3 tensors from the Megatron state dicts of all TP ranks (rank order)."""
-    hd, heads, groups = shape.head_dim, shape.num_heads, shape.num_kv_heads
-    per_group = heads // groups
+    layout = qwen3_layout.weight_layout(shape)
+    hd, per_group = shape.head_dim, shape.num_heads // shape.num_kv_heads
 
-    def rows(name: str) -> torch.Tensor:
-        return torch.cat([s[name] for s in shards])
+    def full(hf_name: str, parts: list[torch.Tensor] | str) -> torch.Tensor:
+        return layout[hf_name].unshard([s[parts] for s in shards] if isinstance(parts, str) else parts)
 
-    def cols(name: str) -> torch.Tensor:
-        return torch.cat([s[name] for s in shards], dim=1)
-
-    first = shards[0]
-    hf = {
-        "model.embed_tokens.weight": rows("embedding.word_embeddings.weight")[: shape.vocab_size],
-        "model.norm.weight": first["decoder.final_layernorm.weight"],
-    }
+    hf = {"model.embed_tokens.weight": full("model.embed_tokens.weight", "embedding.word_embeddings.weight"),
+          "model.norm.weight": full("model.norm.weight", "decoder.final_layernorm.weight")}
     if not shape.tie_word_embeddings:
-        hf["lm_head.weight"] = rows("output_layer.weight")[: shape.vocab_size]
+        hf["lm_head.weight"] = full("lm_head.weight", "output_layer.weight")
     for i in range(shape.num_layers):
         h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
-        qkv = rows(m + "self_attention.linear_qkv.weight").reshape(groups, (per_group + 2) * hd, -1)
-        q, k, v = qkv.split([per_group * hd, hd, hd], dim=1)
-        hf[h + "self_attn.q_proj.weight"] = q.reshape(heads * hd, -1)
-        hf[h + "self_attn.k_proj.weight"] = k.reshape(groups * hd, -1)
-        hf[h + "self_attn.v_proj.weight"] = v.reshape(groups * hd, -1)
-        hf[h + "self_attn.q_norm.weight"] = first[m + "self_attention.q_layernorm.weight"]
-        hf[h + "self_attn.k_norm.weight"] = first[m + "self_attention.k_layernorm.weight"]
-        hf[h + "self_attn.o_proj.weight"] = cols(m + "self_attention.linear_proj.weight")
-        hf[h + "input_layernorm.weight"] = first[m + "input_layernorm.weight"]
-        hf[h + "post_attention_layernorm.weight"] = first[m + "pre_mlp_layernorm.weight"]
+        qkv = [s[m + "self_attention.linear_qkv.weight"].reshape(-1, (per_group + 2) * hd, shape.hidden_size)
+               .split([per_group * hd, hd, hd], dim=1) for s in shards]
+        for j, proj in enumerate(("q_proj", "k_proj", "v_proj")):
+            name = h + f"self_attn.{proj}.weight"
+            hf[name] = full(name, [t[j].reshape(-1, shape.hidden_size) for t in qkv])
+        for hf_name, mg_name in _RENAMED:
+            hf[h + hf_name] = full(h + hf_name, m + mg_name)
         fc1 = [s[m + "mlp.linear_fc1.weight"].chunk(2) for s in shards]
-        hf[h + "mlp.gate_proj.weight"] = torch.cat([g for g, _ in fc1])
-        hf[h + "mlp.up_proj.weight"] = torch.cat([u for _, u in fc1])
-        hf[h + "mlp.down_proj.weight"] = cols(m + "mlp.linear_fc2.weight")
+        hf[h + "mlp.gate_proj.weight"] = full(h + "mlp.gate_proj.weight", [g for g, _ in fc1])
+        hf[h + "mlp.up_proj.weight"] = full(h + "mlp.up_proj.weight", [u for _, u in fc1])
     return {name: t.contiguous() for name, t in hf.items()}

@@ -1,6 +1,9 @@
 """Megatron-core layer specs whose modules call rl_kernel (strict), and the native (Megatron) spec.
 
-Strict spec (`get_rl_kernel_layer_spec("strict")`): RMSNorm -> `rk.rms_norm`; column-parallel
+Strict spec (`get_rl_kernel_layer_spec("strict")`): Megatron's own layers host rl_kernel's modules
+(its parallel linears keep their parameters, TP attributes and gradient reductions; the norms and
+RoPE are the shared blocks of `rl_kernel.models.layers`, the ones the reference and the vLLM model
+run): RMSNorm -> `rk.rms_norm`; column-parallel
 linear -> `rk.linear` on the local shard; row-parallel linear -> `rk.row_parallel_linear` over the
 TP group (fp32 partials, tree-reduced in rank order, rounded once: TP-invariant when tp divides 8);
 SwiGLU -> `rk.silu_and_mul`; core attention -> `rk.rope` at each token's packed position, then
@@ -33,6 +36,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from rl_kernel import StrictModeError, evidence
 from rl_kernel.backends import strict_backend
 from rl_kernel.integrations.megatron.cp import TokenLayout, cp_attention
+from rl_kernel.models.layers import RMSNorm, Rotary
 from rl_kernel.ops.attention import CONTRACTS as ATTENTION_CONTRACTS
 
 
@@ -54,18 +58,17 @@ def packed_params(layout: TokenLayout, cp_rank: int, device: torch.device) -> RL
                              max_seqlen_kv=longest, layout=layout, cp_rank=cp_rank)
 
 
-class RKRMSNorm(torch.nn.Module):
-    """RMSNorm over the last dim through `rk.rms_norm` (Megatron builds it with hidden_size, eps)."""
+class RKRMSNorm(RMSNorm):
+    """The shared RMSNorm block (`rk.rms_norm`) as Megatron builds a norm: (config, hidden_size, eps),
+    weight initialised to ones and trained."""
 
     def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-6, **_: object):
-        super().__init__()
-        self.eps = eps
         device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
-        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype, device=device))
+        super().__init__(hidden_size, eps, config.params_dtype, device)
+        with torch.no_grad():
+            self.weight.fill_(1.0)
+        self.weight.requires_grad_(True)
         self.weight.sequence_parallel = config.sequence_parallel
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rk.rms_norm(x, self.weight, self.eps)
 
 
 class RKColumnParallelLinear(ColumnParallelLinear):
@@ -108,7 +111,7 @@ class RKCoreAttention(MegatronModule):
                  softmax_scale: float | None = None, **_: object):
         super().__init__(config=config)
         self.scale = softmax_scale if softmax_scale is not None else config.kv_channels ** -0.5
-        self.theta = config.rope_theta  # Qwen3TransformerConfig
+        self.rotary = Rotary(config.rope_theta)  # Qwen3TransformerConfig
 
     def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None,
                 packed_seq_params: RLPackedSeqParams | None = None, **_: object) -> torch.Tensor:
@@ -117,8 +120,7 @@ class RKCoreAttention(MegatronModule):
                              "build them with rl_kernel.integrations.megatron.spec.packed_params")
         params = packed_seq_params
         positions = params.local_positions(query.device)
-        q = rk.rope(query, positions, self.theta)
-        k = rk.rope(key, positions, self.theta)
+        q, k = self.rotary(query, positions), self.rotary(key, positions)
         layout = params.layout
         if layout.cp == 1:
             out = rk.attention_varlen(q, k, value, layout.cu_seqlens.to(query.device), self.scale)
