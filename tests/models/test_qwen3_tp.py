@@ -114,5 +114,5 @@ def test_tp2_replicates_kv_heads(tmp_path):
     tp2 = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
     tp1 = _run(Qwen3Reference.from_pretrained(path))
     for key in ("tf", "rollout", "rollout_tf"):
-        assert _bits_equal(tp2[0][key], tp1[key]) and _bits_equal(tp2[1][key], tp1[key]), key
+        assert same_bits(tp2[0][key], tp1[key]) and same_bits(tp2[1][key], tp1[key]), key
     assert tp2[0]["tokens"] == tp1["tokens"]
