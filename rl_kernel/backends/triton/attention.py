@@ -125,6 +125,18 @@ def _split_partial(q, qpos, b, kvh, k_ptr, v_ptr, block_table_ptr, stride_bt, kv
 
 
 @triton.jit
+def _split_boundary(c, m_t, l_t, o_t, m, l, o, SPLIT_CHUNKS: tl.constexpr):
+    """At the first chunk of a split after the first: merge the finished split's partial into the total
+    and start the next one from an empty state (m = -inf, l = 0, o = 0)."""
+    if (c % SPLIT_CHUNKS == 0) & (c > 0):
+        m_t, l_t, o_t = _merge(m_t, l_t, o_t, m, l, o)
+        m = tl.full(m.shape, float("-inf"), tl.float32)
+        l = tl.zeros(l.shape, tl.float32)
+        o = tl.zeros(o.shape, tl.float32)
+    return m_t, l_t, o_t, m, l, o
+
+
+@triton.jit
 def _all_splits(q, qpos, b, kvh, k_ptr, v_ptr, block_table_ptr, stride_bt, kv_base, ctx_len,
                 stride_kt, stride_kh, stride_vt, stride_vh, n_chunks, c_full, qk_scale,
                 PAGED: tl.constexpr, BLOCK_SIZE: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr,
@@ -139,20 +151,12 @@ def _all_splits(q, qpos, b, kvh, k_ptr, v_ptr, block_table_ptr, stride_bt, kv_ba
     l = tl.zeros((BLOCK_M,), tl.float32)
     o = tl.zeros((BLOCK_M, D), tl.float32)
     for c in range(0, tl.minimum(n_chunks, c_full)):
-        if (c % SPLIT_CHUNKS == 0) & (c > 0):
-            m_t, l_t, o_t = _merge(m_t, l_t, o_t, m, l, o)
-            m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
-            l = tl.zeros((BLOCK_M,), tl.float32)
-            o = tl.zeros((BLOCK_M, D), tl.float32)
+        m_t, l_t, o_t, m, l, o = _split_boundary(c, m_t, l_t, o_t, m, l, o, SPLIT_CHUNKS)
         kpos, k, v = _load_kv(k_ptr, v_ptr, block_table_ptr, b, stride_bt, kv_base, kvh, c, ctx_len, stride_kt,
                               stride_kh, stride_vt, stride_vh, PAGED, False, BLOCK_SIZE, D, CHUNK)
         m, l, o = _chunk_update(q, qpos, kpos, k, v, m, l, o, c, qk_scale, False, CHUNK, PRECISION)
     for c in range(c_full, n_chunks):
-        if (c % SPLIT_CHUNKS == 0) & (c > 0):
-            m_t, l_t, o_t = _merge(m_t, l_t, o_t, m, l, o)
-            m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
-            l = tl.zeros((BLOCK_M,), tl.float32)
-            o = tl.zeros((BLOCK_M, D), tl.float32)
+        m_t, l_t, o_t, m, l, o = _split_boundary(c, m_t, l_t, o_t, m, l, o, SPLIT_CHUNKS)
         kpos, k, v = _load_kv(k_ptr, v_ptr, block_table_ptr, b, stride_bt, kv_base, kvh, c, ctx_len, stride_kt,
                               stride_kh, stride_vt, stride_vh, PAGED, True, BLOCK_SIZE, D, CHUNK)
         m, l, o = _chunk_update(q, qpos, kpos, k, v, m, l, o, c, qk_scale, True, CHUNK, PRECISION)
