@@ -41,10 +41,15 @@ def _weights(out: Path) -> dict[str, torch.Tensor]:
     return load_file(str(out / "hf_model" / "model.safetensors"))
 
 
+def _start(out: Path, *overrides: str) -> subprocess.Popen:
+    """`python -m vime.train` into `out`, console (stdout and stderr together) captured."""
+    return subprocess.Popen(train_cmd(*overrides, f"output_dir={out}"), cwd=REPO, env=os.environ | TRAIN_ENV,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
 def _stop_after_first_checkpoint(out: Path) -> tuple[int, str]:
     """Start a 2-step run saving every step; SIGTERM it once step 0's checkpoint is complete."""
-    proc = subprocess.Popen(train_cmd("steps=2", "checkpoint.every=1", f"output_dir={out}"), cwd=REPO,
-                            env=os.environ | TRAIN_ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = _start(out, "steps=2", "checkpoint.every=1")
     deadline = time.monotonic() + 420
     while not (out / "checkpoints" / "latest").is_file() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -110,6 +115,14 @@ def _wait_rows(proc: subprocess.Popen, metrics: Path, n: int) -> None:
         time.sleep(0.2)
 
 
+def _engine_after_first_step(proc: subprocess.Popen, out: Path) -> int:
+    """The pid of the run's one rollout engine actor, once step 0's metrics are written."""
+    _wait_rows(proc, out / "metrics.jsonl", 1)
+    engines = _actor_pids(proc.pid, "RolloutWorker")
+    assert len(engines) == 1, engines
+    return engines[0]
+
+
 def test_a_killed_rollout_engine_is_restarted_and_a_killed_trainer_ends_the_run_cleanly(strict_run, tmp_path):
     """kill -9 of the vLLM engine's process after step 0: the engine is restarted on weight version 1 and
     step 1 comes out as if nothing happened (its metrics equal the uninterrupted run's, in bits), the
@@ -117,12 +130,9 @@ def test_a_killed_rollout_engine_is_restarted_and_a_killed_trainer_ends_the_run_
     with one line naming the rank and the command that resumes from the last checkpoint."""
     base, _ = strict_run
     out = tmp_path / "killed"
-    proc = subprocess.Popen(train_cmd("steps=3", "checkpoint.every=1", f"output_dir={out}"), cwd=REPO,
-                            env=os.environ | TRAIN_ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    _wait_rows(proc, out / "metrics.jsonl", 1)
-    engines = _actor_pids(proc.pid, "RolloutWorker")
-    assert len(engines) == 1, engines
-    os.kill(engines[0], signal.SIGKILL)  # during step 0's checkpoint save, before step 1's rollout
+    proc = _start(out, "steps=3", "checkpoint.every=1")
+    engine = _engine_after_first_step(proc, out)
+    os.kill(engine, signal.SIGKILL)  # during step 0's checkpoint save, before step 1's rollout
     _wait_rows(proc, out / "metrics.jsonl", 2)
     trainers = _actor_pids(proc.pid, "TrainerWorker")
     assert len(trainers) == 1, trainers
@@ -168,12 +178,9 @@ def test_a_killed_vllm_tp_worker_restarts_its_engine(tmp_path):
     dist = ("/tmp/vllm_dist_*", "/dev/shm/vllm_dist_*")  # vLLM's FileStore file, its CPU all-reduce segments
     dist_before = {f for pattern in dist for f in glob.glob(pattern)}
     out = tmp_path / "tp_killed"
-    proc = subprocess.Popen(train_cmd("steps=3", "rollout.tp=2", f"output_dir={out}"), cwd=REPO,
-                            env=os.environ | TRAIN_ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    _wait_rows(proc, out / "metrics.jsonl", 1)
-    engines = _actor_pids(proc.pid, "RolloutWorker")
-    assert len(engines) == 1, engines
-    workers = [_tp_worker(engines[0], r) for r in (0, 1)]
+    proc = _start(out, "steps=3", "rollout.tp=2")
+    engine = _engine_after_first_step(proc, out)
+    workers = [_tp_worker(engine, r) for r in (0, 1)]
     files = _engine_temp_files(workers)
     assert files, "the TP workers map no shared memory?"
     os.kill(workers[1], signal.SIGKILL)
