@@ -57,8 +57,12 @@ def register(contract: Contract) -> Contract:
 
 
 def all_contracts() -> dict[str, Contract]:
-    """Every strict contract known to this process, by id."""
-    return dict(_REGISTRY)
+    """Every strict contract this process knows, by id: the registered ones, and those a deployment
+    parametrises (the Triton GEMM's K groups) at this process's canonical TP (`rl_kernel.set_canonical_tp`),
+    whether or not this process has run them: a CPU-only driver checks the contracts GPU engines ran."""
+    from rl_kernel.ops.gemm import deployment_contracts  # ops import this module
+
+    return dict(_REGISTRY) | deployment_contracts()
 
 
 def native(op: str, framework: str = "torch") -> Contract:

@@ -17,6 +17,7 @@ import ray
 import torch
 from tqdm import tqdm
 
+import rl_kernel as rk
 from vime import checkpoint, consistency, faults, placement, preflight, report, restart
 from vime.config import Mode, VimeConfig, as_dict, side_modes
 from vime.data.dataset import PromptSet, load_tokenizer, model_vocab_size
@@ -107,9 +108,11 @@ class Driver:
         self.prompts = PromptSet(cfg.data, self.tokenizer, self.vocab_size)
         preflight.check_lengths(cfg, [p.token_ids for p in self.prompts.prompts])
         resume_from = checkpoint.resume_point(cfg, self.output_dir)
+        # the GEMM contract's row-parallel K groups: the widest TP of any engine, the same on both sides and
+        # in this process, which checks the contracts they ran
+        rk.set_canonical_tp(max(cfg.trainer.tp, cfg.rollout.tp))
         env = {"VLLM_CPU_KVCACHE_SPACE": str(cfg.rollout.kv_cache_space_gib), "TOKENIZERS_PARALLELISM": "false",
-               # the GEMM contract's row-parallel K groups: the widest TP of any engine, the same on both sides
-               "RL_KERNEL_CANONICAL_TP": str(max(cfg.trainer.tp, cfg.rollout.tp)),
+               "RL_KERNEL_CANONICAL_TP": str(rk.canonical_tp()),
                "PYTHONUNBUFFERED": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": os.environ.get("VIME_VLLM_MP", "0")}
         preflight.check_local_resources(cfg)
         env |= placement.single_node_env(cfg.ray)

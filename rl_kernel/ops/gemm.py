@@ -66,6 +66,12 @@ def triton_contract(c: int) -> Contract:
     ))
 
 
+def deployment_contracts() -> dict[str, Contract]:
+    """The GEMM contracts that depend on the deployment, at this process's canonical TP, by id."""
+    contract = triton_contract(canonical_tp())
+    return {contract.id: contract}
+
+
 def _contract(device: torch.device) -> Contract:
     return strict_contract("gemm", device, {"torch": CONTRACTS["torch"], "triton": triton_contract(canonical_tp())})
 

@@ -149,3 +149,37 @@ def test_sampling_log_softmax_pairs_with_the_trainers_logprobs():
     with pytest.raises(ComparabilityError, match="'log_softmax' / 'logprobs'"):
         check_contracts([r | {"device_type": "cuda"} if r["op"] == "log_softmax" else r for r in rollout], trainer,
                         STRICT, STRICT)
+
+
+GPU_GEMM_RECORD = """
+import json, sys
+import rl_kernel as rk
+from vime.consistency import check_contracts
+from vime.errors import ComparabilityError
+rk.set_canonical_tp(int(sys.argv[1]))  # the driver's C; it never runs the Triton GEMM itself
+record = json.loads(sys.argv[2])
+strict = {b: "strict" for b in rk.BOUNDARIES}
+try:
+    print(check_contracts([record], [record], strict, strict)["gemm"])
+except ComparabilityError as e:
+    print(f"rejected: {e}")
+"""
+
+
+@pytest.mark.parametrize("driver_tp, verdict", [(2, "same"), (1, "rejected: the rollout ran rl_kernel.gemm.triton.v2")])
+def test_a_cpu_driver_checks_the_gpu_gemm_contract_of_its_deployment(driver_tp, verdict):
+    """On the H200 the engines run the Triton GEMM contract, parametrised by the run's canonical TP; the
+    driver (CPU, a fresh process that never ran it) must still know its fingerprint at the run's C, and
+    reject another C. Regression: the driver said "[unknown]" and stopped every strict GPU run."""
+    import json
+    import subprocess
+    import sys
+
+    from rl_kernel.ops.gemm import triton_contract
+
+    contract = triton_contract(2)
+    record = {"op": "gemm", "contract_id": contract.id, "fingerprint": contract.fingerprint, "mode": "strict",
+              "device_type": "cuda", "backend": "triton"}
+    out = subprocess.run([sys.executable, "-c", GPU_GEMM_RECORD, str(driver_tp), json.dumps(record)],
+                         capture_output=True, text=True, timeout=120, check=True).stdout
+    assert out.startswith(verdict), out
