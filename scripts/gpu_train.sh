@@ -31,7 +31,7 @@ STATUS="$OUT/.status"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false RAY_USAGE_STATS_ENABLED=0
 # never use NVLink multicast on the shared multi-GPU hosts (KINDS.md)
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-# Ray's object store carries the weight sync (~4 GB a step at 4 layers, one object): room for it, no spilling
+# Ray's object store carries a restarted engine's weights (~4 GB at 4 layers, one object): room for it
 export VIME_OBJECT_STORE_BYTES=${VIME_OBJECT_STORE_BYTES:-8589934592}
 
 say() { echo "$*" | tee -a "$LOG"; }

@@ -115,6 +115,7 @@ class Driver:
                "RL_KERNEL_CANONICAL_TP": str(rk.canonical_tp()),
                "PYTHONUNBUFFERED": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": os.environ.get("VIME_VLLM_MP", "0")}
         preflight.check_local_resources(cfg)
+        preflight.check_weight_transport(cfg)
         env |= placement.single_node_env(cfg.ray)
         if not cfg.verbose:  # engine and framework output goes to <output_dir>/engines.log, not the console
             env["VIME_ENGINE_LOG"] = str((self.output_dir / "engines.log").resolve())
@@ -218,7 +219,7 @@ class Driver:
                                      [sc.logprobs for sc in scored], [sc.positions for sc in scored],
                                      [sc.token_ids for sc in scored])
         sync = restart.sync(self, lambda: sync_weights(self.trainer, self.engines, self.timeline.trainer_version,
-                                                       BUCKET_BYTES, self.timeline, call))
+                                                       BUCKET_BYTES, self.timeline, call, cfg.weights.transport))
         rewards = torch.tensor([s.reward for s in samples])
         tied = report.tied_groups(rewards.tolist(), cfg.algo.group_size)
         warning = report.no_signal_warning(step, rewards.tolist(), cfg.algo.group_size)

@@ -8,7 +8,7 @@ import json
 import struct
 from pathlib import Path
 
-from vime.config import VimeConfig
+from vime.config import RolloutBackend, VimeConfig
 from vime.errors import ConfigError, DataError
 
 SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM",)
@@ -54,6 +54,16 @@ def check_local_resources(cfg: VimeConfig) -> None:
         return
     check_resources(cfg, {"CPU": float(cfg.ray.num_cpus), "GPU": float(cfg.ray.num_gpus)},
                     f"ray.num_cpus={cfg.ray.num_cpus}, ray.num_gpus={cfg.ray.num_gpus}")
+
+
+def check_weight_transport(cfg: VimeConfig) -> None:
+    """The GPU weight transports (`ipc`, `nccl`) push into rl_kernel's GPU rollout engine
+    (`rollout.engine=reference`); vLLM engines on GPUs would need vLLM's own CUDA weight-transfer
+    engines, which vime does not drive yet (and no machine here can run vLLM on a GPU)."""
+    if cfg.device == "cuda" and RolloutBackend(cfg.rollout.engine) == RolloutBackend.vllm:
+        raise ConfigError(f"rollout.engine=vllm with weights.transport={cfg.weights.transport} on GPUs: vime pushes "
+                          "CUDA weights only into rl_kernel's GPU rollout engine so far (vLLM's ipc/nccl weight-"
+                          "transfer engines are not wired); use rollout.engine=reference, or device=cpu for vLLM")
 
 
 def check_checkpoint(path: Path) -> None:

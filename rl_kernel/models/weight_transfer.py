@@ -12,7 +12,10 @@ packed mode), which cannot be imported where this runs (no vLLM on the GPU image
 - NCCL: the sender broadcasts each packed bucket from its rank in a process group shared with the
   receiver; the receiver allocates the bucket from `tensor_sizes` and joins the broadcast.
 - Control messages (`start`, `bucket`, `finish`) are plain dicts carried by whatever the caller uses
-  (vLLM: its client RPC; tests: torch.distributed object send over gloo).
+  (vLLM: its client RPC; vime: Ray actor calls; tests: torch.distributed object send over gloo).
+- `start` names every tensor of the push (names, dtypes, shapes): the receiver checks the whole set
+  before any data moves, so a caller whose data plane is a collective (NCCL) waits for the answer to
+  `start` and never leaves a broadcast that the engine will not join.
 
 Versions (rl_kernel's addition): every message carries the integer weight version being pushed; the
 receiver accepts a `start` only for a version greater than the one it serves, a bucket or `finish` only
@@ -119,7 +122,7 @@ def _bucket_message(version: int, index: int, metas: list[TensorMeta], sizes: li
 
 def _metas_of(msg: dict) -> list[TensorMeta]:
     n = len(msg["names"])
-    if not (len(msg["dtype_names"]) == len(msg["shapes"]) == len(msg["tensor_sizes"]) == n):
+    if not (len(msg["dtype_names"]) == len(msg["shapes"]) == len(msg.get("tensor_sizes", msg["names"])) == n):
         raise ValueError("`names`, `dtype_names`, `shapes` and `tensor_sizes` must have one entry per tensor")
     return [TensorMeta(a, b, tuple(c)) for a, b, c in zip(msg["names"], msg["dtype_names"], msg["shapes"])]
 
@@ -133,13 +136,62 @@ def check_ack(ack: dict, version: int, tensors: int, nbytes: int) -> None:
                                  f"version {version}; sent {tensors} / {nbytes}")
 
 
+# ---- the NCCL transport's process group ------------------------------------------------------------------
+
+
+def broadcast(buf: torch.Tensor, group, src: int) -> None:
+    """Broadcast `buf` from rank `src` of `group` (its rank in the group, not a global rank): `group` is
+    a `torch.distributed` group or a stand-alone backend from `open_weight_group`."""
+    import torch.distributed as dist
+
+    opts = dist.BroadcastOptions()
+    opts.rootRank, opts.rootTensor = src, 0
+    group.broadcast([buf], opts).wait()
+
+
+def weight_store(host: str, world: int, port: int | None = None, *, timeout_s: float = 300.0):
+    """The rendezvous store of `open_weight_group`: with `port` None, hosted here (rank 0) on a free port
+    of `host`, which its `.port` gives to the engines; else a client of the store at `host:port`."""
+    import datetime
+
+    import torch.distributed as dist
+
+    return dist.TCPStore(host, port or 0, world, is_master=port is None,
+                         timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
+
+
+def open_weight_group(store, rank: int, world: int, device: torch.device, *, timeout_s: float = 300.0):
+    """The NCCL transport's group over `store` (`weight_store`), apart from any default `torch.distributed`
+    world of the process (a Megatron trainer has its own): rank 0 is the trainer's sender, ranks
+    1..world-1 the engines. NCCL on CUDA; gloo on CPU (the same protocol, testable without a GPU). Every
+    rank must call this concurrently; it returns once all have joined (one 1-element broadcast)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    timeout = datetime.timedelta(seconds=timeout_s)
+    prefixed = dist.PrefixStore("rl_kernel_weights", store)
+    if torch.device(device).type == "cuda":
+        from torch.distributed import ProcessGroupNCCL
+
+        options = ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        group = ProcessGroupNCCL(prefixed, rank, world, options)
+    else:
+        from torch.distributed import ProcessGroupGloo
+
+        group = ProcessGroupGloo(prefixed, rank, world, timeout)
+    broadcast(torch.zeros(1, device=device), group, 0)
+    return group
+
+
 # ---- sender ----------------------------------------------------------------------------------------------
 
 
 class WeightSender:
     """Trainer side (the rank that holds the gathered full tensors). `send(msg)` carries a control message
     to the engine; `recv()` returns the engine's reply to `finish`. `transport` is "ipc" or "nccl"; for
-    "nccl", `group` is a process group holding this rank (`src`, a global rank) and the engine."""
+    "nccl", `group` is a process group holding this rank (`src`, its rank in `group`) and the engine."""
 
     def __init__(self, transport: str, send: Callable[[dict], None], recv: Callable[[], dict], *,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, group=None, src: int = 0):
@@ -160,7 +212,8 @@ class WeightSender:
             raise WeightVersionError(f"weight version {version} pushed after {self.version}: versions must grow")
         items = list(tensors)
         metas = [TensorMeta.of(n, t) for n, t in items]
-        self._send({"op": "start", "version": version, "transport": self.transport})
+        self._send({"op": "start", "version": version, "transport": self.transport, "names": [m.name for m in metas],
+                    "dtype_names": [m.dtype_name for m in metas], "shapes": [list(m.shape) for m in metas]})
         keep: list[torch.Tensor] = []
         nbytes = 0
         plan = plan_buckets(metas, self.bucket_bytes)
@@ -185,9 +238,8 @@ class WeightSender:
             uuid = str(torch.cuda.get_device_properties(buf.device).uuid)
             self._send({**msg, "ipc_handle": {uuid: reduce_tensor(buf)[1]}})
             return buf
-        import torch.distributed as dist
         self._send(msg)
-        dist.broadcast(buf, self.src, group=self.group)
+        broadcast(buf, self.group, self.src)
         return None
 
 
@@ -220,6 +272,11 @@ class WeightReceiver:
                                          "still being received")
             if version <= self.version:
                 raise WeightVersionError(f"weight version {version} offered to an engine serving {self.version}")
+            metas = _metas_of(msg)
+            self._check(metas, set())
+            if self.expected is not None and {m.name for m in metas} != set(self.expected):
+                missing = sorted(set(self.expected) - {m.name for m in metas})
+                raise WeightVersionError(f"version {version} lacks {len(missing)} weights, e.g. {missing[:3]}")
             self._pending, self._seen, self._bytes, self._buckets = version, set(), 0, 0
             return None
         if version != self._pending:
@@ -240,17 +297,22 @@ class WeightReceiver:
             return {"version": version, "tensors": len(self._seen), "bytes": self._bytes}
         raise ValueError(f"unknown weight-push message {op!r}")
 
-    def _bucket(self, msg: dict) -> None:
-        metas, sizes = _metas_of(msg), list(msg["tensor_sizes"])
+    def _check(self, metas: list[TensorMeta], seen: set[str]) -> None:
+        """Names known to the engine, each once, with the engine's shapes and dtypes (else raise)."""
         for m in metas:
-            if m.name in self._seen:
+            if m.name in seen:
                 raise ValueError(f"{m.name} sent twice in version {self._pending}")
+            seen = seen | {m.name}
             want = None if self.expected is None else self.expected.get(m.name)
             if self.expected is not None and want is None:
                 raise KeyError(f"the engine has no weight {m.name!r}")
             if want is not None and (want.shape != m.shape or want.dtype_name != m.dtype_name):
                 raise ValueError(f"{m.name}: pushed {m.dtype_name}{list(m.shape)}, engine holds "
                                  f"{want.dtype_name}{list(want.shape)}")
+
+    def _bucket(self, msg: dict) -> None:
+        metas, sizes = _metas_of(msg), list(msg["tensor_sizes"])
+        self._check(metas, self._seen)
         buf = self._fetch(msg, sum(sizes))
         self.load(iter(unpack(buf, metas, sizes)))
         del buf
@@ -268,13 +330,13 @@ class WeightReceiver:
             if uuid not in handles:
                 raise ValueError(f"no IPC handle for GPU {uuid}; handles for {list(handles)}")
             args = list(handles[uuid])
-            args[6] = self.device.index  # the receiver's own index of that GPU (as vLLM's IPC engine)
+            # the receiver's own index of that GPU (as vLLM's IPC engine)
+            args[6] = torch.cuda.current_device() if self.device.index is None else self.device.index
             return rebuild_cuda_tensor(*args)
         if self.group is None:
             raise ValueError("a bucket without an IPC handle needs the NCCL group shared with the trainer")
-        import torch.distributed as dist
         buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        dist.broadcast(buf, self.src, group=self.group)
+        broadcast(buf, self.group, self.src)
         return buf
 
 

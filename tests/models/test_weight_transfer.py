@@ -94,22 +94,26 @@ def test_push_roundtrip_versions_and_ack():
 def test_receiver_rejects_mismatches():
     named = _tensors(torch.Generator().manual_seed(2))
     expected = {n: TensorMeta.of(n, t) for n, t in named}
-    rx = LoopReceiver(lambda pairs: None, torch.device("cpu"), expected=expected, version=3)
+    loaded: list[str] = []
+    rx = LoopReceiver(lambda pairs: loaded.extend(n for n, _ in pairs), torch.device("cpu"), expected=expected,
+                      version=3)
     tx = _wire(rx)
     with pytest.raises(WeightVersionError, match="lacks 1 weights"):
         tx.push(named[:3], 4)
-    rx = LoopReceiver(lambda pairs: None, torch.device("cpu"), expected=expected)
+    rx = LoopReceiver(lambda pairs: loaded.extend(n for n, _ in pairs), torch.device("cpu"), expected=expected)
     with pytest.raises(KeyError, match="no weight 'zz'"):
-        _wire(rx).push([("zz", torch.zeros(2))], 1)
+        _wire(rx).push([*named, ("zz", torch.zeros(2))], 1)
+    assert loaded == []  # refused at `start`, before any bucket moved (an NCCL sender never broadcasts alone)
     rx = LoopReceiver(lambda pairs: None, torch.device("cpu"), expected=expected)
     with pytest.raises(ValueError, match="engine holds"):
         _wire(rx).push([("b", torch.zeros(8))], 1)
     rx = LoopReceiver(lambda pairs: None, torch.device("cpu"))
-    rx.handle({"op": "start", "version": 5})
+    start = {"names": [], "dtype_names": [], "shapes": []}
+    rx.handle({"op": "start", "version": 5} | start)
     with pytest.raises(WeightVersionError, match="during the push of 5"):
         rx.handle({"op": "finish", "version": 6, "buckets": 0})
     with pytest.raises(WeightVersionError, match="still being received"):
-        rx.handle({"op": "start", "version": 6})
+        rx.handle({"op": "start", "version": 6} | start)
     with pytest.raises(WeightVersionError, match="without an int"):
         rx.handle({"op": "finish", "version": "5"})
 

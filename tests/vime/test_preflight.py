@@ -158,3 +158,12 @@ def test_stale_temporary_files_are_swept_and_live_ones_kept(tmp_path):
         assert keep_open.readable()
     assert sorted(removed) == sorted([str(stale), str(orphan)])
     assert not stale.exists() and fresh.exists() and held.exists() and live.exists()
+
+
+def test_gpu_weight_transports_serve_rl_kernels_gpu_engine_and_vllm_on_gpus_is_refused(compose_cfg):
+    vllm_gpu = validate(to_object(compose_cfg("+experiment=qwen3_8b_grpo", "model.path=/ckpt/Qwen3-8B")))
+    with pytest.raises(ConfigError, match="rollout.engine=vllm with weights.transport=ipc on GPUs.*rollout.engine="
+                                          "reference"):
+        preflight.check_weight_transport(vllm_gpu)
+    preflight.check_weight_transport(validate(to_object(compose_cfg("+experiment=h200_8b_layers"))))
+    preflight.check_weight_transport(validate(to_object(compose_cfg())))  # vLLM on CPU: the object store

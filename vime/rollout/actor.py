@@ -143,6 +143,16 @@ class RolloutWorker:
         return sum(self.load_weights(b, version) for b in buckets)
 
     @_engine_call
+    def join_weight_group(self, host: str, port: int, rank: int, world: int) -> None:
+        """Join the trainer's NCCL weight-push group (rank `rank` of `world`, store at host:port)."""
+        self.engine.join_weight_group(host, port, rank, world)
+
+    @_engine_call
+    def receive_weights(self, msg: dict) -> dict | None:
+        """One control message of an `ipc` / `nccl` weight push; returns the acknowledgement after `finish`."""
+        return self.engine.receive_weights(msg)
+
+    @_engine_call
     def set_version(self, version: int) -> int:
         """All buckets of `version` are in: serve it from now on. Returns the version the engine reports."""
         return self.engine.set_version(version)

@@ -23,6 +23,7 @@ class ReferenceRollout:
         self.model = Qwen3Reference.from_pretrained(model_path, dtype=getattr(torch, dtype), device=device)
         self.vocab_size = self.model.config.vocab_size
         self.version = 0
+        self._group = self._receiver = None  # the weight-push group (nccl) and receiver, from the first push
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float,
                  stop_token_ids: list[int], seed: int) -> list[tuple[list[int], list[float], list[int]]]:
@@ -48,6 +49,22 @@ class ReferenceRollout:
 
     def update_weights(self, weights: dict[str, torch.Tensor], version: int) -> None:
         self.model.load_hf_weights(weights)
+
+    def join_weight_group(self, host: str, port: int, rank: int, world: int) -> None:
+        from rl_kernel.models.weight_transfer import open_weight_group, weight_store
+
+        self._store = weight_store(host, world, port)
+        self._group = open_weight_group(self._store, rank, world, self.model.device)
+        self._receiver = None
+
+    def receive_weights(self, msg: dict) -> dict | None:
+        """`ipc` / `nccl` pushes (rl_kernel.models.weight_transfer): the receiver checks names, shapes,
+        dtypes and that versions grow, and loads each bucket as it arrives."""
+        from rl_kernel.models.weight_transfer import receiver_for_model
+
+        if self._receiver is None:
+            self._receiver = receiver_for_model(self.model, version=self.version, group=self._group, src=0)
+        return self._receiver.handle(msg)
 
     def set_version(self, version: int) -> int:
         self.version = version

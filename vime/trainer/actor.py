@@ -35,6 +35,7 @@ class TrainerWorker:
         self.engine: Trainer | None = None
         self.version = 0
         self._evidence: list[dict] = []
+        self._push = None  # rank 0's EnginePush (ipc / nccl weight transports), made on the first push
 
     def address(self) -> tuple[str, int]:
         """(this node's IP, a free port on it): rank 0's answer is the rendezvous of the trainer's world."""
@@ -153,6 +154,19 @@ class TrainerWorker:
         if current:
             buckets.append(current)
         return buckets if self.rank == 0 else []
+
+    def push_weights(self, engines: list, version: int, transport: str, bucket_bytes: int) -> dict:
+        """Push the HF-named full weights (collective: TP shards are gathered) as version `version` into the
+        rollout actors `engines` over `transport` ("ipc" or "nccl"); rank 0 pushes and returns the engines'
+        acknowledgement {version, tensors, bytes, buckets}, the other ranks {}."""
+        tensors = self.engine.export_hf()
+        if self.rank != 0:
+            return {}
+        if self._push is None:
+            from vime.weights.sync import EnginePush
+
+            self._push = EnginePush(next(iter(tensors.values())).device)
+        return self._push.push(engines, tensors, version, transport, bucket_bytes)
 
     def export_to_store(self, bucket_bytes: int) -> dict:
         """`export_buckets`, put in Ray's object store by this rank (collective; rank 0's answer is used):

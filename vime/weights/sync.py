@@ -1,29 +1,44 @@
-"""Weight sync, trainer -> rollout engines, with version acknowledgement.
+"""Weight sync, trainer -> rollout engines, with version acknowledgement (`weights.transport`).
 
-The trainer's rank 0 exports HF-named full tensors (TP shards gathered) in buckets and puts them in
-Ray's object store itself (the CPU transport here); every engine loads every bucket straight from
-the store (the driver only passes the reference, never a copy of the weights), then is told the new
-version and reports the version it serves, which the timeline checks.
+- `object_store` (CPU): the trainer's rank 0 exports HF-named full tensors (TP shards gathered) in
+  buckets and puts them in Ray's object store itself; every engine loads every bucket straight from the
+  store (the driver passes only the reference, never a copy of the weights).
+- `ipc` (engines colocated on the trainer's GPUs) and `nccl` (engines on GPUs of their own): rank 0
+  pushes the gathered tensors itself (`EnginePush`, rl_kernel.models.weight_transfer's protocol): CUDA
+  IPC handles of packed buckets, or the buckets broadcast in an NCCL group of rank 0 and the engines.
+  The control messages go to the engines' Ray actors; the engines acknowledge the version they received.
+
+Either way each engine is then told the new version and reports the version it serves, which the
+timeline checks.
 """
 
 from __future__ import annotations
 
 import time
 
+import torch
+
+from rl_kernel.models.weight_transfer import DEFAULT_BUCKET_BYTES
 from vime.timeline import Timeline
 
 
 def sync_weights(trainer_ranks: list, engines: list, version: int, bucket_bytes: int, timeline: Timeline,
-                 call) -> dict[str, float]:
-    """Push the trainer's weights (version `version`) to `engines`; `call(refs, what, names)` is the
-    driver's error-reporting ray.get. Returns sync stats."""
+                 call, transport: str = "object_store") -> dict[str, float]:
+    """Push the trainer's weights (version `version`) to `engines` over `transport`; `call(refs, what,
+    names)` is the driver's error-reporting ray.get. `bucket_bytes` sizes the object store's buckets; the
+    GPU transports pack 1 GiB buckets (vLLM's packed-buffer size). Returns sync stats (seconds, bytes, GB/s)."""
     t0 = time.perf_counter()
-    exports = call([r.export_to_store.remote(bucket_bytes) for r in trainer_ranks], "export weights",
-                   [f"trainer rank {i}" for i in range(len(trainer_ranks))])
-    ref, nbytes, nbuckets = exports[0]["buckets"][0], exports[0]["bytes"], exports[0]["count"]
-    call([e.load_buckets.remote(ref, version) for e in engines], "load weights",
-         [f"rollout engine {i}" for i in range(len(engines))])
-    del ref, exports  # the trainer's copy in the store can go
+    ranks = [f"trainer rank {i}" for i in range(len(trainer_ranks))]
+    if transport == "object_store":
+        exports = call([r.export_to_store.remote(bucket_bytes) for r in trainer_ranks], "export weights", ranks)
+        ref, nbytes, nbuckets = exports[0]["buckets"][0], exports[0]["bytes"], exports[0]["count"]
+        call([e.load_buckets.remote(ref, version) for e in engines], "load weights",
+             [f"rollout engine {i}" for i in range(len(engines))])
+        del ref, exports  # the trainer's copy in the store can go
+    else:
+        pushed = call([r.push_weights.remote(engines, version, transport, DEFAULT_BUCKET_BYTES)
+                       for r in trainer_ranks], "push weights", ranks)[0]
+        nbytes, nbuckets = pushed["bytes"], pushed["buckets"]
     acks = call([e.set_version.remote(version) for e in engines], "acknowledge weights",
                 [f"rollout engine {i}" for i in range(len(engines))])
     for i, v in enumerate(acks):
@@ -31,3 +46,57 @@ def sync_weights(trainer_ranks: list, engines: list, version: int, bucket_bytes:
     seconds = time.perf_counter() - t0
     return {"sync_s": seconds, "sync_bytes": float(nbytes), "sync_buckets": float(nbuckets),
             "sync_gbps": nbytes / seconds / 1e9 if seconds > 0 else 0.0}  # GB (1e9 bytes) of weights per second
+
+
+class EnginePush:
+    """Trainer rank 0's side of an `ipc` / `nccl` push into rollout actors (`RolloutWorker.receive_weights`).
+
+    Control messages are Ray calls. `start` is answered before anything moves (the engines check the
+    push's names, shapes and version); the rest are submitted without waiting (a caller's calls to one
+    actor run in order), so that rank 0 can broadcast a bucket while the engines wait for it, and their
+    replies are collected after `finish`. Every engine must acknowledge the same version, tensors and bytes. The
+    NCCL group is formed on the first push and again whenever the set of engines changes (a restart)."""
+
+    def __init__(self, device: torch.device):
+        self.device = torch.device(device)
+        self._group = None
+        self._members: tuple | None = None
+
+    def push(self, engines: list, tensors: dict[str, torch.Tensor], version: int, transport: str,
+             bucket_bytes: int) -> dict:
+        import ray
+
+        from rl_kernel.models.weight_transfer import WeightSender, WeightVersionError
+
+        group = self._nccl_group(engines) if transport == "nccl" else None
+        pending: list[list] = []
+
+        def send(msg: dict) -> None:
+            pending.append([e.receive_weights.remote(msg) for e in engines])
+            if msg["op"] == "start":  # the engines check the whole push before any bucket is broadcast
+                ray.get(pending[-1])
+
+        def recv() -> dict:
+            acks = [ray.get(refs) for refs in pending][-1]
+            if any(a != acks[0] for a in acks):
+                raise WeightVersionError(f"engines acknowledged different pushes of version {version}: {acks}")
+            return acks[0]
+
+        sender = WeightSender(transport, send, recv, bucket_bytes=bucket_bytes, group=group, src=0)
+        return sender.push(tensors.items(), version)
+
+    def _nccl_group(self, engines: list):
+        import ray
+
+        from rl_kernel.models.weight_transfer import open_weight_group, weight_store
+
+        members = tuple(e._actor_id.hex() for e in engines)
+        if members != self._members:
+            host, world = ray.util.get_node_ip_address(), len(engines) + 1
+            store = weight_store(host, world)
+            joins = [e.join_weight_group.remote(host, store.port, i + 1, world) for i, e in enumerate(engines)]
+            self._group = open_weight_group(store, 0, world, self.device)
+            self._group_store = store  # lives as long as the group
+            ray.get(joins)
+            self._members = members
+        return self._group

@@ -1,0 +1,80 @@
+"""The GPU weight transports' Ray wiring (`vime.weights.sync`: trainer rank 0 -> rollout actors), on CPU.
+
+`weights.transport=nccl` broadcasts packed buckets in a process group of trainer rank 0 and the engines,
+formed apart from the trainer's own world (`rl_kernel.models.weight_transfer.open_weight_group`): NCCL on
+CUDA, gloo on CPU. Here the real actors (a reference trainer rank, two reference rollout engines) push a
+trained version over gloo; the engines then score exactly as the trainer does, bit for bit, and a stale
+version is refused. The CUDA data planes (IPC handles, NCCL) run in scripts/gpu_train.sh and
+tests/gpu/gpu_path.py."""
+
+from __future__ import annotations
+
+import pytest
+import ray
+import torch
+
+import rl_kernel as rk
+from rl_kernel.bits import bit_mismatches
+from vime.config import Mode, RayConfig, RolloutBackend, RolloutConfig, TrainerBackend, TrainerConfig
+from vime.engines import Sample
+from vime.placement import loopback_node, single_node_env
+from vime.rollout.actor import RolloutWorker
+from vime.timeline import Timeline
+from vime.trainer.actor import TrainerWorker
+from vime.weights.sync import sync_weights
+
+pytestmark = pytest.mark.slow
+
+
+def _call(refs, what, names):
+    return ray.get(refs)
+
+
+@pytest.fixture(scope="module")
+def actors(tiny_qwen3_path):
+    loopback_node("127.0.0.1")
+    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", configure_logging=False,
+             runtime_env={"env_vars": single_node_env(RayConfig())}, log_to_driver=False)
+    try:
+        strict = {b: "strict" for b in rk.BOUNDARIES}
+        rcfg = RolloutConfig(engine=RolloutBackend.reference, mode=Mode.strict)
+        tcfg = TrainerConfig(engine=TrainerBackend.reference, mode=Mode.strict, lr=1e-2)
+        engines = [ray.remote(RolloutWorker).options(num_cpus=0).remote(i, rcfg, str(tiny_qwen3_path), "bfloat16",
+                                                                       "cpu", strict, 0) for i in range(2)]
+        trainer = ray.remote(TrainerWorker).options(num_cpus=0).remote(0, 1, tcfg, str(tiny_qwen3_path), "bfloat16",
+                                                                      "cpu", strict, 0, 0.0, 0.2)
+        ray.get(trainer.start.remote("unused"))
+        yield trainer, engines
+    finally:
+        ray.shutdown()
+
+
+def _samples(engines) -> list[Sample]:
+    prompts = [(g, [3 + g, 7, 11 + g, 5]) for g in range(2)]
+    samples = ray.get(engines[0].generate.remote(prompts, 4, 6, 1.0, [], 0))
+    for i, s in enumerate(samples):
+        s.advantage = 1.0 if i % 2 else -1.0
+    return samples
+
+
+def _mismatches(a: list[list[float]], b) -> int:
+    return sum(bit_mismatches(torch.tensor(x, dtype=torch.float32), y.logprobs) for x, y in zip(a, b))
+
+
+def test_a_trained_version_pushed_over_the_nccl_transport_scores_like_the_trainer(actors):
+    trainer, engines = actors
+    samples = _samples(engines)
+    before = ray.get(engines[1].rescore.remote(samples))
+    assert ray.get(trainer.train_step.remote(samples))["version"] == 1
+    timeline = Timeline(num_engines=2)
+    timeline.trained()
+    stats = sync_weights([trainer], engines, 1, 1 << 20, timeline, _call, transport="nccl")
+    assert stats["sync_bytes"] > 0 and stats["sync_buckets"] >= 1 and stats["sync_gbps"] > 0
+    trained = ray.get(trainer.score.remote(samples))
+    for engine in engines:  # both engines got every tensor of version 1: they score as the trainer does
+        assert _mismatches(ray.get(engine.rescore.remote(samples)), trained) == 0
+    # native twin of the claim: the engines' scores before the push differ (the push moved weights)
+    assert _mismatches(before, trained) > 0
+    # the same version again is refused by the engines, never loaded silently
+    with pytest.raises(ray.exceptions.RayTaskError, match="weight version 1 offered to an engine serving 1"):
+        ray.get(trainer.push_weights.remote(engines, 1, "nccl", 1 << 20))
