@@ -16,13 +16,13 @@ import torch
 
 import rl_kernel as rk
 from rl_kernel.bits import max_abs_diff, same_bits
-from rl_kernel.selftest import cu_seqlens, qkv
+from rl_kernel.selftest.matrix import cu_seqlens, qkv
 
 pytestmark = pytest.mark.slow
 
 SCRIPT = textwrap.dedent("""
     import sys, torch, rl_kernel as rk
-    from rl_kernel.selftest import paged_cache, paged_step
+    from rl_kernel.selftest.matrix import paged_cache, paged_step
     torch.set_num_threads(1)
     inp = torch.load(sys.argv[1])
     rows = lambda fn, n: torch.cat([fn(slice(i, i + 1)) for i in range(n)])  # one row per call
