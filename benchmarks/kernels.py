@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import rl_kernel as rk  # noqa: E402
 from rl_kernel.backends.triton import attention, gemm, logprob, norm  # noqa: E402
 from rl_kernel.bits import same_bits  # noqa: E402
-from rl_kernel.ops.norm import _native_rms_norm  # noqa: E402
+from rl_kernel.ops.norm import native_rms_norm  # noqa: E402
 
 DEV = "cuda"
 BF16 = torch.bfloat16
@@ -156,7 +156,7 @@ def _norm_case(t: int, bw: float) -> None:
                     t * 4096 * 2)
     floor = (2 * t * 4096 * 2) / bw * 1e3
     strict = bench(lambda: norm.rms_norm(*args(), 1e-6))
-    native = bench(lambda: _native_rms_norm(*args(), 1e-6))
+    native = bench(lambda: native_rms_norm(*args(), 1e-6))
     row("rms_norm", f"T={t} D=4096", strict, native, floor, "")
 
 

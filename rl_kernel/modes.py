@@ -3,7 +3,8 @@
 `strict` runs an op under its numeric execution contract (rl_kernel's kernels); `native` runs the
 framework's own kernels (the production baseline). The process default comes from the environment
 (`RL_KERNEL_MODE`, and `RL_KERNEL_MODE_<BOUNDARY>` per boundary, e.g. `RL_KERNEL_MODE_ATTENTION=native`),
-so spawned workers inherit it; `set_mode` changes it for the process and `mode(...)` for a `with` block.
+and `set_mode` changes it for the process and `mode(...)` for a `with` block. Engines whose workers are
+spawned by a framework (vLLM) get their modes explicitly (`full_modes`, passed in the engine's config).
 """
 
 from __future__ import annotations
@@ -49,6 +50,16 @@ def get_mode(boundary: str) -> str:
 
 def current_modes() -> dict[str, str]:
     return dict(_state)
+
+
+def full_modes(modes: dict[str, str] | None = None) -> dict[str, str]:
+    """Every boundary's mode: those `modes` names, strict elsewhere; ValueError on an unknown mode or boundary.
+    What an engine started in another process is given explicitly (not through the environment)."""
+    full = dict.fromkeys(BOUNDARIES, "strict")
+    for boundary, name in (modes or {}).items():
+        _check(name, (boundary,))
+        full[boundary] = name
+    return full
 
 
 def set_mode(name: str, *boundaries: str) -> None:

@@ -11,42 +11,36 @@ import torch
 import torch.nn.functional as F
 
 from rl_kernel import backends
-from rl_kernel.backends.torch import activation as torch_activation
-from rl_kernel.contracts import Contract, register
-from rl_kernel.ops._common import check_float, is_strict, record_native, strict_contract
+from rl_kernel.ops.spec import OpSpec
 
-CONTRACTS = {
-    "torch": register(Contract(
-        op="silu_and_mul", backend="torch", version=1,
-        input_dependency="out[..., i] depends on x[..., i] and x[..., I + i] only",
-        partition="none (elementwise)",
-        merge_order="none (elementwise)",
-        precision="fp32 gate, up, silu and product",
-        rounding="product rounded once to x's dtype",
-        primitives="exp: rl_kernel exp64 (Cody-Waite + degree-13 polynomial, fp64) rounded to fp32; IEEE add, div, mul",
-    )),
-    "triton": register(Contract(
-        op="silu_and_mul", backend="triton", version=1,
-        input_dependency="out[..., i] depends on x[..., i] and x[..., I + i] only",
-        partition="none (elementwise)",
-        merge_order="none (elementwise)",
-        precision="fp32 gate, up, silu and product",
-        rounding="product rounded once to x's dtype",
-        primitives="exp: rl_kernel exp64 ported to Triton (fp64, no FMA) rounded to fp32; IEEE add, div_rn, mul",
-    )),
-}
+
+def native_silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return F.silu(x[..., :half]) * x[..., half:]
+
+
+ACTIVATION = OpSpec("silu_and_mul", "activation", __name__, native=native_silu_and_mul,
+                    kernels={"torch": "rl_kernel.backends.torch.activation",
+                             "triton": "rl_kernel.backends.triton.activation"})
+_TERMS = dict(
+    input_dependency="out[..., i] depends on x[..., i] and x[..., I + i] only",
+    partition="none (elementwise)",
+    merge_order="none (elementwise)",
+    precision="fp32 gate, up, silu and product",
+    rounding="product rounded once to x's dtype",
+)
+ACTIVATION.contract("torch", 1, **_TERMS, primitives="exp: rl_kernel exp64 (Cody-Waite + degree-13 polynomial, "
+                    "fp64) rounded to fp32; IEEE add, div, mul")
+ACTIVATION.contract("triton", 1, **_TERMS, primitives="exp: rl_kernel exp64 ported to Triton (fp64, no FMA) "
+                    "rounded to fp32; IEEE add, div_rn, mul")
 
 
 class _StrictSiluAndMul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):
-        contract = strict_contract("silu_and_mul", x.device, CONTRACTS)
-        check_float("silu_and_mul", contract.backend, x)
+        _, kernels = ACTIVATION.strict(x.device, x)
         ctx.save_for_backward(x)
-        if contract.backend == "triton":
-            from rl_kernel.backends.triton.activation import silu_and_mul as triton_silu_and_mul
-            return triton_silu_and_mul(x)
-        return torch_activation.silu_and_mul(x)
+        return kernels.silu_and_mul(x)
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -66,8 +60,4 @@ class _StrictSiluAndMul(torch.autograd.Function):
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x [..., 2I] -> silu(x[..., :I]) * x[..., I:] in x's dtype."""
-    if not is_strict("activation"):
-        record_native("silu_and_mul", x.device)
-        half = x.shape[-1] // 2
-        return F.silu(x[..., :half]) * x[..., half:]
-    return _StrictSiluAndMul.apply(x)
+    return ACTIVATION(_StrictSiluAndMul.apply, x)

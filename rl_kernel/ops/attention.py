@@ -17,47 +17,78 @@ import torch
 import torch.nn.functional as F
 
 from rl_kernel.backends.torch import attention as torch_attention
-from rl_kernel.contracts import Contract, register
-from rl_kernel.ops._common import check_float, is_strict, record_native, strict_contract
-
-CONTRACTS = {
-    "torch": register(Contract(
-        op="attention", backend="torch", version=1,
-        input_dependency="out[t, h] depends on q[t, h] and k, v of its sequence at positions <= pos(t), "
-                         "kv head h // (H / Hkv), and scale",
-        partition=f"keys in chunks of {torch_attention.CHUNK} positions from position 0 (masked past the "
-                  f"query); KV splits of {torch_attention.SPLIT_CHUNKS} chunks; head dim in blocks of 64",
-        merge_order="chunk partials (m, l, o) left to right within a split, splits left to right; "
-                    "sums inside a chunk by pairwise tree",
-        precision="fp32 scores, max, exp, l and o; masked keys contribute exactly 0 (value zeroed)",
-        rounding="o / l rounded once to q's dtype",
-        primitives="rl_kernel exp64 rounded to fp32; IEEE fp32 mul, add, div, max",
-        params=(("chunk", torch_attention.CHUNK), ("split_chunks", torch_attention.SPLIT_CHUNKS)),
-    )),
-    "triton": register(Contract(
-        op="attention", backend="triton", version=1,
-        input_dependency="out[t, h] depends on q[t, h] and k, v of its sequence at positions <= pos(t), "
-                         "kv head h // (H / Hkv), and scale",
-        partition="rows: a tile of (tokens) x (G heads of one kv head), its size moving no bit; keys in chunks of "
-                  "64 positions from "
-                  "position 0, masked past the query; KV splits of 8 chunks (512 keys)",
-        merge_order="online softmax chunk by chunk inside a split from an empty state; split partials merged "
-                    "left to right; chunks and splits with no key for a row leave its state exactly unchanged",
-        precision="q.k and p.v on tensor cores with fp32 accumulation (p rounded to v's dtype); fp32 m, l, o",
-        rounding="o / l (IEEE div) rounded once to q's dtype",
-        primitives="hardware ex2.approx.f32 on (s - m) with s = q.k * fp32(scale * log2 e); IEEE fp32 mul, add, "
-                   "max; no FMA (fp fusion off)",
-        params=(("chunk", 64), ("split_chunks", 8)),
-    )),
-}
+from rl_kernel.ops.spec import OpSpec
 
 
-def _check(op: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str:
-    contract = strict_contract(op, q.device, CONTRACTS)
-    check_float(op, contract.backend, q, k, v)
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, q_offset: int) -> torch.Tensor:
+    """PyTorch SDPA for one sequence: q [Lq, H, d] at positions q_offset.., k, v [Lk, Hkv, d]."""
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    q_pos = q_offset + torch.arange(q.shape[0], device=q.device)
+    mask = torch.arange(k.shape[0], device=q.device) <= q_pos.unsqueeze(1)
+    out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                         attn_mask=mask, scale=scale)
+    return out.transpose(0, 1)
+
+
+def native_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: float,
+                  max_seqlen: int | None = None) -> torch.Tensor:
+    """`attention_varlen` by PyTorch SDPA, one sequence at a time (the framework form)."""
+    cu = cu_seqlens.tolist()
+    return torch.cat([_sdpa(q[a:b], k[a:b], v[a:b], scale, 0) for a, b in zip(cu[:-1], cu[1:])])
+
+
+def native_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+                 seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float) -> torch.Tensor:
+    """`paged_attention` by PyTorch SDPA over each sequence's gathered blocks (the framework form)."""
+    block_size = k_cache.shape[1]
+    outs = []
+    qsl = query_start_loc.tolist()
+    for b, (a, e) in enumerate(zip(qsl[:-1], qsl[1:])):
+        n = int(seq_lens[b])
+        blocks = block_table[b, : -(-n // block_size)].to(torch.int64)
+        k = k_cache[blocks].reshape(-1, *k_cache.shape[2:])[:n]
+        v = v_cache[blocks].reshape(-1, *v_cache.shape[2:])[:n]
+        outs.append(_sdpa(q[a:e], k, v, scale, n - (e - a)))
+    return torch.cat(outs)
+
+
+ATTENTION = OpSpec("attention", "attention", __name__, native=native_varlen,
+                   kernels={"torch": "rl_kernel.backends.torch.attention",
+                            "triton": "rl_kernel.backends.triton.attention"})
+_DEPENDENCY = ("out[t, h] depends on q[t, h] and k, v of its sequence at positions <= pos(t), "
+               "kv head h // (H / Hkv), and scale")
+ATTENTION.contract(
+    "torch", 1, input_dependency=_DEPENDENCY,
+    partition=f"keys in chunks of {torch_attention.CHUNK} positions from position 0 (masked past the "
+              f"query); KV splits of {torch_attention.SPLIT_CHUNKS} chunks; head dim in blocks of 64",
+    merge_order="chunk partials (m, l, o) left to right within a split, splits left to right; "
+                "sums inside a chunk by pairwise tree",
+    precision="fp32 scores, max, exp, l and o; masked keys contribute exactly 0 (value zeroed)",
+    rounding="o / l rounded once to q's dtype",
+    primitives="rl_kernel exp64 rounded to fp32; IEEE fp32 mul, add, div, max",
+    params=(("chunk", torch_attention.CHUNK), ("split_chunks", torch_attention.SPLIT_CHUNKS)),
+)
+ATTENTION.contract(
+    "triton", 1, input_dependency=_DEPENDENCY,
+    partition="rows: a tile of (tokens) x (G heads of one kv head), its size moving no bit; keys in chunks of "
+              "64 positions from position 0, masked past the query; KV splits of 8 chunks (512 keys)",
+    merge_order="online softmax chunk by chunk inside a split from an empty state; split partials merged "
+                "left to right; chunks and splits with no key for a row leave its state exactly unchanged",
+    precision="q.k and p.v on tensor cores with fp32 accumulation (p rounded to v's dtype); fp32 m, l, o",
+    rounding="o / l (IEEE div) rounded once to q's dtype",
+    primitives="hardware ex2.approx.f32 on (s - m) with s = q.k * fp32(scale * log2 e); IEEE fp32 mul, add, "
+               "max; no FMA (fp fusion off)",
+    params=(("chunk", 64), ("split_chunks", 8)),
+)
+
+
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    """(contract, kernel module) of a strict attention call; raises on a dtype or a head count outside it."""
+    contract, kernels = ATTENTION.strict(q.device, q, k, v)
     if q.shape[1] % k.shape[-2]:
-        raise ValueError(f"{op}: {q.shape[1]} query heads are not a multiple of {k.shape[-2]} kv heads")
-    return contract.backend
+        raise ValueError(f"attention: {q.shape[1]} query heads are not a multiple of {k.shape[-2]} kv heads")
+    return contract, kernels
 
 
 def attention_varlen(
@@ -70,10 +101,7 @@ def attention_varlen(
     sequence lengths starting at 0; `scale` multiplies q.k. Returns [T, H, d] in q's dtype.
     `max_seqlen`, the longest sequence (tokens), spares the backward a device-to-host read.
     """
-    if not is_strict("attention"):
-        record_native("attention", q.device)
-        return _native_varlen(q, k, v, cu_seqlens, scale)
-    return _StrictVarlenAttention.apply(q, k, v, cu_seqlens, scale, max_seqlen)
+    return ATTENTION(_StrictVarlenAttention.apply, q, k, v, cu_seqlens, scale, max_seqlen)
 
 
 class _StrictVarlenAttention(torch.autograd.Function):
@@ -84,16 +112,15 @@ class _StrictVarlenAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, cu_seqlens, scale, max_seqlen=None):
-        backend = _check("attention", q, k, v)
+        contract, kernels = _check(q, k, v)
         ctx.scale, ctx.max_seqlen = scale, max_seqlen
-        ctx.flash = (backend == "triton" and q.dtype in (torch.bfloat16, torch.float16)
+        ctx.flash = (contract.backend == "triton" and q.dtype in (torch.bfloat16, torch.float16)
                      and any(ctx.needs_input_grad[:3]))
-        if backend == "triton":
-            from rl_kernel.backends.triton.attention import varlen_attention
+        if contract.backend == "triton":
             lse = torch.empty(q.shape[1], q.shape[0], dtype=torch.float32, device=q.device) if ctx.flash else None
-            out = varlen_attention(q, k, v, cu_seqlens, scale, lse=lse)
+            out = kernels.varlen_attention(q, k, v, cu_seqlens, scale, lse=lse)
         else:
-            out = torch_attention.varlen_attention(q, k, v, cu_seqlens, scale)
+            out = kernels.varlen_attention(q, k, v, cu_seqlens, scale)
         ctx.save_for_backward(q, k, v, cu_seqlens, *((out, lse) if ctx.flash else ()))
         return out
 
@@ -104,7 +131,7 @@ class _StrictVarlenAttention(torch.autograd.Function):
         q, k, v, cu_seqlens = ctx.saved_tensors
         with torch.enable_grad():
             inputs = [t.detach().to(torch.float32).requires_grad_() for t in (q, k, v)]
-            out = _native_varlen(*inputs, cu_seqlens, ctx.scale)
+            out = native_varlen(*inputs, cu_seqlens, ctx.scale)
             grads = torch.autograd.grad(out, inputs, grad_out.to(torch.float32))
         return grads[0].to(q.dtype), grads[1].to(k.dtype), grads[2].to(v.dtype), None, None, None
 
@@ -139,13 +166,12 @@ def paged_attention(
     including its new tokens, whose K/V must already be in the cache (`write_kv_cache`). Query j of
     sequence b sits at position seq_lens[b] - q_len[b] + j. Returns [Tq, H, d] in q's dtype.
     """
-    if not is_strict("attention"):
-        record_native("attention", q.device)
-        return _native_paged(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale)
-    if _check("attention", q, k_cache, v_cache) == "triton":
-        from rl_kernel.backends.triton.attention import paged_attention as triton_paged
-        return triton_paged(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale)
-    return torch_attention.paged_attention(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale)
+    return ATTENTION(_strict_paged, q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale,
+                     native_form=native_paged)
+
+
+def _strict_paged(q, k_cache, v_cache, *rest):
+    return _check(q, k_cache, v_cache)[1].paged_attention(q, k_cache, v_cache, *rest)
 
 
 def write_kv_cache(
@@ -154,32 +180,3 @@ def write_kv_cache(
     """Store k, v [T, Hkv, d] at flat slots (block * block_size + offset) of the paged caches: a copy."""
     k_cache.view(-1, *k_cache.shape[2:])[slot_mapping.to(torch.int64)] = k.to(k_cache.dtype)
     v_cache.view(-1, *v_cache.shape[2:])[slot_mapping.to(torch.int64)] = v.to(v_cache.dtype)
-
-
-def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, q_offset: int) -> torch.Tensor:
-    """PyTorch SDPA for one sequence: q [Lq, H, d] at positions q_offset.., k, v [Lk, Hkv, d]."""
-    rep = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    q_pos = q_offset + torch.arange(q.shape[0], device=q.device)
-    mask = torch.arange(k.shape[0], device=q.device) <= q_pos.unsqueeze(1)
-    out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                         attn_mask=mask, scale=scale)
-    return out.transpose(0, 1)
-
-
-def _native_varlen(q, k, v, cu_seqlens, scale):
-    cu = cu_seqlens.tolist()
-    return torch.cat([_sdpa(q[a:b], k[a:b], v[a:b], scale, 0) for a, b in zip(cu[:-1], cu[1:])])
-
-
-def _native_paged(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale):
-    block_size = k_cache.shape[1]
-    outs = []
-    qsl = query_start_loc.tolist()
-    for b, (a, e) in enumerate(zip(qsl[:-1], qsl[1:])):
-        n = int(seq_lens[b])
-        blocks = block_table[b, : -(-n // block_size)].to(torch.int64)
-        k = k_cache[blocks].reshape(-1, *k_cache.shape[2:])[:n]
-        v = v_cache[blocks].reshape(-1, *v_cache.shape[2:])[:n]
-        outs.append(_sdpa(q[a:e], k, v, scale, n - (e - a)))
-    return torch.cat(outs)

@@ -13,27 +13,33 @@ import torch
 import torch.distributed as dist
 
 from rl_kernel import evidence
-from rl_kernel.contracts import Contract, register
-from rl_kernel.ops._common import is_strict, record_native
+from rl_kernel.ops.spec import OpSpec
 
-CONTRACTS = {
-    "torch": register(Contract(
-        op="all_reduce", backend="torch", version=1,
-        input_dependency="out depends on the same element of every rank's input",
-        partition="one partial per rank",
-        merge_order="all_gather, then a pairwise tree of neighbours in rank order (rank 2i + rank 2i+1, ...)",
-        precision="the input dtype throughout",
-        rounding="one rounding per tree addition, in the input dtype",
-        primitives="IEEE add; all_gather is a bit copy",
-    )),
-}
+
+def native_all_reduce(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """The transport's all-reduce (NCCL rings and trees, gloo's algorithms) on a copy of x."""
+    y = x.clone()
+    dist.all_reduce(y, group=group)
+    return y
+
+
+# The same torch code on every backend (gloo on CPU, NCCL on CUDA): one contract, one kernel module (this one).
+COLLECTIVE = OpSpec("all_reduce", "collective", __name__, kernels={"torch": __name__}, native=native_all_reduce)
+CONTRACT = COLLECTIVE.contract(
+    "torch", 1,
+    input_dependency="out depends on the same element of every rank's input",
+    partition="one partial per rank",
+    merge_order="all_gather, then a pairwise tree of neighbours in rank order (rank 2i + rank 2i+1, ...)",
+    precision="the input dtype throughout",
+    rounding="one rounding per tree addition, in the input dtype",
+    primitives="IEEE add; all_gather is a bit copy",
+)
 
 
 def tree_all_reduce(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """The strict reduction (no mode check): gather, then tree-sum in rank order. It is the same
-    torch code whatever backend the other ops use (gloo on CPU, NCCL on CUDA), so it is recorded
-    under its one contract."""
-    evidence.record(CONTRACTS["torch"], "strict", x.device.type)
+    torch code whatever backend the other ops use, so it is recorded under its one contract."""
+    evidence.record(CONTRACT, "strict", x.device.type)
     world = dist.get_world_size(group)
     flat = torch.empty(world * x.numel(), dtype=x.dtype, device=x.device)
     dist.all_gather_into_tensor(flat, x.contiguous().view(-1), group=group)
@@ -50,9 +56,4 @@ def all_reduce(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch
 
     Strict: gather then tree in rank order (see module docstring). Native: `dist.all_reduce`.
     """
-    if not is_strict("collective"):
-        record_native("all_reduce", x.device)
-        y = x.clone()
-        dist.all_reduce(y, group=group)
-        return y
-    return tree_all_reduce(x, group)
+    return COLLECTIVE(tree_all_reduce, x, group)

@@ -25,45 +25,49 @@ import torch.nn.functional as F
 
 from rl_kernel import backends
 from rl_kernel.backends.torch import gemm as torch_gemm
-from rl_kernel.contracts import Contract, register
+from rl_kernel.contracts import Contract
 from rl_kernel.errors import StrictModeError
 from rl_kernel.modes import canonical_tp
-from rl_kernel.ops._common import check_float, is_strict, record_native, strict_contract
-from rl_kernel.ops.collective import tree_all_reduce
+from rl_kernel.ops.collective import COLLECTIVE, tree_all_reduce
+from rl_kernel.ops.spec import OpSpec
 
-CONTRACTS = {
-    "torch": register(Contract(
-        op="gemm", backend="torch", version=1,
-        input_dependency="out[m, n] depends on x[m, :], weight[n, :], bias[n] only",
-        partition=f"K in {torch_gemm.K_GROUPS} equal groups (1 group if K % {torch_gemm.K_GROUPS} != 0); "
-                  "each group in blocks of 64, last block zero-padded",
-        merge_order="pairwise tree inside a block; blocks left to right; groups by a pairwise tree of "
-                    "neighbours; TP ranks (whole groups each) by the same tree in rank order",
-        precision="inputs up-cast to fp32 (exact for bf16/fp16); fp32 products and accumulators",
-        rounding="fp32 result (+ bias in fp32) rounded once to x's dtype",
-        primitives="IEEE fp32 mul and add, no FMA",
-        params=(("k_groups", torch_gemm.K_GROUPS), ("block", 64)),
-    )),
-}
+
+def native_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The framework's linear in x's dtype (cuBLAS / oneDNN: split-K and blocking chosen per shape)."""
+    return F.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
+
+
+GEMM = OpSpec("gemm", "gemm", __name__, native=native_linear,
+              kernels={"torch": "rl_kernel.backends.torch.gemm", "triton": "rl_kernel.backends.triton.gemm"})
+_DEPENDENCY = "out[m, n] depends on x[m, :], weight[n, :], bias[n] only"
+_ROUNDING = "fp32 result (+ bias in fp32) rounded once to x's dtype"
+GEMM.contract(
+    "torch", 1, input_dependency=_DEPENDENCY, rounding=_ROUNDING,
+    partition=f"K in {torch_gemm.K_GROUPS} equal groups (1 group if K % {torch_gemm.K_GROUPS} != 0); "
+              "each group in blocks of 64, last block zero-padded",
+    merge_order="pairwise tree inside a block; blocks left to right; groups by a pairwise tree of "
+                "neighbours; TP ranks (whole groups each) by the same tree in rank order",
+    precision="inputs up-cast to fp32 (exact for bf16/fp16); fp32 products and accumulators",
+    primitives="IEEE fp32 mul and add, no FMA",
+    params=(("k_groups", torch_gemm.K_GROUPS), ("block", 64)),
+)
 
 
 @functools.cache
 def triton_contract(c: int) -> Contract:
     """The Triton backend's GEMM contract for a deployment whose canonical TP is `c`."""
-    return register(Contract(
-        op="gemm", backend="triton", version=2,
-        input_dependency="out[m, n] depends on x[m, :], weight[n, :], bias[n] only",
+    return GEMM.contract(
+        "triton", 2, keep=False, input_dependency=_DEPENDENCY, rounding=_ROUNDING,
         partition=f"row-parallel linears: K in {c} equal groups (the canonical TP); every other linear: one "
                   "group; a group is one chain of k16 tensor-core steps from its start",
         merge_order="inside a group: one fp32 accumulator from zero, k16 steps in ascending K (no split-K); "
                     "groups by a pairwise tree of neighbours; TP ranks (whole groups each) by the same tree in "
                     "rank order",
         precision="bf16/fp16 operands on tensor cores with fp32 accumulation; fp32 operands as ieee fp32 dots",
-        rounding="fp32 result (+ bias in fp32) rounded once to x's dtype",
         primitives="tensor-core mma (wgmma on sm_90) with fp32 accumulators, served by cuBLASLt without split-K "
                    "or by rl_kernel's Triton kernel (the same bits); IEEE fp32 add for the group tree",
         params=(("canonical_tp", c), ("k_step", 16)),
-    ))
+    )
 
 
 def deployment_contracts() -> dict[str, Contract]:
@@ -72,20 +76,17 @@ def deployment_contracts() -> dict[str, Contract]:
     return {contract.id: contract}
 
 
-def _contract(device: torch.device) -> Contract:
-    return strict_contract("gemm", device, {"torch": CONTRACTS["torch"], "triton": triton_contract(canonical_tp())})
+GEMM.contracts["triton"] = lambda: triton_contract(canonical_tp())
 
 
 def _strict_linear(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                    out_dtype: torch.dtype = torch.float32, k_group: int | None = None) -> torch.Tensor:
     """[M, N] under the contract: the fp32 result (+ bias in fp32) rounded once to `out_dtype`. `k_group`:
     the row-parallel group size of the full K (None: not row-parallel)."""
-    contract = _contract(x2d.device)
-    check_float("gemm", contract.backend, x2d, weight)
+    contract, kernels = GEMM.strict(x2d.device, x2d, weight)
     if contract.backend == "triton":
-        from rl_kernel.backends.triton.gemm import linear as triton_linear
-        return triton_linear(x2d, weight, bias, out_dtype, k_group)  # rounds in the epilogue
-    y = torch_gemm.matmul_fp32(x2d, weight, k_group)
+        return kernels.linear(x2d, weight, bias, out_dtype, k_group)  # rounds in the epilogue
+    y = kernels.matmul_fp32(x2d, weight, k_group)
     if bias is not None:
         y = y + bias.to(torch.float32)
     return y.to(out_dtype)
@@ -150,17 +151,14 @@ def _row_parallel_partial(x2d: torch.Tensor, weight: torch.Tensor, group: dist.P
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`x @ weight.T (+ bias)`: x [..., K], weight [N, K] -> [..., N] in x's dtype."""
-    if not is_strict("gemm"):
-        record_native("gemm", x.device)
-        return F.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
-    return _StrictLinear.apply(x, weight, bias, False, None)
+    return GEMM(lambda *a: _StrictLinear.apply(*a, False, None), x, weight, bias)
 
 
 def linear_fp32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """`x @ weight.T` in fp32, not rounded: the GEMM contract up to its final rounding (no autograd)."""
-    if not is_strict("gemm"):
-        record_native("gemm", x.device)
-        return F.linear(x, weight.to(x.dtype)).to(torch.float32)
+    if not GEMM.is_strict():
+        GEMM.record_native(x.device)
+        return native_linear(x, weight).to(torch.float32)
     return _strict_linear(x.reshape(-1, x.shape[-1]), weight).reshape(*x.shape[:-1], weight.shape[0])
 
 
@@ -178,11 +176,11 @@ def row_parallel_linear(
     a K group.
     Native: `F.linear` on the slice, then the framework's all-reduce in x's dtype.
     """
-    if not is_strict("gemm"):
-        record_native("gemm", x_local.device)
-        y = F.linear(x_local, weight_local.to(x_local.dtype))
+    if not GEMM.is_strict():
+        GEMM.record_native(x_local.device)
+        y = native_linear(x_local, weight_local)
         if group is not None and dist.get_world_size(group) > 1:
-            record_native("all_reduce", x_local.device)
+            COLLECTIVE.record_native(x_local.device)
             dist.all_reduce(y, group=group)
         return y if bias is None else y + bias.to(y.dtype)
     return _StrictLinear.apply(x_local, weight_local, bias, True, group)

@@ -12,59 +12,94 @@ the unsharded one.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from rl_kernel.backends.torch import logprob as torch_logprob
-from rl_kernel.contracts import Contract, register
 from rl_kernel.errors import StrictModeError
-from rl_kernel.ops._common import check_float, is_strict, record_native, strict_contract
-from rl_kernel.ops.gemm import linear_fp32
+from rl_kernel.ops.spec import OpSpec
 
-CONTRACTS = {
-    "torch": register(Contract(
-        op="logprobs", backend="torch", version=1,
-        input_dependency="out[t] depends on hidden[t], the real vocab rows of weight (all ranks), "
-                         "targets[t], temperature[t]",
-        partition="rows in tiles; vocab by rank slices; tiles and slices do not affect any bit",
-        merge_order="order-free by construction: exact max; exact int64 fixed-point sum of exp terms",
-        precision="fp32 logits (GEMM contract); fp64 z, exp, lse; 2^-44 fixed-point exp terms",
-        rounding="logprob rounded once from fp64 to fp32",
-        primitives="rl_kernel exp64/log64; IEEE fp64 div, sub, round; int64 add",
-        params=(("fixed_point_bits", torch_logprob.FIXED_POINT_BITS),),
-    )),
-    "triton": register(Contract(
-        op="logprobs", backend="triton", version=2,
-        input_dependency="out[t] depends on hidden[t], the real vocab rows of weight (all ranks), "
-                         "targets[t], temperature[t]",
-        partition="logits: one fp32 chain over D per element (the GEMM contract's one-chain form, served by "
-                  "cuBLASLt without split-K or by the Triton GEMM); vocab in tiles of 64 columns from column 0 of "
-                  "the full vocab (rank slices must start on a tile); rows and vocab slices: no effect on any bit",
-        merge_order="order-free: exact max per tile and per row; int64 fixed-point sums inside a tile and across "
-                    "tiles and ranks",
-        precision="fp32 logits and z = logits / fp32(T); 2^-40 fixed-point exp terms; fp64 tile rescale and lse",
-        rounding="logprob = z[target] - lse rounded once from fp64 to fp32",
-        primitives="tensor-core mma with fp32 accumulation (k16 steps, ascending); hardware ex2.approx.f32; IEEE "
-                   "fp32 div_rn; fp64 mul; rl_kernel log64; int64 add",
-        params=(("vocab_tile", 64), ("fixed_point_bits", 40), ("k_step", 16)),
-    )),
-}
+KERNELS = {"torch": "rl_kernel.backends.torch.logprob", "triton": "rl_kernel.backends.triton.logprob"}
+# With a gradient to compute, the Triton forward's fp32 logits (T x V/tp x 4 bytes, as native training holds) are
+# kept for the backward instead of being recomputed (RL_KERNEL_LOGPROB_KEEP_LOGITS=0: recomputed); scoring
+# without gradients keeps nothing.
+KEEP_LOGITS = os.environ.get("RL_KERNEL_LOGPROB_KEEP_LOGITS", "1") != "0"
 
 
-LOG_SOFTMAX_CONTRACTS = {
-    "torch": register(Contract(
-        op="log_softmax", backend="torch", version=1,
-        input_dependency="out[t, v] depends on logits[t, :] (all ranks' slices), temperature[t]",
-        partition="rows in tiles; vocab by rank slices; neither affects any bit",
-        merge_order="order-free by construction: exact max; exact int64 fixed-point sum of exp terms",
-        precision="fp32 logits in; fp64 z, exp, lse; 2^-44 fixed-point exp terms",
-        rounding="each log-probability rounded once from fp64 to fp32 (entry t equals the torch logprobs "
-                 "contract's value for target t)",
-        primitives="rl_kernel exp64/log64; IEEE fp64 div, sub, round; int64 add",
-        params=(("fixed_point_bits", torch_logprob.FIXED_POINT_BITS),),
-    )),
-}
+def native_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temps: torch.Tensor,
+                    vocab_start: int, vocab_size: int, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Framework-style: F.linear in the model dtype, fp32 log-softmax (vocab-parallel as Megatron)."""
+    logits = F.linear(hidden, weight.to(hidden.dtype)).to(torch.float32) / temps.to(torch.float32).unsqueeze(-1)
+    column = vocab_start + torch.arange(logits.shape[-1], device=logits.device)
+    logits = logits.masked_fill(column >= vocab_size, float("-inf"))
+    if group is None or dist.get_world_size(group) == 1:
+        return torch.log_softmax(logits, dim=-1).gather(-1, targets.to(torch.int64).unsqueeze(-1)).squeeze(-1)
+    m = logits.amax(-1)
+    dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+    sum_exp = torch.exp(logits - m.unsqueeze(-1)).sum(-1)
+    dist.all_reduce(sum_exp, group=group)
+    local = targets.to(torch.int64) - vocab_start
+    owned = (local >= 0) & (local < logits.shape[-1])
+    z_t = torch.where(owned, logits.gather(-1, local.clamp(0, logits.shape[-1] - 1).unsqueeze(-1)).squeeze(-1), 0.0)
+    dist.all_reduce(z_t, group=group)
+    return z_t - m - torch.log(sum_exp)
+
+
+def native_log_softmax(logits: torch.Tensor, temps: torch.Tensor, vocab_start: int, vocab_size: int,
+                       group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Framework-style fp32 log-softmax of every column (vocab-parallel as Megatron); -inf on padded columns."""
+    z = logits.to(torch.float32) / temps.to(torch.float32).unsqueeze(-1)
+    column = vocab_start + torch.arange(z.shape[-1], device=z.device)
+    z = z.masked_fill(column >= vocab_size, float("-inf"))
+    if group is None or dist.get_world_size(group) == 1:
+        return torch.log_softmax(z, dim=-1)
+    m = z.amax(-1, keepdim=True)
+    dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+    sum_exp = torch.exp(z - m).sum(-1, keepdim=True)
+    dist.all_reduce(sum_exp, group=group)
+    return z - m - torch.log(sum_exp)
+
+
+LOGPROBS = OpSpec("logprobs", "logprob", __name__, KERNELS, native=native_logprobs)
+_DEPENDENCY = "out[t] depends on hidden[t], the real vocab rows of weight (all ranks), targets[t], temperature[t]"
+LOGPROBS.contract(
+    "torch", 1, input_dependency=_DEPENDENCY,
+    partition="rows in tiles; vocab by rank slices; tiles and slices do not affect any bit",
+    merge_order="order-free by construction: exact max; exact int64 fixed-point sum of exp terms",
+    precision="fp32 logits (GEMM contract); fp64 z, exp, lse; 2^-44 fixed-point exp terms",
+    rounding="logprob rounded once from fp64 to fp32",
+    primitives="rl_kernel exp64/log64; IEEE fp64 div, sub, round; int64 add",
+    params=(("fixed_point_bits", torch_logprob.FIXED_POINT_BITS),),
+)
+LOGPROBS.contract(
+    "triton", 2, input_dependency=_DEPENDENCY,
+    partition="logits: one fp32 chain over D per element (the GEMM contract's one-chain form, served by "
+              "cuBLASLt without split-K or by the Triton GEMM); vocab in tiles of 64 columns from column 0 of "
+              "the full vocab (rank slices must start on a tile); rows and vocab slices: no effect on any bit",
+    merge_order="order-free: exact max per tile and per row; int64 fixed-point sums inside a tile and across "
+                "tiles and ranks",
+    precision="fp32 logits and z = logits / fp32(T); 2^-40 fixed-point exp terms; fp64 tile rescale and lse",
+    rounding="logprob = z[target] - lse rounded once from fp64 to fp32",
+    primitives="tensor-core mma with fp32 accumulation (k16 steps, ascending); hardware ex2.approx.f32; IEEE "
+               "fp32 div_rn; fp64 mul; rl_kernel log64; int64 add",
+    params=(("vocab_tile", 64), ("fixed_point_bits", 40), ("k_step", 16)),
+)
+
+LOG_SOFTMAX = OpSpec("log_softmax", "logprob", __name__, KERNELS, native=native_log_softmax)
+LOG_SOFTMAX.contract(
+    "torch", 1,
+    input_dependency="out[t, v] depends on logits[t, :] (all ranks' slices), temperature[t]",
+    partition="rows in tiles; vocab by rank slices; neither affects any bit",
+    merge_order="order-free by construction: exact max; exact int64 fixed-point sum of exp terms",
+    precision="fp32 logits in; fp64 z, exp, lse; 2^-44 fixed-point exp terms",
+    rounding="each log-probability rounded once from fp64 to fp32 (entry t equals the torch logprobs "
+             "contract's value for target t)",
+    primitives="rl_kernel exp64/log64; IEEE fp64 div, sub, round; int64 add",
+    params=(("fixed_point_bits", torch_logprob.FIXED_POINT_BITS),),
+)
 
 
 def _temperatures(temperature: float | torch.Tensor, rows: int, device: torch.device) -> torch.Tensor:
@@ -92,22 +127,27 @@ def _check_targets(targets: torch.Tensor, vocab_size: int) -> None:
                          f"[{int(targets.min())}, {int(targets.max())}]: tokenizer and model vocab disagree?")
 
 
-class _StrictLogprobs(torch.autograd.Function):
+class StrictLogprobs(torch.autograd.Function):
+    """One autograd form for every backend: the forward under the contract by the backend's kernel module
+    (`kernels.forward` -> fp32 logprobs, fp64 lse); the backward (no bit contract) by its `kernels.backward`,
+    given the lse and the logits slices the forward kept (`keep`, see KEEP_LOGITS; a backend may keep none)."""
+
     @staticmethod
-    def forward(ctx, hidden, weight, targets, temps, vocab_start, vocab_size, group):
-        logits_fn = lambda a, b: linear_fp32(hidden[a:b], weight)  # noqa: E731
-        out, lse = torch_logprob.logprobs_and_lse(
-            logits_fn, hidden.shape[0], weight.shape[0], targets, temps, vocab_start, vocab_size, group)
+    def forward(ctx, hidden, weight, targets, temps, vocab_start, vocab_size, group, kernels):
+        keep = [] if KEEP_LOGITS and any(ctx.needs_input_grad[:2]) else None
+        out, lse = kernels.forward(hidden, weight, targets, temps, vocab_start, vocab_size, group, keep=keep)
         ctx.save_for_backward(hidden, weight, targets, temps, lse)
+        ctx.kernels, ctx.kept = kernels, keep
         ctx.vocab_start, ctx.vocab_size, ctx.group = vocab_start, vocab_size, group
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         hidden, weight, targets, temps, lse = ctx.saved_tensors
-        grad_h, grad_w = torch_logprob.logprob_grads(
-            grad_out, hidden, weight, targets, temps, lse, ctx.vocab_start, ctx.vocab_size, ctx.group)
-        return grad_h, grad_w, None, None, None, None, None
+        kept, ctx.kept = ctx.kept, None
+        grad_h, grad_w = ctx.kernels.backward(grad_out, hidden, weight, targets, temps, lse, ctx.vocab_start,
+                                              ctx.vocab_size, ctx.group, kept=kept)
+        return grad_h, grad_w, None, None, None, None, None, None
 
 
 def logprobs(
@@ -125,18 +165,16 @@ def logprobs(
     vocab_start, vocab_local, vocab_size = _vocab_layout(weight.shape[0], vocab_size, group)
     temps = _temperatures(temperature, hidden.shape[0], hidden.device)
     _check_targets(targets, vocab_size)
-    if not is_strict("logprob"):
-        record_native("logprobs", hidden.device)
-        return _native_logprobs(hidden, weight, targets, temps, vocab_start, vocab_size, group)
-    contract = strict_contract("logprobs", hidden.device, CONTRACTS)
-    check_float("logprobs", contract.backend, hidden, weight)
+    return LOGPROBS(_strict_logprobs, hidden, weight, targets, temps, vocab_start, vocab_size, group)
+
+
+def _strict_logprobs(hidden, weight, targets, temps, vocab_start, vocab_size, group):
+    contract, kernels = LOGPROBS.strict(hidden.device, hidden, weight)
     if vocab_size > torch_logprob.MAX_VOCAB:
         raise StrictModeError("logprobs", contract.backend, f"vocab {vocab_size} > {torch_logprob.MAX_VOCAB}: "
                               "the int64 fixed-point sum could overflow")
-    if contract.backend == "triton":
-        from rl_kernel.backends.triton.logprob import logprobs as triton_logprobs
-        return triton_logprobs(hidden, weight, targets, temps, vocab_start, vocab_size, group)
-    return _StrictLogprobs.apply(hidden, weight, targets.to(torch.int64), temps, vocab_start, vocab_size, group)
+    return StrictLogprobs.apply(hidden, weight, targets.to(torch.int64), temps, vocab_start, vocab_size, group,
+                                 kernels)
 
 
 def log_softmax(
@@ -150,38 +188,12 @@ def log_softmax(
     """
     vocab_start, _, vocab_size = _vocab_layout(logits.shape[-1], vocab_size, group)
     temps = _temperatures(temperature, logits.shape[0], logits.device)
-    if not is_strict("logprob"):
-        record_native("log_softmax", logits.device)
-        z = logits.to(torch.float32) / temps.to(torch.float32).unsqueeze(-1)
-        column = vocab_start + torch.arange(z.shape[-1], device=z.device)
-        z = z.masked_fill(column >= vocab_size, float("-inf"))
-        if group is None or dist.get_world_size(group) == 1:
-            return torch.log_softmax(z, dim=-1)
-        m = z.amax(-1, keepdim=True)
-        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
-        sum_exp = torch.exp(z - m).sum(-1, keepdim=True)
-        dist.all_reduce(sum_exp, group=group)
-        return z - m - torch.log(sum_exp)
-    contract = strict_contract("log_softmax", logits.device, LOG_SOFTMAX_CONTRACTS)
+    return LOG_SOFTMAX(_strict_log_softmax, logits, temps, vocab_start, vocab_size, group)
+
+
+def _strict_log_softmax(logits, temps, vocab_start, vocab_size, group):
+    contract, kernels = LOG_SOFTMAX.strict(logits.device)
     if logits.dtype != torch.float32:
         raise StrictModeError("log_softmax", contract.backend, f"logits must be the fp32 GEMM-contract output, "
                               f"got {logits.dtype} (use rl_kernel.linear_fp32 for the LM head)")
-    return torch_logprob.full_log_softmax(logits, temps, vocab_start, vocab_size, group)
-
-
-def _native_logprobs(hidden, weight, targets, temps, vocab_start, vocab_size, group):
-    """Framework-style: F.linear in the model dtype, fp32 log-softmax (vocab-parallel as Megatron)."""
-    logits = F.linear(hidden, weight.to(hidden.dtype)).to(torch.float32) / temps.to(torch.float32).unsqueeze(-1)
-    column = vocab_start + torch.arange(logits.shape[-1], device=logits.device)
-    logits = logits.masked_fill(column >= vocab_size, float("-inf"))
-    if group is None or dist.get_world_size(group) == 1:
-        return torch.log_softmax(logits, dim=-1).gather(-1, targets.to(torch.int64).unsqueeze(-1)).squeeze(-1)
-    m = logits.amax(-1)
-    dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
-    sum_exp = torch.exp(logits - m.unsqueeze(-1)).sum(-1)
-    dist.all_reduce(sum_exp, group=group)
-    local = targets.to(torch.int64) - vocab_start
-    owned = (local >= 0) & (local < logits.shape[-1])
-    z_t = torch.where(owned, logits.gather(-1, local.clamp(0, logits.shape[-1] - 1).unsqueeze(-1)).squeeze(-1), 0.0)
-    dist.all_reduce(z_t, group=group)
-    return z_t - m - torch.log(sum_exp)
+    return kernels.full_log_softmax(logits, temps, vocab_start, vocab_size, group)

@@ -12,49 +12,38 @@ from __future__ import annotations
 import torch
 
 from rl_kernel import backends
-from rl_kernel.backends.torch import norm as torch_norm
-from rl_kernel.contracts import Contract, register
-from rl_kernel.ops._common import check_float, is_strict, record_native, strict_contract
-
-CONTRACTS = {
-    "torch": register(Contract(
-        op="rms_norm", backend="torch", version=2,
-        input_dependency="y[t, :] depends on x[t, :] (+ residual[t, :]), weight, eps",
-        partition="last dim in blocks of 64, last block zero-padded",
-        merge_order="pairwise tree inside a block, blocks left to right",
-        precision="fp32 sum of squares, mean, inverse rms",
-        rounding="residual sum in x's dtype; x*r rounded to x's dtype; times weight rounded to x's dtype",
-        primitives="IEEE mul, add, div; correctly rounded sqrt (rl_kernel sqrt32); 1/sqrt (not rsqrt)",
-    )),
-    "triton": register(Contract(
-        op="rms_norm", backend="triton", version=1,
-        input_dependency="y[t, :] depends on x[t, :] (+ residual[t, :]), weight, eps",
-        partition="last dim in blocks of 64, last block zero-padded",
-        merge_order="pairwise tree inside a block, blocks left to right",
-        precision="fp32 sum of squares, mean, inverse rms",
-        rounding="residual sum in x's dtype; x*r rounded to x's dtype; times weight rounded to x's dtype",
-        primitives="IEEE mul, add, div_rn, sqrt_rn; no FMA (fp fusion off): the torch contract's operations",
-    )),
-}
+from rl_kernel.ops.spec import OpSpec
 
 
-def _native_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def native_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The framework's RMSNorm (HF Qwen3): fp32 mean of squares, rsqrt, rounded to x's dtype, times weight."""
     x32 = x.to(torch.float32)
     normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return weight.to(x.dtype) * normed.to(x.dtype)
 
 
+NORM = OpSpec("rms_norm", "norm", __name__, native=native_rms_norm,
+              kernels={"torch": "rl_kernel.backends.torch.norm", "triton": "rl_kernel.backends.triton.norm"})
+_TERMS = dict(
+    input_dependency="y[t, :] depends on x[t, :] (+ residual[t, :]), weight, eps",
+    partition="last dim in blocks of 64, last block zero-padded",
+    merge_order="pairwise tree inside a block, blocks left to right",
+    precision="fp32 sum of squares, mean, inverse rms",
+    rounding="residual sum in x's dtype; x*r rounded to x's dtype; times weight rounded to x's dtype",
+)
+NORM.contract("torch", 2, **_TERMS,
+              primitives="IEEE mul, add, div; correctly rounded sqrt (rl_kernel sqrt32); 1/sqrt (not rsqrt)")
+NORM.contract("triton", 1, **_TERMS,
+              primitives="IEEE mul, add, div_rn, sqrt_rn; no FMA (fp fusion off): the torch contract's operations")
+
+
 class _StrictRMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, eps):
-        contract = strict_contract("rms_norm", x.device, CONTRACTS)
-        check_float("rms_norm", contract.backend, x, weight)
+        _, kernels = NORM.strict(x.device, x, weight)
         ctx.save_for_backward(x, weight)
         ctx.eps = eps
-        if contract.backend == "triton":
-            from rl_kernel.backends.triton.norm import rms_norm as triton_rms_norm
-            return triton_rms_norm(x, weight, eps)
-        return torch_norm.rms_norm(x, weight, eps)
+        return kernels.rms_norm(x, weight, eps)
 
     @staticmethod
     def backward(ctx, grad_y):
@@ -67,7 +56,7 @@ class _StrictRMSNorm(torch.autograd.Function):
         with torch.enable_grad():
             x_ = x.detach().to(torch.float32).requires_grad_()
             w_ = weight.detach().to(torch.float32).requires_grad_()
-            y = _native_rms_norm(x_, w_, ctx.eps)
+            y = native_rms_norm(x_, w_, ctx.eps)
             gx, gw = torch.autograd.grad(y, (x_, w_), grad_y.to(torch.float32))
         return gx.to(x.dtype), gw.to(weight.dtype), None
 
@@ -75,12 +64,9 @@ class _StrictRMSNorm(torch.autograd.Function):
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """RMSNorm over the last dim. With `residual`, normalises s = x + residual and returns (y, s)."""
+    """RMSNorm over the last dim, in x's dtype. With `residual`, normalises s = x + residual (rounded once
+    to x's dtype) and returns (y, s)."""
     if residual is not None:
         x = x + residual
-    if is_strict("norm"):
-        y = _StrictRMSNorm.apply(x, weight, eps)
-    else:
-        record_native("rms_norm", x.device)
-        y = _native_rms_norm(x, weight, eps)
+    y = NORM(_StrictRMSNorm.apply, x, weight, eps)
     return y if residual is None else (y, x)

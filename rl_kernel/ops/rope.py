@@ -15,29 +15,36 @@ import torch
 
 from rl_kernel import backends
 from rl_kernel.backends.torch import rope as torch_rope
-from rl_kernel.contracts import Contract, register
-from rl_kernel.ops._common import check_float, is_strict, record_native, strict_contract
+from rl_kernel.ops.spec import OpSpec
 
-CONTRACTS = {
-    "torch": register(Contract(
-        op="rope", backend="torch", version=1,
-        input_dependency="out[t, h, :] depends on x[t, h, :], positions[t], theta, rotary_dim",
-        partition="none (elementwise pairs i, i + d/2)",
-        merge_order="none",
-        precision="angle and sin/cos in fp64, rounded to fp32; rotation in fp32",
-        rounding="cos/sin to fp32; rotation result rounded once to x's dtype",
-        primitives="rl_kernel exp64/log64/sincos64 (IEEE add/mul/div, no FMA); IEEE fp32 mul, add, sub",
-    )),
-    "triton": register(Contract(
-        op="rope", backend="triton", version=1,
-        input_dependency="out[t, h, :] depends on x[t, h, :], positions[t], theta, rotary_dim",
-        partition="none (elementwise pairs i, i + d/2)",
-        merge_order="none",
-        precision="angle and sin/cos in fp64 (torch backend's table), rounded to fp32; rotation in fp32",
-        rounding="cos/sin to fp32; rotation result rounded once to x's dtype",
-        primitives="rl_kernel exp64/log64/sincos64 for the table; IEEE fp32 mul, add, sub, no FMA (fp fusion off)",
-    )),
-}
+
+def native_rope(x: torch.Tensor, positions: torch.Tensor, theta: float, rotary_dim: int) -> torch.Tensor:
+    """The framework's RoPE (HF Qwen3): fp32 angles, cos/sin rounded to x's dtype, rotation in x's dtype."""
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64, device=x.device).float() / rotary_dim
+    inv_freq = 1.0 / (theta**exponents)
+    freqs = positions.to(torch.float32).unsqueeze(-1) * inv_freq
+    emb = torch.cat([freqs, freqs], dim=-1)
+    cos, sin = emb.cos().to(x.dtype).unsqueeze(-2), emb.sin().to(x.dtype).unsqueeze(-2)
+    rot, rest = x[..., :rotary_dim], x[..., rotary_dim:]
+    half = rotary_dim // 2
+    rotated = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
+    return torch.cat([rot * cos + rotated * sin, rest], dim=-1)
+
+
+ROPE = OpSpec("rope", "rope", __name__, native=native_rope,
+              kernels={"torch": "rl_kernel.backends.torch.rope", "triton": "rl_kernel.backends.triton.rope"})
+_TERMS = dict(
+    input_dependency="out[t, h, :] depends on x[t, h, :], positions[t], theta, rotary_dim",
+    partition="none (elementwise pairs i, i + d/2)",
+    merge_order="none",
+    rounding="cos/sin to fp32; rotation result rounded once to x's dtype",
+)
+ROPE.contract("torch", 1, **_TERMS, precision="angle and sin/cos in fp64, rounded to fp32; rotation in fp32",
+              primitives="rl_kernel exp64/log64/sincos64 (IEEE add/mul/div, no FMA); IEEE fp32 mul, add, sub")
+ROPE.contract("triton", 1, **_TERMS,
+              precision="angle and sin/cos in fp64 (torch backend's table), rounded to fp32; rotation in fp32",
+              primitives="rl_kernel exp64/log64/sincos64 for the table; IEEE fp32 mul, add, sub, no FMA "
+                         "(fp fusion off)")
 
 
 _TABLES: dict[tuple, tuple[weakref.ref, torch.Tensor, torch.Tensor]] = {}
@@ -60,15 +67,11 @@ def _cos_sin(positions: torch.Tensor, rotary_dim: int, theta: float) -> tuple[to
 class _StrictRope(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, positions, theta, rotary_dim):
-        contract = strict_contract("rope", x.device, CONTRACTS)
-        check_float("rope", contract.backend, x)
+        _, kernels = ROPE.strict(x.device, x)
         cos, sin = _cos_sin(positions, rotary_dim, theta)
         ctx.save_for_backward(cos, sin)
         ctx.rotary_dim = rotary_dim
-        if contract.backend == "triton":
-            from rl_kernel.backends.triton.rope import rotate as triton_rotate
-            return triton_rotate(x, cos, sin, rotary_dim)
-        return torch_rope.rotate(x, cos, sin, rotary_dim)
+        return kernels.rotate(x, cos, sin, rotary_dim)
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -80,23 +83,8 @@ class _StrictRope(torch.autograd.Function):
         return torch_rope.rotate(grad_out, cos, -sin, ctx.rotary_dim), None, None, None
 
 
-def _native_rope(x: torch.Tensor, positions: torch.Tensor, theta: float, rotary_dim: int) -> torch.Tensor:
-    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64, device=x.device).float() / rotary_dim
-    inv_freq = 1.0 / (theta**exponents)
-    freqs = positions.to(torch.float32).unsqueeze(-1) * inv_freq
-    emb = torch.cat([freqs, freqs], dim=-1)
-    cos, sin = emb.cos().to(x.dtype).unsqueeze(-2), emb.sin().to(x.dtype).unsqueeze(-2)
-    rot, rest = x[..., :rotary_dim], x[..., rotary_dim:]
-    half = rotary_dim // 2
-    rotated = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
-    return torch.cat([rot * cos + rotated * sin, rest], dim=-1)
-
-
 def rope(x: torch.Tensor, positions: torch.Tensor, theta: float, rotary_dim: int | None = None) -> torch.Tensor:
     """Rotate x [T, H, d] (queries or keys) by the angles of `positions` [T] (int, absolute
     positions in the sequence); rotary_dim defaults to d. Returns x's shape and dtype."""
     rotary_dim = x.shape[-1] if rotary_dim is None else rotary_dim
-    if not is_strict("rope"):
-        record_native("rope", x.device)
-        return _native_rope(x, positions, theta, rotary_dim)
-    return _StrictRope.apply(x, positions, theta, rotary_dim)
+    return ROPE(_StrictRope.apply, x, positions, theta, rotary_dim)

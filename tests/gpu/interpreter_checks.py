@@ -188,6 +188,19 @@ def logprobs(gen: torch.Generator) -> None:
     check("logprobs accuracy", float((out.double() - ref).abs().max()) < 1e-5)
     check("logprobs rows alone == in batch", same(logprob.logprobs_and_lse(h[5:9], w, tg[5:9], temps[5:9], 0, real)[0],
                                                   out[5:9]))
+    # the one autograd Function of rl_kernel.logprobs, over each backend's kernel module
+    from rl_kernel.backends.torch import logprob as torch_logprob
+    from rl_kernel.ops.logprob import StrictLogprobs
+    g, runs = torch.randn(t, generator=gen), []
+    for kernels in (logprob, torch_logprob):
+        hg, wg = h.float().requires_grad_(), w.float().requires_grad_()
+        lp = StrictLogprobs.apply(hg, wg, tg, temps, 0, real, None, kernels)
+        (lp * g).sum().backward()
+        runs.append((lp.detach(), hg.grad, wg.grad))
+    check("logprobs autograd forward == logprobs_and_lse", same(runs[0][0], logprob.logprobs_and_lse(
+        h.float(), w.float(), tg, temps, 0, real)[0]))
+    check("logprobs autograd grads: Triton == torch backend (1e-5)",
+          all(float((a - b).abs().max()) < 1e-5 for a, b in zip(runs[0][1:], runs[1][1:])))
 
 
 def main() -> None:

@@ -20,7 +20,7 @@ from rl_kernel.backends.torch.numerics import tree_sum  # noqa: E402
 from rl_kernel.backends.triton import activation, attention, gemm, logprob, norm, rope  # noqa: E402
 from rl_kernel.bits import bit_mismatches as mismatches  # noqa: E402
 from rl_kernel.bits import same_bits as same  # noqa: E402
-from rl_kernel.ops.attention import _native_paged, _native_varlen  # noqa: E402
+from rl_kernel.ops.attention import native_paged, native_varlen  # noqa: E402
 
 DEV = "cuda"
 BF16 = torch.bfloat16
@@ -180,7 +180,7 @@ def test_attention_layouts_bitwise(heads, kv_heads, d, page):
     poison()
     packed = attention.varlen_attention(q, k, v, cu, scale)
     assert torch.isfinite(packed).all()
-    ref = _native_varlen(q.double(), k.double(), v.double(), cu, scale)
+    ref = native_varlen(q.double(), k.double(), v.double(), cu, scale)
     assert rel_err(packed, ref) < 1e-2  # bf16 output and bf16 p in the p.v dot
     kc, vc, table = _paged(k, v, lens, page, gen)
     seq_lens = torch.tensor(lens, device=DEV)
@@ -202,8 +202,8 @@ def test_attention_layouts_bitwise(heads, kv_heads, d, page):
     out = attention.paged_attention(qc, kc, vc, table[[3, 2]], torch.tensor([700, 600], device=DEV), qsl, scale)
     assert same(out, torch.cat([packed[s3 + 40:s3 + 700], packed[s2 + 599:s2 + 600]]))
     # native twin: SDPA prefill vs SDPA over the paged cache (decode rows)
-    nat_packed = _native_varlen(q, k, v, cu, scale)
-    nat_dec = _native_paged(q[last], kc, vc, table, seq_lens,
+    nat_packed = native_varlen(q, k, v, cu, scale)
+    nat_dec = native_paged(q[last], kc, vc, table, seq_lens,
                             torch.arange(len(lens) + 1, dtype=torch.int32, device=DEV), scale)
     print("native SDPA decode-vs-prefill mismatching elements:", mismatches(nat_dec, nat_packed[last]))
 
@@ -216,8 +216,8 @@ def test_attention_native_twin_breaks():
     kc, vc, table = _paged(k, v, lens, 16, gen)
     last = cu[1:] - 1
     qsl = torch.arange(4, dtype=torch.int32, device=DEV)
-    nat = mismatches(_native_paged(q[last], kc, vc, table, torch.tensor(lens, device=DEV), qsl, 128 ** -0.5),
-                     _native_varlen(q, k, v, cu, 128 ** -0.5)[last])
+    nat = mismatches(native_paged(q[last], kc, vc, table, torch.tensor(lens, device=DEV), qsl, 128 ** -0.5),
+                     native_varlen(q, k, v, cu, 128 ** -0.5)[last])
     dec = attention.paged_attention(q[last], kc, vc, table, torch.tensor(lens, device=DEV), qsl, 128 ** -0.5)
     strict = mismatches(dec, attention.varlen_attention(q, k, v, cu, 128 ** -0.5)[last])
     print(f"decode vs prefill mismatching elements: native {nat}, strict {strict}")
@@ -302,7 +302,7 @@ def test_attention_backward_flash(monkeypatch, deterministic):
             rk.attention_varlen(qi, ki, vi, cu, 128 ** -0.5).backward(go)
         runs.append((qi.grad, ki.grad, vi.grad))
     ref_in = [t.double().requires_grad_() for t in (q, k, v)]
-    _native_varlen(*ref_in, cu, 128 ** -0.5).backward(go.double())
+    native_varlen(*ref_in, cu, 128 ** -0.5).backward(go.double())
     for got, ref, name in zip(runs[0], [t.grad for t in ref_in], "qkv"):
         assert rel_err(got, ref) < 2e-2, f"d{name} relative error {rel_err(got, ref)}"
     if deterministic:

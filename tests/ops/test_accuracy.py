@@ -1,7 +1,7 @@
 """Accuracy of the strict ops against fp64, next to native's; gradients of the differentiable ops
 against fp64 autograd of plain reference implementations.
 
-Forward (bf16 inputs, `rl_kernel.selftest.measure_accuracy`, the numbers of docs/accuracy.md; ulp =
+Forward (bf16 inputs, `rl_kernel.selftest.accuracy.measure_accuracy`, the numbers of docs/accuracy.md; ulp =
 units in the last place of the output dtype, over outputs with |ref| >= max|ref| / 256):
 - one-rounding ops (linear, silu_and_mul, rope, attention_varlen): <= 0.51 ulp - the single rounding to
   bf16 plus fp32 internal error below 0.01 ulp;
@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import rl_kernel as rk
-from rl_kernel.selftest import measure_accuracy
+from rl_kernel.selftest.accuracy import measure_accuracy
 
 ULP_BOUND = {"linear (+bias)": 0.51, "silu_and_mul": 0.51, "rope": 0.51, "attention_varlen": 0.51,
              "rms_norm": 1.5, "rms_norm+residual": 1.5, "logprobs (fp32 out)": 2.0}

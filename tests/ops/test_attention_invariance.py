@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 import rl_kernel as rk
 from rl_kernel.backends.torch.attention import CHUNK, SPLIT_CHUNKS
 from rl_kernel.bits import max_abs_diff, same_bits
-from rl_kernel.selftest import cu_seqlens, paged_cache, paged_step, qkv
+from rl_kernel.selftest.matrix import cu_seqlens, paged_cache, paged_step, qkv
 
 SETTINGS = settings(max_examples=5, deadline=None, database=None)
 SCALE = 0.2

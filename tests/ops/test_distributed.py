@@ -2,7 +2,7 @@
 tp 1, 2 and 4 equal the unsharded result bit for bit; row_parallel_linear at tp 2 and 4 equals linear
 (TP-invariance); all_reduce equals the rank-order pairwise tree on every rank, call after call; a K
 shard that does not hold whole contract groups fails closed. Native twins show each property breaks.
-The ranks' work is `rl_kernel.selftest._dist_outputs` (strict and native, same inputs)."""
+The ranks' work is `rl_kernel.selftest.ranks.rank_outputs` (strict and native, same inputs)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from rl_kernel.bits import max_abs_diff, same_bits
-from rl_kernel.selftest import run_distributed, tree_in_rank_order
+from rl_kernel.selftest.ranks import run_distributed, tree_in_rank_order
 
 pytestmark = pytest.mark.slow
 

@@ -16,13 +16,13 @@ import torch
 
 import rl_kernel as rk
 from rl_kernel.bits import max_abs_diff, same_bits
-from rl_kernel.selftest import cu_seqlens, qkv
+from rl_kernel.selftest.matrix import cu_seqlens, qkv
 
 pytestmark = pytest.mark.slow
 
 SCRIPT = textwrap.dedent("""
     import sys, torch, rl_kernel as rk
-    from rl_kernel.selftest import paged_cache, paged_step
+    from rl_kernel.selftest.matrix import paged_cache, paged_step
     torch.set_num_threads(1)
     inp = torch.load(sys.argv[1])
     rows = lambda fn, n: torch.cat([fn(slice(i, i + 1)) for i in range(n)])  # one row per call
@@ -37,6 +37,7 @@ SCRIPT = textwrap.dedent("""
     n = q.shape[0]
     kc, vc, table = paged_cache(k, v, [n], 8, torch.Generator().manual_seed(5))
     out["attention"] = torch.cat([paged_step([q], kc, vc, table, 0.2, [(0, j, j + 1)]) for j in range(n)])
+    out["evidence"] = sorted((r["op"], r["mode"], r["contract_id"], r["fingerprint"]) for r in rk.evidence.snapshot())
     torch.save(out, sys.argv[2])
 """)
 
@@ -72,11 +73,14 @@ def _run(tmp_path, inp, **env) -> dict[str, torch.Tensor]:
 
 
 def test_subprocess_same_bits_strict(tmp_path, gen):
+    """... and reports the same contracts: the same ids and fingerprints (terms and kernel sources) on both sides."""
     inp = _inputs(gen)
-    here = _here(inp)
+    with rk.evidence.recording() as ran:
+        here = _here(inp)
     there = _run(tmp_path, inp, RL_KERNEL_MODE="strict")
     for name, value in here.items():
         assert same_bits(value, there[name]), f"{name}: max |diff| {max_abs_diff(value, there[name])}"
+    assert there["evidence"] == sorted((r["op"], r["mode"], r["contract_id"], r["fingerprint"]) for r in ran)
 
 
 def test_subprocess_native(tmp_path, gen, report_native):
@@ -87,6 +91,7 @@ def test_subprocess_native(tmp_path, gen, report_native):
     with rk.mode("native"):
         here = _here(inp)
     there = _run(tmp_path, inp, RL_KERNEL_MODE="native")
+    there.pop("evidence")
     assert set(there) == set(here)
     differs = sorted(name for name, value in here.items() if not same_bits(value, there[name]))
     report_native(f"outputs that differ in the other process: {differs or 'none'} (of {sorted(here)})")

@@ -7,7 +7,9 @@ import json
 import pytest
 import torch
 
+import rl_kernel as rk
 import rl_kernel.selftest as selftest
+from rl_kernel.selftest import matrix
 
 
 def test_selftest_cpu_subset(tmp_path, capsys):
@@ -19,8 +21,8 @@ def test_selftest_cpu_subset(tmp_path, capsys):
     assert all(c["strict"]["passed"] and c["strict"]["max_abs_diff"] == 0 for c in report["cells"])
     # native cells are measured and shown (whether they pass depends on the CPU), never an error
     assert all(isinstance(c["native"]["passed"], bool) and c["native"]["max_abs_diff"] >= 0 for c in report["cells"])
-    assert report["strict_failures"] == 0 and set(report["contracts"]) == set(selftest.rk.contracts.all_contracts())
-    for contract in selftest.rk.contracts.all_contracts().values():
+    assert report["strict_failures"] == 0 and set(report["contracts"]) == set(rk.contracts.all_contracts())
+    for contract in rk.contracts.all_contracts().values():
         assert f"{contract.id}" in out and contract.fingerprint in out
     assert "OK: strict bit-identical in" in out.splitlines()[-1]
 
@@ -30,8 +32,8 @@ def test_selftest_exit_code_on_a_strict_failure(monkeypatch, capsys):
     def differs(device, gen):
         x = torch.ones(3)
         return [(x, torch.nextafter(x, torch.full_like(x, 2.0)))]
-    monkeypatch.setattr(selftest, "_rowwise_cells", lambda: [selftest.Cell("linear", "broken", "fp32", differs)])
-    monkeypatch.setattr(selftest, "_attention_cells", list)
+    monkeypatch.setattr(matrix, "rowwise_cells", lambda: [matrix.Cell("linear", "broken", "fp32", differs)])
+    monkeypatch.setattr(matrix, "attention_cells", list)
     assert selftest.main(["--no-distributed"]) == 1
     out = capsys.readouterr().out
     assert "FAIL 1.19e-07" in out and out.splitlines()[-1].startswith("FAILED: strict bit-identical in 0/1")

@@ -8,8 +8,10 @@ import json
 import pytest
 from vllm import SamplingParams
 
+import rl_kernel as rk
 from rl_kernel.integrations.vllm import (
     ARCH,
+    MODES_KEY,
     TEMPERATURE_KEY,
     WEIGHT_TRANSFER_BACKEND,
     register,
@@ -42,6 +44,19 @@ def test_strict_llm_kwargs(tiny_qwen3_path):
     assert kwargs["tensor_parallel_size"] == 2
     with pytest.raises(ValueError, match="logprobs_mode='processed_logits'"):
         strict_llm_kwargs(tiny_qwen3_path, logprobs_mode="raw_logprobs")
+
+
+def test_strict_llm_kwargs_carry_every_boundarys_mode(tiny_qwen3_path):
+    """Modes reach the engine's processes in its config, every boundary named: strict unless given."""
+    assert strict_llm_kwargs(tiny_qwen3_path)["additional_config"] == {MODES_KEY: dict.fromkeys(rk.BOUNDARIES,
+                                                                                               "strict")}
+    kwargs = strict_llm_kwargs(tiny_qwen3_path, {"attention": "native"}, additional_config={"other": 1})
+    assert kwargs["additional_config"] == {"other": 1, MODES_KEY: dict.fromkeys(rk.BOUNDARIES, "strict")
+                                           | {"attention": "native"}}
+    with pytest.raises(ValueError, match="boundary 'attn'"):
+        strict_llm_kwargs(tiny_qwen3_path, {"attn": "native"})
+    with pytest.raises(ValueError, match="mode 'fast'"):
+        strict_llm_kwargs(tiny_qwen3_path, {"attention": "fast"})
 
 
 def test_strict_llm_kwargs_rejects_other_architectures(tmp_path):

@@ -5,6 +5,10 @@ as a bit copy) equals its TP1, so one TP1 reference serves both."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 from vllm_test_utils import ENGINE_ARGS, compare_with_reference, make_prompts, running_llm
 
@@ -51,6 +55,33 @@ def test_tp2_strict_replicates_kv_heads(tmp_path_factory):
         result = _check(llm, Qwen3Reference.from_pretrained(path), 7, strict_sampling_params)
     print(f"strict TP2, 1 kv head: {result}")
     assert result["mismatches"] == 0, result
+
+
+def test_tp2_workers_run_the_modes_of_the_engine_config(tiny_qwen3_path, monkeypatch):
+    """The modes reach both TP worker processes in the engine's config, not through the environment they
+    inherit: here that environment says native everywhere, the config says native attention only."""
+    monkeypatch.setenv("RL_KERNEL_MODE", "native")
+    modes = dict.fromkeys(rk.BOUNDARIES, "strict") | {"attention": "native"}
+    with running_llm(**strict_llm_kwargs(tiny_qwen3_path, {"attention": "native"}, tensor_parallel_size=2,
+                                         **ENGINE_ARGS)) as llm:
+        assert llm.collective_rpc("rl_kernel_modes") == [modes, modes]
+        reset_evidence(llm)
+        llm.generate([{"prompt_token_ids": [5, 6, 7, 8]}], strict_sampling_params(max_tokens=2), use_tqdm=False)
+        for records in worker_evidence(llm):
+            assert {r["op"] for r in rk.evidence.native_ops(records)} == {"attention"}
+            assert {"gemm", "rms_norm", "log_softmax"} <= {r["op"] for r in records if r["mode"] == "strict"}
+
+
+def test_strict_model_without_modes_refuses_to_start(tiny_qwen3_path):
+    """Fail closed: an engine whose arguments select the strict model but carry no rl_kernel modes does
+    not start (in a fresh process: its workers would otherwise fall back to whatever their environment says)."""
+    code = ("import sys, vllm\nfrom rl_kernel.integrations.vllm import MODES_KEY, strict_llm_kwargs\n"
+            "kwargs = strict_llm_kwargs(sys.argv[1], max_model_len=128, gpu_memory_utilization=0.3)\n"
+            "del kwargs['additional_config'][MODES_KEY]\nvllm.LLM(**kwargs)\n")
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    done = subprocess.run([sys.executable, "-c", code, str(tiny_qwen3_path)], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode != 0 and "started without explicit rl_kernel modes" in done.stderr, done.stderr[-3000:]
 
 
 @pytest.fixture(scope="module")

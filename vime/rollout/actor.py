@@ -1,6 +1,6 @@
 """Rollout actor: one rollout engine (vLLM, or the labelled reference fallback) in a Ray actor.
 
-The actor sets this side's rl_kernel modes (environment, so spawned engine workers inherit them),
+The actor sets this side's rl_kernel modes in its process and passes them to its engine explicitly,
 generates GRPO groups (every token stamped with the weight version the engine serves), loads weight
 buckets and acknowledges versions, and reports the rl_kernel evidence of its last rollout.
 """
@@ -16,12 +16,11 @@ from vime.config import RolloutBackend, RolloutConfig
 from vime.engines import Rollout, Sample, one_temperature
 
 
-def apply_modes_env(modes: dict[str, str]) -> None:
-    """Set RL_KERNEL_MODE_<BOUNDARY> for this process and the engine workers it spawns."""
+def apply_modes(modes: dict[str, str]) -> None:
+    """Set this process's rl_kernel mode per boundary (engine workers get theirs from the engine's config)."""
     import rl_kernel as rk
 
     for boundary, m in modes.items():
-        os.environ[f"RL_KERNEL_MODE_{boundary.upper()}"] = m
         rk.set_mode(m, boundary)
 
 
@@ -74,7 +73,7 @@ class RolloutWorker:
     def __init__(self, engine_id: int, cfg: RolloutConfig, model_path: str, dtype: str, device: str,
                  modes: dict[str, str], seed: int):
         redirect_output()
-        apply_modes_env(modes)
+        apply_modes(modes)
         self.engine_id, self.cfg, self.modes, self.seed = engine_id, cfg, modes, seed
         torch.manual_seed(seed + engine_id)
         self.engine: Rollout
@@ -111,7 +110,7 @@ class RolloutWorker:
     @_engine_call
     def set_modes(self, modes: dict[str, str]) -> dict[str, str]:
         """Switch this engine's per-boundary rl_kernel modes (operator ablation, `vime.audit`)."""
-        apply_modes_env(modes)
+        apply_modes(modes)
         self.engine.set_modes(modes)
         self.modes = dict(modes)
         return self.modes

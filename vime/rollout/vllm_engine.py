@@ -20,6 +20,7 @@ file), which the killed worker can no longer remove.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import signal
@@ -147,7 +148,7 @@ class VllmRollout:
                 # vLLM's automatic binding wants one NUMA node per TP worker: give each worker one core.
                 cpus = sorted(os.sched_getaffinity(0))
                 os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(cpus[i % len(cpus)]) for i in range(cfg.tp))
-        make_kwargs = rkv.strict_llm_kwargs if self.strict else rkv.native_llm_kwargs
+        make_kwargs = functools.partial(rkv.strict_llm_kwargs, modes=modes) if self.strict else rkv.native_llm_kwargs
         self.engine_id, self._temp_files, self._closing = engine_id, [], False
         self._death: tuple[int, int | None, int] | None = None  # (TP rank, exit code, pid) of a dead worker
         self._died = threading.Event()

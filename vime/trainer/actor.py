@@ -16,7 +16,7 @@ import torch
 from vime import faults
 from vime.config import TrainerBackend, TrainerConfig
 from vime.engines import Sample, Scored, Trainer, one_temperature
-from vime.rollout.actor import apply_modes_env, redirect_output
+from vime.rollout.actor import apply_modes, redirect_output
 from vime.trainer.grpo import LossConfig, TrainBatch
 
 
@@ -27,7 +27,7 @@ class TrainerWorker:
                  modes: dict[str, str], seed: int, kl_coef: float, clip_eps: float):
         redirect_output()
         faults.forked_children_die_with_this_process()
-        apply_modes_env(modes)
+        apply_modes(modes)
         self.rank, self.world_size, self.cfg, self.modes = rank, world_size, cfg, modes
         self._args = (model_path, dtype, device)
         self.loss = LossConfig(clip_low=clip_eps, clip_high=clip_eps, kl_coef=kl_coef)  # fixed for the run
@@ -86,7 +86,7 @@ class TrainerWorker:
 
     def set_modes(self, modes: dict[str, str]) -> dict[str, str]:
         """Switch this rank's per-boundary rl_kernel modes for later forwards (`vime.audit`)."""
-        apply_modes_env(modes)
+        apply_modes(modes)
         self.engine.set_modes(modes)
         self.modes = dict(modes)
         return self.modes

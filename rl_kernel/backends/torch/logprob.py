@@ -61,6 +61,17 @@ def logprobs_and_lse(
     return out, lse_out
 
 
+def forward(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: torch.Tensor,
+            vocab_start: int, vocab_size: int, group: dist.ProcessGroup | None, keep: list | None = None,
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The strict forward of `rl_kernel.logprobs`: (fp32 logprobs [T], fp64 lse [T]), the logits by the GEMM op
+    (`rl_kernel.linear_fp32`, row tiles). `keep` is left empty: the backward recomputes the logits."""
+    from rl_kernel.ops.gemm import linear_fp32
+
+    return logprobs_and_lse(lambda a, b: linear_fp32(hidden[a:b], weight), hidden.shape[0], weight.shape[0], targets,
+                            temperature, vocab_start, vocab_size, group)
+
+
 def full_log_softmax(
     logits32: torch.Tensor, temperature: torch.Tensor, vocab_start: int, vocab_size: int,
     group: dist.ProcessGroup | None,
@@ -79,14 +90,15 @@ def full_log_softmax(
     return out
 
 
-def logprob_grads(
+def backward(
     grad_out: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
     temperature: torch.Tensor, lse: torch.Tensor, vocab_start: int, vocab_size: int,
-    group: dist.ProcessGroup | None, tile_elements: int = TILE_ELEMENTS,
+    group: dist.ProcessGroup | None, kept: list | None = None, tile_elements: int = TILE_ELEMENTS,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Gradients of logprob = z[target] - lse with z = hidden @ weight.T / T, for the forward's fp64
     `lse`: d/dz = (onehot - softmax) * grad / T. fp32 matmuls in row tiles (never all logits at once);
-    the hidden gradient of a vocab slice is summed over ranks. Returns (grad_hidden, grad_weight)."""
+    the hidden gradient of a vocab slice is summed over ranks. Returns (grad_hidden, grad_weight). `kept`
+    (logits kept by the forward) is unused: this forward keeps none."""
     v_local = weight.shape[0]
     w32 = weight.to(torch.float32)
     grad_h = torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device)

@@ -23,8 +23,6 @@ GEMMs give that slice's LM-head gradient and add its share of the hidden gradien
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.distributed as dist
 import triton
@@ -229,7 +227,7 @@ def _addmm_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
 
 
-def _backward(grad_out, hidden, weight, targets, temps, lse, vocab_start, vocab_size, group, kept=None):
+def backward(grad_out, hidden, weight, targets, temps, lse, vocab_start, vocab_size, group, kept=None):
     """(grad_hidden, grad_weight) by tensor-core GEMMs over vocab slices; fp32 state under the budget.
     `kept`: the forward's fp32 logits slices [(first column, logits)], used instead of recomputing them."""
     rows, v_local = hidden.shape[0], weight.shape[0]
@@ -263,38 +261,14 @@ def _backward(grad_out, hidden, weight, targets, temps, lse, vocab_start, vocab_
     return grad_h.to(hidden.dtype), grad_w.to(weight.dtype)
 
 
-KEEP_LOGITS = os.environ.get("RL_KERNEL_LOGPROB_KEEP_LOGITS", "1") != "0"
-
-
-class _TritonLogprobs(torch.autograd.Function):
-    """When a gradient is needed and KEEP_LOGITS (RL_KERNEL_LOGPROB_KEEP_LOGITS, default on), the forward's
-    fp32 logits (T x V/tp x 4 bytes, as native training holds) are kept for the backward instead of being
-    recomputed; scoring without gradients keeps nothing."""
-
-    @staticmethod
-    def forward(ctx, hidden, weight, targets, temps, vocab_start, vocab_size, group):
-        keep = [] if KEEP_LOGITS and any(ctx.needs_input_grad[:2]) else None
-        out, lse = _forward(hidden, weight, targets, temps, vocab_start, vocab_size, group, keep=keep)
-        ctx.kept = keep
-        ctx.save_for_backward(hidden, weight, targets, temps, lse)
-        ctx.vocab_start, ctx.vocab_size, ctx.group = vocab_start, vocab_size, group
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        hidden, weight, targets, temps, lse = ctx.saved_tensors
-        kept, ctx.kept = ctx.kept, None
-        grad_h, grad_w = _backward(grad_out, hidden, weight, targets, temps, lse, ctx.vocab_start, ctx.vocab_size,
-                                   ctx.group, kept)
-        return grad_h, grad_w, None, None, None, None, None
-
-
-def logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temps: torch.Tensor,
-             vocab_start: int, vocab_size: int, group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """fp32 log p(targets | hidden) [T] under the Triton logprob contract; differentiable.
-    temps: fp64 [T] temperatures (> 0); weight: this rank's vocab slice starting at vocab_start."""
+def forward(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temps: torch.Tensor,
+            vocab_start: int, vocab_size: int, group: dist.ProcessGroup | None = None, keep: list | None = None,
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The strict forward of `rl_kernel.logprobs` under the Triton contract: (fp32 logprobs [T], fp64 lse [T]).
+    temps: fp64 [T] temperatures (> 0); weight: this rank's vocab slice starting at vocab_start. `keep` (a list)
+    receives the fp32 logits slices for `backward`."""
     _check(weight, vocab_start)
-    return _TritonLogprobs.apply(hidden, weight, targets, temps, vocab_start, vocab_size, group)
+    return _forward(hidden, weight, targets, temps, vocab_start, vocab_size, group, keep=keep)
 
 
 def logprobs_and_lse(hidden, weight, targets, temps, vocab_start=0, vocab_size=None, group=None, *,

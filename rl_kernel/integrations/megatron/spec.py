@@ -33,11 +33,9 @@ from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
-from rl_kernel import StrictModeError, evidence
-from rl_kernel.backends import strict_backend
 from rl_kernel.integrations.megatron.cp import TokenLayout, cp_attention
 from rl_kernel.models.layers import RMSNorm, Rotary
-from rl_kernel.ops.attention import CONTRACTS as ATTENTION_CONTRACTS
+from rl_kernel.ops.attention import ATTENTION
 
 
 @dataclass
@@ -125,15 +123,11 @@ class RKCoreAttention(MegatronModule):
         if layout.cp == 1:
             out = rk.attention_varlen(q, k, value, layout.cu_seqlens.to(query.device), self.scale)
         else:
-            strict = rk.get_mode("attention") == "strict"
-            backend = "torch"
+            strict, backend = ATTENTION.is_strict(), "torch"
             if strict:  # CP runs the contract CP1 would run here (torch chunk partials or Triton split partials)
-                backend = strict_backend("attention", query.device)
-                if backend not in ATTENTION_CONTRACTS:
-                    raise StrictModeError("attention", backend, "no context-parallel attention for this backend")
-                evidence.record(ATTENTION_CONTRACTS[backend], "strict", query.device.type)
+                backend = ATTENTION.strict(query.device)[0].backend
             else:
-                evidence.record(rk.contracts.native("attention", "torch"), "native", query.device.type)
+                ATTENTION.record_native(query.device)
             group = parallel_state.get_context_parallel_group()
             out = cp_attention(q, k, value, layout, self.scale, group, strict, backend)
         return out.reshape(out.shape[0], -1)

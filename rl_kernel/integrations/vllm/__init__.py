@@ -13,7 +13,9 @@ Both kinds of engine take new weights through vLLM's weight-update API and `rl_k
 (`push_weights`, or `send_weights` per bucket between `llm.start_weight_update()` and
 `finish_weight_update`).
 
-Strict engine: `vllm.LLM(**strict_llm_kwargs(path))`, requests from `strict_sampling_params(...)`.
+Strict engine: `vllm.LLM(**strict_llm_kwargs(path, modes))`, requests from `strict_sampling_params(...)`.
+Its rl_kernel modes travel in vLLM's `additional_config` (`MODES_KEY`) to every process that builds the
+model, which sets them there; a strict model started without them refuses to start.
 Native engine (vLLM's own model and kernels, unchanged): `vllm.LLM(**native_llm_kwargs(path))`,
 requests from `native_sampling_params(...)`. See docs/vllm.md.
 """
@@ -27,15 +29,17 @@ from pathlib import Path
 from typing import Any
 
 from rl_kernel.integrations.vllm.sampling import FORCED_TOKENS_KEY, TEMPERATURE_KEY
+from rl_kernel.modes import full_modes
 
 ARCH = "RLKernelQwen3ForCausalLM"
 WEIGHT_TRANSFER_BACKEND = "rl_kernel_cpu"
 LOGITS_PROCESSOR = "rl_kernel.integrations.vllm.sampling:StrictLogprobsProcessor"
 WORKER_EXTENSION = "rl_kernel.integrations.vllm.worker.RLKernelWorkerExtension"
 SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM",)
+MODES_KEY = "rl_kernel_modes"  # additional_config entry: {boundary: mode} for every boundary
 
 __all__ = [
-    "ARCH", "FORCED_TOKENS_KEY", "TEMPERATURE_KEY", "WEIGHT_TRANSFER_BACKEND", "finish_weight_update",
+    "ARCH", "FORCED_TOKENS_KEY", "MODES_KEY", "TEMPERATURE_KEY", "WEIGHT_TRANSFER_BACKEND", "finish_weight_update",
     "forced_sampling_params", "native_llm_kwargs", "native_sampling_params", "push_weights", "register",
     "reset_evidence", "send_weights", "set_worker_modes", "strict_llm_kwargs", "strict_sampling_params",
     "worker_evidence", "worker_weight_versions",
@@ -65,14 +69,17 @@ def _check_architecture(model: str | Path) -> None:
                          f"architectures={archs}. Use native_llm_kwargs for other models.")
 
 
-def strict_llm_kwargs(model: str | Path, **engine_kwargs: Any) -> dict[str, Any]:
+def strict_llm_kwargs(model: str | Path, modes: dict[str, str] | None = None, **engine_kwargs: Any) -> dict[str, Any]:
     """`vllm.LLM` / engine arguments for a strict engine over the Qwen3 checkpoint at `model`.
 
     Selects the strict model class, the strict logits processor, `logprobs_mode="processed_logits"`
     (vLLM returns the strict log-probs unchanged), eager execution and the CPU weight-transfer
-    engine. Other engine arguments (tensor_parallel_size, max_num_batched_tokens, ...) pass through.
+    engine. `modes` (boundary -> mode; boundaries not named are strict) go to every engine process in
+    `additional_config[MODES_KEY]`, whatever those processes' environment says. Other engine arguments
+    (tensor_parallel_size, max_num_batched_tokens, ...) pass through.
     """
     _check_architecture(model)
+    extra = dict(engine_kwargs.pop("additional_config", None) or {}) | {MODES_KEY: full_modes(modes)}
     for key, value in (("logprobs_mode", "processed_logits"), ("enforce_eager", True)):
         if key in engine_kwargs and engine_kwargs[key] != value:
             raise ValueError(f"strict mode needs {key}={value!r}, got {engine_kwargs[key]!r}")
@@ -84,6 +91,7 @@ def strict_llm_kwargs(model: str | Path, **engine_kwargs: Any) -> dict[str, Any]
         "enforce_eager": True,
         "weight_transfer_config": {"backend": WEIGHT_TRANSFER_BACKEND},
         "worker_extension_cls": WORKER_EXTENSION,
+        "additional_config": extra,
         **engine_kwargs,
     }
 

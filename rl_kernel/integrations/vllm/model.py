@@ -4,7 +4,8 @@ Registered as `RLKernelQwen3ForCausalLM` (see `rl_kernel.integrations.vllm.regis
 scheduler, continuous batching, chunked prefill, prefix caching and paged KV cache; the forward is
 `rl_kernel.models.layers.Qwen3Model` (the reference model's blocks: every number computed by
 rl_kernel ops, row-parallel reductions in rank order over vLLM's gloo CPU TP group, vocab-parallel
-embedding and LM head gathered as bit copies). This module supplies only:
+embedding and LM head gathered as bit copies; rl_kernel modes from the engine's `additional_config`,
+set in every process that builds the model). This module supplies only:
 
 - the attention function: `rk.write_kv_cache`'s copy + `rk.paged_attention` over vLLM's own KV cache
   tensor, with the block table, sequence lengths, query start locations and slot mapping of vLLM's
@@ -23,9 +24,11 @@ import torch
 from torch import nn
 
 import rl_kernel as rk
+from rl_kernel.integrations.vllm import MODES_KEY
 from rl_kernel.models.layers import Qwen3Model
 from rl_kernel.models.qwen3 import Qwen3Config
 from rl_kernel.models.qwen3_layout import weight_layout
+from rl_kernel.modes import full_modes
 
 SUPPORTED_MODEL_TYPES = ("qwen3",)
 
@@ -76,6 +79,13 @@ class RLKernelQwen3ForCausalLM(nn.Module):
                              f"{config.model_type!r}. Run it in native mode (plain vLLM) instead.")
         if vllm_config.parallel_config.pipeline_parallel_size > 1:
             raise ValueError("the strict Qwen3 model does not support pipeline parallelism; use tensor parallelism")
+        modes = (vllm_config.additional_config or {}).get(MODES_KEY)
+        if modes is None:  # fail closed: this process's environment does not decide what the engine runs
+            raise ValueError(f"rl_kernel's strict vLLM model was started without explicit rl_kernel modes "
+                             f"(additional_config[{MODES_KEY!r}]): build the engine arguments with "
+                             "rl_kernel.integrations.vllm.strict_llm_kwargs(model, modes)")
+        for boundary, mode in full_modes(modes).items():
+            rk.set_mode(mode, boundary)
         self.config = config
         self.shape = Qwen3Config.from_hf({**config.to_dict(), "architectures": ["Qwen3ForCausalLM"]}, "hf_config")
         self.vocab_size = config.vocab_size

@@ -21,10 +21,7 @@ class RLKernelWorkerExtension:
 
     def rl_kernel_set_modes(self, modes: dict[str, str]) -> dict[str, str]:
         """Set this worker's rl_kernel mode per boundary (later forwards); returns the modes in force."""
-        import os
-
         for boundary, m in modes.items():
-            os.environ[f"RL_KERNEL_MODE_{boundary.upper()}"] = m
             rk.set_mode(m, boundary)
         return rk.current_modes()
 
