@@ -154,7 +154,10 @@ def check_contracts(rollout_records: Sequence[dict], trainer_records: Sequence[d
     op, some evidence exists, and every strict contract it ran is the driver's rl_kernel's (same id,
     same fingerprint). Across sides, for each op both ran under strict boundaries, the (fingerprint,
     device type) sets are equal; a declared pair (`PAIRED_OPS`) must agree on backend and device type.
-    Returns {op: 'same' | 'paired' | 'one-side' | 'native'}."""
+    A side that ran both ops of a pair records the values of the one both sides ran (rl_kernel's GPU
+    rollout engine samples from `log_softmax` and records `logprobs`, as the trainer computes them); its
+    other op only shaped the sampling distribution: 'sampling'.
+    Returns {op: 'same' | 'paired' | 'sampling' | 'one-side' | 'native'}."""
     _check_side("rollout", rollout_records, rollout_modes)
     _check_side("trainer", trainer_records, trainer_modes)
     r_ops, t_ops = contracts_by_op(rollout_records), contracts_by_op(trainer_records)
@@ -170,6 +173,8 @@ def check_contracts(rollout_records: Sequence[dict], trainer_records: Sequence[d
                 raise ComparabilityError(f"op {op!r}: rollout ran contracts {sorted(r)}, trainer ran {sorted(t)}: "
                                          "both sides must run the same backend on the same device type")
             verdict[op] = "same"
+        elif PAIRED_OPS.get(op) in r_ops and PAIRED_OPS[op] in t_ops:
+            verdict[op] = "sampling"  # its side also ran the partner, which the other side ran too ('same' above)
         elif PAIRED_OPS.get(op) in (t_ops if op in r_ops else r_ops):
             mine, other = (r_ops, t_ops) if op in r_ops else (t_ops, r_ops)
             a = {(d, b) for _, _, d, b in mine[op]}

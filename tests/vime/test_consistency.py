@@ -151,6 +151,22 @@ def test_sampling_log_softmax_pairs_with_the_trainers_logprobs():
                         STRICT, STRICT)
 
 
+def test_a_rollout_that_records_the_trainers_op_samples_with_its_partner_on_any_backend():
+    """rl_kernel's GPU rollout engine samples from `log_softmax` (the torch backend's, on CUDA) and records
+    `logprobs` (the Triton backend's, as the trainer): the recorded values are compared as 'same'; the
+    sampler's op is reported, not paired. Without `logprobs` on the rollout side the pair is enforced."""
+    h, head = torch.randn(4, 64, dtype=torch.bfloat16), torch.randn(32, 64, dtype=torch.bfloat16)
+    with rk.evidence.recording() as sampler:
+        rk.log_softmax(rk.linear_fp32(h, head), 0.7)
+    with rk.evidence.recording() as trainer:
+        rk.logprobs(h, head, torch.tensor([1, 2, 3, 4]), 0.7)
+    other_backend = [r | {"backend": "other"} if r["op"] == "log_softmax" else r for r in sampler]
+    verdict = check_contracts(other_backend + trainer, trainer, STRICT, STRICT)
+    assert verdict["log_softmax"] == "sampling" and verdict["logprobs"] == "same"
+    with pytest.raises(ComparabilityError, match="'log_softmax' / 'logprobs'"):
+        check_contracts(other_backend, trainer, STRICT, STRICT)
+
+
 GPU_GEMM_RECORD = """
 import json, sys
 import rl_kernel as rk

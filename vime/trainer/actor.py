@@ -159,13 +159,14 @@ class TrainerWorker:
         """Push the HF-named full weights (collective: TP shards are gathered) as version `version` into the
         rollout actors `engines` over `transport` ("ipc" or "nccl"); rank 0 pushes and returns the engines'
         acknowledgement {version, tensors, bytes, buckets}, the other ranks {}."""
-        tensors = self.engine.export_hf()
+        device = torch.device(self._args[2])  # the GPU this rank trains on (CPU: the gloo form, for tests)
+        tensors = self.engine.export_hf(device=device)
         if self.rank != 0:
             return {}
         if self._push is None:
             from vime.weights.sync import EnginePush
 
-            self._push = EnginePush(next(iter(tensors.values())).device)
+            self._push = EnginePush(device)
         return self._push.push(engines, tensors, version, transport, bucket_bytes)
 
     def export_to_store(self, bucket_bytes: int) -> dict:

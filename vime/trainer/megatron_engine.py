@@ -65,5 +65,5 @@ class MegatronTrainer:
 
         load_megatron(self.policy, path)
 
-    def export_hf(self) -> dict[str, torch.Tensor]:
-        return self.policy.export_hf_state_dict()
+    def export_hf(self, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+        return self.policy.export_hf_state_dict(device=device)

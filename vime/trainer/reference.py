@@ -124,5 +124,5 @@ class ReferenceTrainer:
                 m.copy_(saved)
         self.optimizer.load_state_dict(state["optimizer"])
 
-    def export_hf(self) -> dict[str, torch.Tensor]:
-        return {k: v.detach() for k, v in self.model.state_dict_hf().items()}
+    def export_hf(self, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+        return {k: v.detach().to(device) for k, v in self.model.state_dict_hf().items()}

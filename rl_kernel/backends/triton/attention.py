@@ -40,7 +40,8 @@ SPLIT_SCRATCH_BYTES = 256 << 20  # paged calls whose split partials fit use the 
 # are exact identities): tests/gpu compare packed prefill (PREFILL) with paged decode (PAGED) bit for bit.
 # Picked by benchmarks/kernels.py's prefill sweep on an H200 (kernels_h200.json).
 PAGED = {"BLOCK_M": BLOCK_M, "num_warps": 4, "num_stages": 2}
-PREFILL = {"BLOCK_M": 128, "num_warps": 8, "num_stages": 3}
+PREFILL = {"BLOCK_M": 64, "num_warps": 4, "num_stages": 3, "FLAT": True}  # H200, 2026-11-30: 0.463 / 5.78 ms at
+# T = 4k / 16k against 0.507 / 6.94 ms for the 128-row nested form (benchmarks/results/prefill_sweep_h200.txt)
 
 
 @triton.jit

@@ -157,8 +157,8 @@ class MegatronPolicy:
             with cuda_as_cpu():
                 self.optimizer.reload_model_params()
 
-    def export_hf_state_dict(self, which: str = "model") -> dict[str, torch.Tensor]:
-        """Full HF-named tensors, TP shards gathered (a bit copy); the same on every rank.
+    def export_hf_state_dict(self, which: str = "model", device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+        """Full HF-named tensors, TP shards gathered (a bit copy, on `device`); the same on every rank.
 
         which: "model" (the weights, model dtype), "main" (the optimizer's fp32 main params) or
         "main_grad" (their fp32 gradients of the last `train_step`)."""
@@ -177,7 +177,7 @@ class MegatronPolicy:
             else:
                 parts = [t] * self.tp
             for shard, part in zip(shards, parts):
-                shard[name] = part.to("cpu", copy=True)
+                shard[name] = part.to(device, copy=True)
         return megatron_to_hf(shards, self.shape)
 
     # ---- forward ---------------------------------------------------------------------------------
