@@ -12,7 +12,7 @@
 #   4 parity    tests/gpu/parity.py: Qwen3-8B-shaped reference, train-style vs rollout-style, bitwise
 #   5 bench     benchmarks/kernels.py (table + JSON)
 #   6 megatron  benchmarks/megatron_step.py (if present)
-#   7 tp        two GPUs: tests/gpu/tp_nccl.py under torchrun (NCCL), then benchmarks/rl_layout.py (if present)
+#   7 tp        two GPUs: tests/gpu/tp_nccl.py under torchrun (NCCL); the RL loop itself: scripts/gpu_train.sh
 set -u
 cd "$(dirname "$0")/.."
 source scripts/gpu_stages.sh
@@ -30,9 +30,6 @@ else
 fi
 if [ "$($PY -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null)" -ge 2 ]; then
   stage tp 60 $PY -m torch.distributed.run --standalone --nproc_per_node 2 tests/gpu/tp_nccl.py --json "$OUT/tp.json"
-  if [ -f benchmarks/rl_layout.py ]; then
-    stage layout 60 $PY -m torch.distributed.run --standalone --nproc_per_node 2 benchmarks/rl_layout.py --tp 2 --cp 1
-  fi
 else
   printf '%-9s %-9s %5s  %s\n' tp SKIP 0 "fewer than 2 GPUs" >> "$SUMMARY"
 fi
