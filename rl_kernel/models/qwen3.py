@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 import rl_kernel as rk
 from rl_kernel.models.layers import AttentionFn, Qwen3Model
+from rl_kernel.models.packing import pack
 from rl_kernel.models.qwen3_layout import VOCAB_DIVISOR, weight_layout
 
 
@@ -215,23 +216,10 @@ class Qwen3Reference:
         """Teacher-forcing fp32 logprobs: entry i holds log p(sequences[i][j] | sequences[i][:j]) for
         j in [prompt_lens[i], len(sequences[i])), all sequences packed into one varlen batch.
         `temperature` is one float or one per sequence."""
-        if len(sequences) != len(prompt_lens):
-            raise ValueError(f"{len(sequences)} sequences but {len(prompt_lens)} prompt_lens")
         temps = [temperature] * len(sequences) if isinstance(temperature, int | float) else list(temperature)
-        if len(temps) != len(sequences):
-            raise ValueError(f"{len(sequences)} sequences but {len(temps)} temperatures")
-        for s, p in zip(sequences, prompt_lens):
-            if not 1 <= p <= len(s):
-                raise ValueError(f"prompt_len {p} must be in [1, len(sequence)={len(s)}]")
-        lens = torch.tensor([len(s) for s in sequences])
-        cu = torch.cat([torch.zeros(1, dtype=torch.int64), lens.cumsum(0)])
-        ids = torch.tensor([t for s in sequences for t in s], dtype=torch.int64)
-        rows, row_temps = [], []
-        for s, p, start, t in zip(sequences, prompt_lens, cu.tolist(), temps):
-            rows.extend(range(start + p - 1, start + len(s) - 1))  # hidden at j-1 predicts token j
-            row_temps.extend([float(t)] * (len(s) - p))
-        rows = torch.tensor(rows, dtype=torch.int64)
+        packed = pack(sequences, prompt_lens)
+        rows = packed.rows
         with torch.no_grad():
-            hidden = self.forward_packed(ids, cu)
-            out = self.logprobs(hidden[rows], ids[rows + 1], torch.tensor(row_temps, dtype=torch.float64))
-        return list(out.cpu().split([len(s) - p for s, p in zip(sequences, prompt_lens)]))
+            hidden = self.forward_packed(packed.ids, packed.cu_seqlens)
+            out = self.logprobs(hidden[rows], packed.targets[rows], packed.per_row(temps)[rows])
+        return list(out.cpu().split(packed.counts))

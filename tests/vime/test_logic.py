@@ -8,13 +8,13 @@ import shutil
 import pytest
 import torch
 
+from rl_kernel.models.packing import pack
 from vime.config import DataConfig, Task
 from vime.data import tasks
 from vime.data.dataset import PromptSet, load_tokenizer
 from vime.errors import DataError, WeightSyncError
 from vime.timeline import Timeline
 from vime.trainer.grpo import LossConfig, group_advantages, policy_loss
-from vime.trainer.packing import pack
 
 
 def test_group_advantages_normalise_within_each_group():

@@ -23,8 +23,8 @@ from typing import Protocol
 import torch
 
 from rl_kernel.bits import bits
+from rl_kernel.models.packing import Packed, pack
 from vime.errors import TrainingError
-from vime.trainer.packing import Packed, pack
 
 
 def group_advantages(rewards: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

@@ -1,5 +1,5 @@
-"""Varlen packing for teacher forcing: the one packer every trainer engine (and the reference rollout's
-re-scoring) uses.
+"""Varlen packing for teacher forcing: the one packer of the codebase (vime's trainer engines and the
+reference rollout's re-scoring through `vime.trainer.grpo`, and `Qwen3Reference.sequence_logprobs`).
 
 Sequences are concatenated into one token stream `ids` [T] with `cu_seqlens` [B+1]; row t predicts
 the token at t + 1 (`targets[t]`, 0 where the next token is in another sequence or past the end), so
