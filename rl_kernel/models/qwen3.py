@@ -84,6 +84,37 @@ class _Shard:
     full_shape: tuple[int, ...]
 
 
+def read_config(path: str | Path) -> Qwen3Config:
+    """Shape of the HF Qwen3 checkpoint in directory `path` (config.json); clear errors otherwise."""
+    cfg_file = _config_file(path)
+    return Qwen3Config.from_hf(json.loads(cfg_file.read_text()), str(cfg_file))
+
+
+def _config_file(path: str | Path) -> Path:
+    cfg_file = Path(path) / "config.json"
+    if not cfg_file.is_file():
+        raise FileNotFoundError(f"no Qwen3 checkpoint at {path}: {cfg_file} is missing (expected a directory with "
+                                "config.json and *.safetensors; rl_kernel.models.tiny.make_tiny_qwen3 makes one)")
+    return cfg_file
+
+
+def load_hf_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
+    """All tensors of the safetensors file(s) in checkpoint directory `path`, by HF name (`lm_head.weight`
+    added as the embedding when config.json ties them and the files omit it)."""
+    from safetensors.torch import load_file
+
+    _config_file(path)
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {path} (only safetensors checkpoints are supported)")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    if "lm_head.weight" not in state and read_config(path).tie_word_embeddings:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    return state
+
+
 class Qwen3Reference:
     """Qwen3ForCausalLM inference forward from rl_kernel ops, optionally tensor-parallel over `group`:
     the shared `Qwen3Model` blocks (`self.model`) with HF weight loading and export."""
@@ -158,20 +189,9 @@ class Qwen3Reference:
                         group: dist.ProcessGroup | None = None, device: torch.device | str = "cpu",
                         vocab_multiple: int = VOCAB_DIVISOR) -> Qwen3Reference:
         """Load an HF Qwen3 checkpoint directory (config.json + *.safetensors), sharded for `group`."""
-        from safetensors.torch import load_file
-
-        path = Path(path)
-        if not (path / "config.json").is_file():
-            raise FileNotFoundError(f"no Qwen3 checkpoint at {path}: config.json is missing "
-                                    "(make one with rl_kernel.models.tiny.make_tiny_qwen3)")
-        files = sorted(path.glob("*.safetensors"))
-        if not files:
-            raise FileNotFoundError(f"no *.safetensors weights in {path} (only safetensors checkpoints are supported)")
-        config = Qwen3Config.from_hf(json.loads((path / "config.json").read_text()), str(path / "config.json"))
+        weights = load_hf_state_dict(path)
+        config = read_config(path)
         model = cls(config, dtype=dtype, group=group, device=device, vocab_multiple=vocab_multiple)
-        weights = {}
-        for f in files:
-            weights |= load_file(f)
         if config.tie_word_embeddings:
             weights.pop("lm_head.weight", None)
         model.load_hf_weights(weights, strict=True)

@@ -13,10 +13,9 @@ from rl_kernel.bits import same_bits
 from rl_kernel.integrations.megatron.convert import (
     check_tokenizer,
     hf_to_megatron,
-    load_hf_state_dict,
     megatron_to_hf,
-    read_config,
 )
+from rl_kernel.models.qwen3 import load_hf_state_dict, read_config
 
 pytestmark = pytest.mark.megatron
 

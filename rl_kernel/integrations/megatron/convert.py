@@ -11,7 +11,6 @@ Conversions only move and concatenate tensors, so HF -> Megatron -> HF is bit-ex
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -28,31 +27,6 @@ def padded_vocab(config: Qwen3Config, tp: int) -> int:
 def check_tp(config: Qwen3Config, tp: int) -> None:
     """Megatron-core splits whole query groups over TP ranks: no kv-head replication."""
     qwen3_layout.check_tp(config, tp, kv_replication=False)
-
-
-def read_config(path: str | Path) -> Qwen3Config:
-    """Shape of the HF Qwen3 checkpoint in directory `path` (config.json); clear errors otherwise."""
-    path = Path(path)
-    cfg_file = path / "config.json"
-    if not cfg_file.is_file():
-        raise FileNotFoundError(f"no HF checkpoint at {path}: {cfg_file} is missing "
-                                "(expected a Qwen3 directory with config.json and model.safetensors)")
-    return Qwen3Config.from_hf(json.loads(cfg_file.read_text()), str(cfg_file))
-
-
-def load_hf_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
-    """All tensors of the safetensors file(s) in `path`, by HF name (lm_head added when tied)."""
-    from safetensors.torch import load_file
-
-    files = sorted(Path(path).glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors weights in {path}")
-    state: dict[str, torch.Tensor] = {}
-    for f in files:
-        state.update(load_file(str(f)))
-    if "lm_head.weight" not in state and "model.embed_tokens.weight" in state:
-        state["lm_head.weight"] = state["model.embed_tokens.weight"]
-    return state
 
 
 def check_tokenizer(path: str | Path, shape: Qwen3Config) -> None:

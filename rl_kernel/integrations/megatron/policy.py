@@ -31,12 +31,11 @@ from rl_kernel.integrations.megatron.convert import (
     check_tokenizer,
     check_tp,
     hf_to_megatron,
-    load_hf_state_dict,
     megatron_to_hf,
-    read_config,
 )
 from rl_kernel.integrations.megatron.cp import TokenLayout, _gather_varlen, cp_unit
 from rl_kernel.integrations.megatron.model import TP_PARTIAL_GRAD, build_gpt_model, forward_hidden, token_logprobs
+from rl_kernel.models.qwen3 import load_hf_state_dict, read_config
 
 
 def resolve_modes(mode: str | dict[str, str]) -> dict[str, str]:
