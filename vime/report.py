@@ -245,7 +245,7 @@ def summary_lines(rows: Sequence[dict], output_dir: Path, plot: Path | None, mod
         f"steps {head:.3f}, last {k} steps {tail:.3f})",
         f"  time per step    median {step_s[len(step_s) // 2]:.2f} s (min {step_s[0]:.2f}, max {step_s[-1]:.2f})",
     ]
-    lines += ["  per step (seconds; sync in GB of weights and GB/s):", *step_table(rows, max_rows=6)]
+    lines += ["  per step (seconds; sync in GB of weights and GB/s):", *step_table(rows, max_rows=4)]
     if compare:
         cm = sum(int(r.get("mismatch_count", 0)) for r in compare)
         ct = sum(int(r.get("tokens", 0)) for r in compare)
