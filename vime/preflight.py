@@ -57,13 +57,21 @@ def check_local_resources(cfg: VimeConfig) -> None:
 
 
 def check_weight_transport(cfg: VimeConfig) -> None:
-    """The GPU weight transports (`ipc`, `nccl`) push into rl_kernel's GPU rollout engine
-    (`rollout.engine=reference`); vLLM engines on GPUs would need vLLM's own CUDA weight-transfer
-    engines, which vime does not drive yet (and no machine here can run vLLM on a GPU)."""
-    if cfg.device == "cuda" and RolloutBackend(cfg.rollout.engine) == RolloutBackend.vllm:
-        raise ConfigError(f"rollout.engine=vllm with weights.transport={cfg.weights.transport} on GPUs: vime pushes "
-                          "CUDA weights only into rl_kernel's GPU rollout engine so far (vLLM's ipc/nccl weight-"
-                          "transfer engines are not wired); use rollout.engine=reference, or device=cpu for vLLM")
+    """vLLM engines on GPUs take the `ipc` transport only, one engine of TP1 on trainer rank 0's GPU
+    (rank 0 ships handles of its own GPU; rl_kernel.integrations.vllm.ipc translates them for vLLM's ipc
+    engine; written, never run on a GPU: docs/vllm.md). `nccl` into vLLM is refused: vLLM's nccl engine
+    has its own rendezvous and wire, which vime's trainer-side push does not speak."""
+    if cfg.device != "cuda" or RolloutBackend(cfg.rollout.engine) != RolloutBackend.vllm:
+        return
+    if cfg.weights.transport != "ipc":
+        raise ConfigError(f"rollout.engine=vllm with weights.transport={cfg.weights.transport} on GPUs: vLLM's nccl "
+                          "weight-transfer engine has a rendezvous and wire of its own that vime's push does not "
+                          "speak; use weights.transport=ipc (one colocated engine), or rollout.engine=reference")
+    if cfg.rollout.num_engines * cfg.rollout.tp != 1:
+        raise ConfigError(f"rollout.engine=vllm with weights.transport=ipc on GPUs and rollout.num_engines="
+                          f"{cfg.rollout.num_engines} x rollout.tp={cfg.rollout.tp}: trainer rank 0 ships CUDA IPC "
+                          "handles of its own GPU only, so one vLLM engine of TP1 on that GPU; use "
+                          "rollout.num_engines=1 rollout.tp=1, or rollout.engine=reference")
 
 
 def check_checkpoint(path: Path) -> None:

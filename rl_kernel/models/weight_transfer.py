@@ -313,13 +313,16 @@ class WeightReceiver:
     def _bucket(self, msg: dict) -> None:
         metas, sizes = _metas_of(msg), list(msg["tensor_sizes"])
         self._check(metas, self._seen)
-        buf = self._fetch(msg, sum(sizes))
-        self.load(iter(unpack(buf, metas, sizes)))
-        del buf
+        self._load_bucket(msg, metas, sizes)
         self._seen.update(m.name for m in metas)
         self._bytes += sum(m.nbytes for m in metas)
         self._buckets += 1
 
+    def _load_bucket(self, msg: dict, metas: list[TensorMeta], sizes: list[int]) -> None:
+        """Move and load one checked bucket (a subclass may hand it to another engine instead)."""
+        buf = self._fetch(msg, sum(sizes))
+        self.load(iter(unpack(buf, metas, sizes)))
+        del buf
 
     def _fetch(self, msg: dict, nbytes: int) -> torch.Tensor:
         """Data plane of one bucket: its uint8 buffer (an IPC view, or a fresh tensor NCCL fills)."""
@@ -340,10 +343,17 @@ class WeightReceiver:
         return buf
 
 
+def expected_weights(config, dtype: torch.dtype | str) -> dict[str, TensorMeta]:
+    """What a push into an engine serving a Qwen3 `config` (`rl_kernel.models.qwen3.Qwen3Config`) in
+    `dtype` must carry: every full HF-named tensor of the model (the LM head only when untied)."""
+    from rl_kernel.models.qwen3_layout import weight_layout
+
+    dtype_name = str(dtype).removeprefix("torch.")
+    return {n: TensorMeta(n, dtype_name, w.shape) for n, w in weight_layout(config).items()}
+
+
 def receiver_for_model(model, *, version: int = 0, group=None, src: int = 0) -> WeightReceiver:
     """A receiver that loads into a `Qwen3Reference` (the GPU rollout engine's model): expects its full
     HF-named weights in the model dtype; each bucket goes through `load_hf_weights` (a copy, sharded)."""
-    expected = {n: TensorMeta(n, str(model.dtype).removeprefix("torch."), s.full_shape)
-                for n, s in model._shards.items()}
-    return WeightReceiver(lambda pairs: model.load_hf_weights(dict(pairs)), model.device, expected=expected,
-                          version=version, group=group, src=src)
+    return WeightReceiver(lambda pairs: model.load_hf_weights(dict(pairs)), model.device,
+                          expected=expected_weights(model.config, model.dtype), version=version, group=group, src=src)

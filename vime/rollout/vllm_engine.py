@@ -8,7 +8,8 @@ kernels (`native_llm_kwargs`). Both take new weights through vLLM's weight-updat
 `rl_kernel_cpu` engine: one update session per weight version (opened by its first bucket, finished
 when the version is set), which for vLLM's own model redoes vLLM's post-load weight processing.
 Either way vLLM stamps each output with its engine weight version, which becomes the per-token
-version of the sample.
+version of the sample. On CUDA (written, never run: docs/vllm.md) the engine uses vLLM's `ipc` engine
+and takes trainer rank 0's `ipc` pushes (`receive_weights`) instead.
 
 With `rollout.tp > 1` vLLM's multiprocess executor runs every TP rank in its own process. A watcher
 thread records the first of them to exit; the engine then reports "rollout engine i, TP rank r died"
@@ -149,6 +150,10 @@ class VllmRollout:
                 cpus = sorted(os.sched_getaffinity(0))
                 os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(cpus[i % len(cpus)]) for i in range(cfg.tp))
         make_kwargs = functools.partial(rkv.strict_llm_kwargs, modes=modes) if self.strict else rkv.native_llm_kwargs
+        self.cuda = torch.device(device).type == "cuda"
+        if self.cuda:  # vLLM's own `ipc` engine: weights come as rl_kernel ipc pushes (`receive_weights`)
+            make_kwargs = functools.partial(make_kwargs, device="cuda", transport="ipc")
+        self.model_path, self.dtype = model_path, dtype
         self.engine_id, self._temp_files, self._closing = engine_id, [], False
         self._death: tuple[int, int | None, int] | None = None  # (TP rank, exit code, pid) of a dead worker
         self._died = threading.Event()
@@ -159,6 +164,7 @@ class VllmRollout:
         self.version = 0
         self.top_k, self.top_p = -1, 1.0  # set from the sampling parameters of each `generate`
         self._updating: int | None = None  # version of the open weight-update session
+        self._receiver = None  # CUDA: the ipc push's receiver (rl_kernel.integrations.vllm.ipc), from the first push
         self.llm.update_weight_version("0")
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float,
@@ -209,6 +215,9 @@ class VllmRollout:
 
     def update_weights(self, weights: dict[str, torch.Tensor], version: int) -> None:
         """Load one bucket of version `version`; the first bucket of a version opens the update session."""
+        if self.cuda:
+            raise WeightSyncError("a vLLM engine on CUDA takes weights only as an ipc push (receive_weights), "
+                                  "not as tensors from Ray's object store (restart and resume load that way)")
         if self._updating is None:
             self.llm.start_weight_update()
             self._updating = version
@@ -217,8 +226,38 @@ class VllmRollout:
                                   f"still being loaded (set_version({self._updating}) was not called)")
         self.rkv.send_weights(self.llm, weights, version)
 
+    def join_weight_group(self, host: str, port: int, rank: int, world: int) -> None:
+        raise WeightSyncError("vLLM engines take the ipc weight transport only: vLLM's nccl engine has its own "
+                              "rendezvous (PyNccl) and wire, which vime's trainer-side push does not speak")
+
+    def receive_weights(self, msg: dict) -> dict | None:
+        """One message of an rl_kernel `ipc` push (rl_kernel.models.weight_transfer), translated into vLLM's
+        weight-update API; a push that is stale, names other weights or is not packed IPC raises
+        WeightSyncError before vLLM sees it. Returns the acknowledgement after `finish`."""
+        from rl_kernel.integrations.vllm.ipc import VllmIPCReceiver
+        from rl_kernel.models.qwen3 import read_config
+        from rl_kernel.models.weight_transfer import WeightVersionError, expected_weights
+
+        if not self.cuda:
+            raise WeightSyncError("a vLLM engine on CPU takes weights from Ray's object store (update_weights)")
+        try:
+            if self._receiver is None:
+                expected = expected_weights(read_config(self.model_path), self.dtype)
+                self._receiver = VllmIPCReceiver(self.llm, expected, version=self.version)
+            return self._receiver.handle(msg)
+        except (WeightVersionError, KeyError, ValueError) as e:
+            raise WeightSyncError(f"rollout engine {self.engine_id}: weight push refused: {e}") from e
+
     def set_version(self, version: int) -> int:
         """All buckets of `version` are in: finish the update session and serve `version` from now on."""
+        if self.cuda:  # the ipc push's `finish` has finished vLLM's update session
+            pushed = None if self._receiver is None else self._receiver.version
+            served = int(self.llm.get_weight_version())
+            if pushed != version or served != version:
+                raise WeightSyncError(f"asked to serve weight version {version}; the last ipc push was version "
+                                      f"{pushed} and vLLM serves {served}")
+            self.version = served
+            return served
         if self._updating is not None:
             if self._updating != version:
                 raise WeightSyncError(f"asked to serve version {version}, but the buckets loaded are version "

