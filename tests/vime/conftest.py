@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 from hydra import compose, initialize_config_dir
@@ -35,14 +38,51 @@ def train_cmd(*overrides: str) -> list[str]:
     return [sys.executable, "-m", "vime.train", *overrides]
 
 
+Listener = tuple[str, str, int]  # (process name, bound address, port) of a listening socket
+
+
+class StrictRun(NamedTuple):
+    out: Path  # its output_dir
+    proc: subprocess.CompletedProcess  # the finished process (stdout and stderr captured apart)
+    listeners: dict[Listener, str]  # every listening socket its process tree had, sampled while it ran: cmdline
+
+
+def _sample_listeners(pid: int, listeners: dict[Listener, str], done: threading.Event) -> None:
+    """Every 0.5 s until `done`: each listening inet socket of process `pid` and its descendants."""
+    import psutil
+
+    while not done.is_set():
+        with contextlib.suppress(psutil.Error):
+            root = psutil.Process(pid)
+            for p in [root, *root.children(recursive=True)]:
+                with contextlib.suppress(psutil.Error):
+                    for c in p.net_connections(kind="inet"):
+                        if c.status == psutil.CONN_LISTEN:
+                            listeners[(p.name(), c.laddr.ip, c.laddr.port)] = " ".join(p.cmdline())[:120]
+        done.wait(0.5)
+
+
 @pytest.fixture(scope="session")
-def strict_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
-    """The default strict run, 2 steps, uninterrupted: (output_dir, the finished process). Shared by
-    the e2e checks and the resume test (its uninterrupted twin), so the suite runs it once."""
+def strict_run(tmp_path_factory) -> StrictRun:
+    """The default strict run (the default config, as a new user runs it), 2 steps, uninterrupted, with
+    the listening sockets of its whole process tree sampled while it runs. Shared by the e2e checks, the
+    resume tests (its uninterrupted twin) and the loopback check, so the suite runs it once."""
     out = tmp_path_factory.mktemp("strict") / "run"
-    proc = subprocess.run(train_cmd("steps=2", f"output_dir={out}"), cwd=REPO, env=os.environ | TRAIN_ENV,
-                          capture_output=True, text=True, timeout=420)
-    return out, proc
+    listeners: dict[Listener, str] = {}
+    proc = subprocess.Popen(train_cmd("steps=2", f"output_dir={out}"), cwd=REPO, env=os.environ | TRAIN_ENV,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    done = threading.Event()
+    sampler = threading.Thread(target=_sample_listeners, args=(proc.pid, listeners, done), daemon=True)
+    sampler.start()
+    try:
+        stdout, stderr = proc.communicate(timeout=420)
+    finally:
+        done.set()
+        sampler.join()
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    return StrictRun(out, subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr), listeners)
 
 
 def wandb_exit_codes(out: Path) -> list[int | None]:

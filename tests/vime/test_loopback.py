@@ -1,11 +1,11 @@
 """Loopback by default (issue 13): on one node the trainer's torch.distributed world rendezvous through
 a FileStore (nothing listens) and gloo binds the loopback interface, so no trainer socket is reachable
-from other hosts. Two real gloo ranks are started the way the driver configures them. And the real job,
-one step: every listening socket of its process tree, Ray's included, is on a loopback address."""
+from other hosts. Two real gloo ranks are started the way the driver configures them. And the real job
+(the shared `strict_run`, the default config): every listening socket of its process tree, Ray's
+included, is on a loopback address."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import subprocess
 import sys
@@ -60,34 +60,13 @@ def _loopback(ip: str) -> bool:
 @pytest.mark.slow
 @pytest.mark.vllm
 @pytest.mark.megatron
-def test_a_default_run_listens_on_loopback_only(tmp_path):
-    """The real job, one step: every listening socket of its process tree (driver, Ray's GCS, raylet,
-    dashboard head, agents, monitor, workers and actors, vLLM, Megatron, W&B), sampled while it runs, is
-    bound to a loopback address ("What listens where" in docs/vime.md)."""
-    import time
-
-    import psutil
-
-    from tests.vime.conftest import REPO, TRAIN_ENV, train_cmd
-
-    proc = subprocess.Popen(train_cmd("steps=1", f"output_dir={tmp_path / 'run'}"), cwd=REPO,
-                            env=os.environ | TRAIN_ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    listeners: dict[tuple[str, str, int], str] = {}
-    try:
-        while proc.poll() is None:
-            with contextlib.suppress(psutil.Error):
-                tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
-                for p in tree:
-                    with contextlib.suppress(psutil.Error):
-                        for c in p.net_connections(kind="inet"):
-                            if c.status == psutil.CONN_LISTEN:
-                                listeners[(p.name(), c.laddr.ip, c.laddr.port)] = " ".join(p.cmdline())[:120]
-            time.sleep(0.5)
-        text, _ = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 0, text[-4000:]
+def test_a_default_run_listens_on_loopback_only(strict_run):
+    """The real job (the shared `strict_run`: the default config, 2 steps): every listening socket of its
+    process tree (driver, Ray's GCS, raylet, dashboard head, agents, monitor, workers and actors, vLLM,
+    Megatron, W&B), sampled while it runs, is bound to a loopback address ("What listens where" in
+    docs/vime.md)."""
+    assert strict_run.proc.returncode == 0, strict_run.proc.stderr[-4000:]
+    listeners = strict_run.listeners
     names = {name for name, _, _ in listeners}
     assert {"gcs_server", "raylet"} <= names and any("RolloutWorker" in n for n in names), sorted(listeners)
     exposed = {k: v for k, v in listeners.items() if not _loopback(k[1])}

@@ -59,7 +59,7 @@ def _stop_after_first_checkpoint(out: Path) -> tuple[int, str]:
 
 
 def test_stopped_then_resumed_run_is_identical_in_bits(strict_run, tmp_path):
-    base, base_proc = strict_run
+    base, base_proc = strict_run.out, strict_run.proc
     assert base_proc.returncode == 0, base_proc.stderr[-4000:]
     out = tmp_path / "stopped"
 
@@ -128,7 +128,7 @@ def test_a_killed_rollout_engine_is_restarted_and_a_killed_trainer_ends_the_run_
     step 1 comes out as if nothing happened (its metrics equal the uninterrupted run's, in bits), the
     restart logged and counted. Then kill -9 of the trainer rank during step 2: the run ends (exit 1)
     with one line naming the rank and the command that resumes from the last checkpoint."""
-    base, _ = strict_run
+    base = strict_run.out
     out = tmp_path / "killed"
     proc = _start(out, "steps=3", "checkpoint.every=1")
     engine = _engine_after_first_step(proc, out)

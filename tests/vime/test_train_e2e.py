@@ -40,8 +40,8 @@ def _train(out: Path, *overrides: str, timeout: int = 420, proc: subprocess.Comp
 
 
 def test_strict_run_has_zero_mismatches_every_step(strict_run):
-    rows = _train(strict_run[0], proc=strict_run[1])
-    assert wandb_exit_codes(strict_run[0]) == [0]  # the finished run's exit code, in its W&B exit record
+    rows = _train(strict_run.out, proc=strict_run.proc)
+    assert wandb_exit_codes(strict_run.out) == [0]  # the finished run's exit code, in its W&B exit record
     for r in rows:
         assert r["rollout_engine"].startswith("vllm ") and "strict plugin" in r["rollout_engine"]
         assert r["trainer_engine"].startswith("megatron-core ")
