@@ -44,7 +44,8 @@ def actors(tiny_qwen3_path):
         trainer = ray.remote(TrainerWorker).options(num_cpus=0).remote(0, 1, tcfg, str(tiny_qwen3_path), "bfloat16",
                                                                       "cpu", strict, 0, 0.0, 0.2)
         ray.get(trainer.start.remote("unused"))
-        yield trainer, engines
+        yield trainer, engines, lambda i: ray.remote(RolloutWorker).options(num_cpus=0).remote(
+            i, rcfg, str(tiny_qwen3_path), "bfloat16", "cpu", strict, 0)
     finally:
         ray.shutdown()
 
@@ -62,7 +63,7 @@ def _mismatches(a: list[list[float]], b) -> int:
 
 
 def test_a_trained_version_pushed_over_the_nccl_transport_scores_like_the_trainer(actors):
-    trainer, engines = actors
+    trainer, engines, _ = actors
     samples = _samples(engines)
     before = ray.get(engines[1].rescore.remote(samples))
     assert ray.get(trainer.train_step.remote(samples))["version"] == 1
@@ -78,3 +79,24 @@ def test_a_trained_version_pushed_over_the_nccl_transport_scores_like_the_traine
     # the same version again is refused by the engines, never loaded silently
     with pytest.raises(ray.exceptions.RayTaskError, match="weight version 1 offered to an engine serving 1"):
         ray.get(trainer.push_weights.remote(engines, 1, "nccl", 1 << 20))
+
+
+def test_a_restarted_engine_joins_a_new_group_and_takes_the_next_push(actors):
+    """After an engine restart (a fresh actor loaded through the object store path, `vime.restart`), the
+    next push forms a new group with the engines of now; both then score the new version as the trainer."""
+    trainer, engines, new_engine = actors
+    version = ray.get(trainer.info.remote())["version"]
+    fresh = new_engine(1)
+    for bucket in ray.get(trainer.export_buckets.remote(1 << 20)):
+        ray.get(fresh.load_weights.remote(bucket, version))
+    assert ray.get(fresh.set_version.remote(version)) == version
+    ray.kill(engines[1])
+    engines[1] = fresh
+    samples = _samples(engines)
+    assert ray.get(trainer.train_step.remote(samples))["version"] == version + 1
+    timeline = Timeline(num_engines=2, trainer_version=version + 1)
+    sync_weights([trainer], engines, version + 1, 1 << 20, timeline, _call, transport="nccl")
+    trained = ray.get(trainer.score.remote(samples))
+    for engine in engines:
+        assert _mismatches(ray.get(engine.rescore.remote(samples)), trained) == 0
+    assert timeline.engine_versions == [version + 1] * 2
