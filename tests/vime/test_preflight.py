@@ -172,4 +172,9 @@ def test_vllm_on_gpus_takes_ipc_into_one_engine_and_nccl_is_refused(compose_cfg)
         preflight.check_weight_transport(validate(to_object(compose_cfg(
             "+experiment=h200_8b_layers", "rollout.engine=vllm", "weights.transport=nccl", "weights.colocate=false"))))
     preflight.check_weight_transport(validate(to_object(compose_cfg("+experiment=h200_8b_layers"))))
+    with pytest.raises(ConfigError, match="weights.transport=ipc with rollout.num_engines=2 x rollout.tp=1"):
+        preflight.check_weight_transport(validate(to_object(compose_cfg(  # rl_kernel's engines: the same IPC rule
+            "+experiment=h200_8b_layers", "rollout.num_engines=2", "trainer.tp=2"))))
+    preflight.check_weight_transport(validate(to_object(compose_cfg(  # two engines on GPUs of their own: nccl
+        "+experiment=h200_8b_layers", "rollout.num_engines=2", "weights.transport=nccl", "weights.colocate=false"))))
     preflight.check_weight_transport(validate(to_object(compose_cfg())))  # vLLM on CPU: the object store
