@@ -120,13 +120,15 @@ def generate(driver, submit, engines: int) -> tuple[list, list[dict]]:
 
 def sync(driver, sync_fn) -> dict:
     """`sync_fn()` (the weight sync to every engine); when an engine dies during it, restart the dead
-    ones (they load the new version) and sync again."""
+    ones (they load the new version) and sync again (the engines that do not serve it yet). With the GPU
+    transports the error comes from trainer rank 0, whose push met the dead engine: the engines'
+    liveness, not the error's origin, decides."""
     try:
         return sync_fn()
     except EngineDiedError as e:
-        if not died(e):
+        dead = [i for i, actor in enumerate(driver.engines) if not _alive(actor)]
+        if not dead:
             raise
-        for i, actor in enumerate(driver.engines):
-            if not _alive(actor):
-                restart_engine(driver, i, str(e), _who(e, i))
+        for i in dead:
+            restart_engine(driver, i, str(e), _who(e, i))
         return sync_fn()

@@ -35,9 +35,10 @@ def sync_weights(trainer_ranks: list, engines: list, version: int, bucket_bytes:
         call([e.load_buckets.remote(ref, version) for e in engines], "load weights",
              [f"rollout engine {i}" for i in range(len(engines))])
         del ref, exports  # the trainer's copy in the store can go
-    else:
-        pushed = call([r.push_weights.remote(engines, version, transport, DEFAULT_BUCKET_BYTES)
-                       for r in trainer_ranks], "push weights", ranks)[0]
+    else:  # to the engines that do not serve `version` yet (a restarted engine was loaded with it)
+        behind = [e for i, e in enumerate(engines) if timeline.engine_versions[i] != version]
+        pushed = call([r.push_weights.remote(behind, version, transport, DEFAULT_BUCKET_BYTES)
+                       for r in trainer_ranks], "push weights", ranks)[0] if behind else {"bytes": 0, "buckets": 0}
         nbytes, nbuckets = pushed["bytes"], pushed["buckets"]
     acks = call([e.set_version.remote(version) for e in engines], "acknowledge weights",
                 [f"rollout engine {i}" for i in range(len(engines))])
