@@ -57,22 +57,15 @@ def check_local_resources(cfg: VimeConfig) -> None:
 
 
 def check_weight_transport(cfg: VimeConfig) -> None:
-    """What the GPU weight pushes can serve today. `ipc`: trainer rank 0 ships CUDA IPC handles of its own
-    GPU only (merging every trainer rank's handles is not built), so one engine of TP1, on that GPU.
-    vLLM engines take `ipc` only (rl_kernel.integrations.vllm.ipc; written, never run on a GPU:
-    docs/vllm.md): vLLM's nccl engine has its own rendezvous and wire, which vime's push does not speak."""
-    if cfg.device != "cuda":
-        return
-    r = cfg.rollout
-    if RolloutBackend(r.engine) == RolloutBackend.vllm and cfg.weights.transport != "ipc":
+    """vLLM engines on GPUs take the `ipc` push only (rl_kernel.integrations.vllm.ipc; written, never run on a
+    GPU: docs/vllm.md): vLLM's nccl engine has its own rendezvous and wire, which vime's push does not speak.
+    (`ipc` serves colocated engines on every trainer GPU: each trainer rank ships its own GPU's handles,
+    vime.weights.sync; `vime.layout` checks the colocation.)"""
+    if cfg.device == "cuda" and RolloutBackend(cfg.rollout.engine) == RolloutBackend.vllm \
+            and cfg.weights.transport != "ipc":
         raise ConfigError(f"rollout.engine=vllm with weights.transport={cfg.weights.transport} on GPUs: vLLM's nccl "
                           "weight-transfer engine has a rendezvous and wire of its own that vime's push does not "
-                          "speak; use weights.transport=ipc (one colocated engine), or rollout.engine=reference")
-    if cfg.weights.transport == "ipc" and r.num_engines * r.tp != 1:
-        raise ConfigError(f"weights.transport=ipc with rollout.num_engines={r.num_engines} x rollout.tp={r.tp}: "
-                          "trainer rank 0 ships CUDA IPC handles of its own GPU only, so one engine of TP1 on that "
-                          "GPU; use rollout.num_engines=1 rollout.tp=1, or weights.transport=nccl "
-                          "weights.colocate=false with rollout.engine=reference")
+                          "speak; use weights.transport=ipc with weights.colocate=true, or rollout.engine=reference")
 
 
 def check_checkpoint(path: Path) -> None:

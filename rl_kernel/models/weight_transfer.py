@@ -191,16 +191,21 @@ def open_weight_group(store, rank: int, world: int, device: torch.device, *, tim
 class WeightSender:
     """Trainer side (the rank that holds the gathered full tensors). `send(msg)` carries a control message
     to the engine; `recv()` returns the engine's reply to `finish`. `transport` is "ipc" or "nccl"; for
-    "nccl", `group` is a process group holding this rank (`src`, its rank in `group`) and the engine."""
+    "nccl", `group` is a process group holding this rank (`src`, its rank in `group`) and the engine. For
+    "ipc" to engines on several GPUs, every GPU's holder of the tensors runs a sender over its own copy and
+    `merge_handles` turns this GPU's {uuid: handle} of a bucket into every GPU's (e.g. an all-gather over
+    the trainer's ranks; vLLM's IPC trainer engine does the same)."""
 
     def __init__(self, transport: str, send: Callable[[dict], None], recv: Callable[[], dict], *,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, group=None, src: int = 0):
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, group=None, src: int = 0,
+                 merge_handles: Callable[[dict], dict] | None = None):
         if transport not in ("ipc", "nccl"):
             raise ValueError(f"transport must be 'ipc' or 'nccl', got {transport!r}")
         if transport == "nccl" and group is None:
             raise ValueError("the nccl transport needs the process group shared with the engine")
         self.transport, self._send, self._recv = transport, send, recv
         self.bucket_bytes, self.group, self.src = bucket_bytes, group, src
+        self.merge_handles = merge_handles
         self.version: int | None = None
 
     def push(self, tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> dict:
@@ -235,8 +240,8 @@ class WeightSender:
         if self.transport == "ipc":
             from torch.multiprocessing.reductions import reduce_tensor
             torch.cuda.current_stream(buf.device).synchronize()  # the receiver reads on its own stream
-            uuid = str(torch.cuda.get_device_properties(buf.device).uuid)
-            self._send({**msg, "ipc_handle": {uuid: reduce_tensor(buf)[1]}})
+            handles = {str(torch.cuda.get_device_properties(buf.device).uuid): reduce_tensor(buf)[1]}
+            self._send({**msg, "ipc_handle": self.merge_handles(handles) if self.merge_handles else handles})
             return buf
         self._send(msg)
         broadcast(buf, self.group, self.src)

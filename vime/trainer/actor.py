@@ -158,16 +158,19 @@ class TrainerWorker:
     def push_weights(self, engines: list, version: int, transport: str, bucket_bytes: int) -> dict:
         """Push the HF-named full weights (collective: TP shards are gathered) as version `version` into the
         rollout actors `engines` over `transport` ("ipc" or "nccl"); rank 0 pushes and returns the engines'
-        acknowledgement {version, tensors, bytes, buckets}, the other ranks {}."""
+        acknowledgement {version, tensors, bytes, buckets}, the other ranks {}. With `ipc` and several
+        ranks, every rank ships the handles of its own GPU's copy (colocated engines on every trainer GPU)."""
         device = torch.device(self._args[2])  # the GPU this rank trains on (CPU: the gloo form, for tests)
         tensors = self.engine.export_hf(device=device)
-        if self.rank != 0:
+        every_rank = transport == "ipc" and self.world_size > 1
+        if self.rank != 0 and not every_rank:
             return {}
         if self._push is None:
             from vime.weights.sync import EnginePush
 
             self._push = EnginePush(device)
-        return self._push.push(engines, tensors, version, transport, bucket_bytes)
+        ack = self._push.push(engines, tensors, version, transport, bucket_bytes, every_rank=every_rank)
+        return ack if self.rank == 0 else {}
 
     def export_to_store(self, bucket_bytes: int) -> dict:
         """`export_buckets`, put in Ray's object store by this rank (collective; rank 0's answer is used):

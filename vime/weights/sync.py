@@ -64,26 +64,40 @@ class EnginePush:
         self._members: tuple | None = None
 
     def push(self, engines: list, tensors: dict[str, torch.Tensor], version: int, transport: str,
-             bucket_bytes: int) -> dict:
+             bucket_bytes: int, every_rank: bool = False) -> dict:
+        """`every_rank` (ipc to engines on several trainer GPUs; a collective of the trainer's world): each
+        rank packs its own copy of `tensors` on its GPU, rank 0 sends the buckets' handles of every GPU
+        (all-gathered), and every rank keeps its buffers until rank 0 has the engines' acknowledgement."""
         import ray
 
         from rl_kernel.models.weight_transfer import WeightSender, WeightVersionError
 
         group = self._nccl_group(engines) if transport == "nccl" else None
+        lead = not every_rank or torch.distributed.get_rank() == 0
         pending: list[list] = []
 
         def send(msg: dict) -> None:
+            if not lead:
+                return
             pending.append([e.receive_weights.remote(msg) for e in engines])
             if msg["op"] == "start":  # the engines check the whole push before any bucket is broadcast
                 ray.get(pending[-1])
 
         def recv() -> dict:
-            acks = [ray.get(refs) for refs in pending][-1]
-            if any(a != acks[0] for a in acks):
-                raise WeightVersionError(f"engines acknowledged different pushes of version {version}: {acks}")
-            return acks[0]
+            ack = None
+            if lead:
+                acks = [ray.get(refs) for refs in pending][-1]
+                ack = acks[0] if all(a == acks[0] for a in acks) else {"error": acks}
+            if every_rank:  # the other ranks release their buffers only after this
+                box = [ack]
+                torch.distributed.broadcast_object_list(box, src=0)
+                ack = box[0]
+            if "error" in ack:
+                raise WeightVersionError(f"engines acknowledged different pushes of version {version}: {ack['error']}")
+            return ack
 
-        sender = WeightSender(transport, send, recv, bucket_bytes=bucket_bytes, group=group, src=0)
+        sender = WeightSender(transport, send, recv, bucket_bytes=bucket_bytes, group=group, src=0,
+                              merge_handles=_all_gathered if every_rank else None)
         return sender.push(tensors.items(), version)
 
     def _nccl_group(self, engines: list):
@@ -101,3 +115,10 @@ class EnginePush:
             ray.get(joins)
             self._members = members
         return self._group
+
+
+def _all_gathered(handles: dict) -> dict:
+    """{uuid: handle} of this trainer rank's GPU -> every rank's (all-gather over the trainer's world)."""
+    parts: list = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(parts, handles)
+    return {uuid: h for part in parts for uuid, h in part.items()}
