@@ -76,25 +76,41 @@ class EnginePush:
         lead = not every_rank or torch.distributed.get_rank() == 0
         pending: list[list] = []
 
+        def shared(outcome, what: str):
+            """Rank 0's outcome (a value, or the exception it met) on every rank: the other ranks must not
+            wait in a collective that rank 0 has left."""
+            if every_rank:
+                box = [f"{type(outcome).__name__}: {outcome}" if isinstance(outcome, BaseException) else outcome]
+                torch.distributed.broadcast_object_list(box, src=0)
+                if not lead:
+                    outcome = box[0] if not isinstance(box[0], str) else WeightVersionError(
+                        f"trainer rank 0's {what} of weight version {version} failed: {box[0]}")
+            if isinstance(outcome, BaseException):
+                raise outcome
+            return outcome
+
         def send(msg: dict) -> None:
-            if not lead:
-                return
-            pending.append([e.receive_weights.remote(msg) for e in engines])
-            if msg["op"] == "start":  # the engines check the whole push before any bucket is broadcast
-                ray.get(pending[-1])
+            outcome = None
+            if lead:
+                pending.append([e.receive_weights.remote(msg) for e in engines])
+                if msg["op"] == "start":  # the engines check the whole push before any bucket moves
+                    try:
+                        ray.get(pending[-1])
+                    except Exception as e:  # noqa: BLE001 - re-raised below, after the other ranks know
+                        outcome = e
+            if msg["op"] == "start":
+                shared(outcome, "push")
 
         def recv() -> dict:
-            ack = None
+            ack: object = None
             if lead:
-                acks = [ray.get(refs) for refs in pending][-1]
-                ack = acks[0] if all(a == acks[0] for a in acks) else {"error": acks}
-            if every_rank:  # the other ranks release their buffers only after this
-                box = [ack]
-                torch.distributed.broadcast_object_list(box, src=0)
-                ack = box[0]
-            if "error" in ack:
-                raise WeightVersionError(f"engines acknowledged different pushes of version {version}: {ack['error']}")
-            return ack
+                try:
+                    acks = [ray.get(refs) for refs in pending][-1]
+                    ack = acks[0] if all(a == acks[0] for a in acks) else WeightVersionError(
+                        f"engines acknowledged different pushes of version {version}: {acks}")
+                except Exception as e:  # noqa: BLE001 - re-raised by `shared`, after the other ranks know
+                    ack = e
+            return shared(ack, "acknowledgement")
 
         sender = WeightSender(transport, send, recv, bucket_bytes=bucket_bytes, group=group, src=0,
                               merge_handles=_all_gathered if every_rank else None)
