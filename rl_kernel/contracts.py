@@ -114,12 +114,13 @@ def register(contract: Contract) -> Contract:
 
 
 def all_contracts() -> dict[str, Contract]:
-    """Every strict contract this process knows, by id: the registered ones, and those a deployment
-    parametrises (the Triton GEMM's K groups) at this process's canonical TP (`rl_kernel.set_canonical_tp`),
-    whether or not this process has run them: a CPU-only driver checks the contracts GPU engines ran."""
-    from rl_kernel.ops.gemm import deployment_contracts  # ops import this module
+    """Every strict contract this process knows, by id: the registered ones, and every op's contracts in
+    force at this process's settings (a deployment-dependent one, such as the Triton GEMM's K groups at
+    `rl_kernel.set_canonical_tp`, whether or not this process has run it: a CPU-only driver checks the
+    contracts GPU engines ran)."""
+    from rl_kernel.ops.spec import contracts_in_force  # ops import this module
 
-    return dict(_REGISTRY) | deployment_contracts()
+    return dict(_REGISTRY) | contracts_in_force()
 
 
 def native(op: str, framework: str = "torch") -> Contract:

@@ -70,12 +70,6 @@ def triton_contract(c: int) -> Contract:
     )
 
 
-def deployment_contracts() -> dict[str, Contract]:
-    """The GEMM contracts that depend on the deployment, at this process's canonical TP, by id."""
-    contract = triton_contract(canonical_tp())
-    return {contract.id: contract}
-
-
 GEMM.contracts["triton"] = lambda: triton_contract(canonical_tp())
 
 

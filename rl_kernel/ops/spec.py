@@ -25,6 +25,7 @@ from rl_kernel.errors import StrictModeError
 from rl_kernel.modes import get_mode
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+SPECS: list[OpSpec] = []  # every op declared (rl_kernel imports all op modules)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +38,9 @@ class OpSpec:
     # backend -> contract, or a function giving the one in force (a contract that depends on the deployment)
     contracts: dict[str, Contract | Callable[[], Contract]] = dataclasses.field(default_factory=dict)
 
+    def __post_init__(self):
+        SPECS.append(self)
+
     def contract(self, backend: str, version: int, *, params: tuple = (), keep: bool = True, **terms: str) -> Contract:
         """Register the op's contract on `backend` (the six terms of `Contract`, by keyword); its sources are
         the op module and the backend's kernel module. `keep`: also the contract this spec runs there."""
@@ -45,6 +49,10 @@ class OpSpec:
         if keep:
             self.contracts[backend] = made
         return made
+
+    def in_force(self) -> dict[str, Contract]:
+        """backend -> the contract in force there now (deployment-dependent ones resolved, so registered)."""
+        return {b: c if isinstance(c, Contract) else c() for b, c in self.contracts.items()}
 
     def is_strict(self) -> bool:
         return get_mode(self.boundary) == "strict"
@@ -65,8 +73,7 @@ class OpSpec:
         StrictModeError naming op, backend and reason when no backend can, or a `checked` tensor's dtype is
         outside the contract."""
         backend = backends.strict_backend(self.op, device)
-        # every contract in force is resolved (so registered and known to `all_contracts`), whichever backend runs
-        in_force = {b: c if isinstance(c, Contract) else c() for b, c in self.contracts.items()}
+        in_force = self.in_force()
         if backend not in in_force:
             raise StrictModeError(self.op, backend, "no strict implementation on this backend")
         contract = in_force[backend]
@@ -75,3 +82,8 @@ class OpSpec:
                 raise StrictModeError(self.op, backend, f"dtype {t.dtype} is outside the contract ({FLOAT_DTYPES})")
         evidence.record(contract, "strict", device.type)
         return contract, importlib.import_module(self.kernels[backend])
+
+
+def contracts_in_force() -> dict[str, Contract]:
+    """Every op's contracts in force in this process, by id (deployment-dependent ones at its settings)."""
+    return {c.id: c for spec in SPECS for c in spec.in_force().values()}
