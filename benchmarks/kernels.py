@@ -6,7 +6,8 @@ Rows (Qwen3-8B shapes, bf16): GEMM at M in {1, 16, 128, 1024, 8192} for the qkv,
 down projections vs cuBLAS (and the GEMM's two schedules and a few tile shapes, with a bit check
 between them); RMSNorm; attention prefill at 4k / 16k tokens vs PyTorch SDPA; paged decode at batch
 1 / 64 / 256 with 4k context vs a native paged decode (gather + SDPA); linear-logprob at V = 151936
-(time and peak memory) vs F.linear + log_softmax + gather. The whole training step is
+(forward, and forward + backward with the fp32 logits kept or recomputed: time and peak memory) vs
+F.linear + log_softmax + gather. The whole training step is
 benchmarks/train_step.py. Times are medians of `triton.testing.do_bench`
 (CUDA events) after warm-up, with inputs rotated when they would fit in L2. `floor_ms` is the larger
 of flops / bf16 dense peak and bytes / measured copy bandwidth.
@@ -176,8 +177,9 @@ def _prefill_case(t: int, h: int = 32, hkv: int = 8, d: int = 128) -> None:
     flops = 2 * t * t * h * d  # causal: half of 4 T^2 H d
     ref = attention.varlen_attention(q, k, v, cu, d**-0.5)
     configs = {}  # other launch configurations: time, and whether the bits equal the default's (they must)
-    for bm, warps, stages, flat in ((128, 8, 3, False), (128, 8, 3, True), (128, 8, 2, True), (128, 8, 4, True),
-                                    (128, 4, 3, True), (64, 4, 3, True), (64, 4, 2, False)):
+    for bm, warps, stages, flat in ((128, 8, 3, False), (128, 8, 4, True), (64, 4, 2, True), (64, 4, 3, True),
+                                    (64, 4, 4, True), (64, 4, 5, True), (256, 8, 2, True), (256, 8, 3, True),
+                                    (256, 16, 2, True)):
         cfg = {"BLOCK_M": bm, "num_warps": warps, "num_stages": stages, "FLAT": flat}
         name = f"{bm}/w{warps}/s{stages}" + ("/flat" if flat else "/nested")
         try:
@@ -235,8 +237,23 @@ def _decode_case(b: int, bw: float, h: int = 32, hkv: int = 8, d: int = 128, ctx
 
 # ---- linear logprob -------------------------------------------------------------------------------------
 
+def _extra_peak(fn) -> int:
+    """Bytes `fn` allocates at its peak beyond what was allocated before it (a second call, warm)."""
+    fn()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base
+
+
 def bench_logprob(bw: float) -> None:
-    t, d, v = 4096, 4096, 151936
+    """Forward (scoring) and forward + backward (training) of the LM-head logprob at 8192 tokens."""
+    from rl_kernel.ops import logprob as logprob_op
+
+    t, d, v = 8192, 4096, 151936
     hid = torch.randn(t, d, device=DEV).to(BF16)
     w = (torch.randn(v, d, device=DEV) * 0.02).to(BF16)
     tg = torch.randint(0, v, (t,), device=DEV)
@@ -249,16 +266,7 @@ def bench_logprob(bw: float) -> None:
     def strict():
         return logprob.logprobs_and_lse(hid, w, tg, temps, 0, v)[0]
 
-    peaks = {}
-    for name, fn in (("strict", strict), ("native", native)):
-        fn()
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        fn()
-        torch.cuda.synchronize()
-        peaks[name] = torch.cuda.max_memory_allocated() - base
+    peaks = {"strict": _extra_peak(strict), "native": _extra_peak(native)}
     s, n = bench(strict, rep=100), bench(native, rep=100)
     flops = 2 * t * v * d
     variants = {}
@@ -270,11 +278,37 @@ def bench_logprob(bw: float) -> None:
             variants[server] = repr(e)[:100]
     variants["servers_bitwise"] = same_bits(logprob.logprobs_and_lse(hid, w, tg, temps, 0, v, server="triton")[0],
                                               logprob.logprobs_and_lse(hid, w, tg, temps, 0, v, server="cublaslt")[0])
-    row("logprob", f"linear-logprob T={t} D={d} V={v}", s, n, max(flops / PEAK_BF16, inputs / bw) * 1e3,
+    row("logprob", f"linear-logprob fwd T={t} D={d} V={v}", s, n, max(flops / PEAK_BF16, inputs / bw) * 1e3,
         ">=1.2x native, peak <=1.1x inputs", extra_peak_gb_strict=round(peaks["strict"] / 1e9, 3),
         extra_peak_gb_native=round(peaks["native"] / 1e9, 3), inputs_gb=round(inputs / 1e9, 3),
         peak_over_inputs_strict=round((inputs + peaks["strict"]) / inputs, 3),
+        peak_over_inputs_native=round((inputs + peaks["native"]) / inputs, 3),
         tflops_strict=round(flops / s * 1e-9, 1), logit_servers_ms=variants)
+
+    hid_g, w_g = hid.clone().requires_grad_(), w.clone().requires_grad_()
+    grad = torch.randn(t, device=DEV)
+
+    def native_train():
+        out = torch.log_softmax(F.linear(hid_g, w_g).float(), -1).gather(1, tg[:, None]).squeeze(1)
+        return torch.autograd.grad(out, (hid_g, w_g), grad)
+
+    def strict_train():
+        with rk.mode("strict"):
+            out = rk.logprobs(hid_g, w_g, tg, 1.0, v)
+        return torch.autograd.grad(out, (hid_g, w_g), grad)
+
+    native_ms, native_peak = bench(native_train, rep=50), _extra_peak(native_train)
+    for keep in (True, False):  # the fp32 logits kept for the backward (default) or recomputed there
+        logprob_op.KEEP_LOGITS = keep
+        try:
+            ms, peak = bench(strict_train, rep=50), _extra_peak(strict_train)
+        finally:
+            logprob_op.KEEP_LOGITS = True
+        row("logprob", f"linear-logprob fwd+bwd T={t} ({'kept' if keep else 'recomputed'} logits)", ms, native_ms,
+            3 * max(flops / PEAK_BF16, inputs / bw) * 1e3, ">=1.0x native", extra_peak_gb_strict=round(peak / 1e9, 3),
+            extra_peak_gb_native=round(native_peak / 1e9, 3), inputs_gb=round(inputs / 1e9, 3),
+            peak_over_inputs_strict=round((inputs + peak) / inputs, 3),
+            peak_over_inputs_native=round((inputs + native_peak) / inputs, 3))
 
 
 def table_md() -> str:

@@ -10,8 +10,9 @@ whole groups and its partial is an exact subtree (see rl_kernel.ops.gemm). Every
 one chain.
 
 Two servers, the same bits (tests/gpu/test_triton_kernels.py asserts it for Qwen3-8B shapes):
-cuBLASLt for M >= LT_MIN_M when `cublaslt_ready()` (its workspace claimed so that no split-K kernel
-can be chosen; bf16 reduced-precision reduction off), and the Triton kernel otherwise (one tile per
+cuBLASLt when `cublaslt_ready()` (its workspace claimed so that no split-K kernel can be chosen; bf16
+reduced-precision reduction off) for every one-chain product and for K-grouped ones from LT_MIN_M rows,
+and the Triton kernel otherwise (one tile per
 M size class; a tile's shape moves no bit, which the same tests check against cuBLASLt). bf16/fp16
 operands use tensor cores; fp32 operands use ieee fp32 dots, on the Triton kernel only. Two Triton
 schedules compute the same IEEE operations: `fused` keeps the group tree in registers; `split` runs
@@ -42,7 +43,12 @@ MID_TILE = {"BLOCK_M": 64, "BLOCK_N": 32, "BLOCK_K": 128, "num_warps": 4, "num_s
 WIDE_N = 16384  # from here on a narrow N tile already gives enough programs (gate_up): shorter K steps win
 WIDE_SMALL_TILE = {"BLOCK_M": 64, "BLOCK_N": 32, "BLOCK_K": 64, "num_warps": 4, "num_stages": 5}
 SPLIT_MAX_M = 64  # rows up to which the Triton split schedule is used (no effect on any bit)
-LT_MIN_M = 256  # rows from which cuBLASLt serves (no effect on any bit)
+MID_MAX_M = 255  # rows up to which the Triton kernel uses the mid-size tile
+# Rows from which cuBLASLt serves a K-grouped (row-parallel) product: one cuBLASLt call per group plus the
+# tree, against the Triton split schedule's two launches. One-chain products go to cuBLASLt at any M: on an
+# H200 it ran 0.99-1.09x default cuBLAS at M = 1, 16, 128 where the Triton kernel ran 0.66-0.96x, with equal
+# bits (kernels_h200.json; tests/gpu/test_triton_kernels.py checks every M from 1 to 256). No effect on any bit.
+LT_MIN_M = 256
 SERVERS = ("auto", "triton", "cublaslt")
 
 
@@ -75,8 +81,8 @@ def cublaslt() -> Iterator[None]:
         matmul.allow_fp16_reduced_precision_reduction = saved[2]
 
 
-def use_cublaslt(x: torch.Tensor, weight: torch.Tensor, server: str | None = None) -> bool:
-    """Whether cuBLASLt serves this product (never for fp32 operands or off CUDA)."""
+def use_cublaslt(x: torch.Tensor, weight: torch.Tensor, server: str | None = None, groups: int = 1) -> bool:
+    """Whether cuBLASLt serves this product of `groups` contract groups (never for fp32 operands or off CUDA)."""
     server = server or "auto"
     if server not in SERVERS:
         raise ValueError(f"unknown GEMM server {server!r}; choose one of {SERVERS}")
@@ -85,7 +91,7 @@ def use_cublaslt(x: torch.Tensor, weight: torch.Tensor, server: str | None = Non
     if server == "cublaslt" and not eligible:
         raise RuntimeError("cuBLASLt cannot serve this GEMM contract here (16-bit CUDA operands and a claimed "
                            "workspace are needed; see rl_kernel.backends.triton)")
-    return eligible and (server == "cublaslt" or (server == "auto" and x.shape[0] >= LT_MIN_M))
+    return eligible and (server == "cublaslt" or (server == "auto" and (groups == 1 or x.shape[0] >= LT_MIN_M)))
 
 
 def tree_add(parts: list[torch.Tensor]) -> torch.Tensor:
@@ -219,7 +225,7 @@ def tile_for(m: int, n: int) -> dict:
     """The Triton tile for an [M, N] output (a size class; no bit depends on it)."""
     if n >= WIDE_N:
         return WIDE_SMALL_TILE if m <= SMALL_M else TILE
-    return SMALL_TILE if m <= SMALL_M else MID_TILE if m < LT_MIN_M else TILE
+    return SMALL_TILE if m <= SMALL_M else MID_TILE if m <= MID_MAX_M else TILE
 
 
 def _leaves(groups: int) -> int:
@@ -251,7 +257,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     n = weight.shape[0]
     groups, k_group = groups_of(k, k_group)
     out_dtype = out_dtype or x.dtype
-    if m and n and schedule is None and tile is None and use_cublaslt(x, weight, server):
+    if m and n and schedule is None and tile is None and use_cublaslt(x, weight, server, groups):
         return _lt_linear(x, weight, bias, out_dtype, groups, k_group)
     x, weight, precision = _operands(x, weight)
     cfg = dict(tile or tile_for(m, n))

@@ -11,10 +11,11 @@ log(total 2^-40) in fp64 (rl_kernel's log64), logprob = z[target] - lse rounded 
 sum is an integer sum, so rows, tiles, kernel schedules and vocab sharding (slices of whole tiles,
 any rank order) give the same bits.
 
-Two servers of the forward, the same bits: at T >= gemm.LT_MIN_M rows with cuBLASLt ready, fp32
-logits of one vocab slice at a time come from cuBLASLt (no split-K) and `_stats_kernel` reduces them;
-otherwise `_fused_kernel` computes each logits tile with the Triton GEMM and reduces it in registers.
-Either way the fp32 state stays under a fixed fraction of the LM head's bytes.
+Two servers of the forward, the same bits: with cuBLASLt ready, fp32 logits of one vocab slice at a
+time come from cuBLASLt (no split-K) and `_stats_kernel` reduces them; otherwise `_fused_kernel`
+computes each logits tile with the Triton GEMM and reduces it in registers. Either way the forward's
+state (a row chunk's per-tile stats, plus one logits slice) stays under 1/STATE_FRACTION of the LM
+head's bytes, half for each.
 
 Backward (no bit contract): per vocab slice, the logits are recomputed by a tensor-core GEMM, the
 logit gradient (onehot - p) * g / T is formed in bf16 by `_dlogits_kernel`, and two more tensor-core
@@ -37,7 +38,7 @@ from rl_kernel.errors import StrictModeError
 VOCAB_TILE = 64
 FIXED_POINT_BITS = 40
 LOG2E = 1.4426950408889634
-STATE_FRACTION = 10  # per-tile state and logits slices stay under 1/10 of the LM head's bytes
+STATE_FRACTION = 12  # the forward's per-tile stats and logits slice stay under 1/12 of the LM head's bytes
 MIN_STATE_BYTES = 1 << 25
 STATS_TILE = {"BLOCK_M": 32, "BLOCK_N": 256, "num_warps": 8}
 KEPT_SLICE_FACTOR = 4
@@ -152,9 +153,9 @@ def _state_budget(weight: torch.Tensor) -> int:
     return max(MIN_STATE_BYTES, weight.numel() * weight.element_size() // STATE_FRACTION)
 
 
-def _slice_cols(rows: int, weight: torch.Tensor, bytes_per_element: int) -> int:
-    """Vocab slice width (a multiple of 256) whose [rows, width] intermediates fit the state budget."""
-    return max(256, _state_budget(weight) // (max(rows, 1) * bytes_per_element) // 256 * 256)
+def _slice_cols(rows: int, weight: torch.Tensor, bytes_per_element: int, share: int = 1) -> int:
+    """Vocab slice width (a multiple of 256) whose [rows, width] intermediates fit 1/share of the state budget."""
+    return max(256, _state_budget(weight) // share // (max(rows, 1) * bytes_per_element) // 256 * 256)
 
 
 def _tile_stats_of_rows(x, w, temps32, tgt, m_t, s_t, z_t, vocab_start, vocab_size, server, tile, keep=None):
@@ -165,7 +166,7 @@ def _tile_stats_of_rows(x, w, temps32, tgt, m_t, s_t, z_t, vocab_start, vocab_si
     fixed = float(1 << FIXED_POINT_BITS)
     if tile is None and gemm.use_cublaslt(x, w, server):
         # kept slices are held until the backward anyway: wider ones only mean fewer launches
-        cols = _slice_cols(r, w, 4) * (KEPT_SLICE_FACTOR if keep is not None else 1)
+        cols = KEPT_SLICE_FACTOR * _slice_cols(r, w, 4) if keep is not None else _slice_cols(r, w, 4, share=2)
         cfg = dict(STATS_TILE)
         bm, bn = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N")
         for c0 in range(0, v_local, cols):
@@ -177,6 +178,7 @@ def _tile_stats_of_rows(x, w, temps32, tgt, m_t, s_t, z_t, vocab_start, vocab_si
                                 LOG2E=LOG2E, **cfg, **LAUNCH)
             if keep is not None:
                 keep.append((c0, logits))
+            del logits  # before the next slice is allocated: one slice alive at a time
         return
     x, w, precision = gemm._operands(x, w)
     cfg = dict(tile or gemm.TILE)
@@ -193,7 +195,7 @@ def _forward(hidden, weight, targets, temps, vocab_start, vocab_size, group, ser
     rows, v_local = hidden.shape[0], weight.shape[0]
     dev = hidden.device
     n_tiles = triton.cdiv(v_local, VOCAB_TILE)
-    chunk = rows if keep is not None else max(1, min(rows, _state_budget(weight) // (n_tiles * 12)))
+    chunk = rows if keep is not None else max(1, min(rows, _state_budget(weight) // 2 // (n_tiles * 12)))
     temps32 = temps.to(torch.float32)
     tgt = targets.to(torch.int64)
     x = hidden.contiguous()
@@ -219,6 +221,7 @@ def _forward(hidden, weight, targets, temps, vocab_start, vocab_size, group, ser
         lse = big_m.to(torch.float64) + log64(total.to(torch.float64) * (1.0 / (1 << FIXED_POINT_BITS)))
         out[a:b] = (z_t.to(torch.float64) - lse).to(torch.float32)
         lse_all[a:b] = lse
+        del m_t, s_t  # before the next chunk's stats are allocated
     return out, lse_all
 
 
@@ -256,6 +259,7 @@ def backward(grad_out, hidden, weight, targets, temps, lse, vocab_start, vocab_s
             grad_h += dl @ w_s
         else:
             _addmm_fp32(grad_h, dl, w_s)
+        del dl
     if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(grad_h, group=group)
     return grad_h.to(hidden.dtype), grad_w.to(weight.dtype)
