@@ -7,6 +7,8 @@ vLLM's `FlashAttentionMetadata`, padded as vLLM pads it."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from vllm.config import CompilationConfig
@@ -348,8 +350,6 @@ class _Layer:
 
 
 def test_model_attention_writes_then_reads_the_flash_attn_cache(monkeypatch):
-    from types import SimpleNamespace
-
     import vllm.model_executor.layers.attention.attention as vllm_attention
 
     q, layer, meta = _decode_batch(torch.float32)
@@ -359,12 +359,10 @@ def test_model_attention_writes_then_reads_the_flash_attn_cache(monkeypatch):
     slots = torch.randperm(BLOCKS * BLOCK_SIZE, generator=g)[: q.shape[0]]
     meta.slot_mapping = slots
     monkeypatch.setattr(vllm_attention, "get_attention_context", lambda name: (meta, _Layer(), layer, None))
-    model = RLKernelQwen3ForCausalLM.__new__(RLKernelQwen3ForCausalLM)
-    object.__setattr__(model, "_modules", {})
-    model.attn = [_Layer()]
-    model.shape, model.model = SimpleNamespace(head_dim=HEAD_DIM), SimpleNamespace(scale=SCALE)
+    model = SimpleNamespace(attn=[_Layer()], shape=SimpleNamespace(head_dim=HEAD_DIM),
+                            model=SimpleNamespace(scale=SCALE))  # what _attention reads of the model
     with rk.mode("strict"):
-        out = model._attention(0, q, k, v)
+        out = RLKernelQwen3ForCausalLM._attention(model, 0, q, k, v)
         expected = _paged_attention_compact(q, k_cache, v_cache, meta, SCALE)
     assert torch.equal(bits(k_cache.reshape(-1, KV_HEADS, HEAD_DIM)[slots]), bits(k))
     assert torch.equal(bits(v_cache.reshape(-1, KV_HEADS, HEAD_DIM)[slots]), bits(v))
