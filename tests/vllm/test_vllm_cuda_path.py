@@ -1,15 +1,27 @@
 """The vLLM CUDA path's pure logic, on CPU (no machine here runs vLLM on a GPU): engine arguments per
-device and transport, and the translation of rl_kernel's `ipc` push into vLLM's weight-update API. The
-`llm` here is a stand-in that records the calls and parses every payload with vLLM's own ipc dataclasses."""
+device and transport, the translation of rl_kernel's `ipc` push into vLLM's weight-update API, and the
+strict model's attention on FlashAttention's KV-cache layout. The `llm` here is a stand-in that records
+the calls and parses every payload with vLLM's own ipc dataclasses; the KV caches are allocated by vLLM's
+own `create_kv_cache_views` in the layout vLLM resolves for the backend, and the attention metadata is
+vLLM's `FlashAttentionMetadata`, padded as vLLM pads it."""
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import pytest
 import torch
 from vllm.config import CompilationConfig
 from vllm.config.weight_transfer import WeightTransferConfig
 from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferInitInfo, IPCWeightTransferUpdateInfo
+from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend, FlashAttentionMetadata
+from vllm.v1.attention.backends.utils import NULL_BLOCK_ID, get_supported_kv_cache_layouts
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheTensor, create_kv_cache_views
+from vllm.v1.kv_cache_layout import KVCacheLayout
 
+import rl_kernel as rk
+from rl_kernel.bits import bits, same_bits
 from rl_kernel.integrations.vllm import (
     LOGITS_PROCESSOR,
     WEIGHT_TRANSFER_BACKEND,
@@ -18,6 +30,15 @@ from rl_kernel.integrations.vllm import (
     strict_llm_kwargs,
 )
 from rl_kernel.integrations.vllm.ipc import VllmIPCReceiver
+from rl_kernel.integrations.vllm.model import (
+    RLKernelQwen3ForCausalLM,
+    _contiguous_blocks,
+    _paged_attention_compact,
+    _paged_attention_in_place,
+    kv_cache_views,
+    paged_attention,
+    write_kv,
+)
 from rl_kernel.models.weight_transfer import TensorMeta, WeightSender, WeightVersionError
 from vime.errors import WeightSyncError
 
@@ -198,3 +219,165 @@ def test_vllm_rollout_on_cuda_serves_the_version_its_push_finished(tiny_qwen3_pa
     assert rollout.set_version(3) == 3 == rollout.version
     with pytest.raises(WeightSyncError, match="asked to serve weight version 4; the last ipc push was version 3"):
         rollout.set_version(4)
+
+
+# ---- the strict model's attention on FlashAttention's KV-cache layout ------------------------------------------
+
+BLOCKS, KV_HEADS, HEADS, BLOCK_SIZE, HEAD_DIM, SCALE = 16, 2, 4, 16, 32, 0.2
+BACKENDS = {"CPU_ATTN": CPUAttentionBackend, "FLASH_ATTN": FlashAttentionBackend}
+
+
+def _caches(backend: str, dtype: torch.dtype, layout: KVCacheLayout | None = None, seed: int = 0):
+    """Two layers' caches as vLLM's worker allocates them (`create_kv_cache_views` over one int8 buffer) in
+    `layout`, default the one vLLM resolves for `backend` alone; filled with random bytes. (raw, views)"""
+    layout = layout or get_supported_kv_cache_layouts([BACKENDS[backend]])[0]
+    spec = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=KV_HEADS, head_size=HEAD_DIM, dtype=dtype)
+    page = spec.page_size_bytes
+    tensor = KVCacheTensor(size=2 * BLOCKS * page, layers=["l0", "l1"],
+                           layer_stride=BLOCKS * page if layout.is_layer_compact else page,
+                           block_stride=page if layout.is_layer_compact else 2 * page)
+    g = torch.Generator().manual_seed(seed)
+    raw = torch.randint(-128, 128, (tensor.size,), dtype=torch.int8, generator=g)
+    return raw, create_kv_cache_views(raw, spec, BLOCKS, layout, tensor)
+
+
+def test_vllm_resolves_the_layouts_the_views_take():
+    assert get_supported_kv_cache_layouts([FlashAttentionBackend])[0] == KVCacheLayout.LBNHC
+    assert get_supported_kv_cache_layouts([CPUAttentionBackend]) == [KVCacheLayout.LBHNC]
+    assert _caches("FLASH_ATTN", torch.float32)[1][1].shape == (BLOCKS, KV_HEADS, BLOCK_SIZE, 2 * HEAD_DIM)
+    fa = kv_cache_views(_caches("FLASH_ATTN", torch.float32)[1][1], "FLASH_ATTN", HEAD_DIM)
+    cpu = kv_cache_views(_caches("CPU_ATTN", torch.float32)[1][1], "CPU_ATTN", HEAD_DIM)
+    assert all(v.shape == (BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM) for v in (*fa, *cpu))
+    assert all(_contiguous_blocks(v) for v in fa) and not any(_contiguous_blocks(v) for v in cpu)
+
+
+def _expected_write(layer: torch.Tensor, backend: str, k, v, slots) -> None:
+    """The writes of `slots` (-1 skipped) straight into the logical [B, Hkv, N, 2d] layer cache, read as
+    `backend` reads it (FLASH_ATTN: [k | v] per token; CPU_ATTN: a block's key rows, then its value rows)."""
+    for t, slot in enumerate(slots):
+        if slot < 0:
+            continue
+        b, off = divmod(slot, BLOCK_SIZE)
+        if backend == "FLASH_ATTN":
+            layer[b, :, off] = torch.cat([k[t], v[t]], dim=-1)
+        else:
+            rows = layer[b].view(KV_HEADS, 2 * BLOCK_SIZE, HEAD_DIM)
+            rows[:, off], rows[:, BLOCK_SIZE + off] = k[t], v[t]
+
+
+@pytest.mark.parametrize("backend", ["FLASH_ATTN", "CPU_ATTN"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("slots", [
+    [5, -1, 40, 17, -1, -1],  # real tokens, then vLLM's CUDA-graph padding (and one in between)
+    [-1, 33, 2, 0],           # a padded token first; a real write to slot 0
+    [-1, -1, -1],             # CUDA-graph capture: every slot -1
+])
+def test_writer_puts_the_bits_where_the_views_read_them_and_nothing_else(backend, dtype, slots):
+    raw, layers = _caches(backend, dtype)
+    expected_raw, expected_layers = _caches(backend, dtype)
+    g = torch.Generator().manual_seed(1)
+    k, v = (torch.randn(len(slots), KV_HEADS, HEAD_DIM, generator=g).to(dtype) for _ in range(2))
+    k_cache, v_cache = kv_cache_views(layers[1], backend, HEAD_DIM)
+    write_kv(k, v, k_cache, v_cache, torch.tensor(slots))
+    _expected_write(expected_layers[1], backend, k, v, slots)
+    assert torch.equal(raw, expected_raw)  # both layers, every byte: padded slots wrote nothing
+    for t, slot in enumerate(slots):
+        if slot >= 0:
+            b, off = divmod(slot, BLOCK_SIZE)
+            assert torch.equal(bits(k_cache[b, off]), bits(k[t])) and torch.equal(bits(v_cache[b, off]), bits(v[t]))
+
+
+def _decode_batch(dtype: torch.dtype, seed: int = 0):
+    """(q, layer cache, FlashAttentionMetadata) of a batch as vLLM builds it: sequences (context
+    length, new tokens) of a decode, chunked prefills and a prefill over random distinct physical blocks
+    (block 0 is vLLM's null block); the block table wider than needed with stale block ids past each
+    sequence's blocks; two padded requests (no token, seq_len 0, table row NULL_BLOCK_ID)."""
+    g = torch.Generator().manual_seed(seed)
+    _, layers = _caches("FLASH_ATTN", dtype, seed=seed)
+    for layer in layers:
+        layer.copy_(torch.randn(layer.shape, generator=g).to(dtype))
+    seqs = [(37, 1), (70, 5), (16, 16), (1, 1)]
+    need = [-(-n // BLOCK_SIZE) for n, _ in seqs]
+    width = max(need) + 3
+    table = torch.randint(1, BLOCKS, (len(seqs) + 2, width), generator=g, dtype=torch.int32)
+    physical = (torch.randperm(BLOCKS - 1, generator=g) + 1).to(torch.int32)
+    for row, n in enumerate(need):
+        table[row, :n], physical = physical[:n], physical[n:]
+    table[len(seqs):] = NULL_BLOCK_ID
+    q_lens = [q for _, q in seqs] + [0, 0]
+    qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    seq_lens = torch.tensor([n for n, _ in seqs] + [0, 0], dtype=torch.int32)
+    tokens = int(qsl[-1])
+    meta = FlashAttentionMetadata(num_actual_tokens=tokens, max_query_len=max(q_lens), query_start_loc=qsl,
+                                  max_seq_len=int(seq_lens.max()), seq_lens=seq_lens, block_table=table,
+                                  slot_mapping=torch.full((tokens,), -1, dtype=torch.int64))
+    q = torch.randn(tokens, HEADS, HEAD_DIM, generator=g).to(dtype)
+    return q, layers[0], meta
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_in_place_attention_equals_the_compacting_call_bitwise(dtype):
+    q, layer, meta = _decode_batch(dtype)
+    k_cache, v_cache = kv_cache_views(layer, "FLASH_ATTN", HEAD_DIM)
+    with rk.mode("strict"):
+        in_place = _paged_attention_in_place(q, k_cache, v_cache, meta, SCALE)
+        compact = _paged_attention_compact(q, k_cache, v_cache, meta, SCALE)
+        assert same_bits(paged_attention(q, k_cache, v_cache, meta, SCALE), in_place)  # the path FLASH_ATTN takes
+    assert same_bits(in_place, compact)
+
+
+def test_a_wrong_block_table_changes_the_bits():
+    """The twin that shows the comparison above can fail: one block of a sequence's table pointing at another
+    sequence's block. (Swapping two of its blocks inside one 64-key chunk can keep the bits: the chunk's
+    pairwise tree adds the two 16-key halves commutatively.)"""
+    q, layer, meta = _decode_batch(torch.float32)
+    k_cache, v_cache = kv_cache_views(layer, "FLASH_ATTN", HEAD_DIM)
+    with rk.mode("strict"):
+        right = _paged_attention_compact(q, k_cache, v_cache, meta, SCALE)
+        meta.block_table[1, 0] = meta.block_table[0, 0]
+        wrong = _paged_attention_in_place(q, k_cache, v_cache, meta, SCALE)
+    assert not same_bits(right, wrong)
+
+
+class _Layer:
+    """vLLM's `Attention` layer as the strict model's `_attention` uses it."""
+
+    layer_name = "model.layers.0.self_attn.attn"
+
+    @staticmethod
+    def get_attn_backend():
+        return FlashAttentionBackend
+
+
+def test_model_attention_writes_then_reads_the_flash_attn_cache(monkeypatch):
+    import vllm.model_executor.layers.attention.attention as vllm_attention
+
+    q, layer, meta = _decode_batch(torch.float32)
+    k_cache, v_cache = kv_cache_views(layer, "FLASH_ATTN", HEAD_DIM)
+    g = torch.Generator().manual_seed(2)
+    k, v = (torch.randn(q.shape[0], KV_HEADS, HEAD_DIM, generator=g) for _ in range(2))
+    slots = torch.randperm(BLOCKS * BLOCK_SIZE, generator=g)[: q.shape[0]]
+    meta.slot_mapping = slots
+    monkeypatch.setattr(vllm_attention, "get_attention_context", lambda name: (meta, _Layer(), layer, None))
+    model = SimpleNamespace(attn=[_Layer()], shape=SimpleNamespace(head_dim=HEAD_DIM),
+                            model=SimpleNamespace(scale=SCALE))  # what _attention reads of the model
+    with rk.mode("strict"):
+        out = RLKernelQwen3ForCausalLM._attention(model, 0, q, k, v)
+        expected = _paged_attention_compact(q, k_cache, v_cache, meta, SCALE)
+    assert torch.equal(bits(k_cache.reshape(-1, KV_HEADS, HEAD_DIM)[slots]), bits(k))
+    assert torch.equal(bits(v_cache.reshape(-1, KV_HEADS, HEAD_DIM)[slots]), bits(v))
+    assert same_bits(out, expected)
+
+
+@pytest.mark.parametrize("backend, layout, shape, error", [
+    ("TRITON_ATTN", None, None, "the TRITON_ATTN KV cache .*: unknown backend; supported: CPU_ATTN, and FLASH_ATTN"),
+    ("FLASH_ATTN", KVCacheLayout.LBHNC, None, "FLASH_ATTN KV cache .*: its blocks are not contiguous"),
+    ("FLASH_ATTN", KVCacheLayout.BLNHC, None, "FLASH_ATTN KV cache .*: its blocks are not contiguous"),
+    ("FLASH_ATTN", None, (2, BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM),  # the FlashAttention layout of older vLLMs
+     "expected \\[num_blocks, kv_heads, block_size, 64\\]"),
+])
+def test_other_layouts_are_refused_in_one_line(backend, layout, shape, error):
+    cache = torch.zeros(shape) if shape else _caches("FLASH_ATTN", torch.float32, layout)[1][1]
+    with pytest.raises(ValueError, match=error) as refused:
+        kv_cache_views(cache, backend, HEAD_DIM)
+    assert "\n" not in str(refused.value)

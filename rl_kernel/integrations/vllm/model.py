@@ -9,7 +9,9 @@ set in every process that builds the model). This module supplies only:
 
 - the attention function: `rk.write_kv_cache`'s copy + `rk.paged_attention` over vLLM's own KV cache
   tensor, with the block table, sequence lengths, query start locations and slot mapping of vLLM's
-  attention metadata (vLLM's attention kernels never run);
+  attention metadata (vLLM's attention kernels never run). It reads the CPU backend's cache layout and
+  FlashAttention's (`kv_cache_views`); on the latter the write and the attention have fixed shapes and
+  no host sync, for vLLM's CUDA graphs of decode batches (written against vLLM's source, never run);
 - `compute_logits`: the fp32 logits of the whole vocab (input to the strict logits processor's
   `rk.log_softmax`);
 - weight loading from HF checkpoint names, sharded by `rl_kernel.models.qwen3_layout` (the table the
@@ -33,28 +35,87 @@ from rl_kernel.modes import full_modes
 SUPPORTED_MODEL_TYPES = ("qwen3",)
 
 
-def _cache_views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """vLLM's CPU KV cache [num_blocks, Hkv, block_size, 2d] holds, per block and kv head, block_size
-    key rows of d then block_size value rows of d. Views [num_blocks, block_size, Hkv, d] of each."""
+KV_CACHE_BACKENDS = ("CPU_ATTN", "FLASH_ATTN")  # vLLM attention backends whose KV cache the model reads
+
+
+def _contiguous_blocks(cache: torch.Tensor) -> bool:
+    """A [num_blocks, block_size, Hkv, d] view whose blocks rk.paged_attention reads as they are:
+    stride(0) == block_size * stride(1) and a unit last stride."""
+    return cache.stride(-1) == 1 and cache.stride(0) == cache.shape[1] * cache.stride(1)
+
+
+def _layout_error(backend: str, kv_cache: torch.Tensor, why: str) -> ValueError:
+    return ValueError(f"rl_kernel's strict vLLM model cannot read the {backend} KV cache "
+                      f"{list(kv_cache.shape)} (strides {list(kv_cache.stride())}): {why}; supported: CPU_ATTN, "
+                      f"and FLASH_ATTN in a layout with contiguous blocks (vLLM's default for it, LBNHC)")
+
+
+def kv_cache_views(kv_cache: torch.Tensor, backend: str, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(k_cache, v_cache): views [num_blocks, block_size, Hkv, head_dim] of one layer's vLLM KV cache, no copy.
+
+    vLLM hands every backend the logical shape [num_blocks, Hkv, block_size, 2 * head_dim], in the physical
+    order of its resolved KVCacheLayout; what the last axis holds depends on the backend (`backend`, the
+    layer's `get_attn_backend().get_name()`):
+    - CPU_ATTN (layout LBHNC): per block and kv head, block_size key rows then block_size value rows;
+    - FLASH_ATTN: per token and kv head, its key then its value. Accepted only in a layout whose blocks are
+      contiguous (`_contiguous_blocks`: vLLM's default for FlashAttention, LBNHC), which rk.paged_attention
+      reads in place.
+    Raises a one-line ValueError for another backend, another shape, or FLASH_ATTN in another layout.
+    """
+    if backend not in KV_CACHE_BACKENDS:
+        raise _layout_error(backend, kv_cache, "unknown backend")
+    if kv_cache.dim() != 4 or kv_cache.shape[-1] != 2 * head_dim:
+        raise _layout_error(backend, kv_cache, f"expected [num_blocks, kv_heads, block_size, {2 * head_dim}]")
     blocks, kv_heads, block_size, _ = kv_cache.shape
-    kv = kv_cache.view(blocks, kv_heads, 2 * block_size, -1)
-    return kv[:, :, :block_size].transpose(1, 2), kv[:, :, block_size:].transpose(1, 2)
+    if backend == "CPU_ATTN":
+        kv = kv_cache.view(blocks, kv_heads, 2 * block_size, head_dim)
+        return kv[:, :, :block_size].transpose(1, 2), kv[:, :, block_size:].transpose(1, 2)
+    k_cache, v_cache = kv_cache.transpose(1, 2).split(head_dim, dim=-1)
+    if not _contiguous_blocks(k_cache):
+        raise _layout_error(backend, kv_cache, "its blocks are not contiguous")
+    return k_cache, v_cache
 
 
-def _write_kv(k, v, k_cache, v_cache, slot_mapping) -> None:
-    """rk.write_kv_cache's copy, on the strided (head-major) views of vLLM's cache."""
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Copy k, v [T, Hkv, d] into the views k_cache, v_cache [num_blocks, block_size, Hkv, d] at the flat
+    slots slot_mapping [T] (block * block_size + offset); slot -1 (vLLM's padding) changes nothing.
+
+    Safe to capture in a CUDA graph: fixed shapes, no host sync. Every token is written, a padded one as a
+    repeat of the first real token's write (same slot, same bits, so the order of duplicate writes does not
+    matter), or, when no token is real, as slot 0's own content written back.
+    """
     slots = slot_mapping.to(torch.int64)
-    keep = slots >= 0  # vLLM marks padded tokens with slot -1
-    slots = slots[keep]
+    if slots.numel() == 0:
+        return
+    real = slots >= 0
+    first = real.to(torch.int32).argmax().view(1)  # first real token; 0 when there is none
+    any_real = real.index_select(0, first)
+    slots = torch.where(real, slots, torch.where(any_real, slots.index_select(0, first), 0))
     block_size = k_cache.shape[1]
     blocks, offsets = torch.div(slots, block_size, rounding_mode="floor"), slots % block_size
-    k_cache[blocks, offsets] = k[keep].to(k_cache.dtype)
-    v_cache[blocks, offsets] = v[keep].to(v_cache.dtype)
+    for new, cache in ((k, k_cache), (v, v_cache)):
+        values = new.to(cache.dtype)
+        anchor = torch.where(any_real.view(1, 1, 1), values.index_select(0, first), cache[0, 0].unsqueeze(0))
+        cache[blocks, offsets] = torch.where(real.view(-1, 1, 1), values, anchor)
 
 
-def _paged_attention(q, k_cache, v_cache, meta, scale: float) -> torch.Tensor:
+def _paged_attention_in_place(q, k_cache, v_cache, meta, scale: float) -> torch.Tensor:
+    """rk.paged_attention on vLLM's physical cache (contiguous blocks) with vLLM's block table as it is:
+    no host sync, shapes fixed by the batch's shapes (CUDA-graph safe with a capture-safe backend). Query
+    rows past query_start_loc[-1] (the tokens vLLM pads a CUDA-graph batch with) are 0. Those rows need
+    the Triton backend's split count zero-initialised first (docs/vllm.md, "Needs a kernel change")."""
+    seq_lens = meta.seq_lens
+    out = rk.paged_attention(q, k_cache, v_cache, meta.block_table[: seq_lens.shape[0]], seq_lens,
+                             meta.query_start_loc, scale)
+    rows = torch.arange(q.shape[0], device=q.device).view(-1, 1, 1)
+    return torch.where(rows < meta.query_start_loc[-1], out, 0)
+
+
+def _paged_attention_compact(q, k_cache, v_cache, meta, scale: float) -> torch.Tensor:
     """rk.paged_attention over the blocks this batch uses, gathered into a compact contiguous cache
-    (a bit copy; the contract makes the result independent of the physical block placement)."""
+    (a bit copy; the contract makes the result independent of the physical block placement). Host syncs:
+    for caches without contiguous blocks (vLLM's CPU layout), which run eager."""
     seq_lens = meta.seq_lens.to(torch.int64)
     block_size = k_cache.shape[1]
     width = int(torch.div(seq_lens.max() + block_size - 1, block_size, rounding_mode="floor"))
@@ -62,6 +123,16 @@ def _paged_attention(q, k_cache, v_cache, meta, scale: float) -> torch.Tensor:
     used, local_table = torch.unique(table, return_inverse=True)
     return rk.paged_attention(q, k_cache[used].contiguous(), v_cache[used].contiguous(), local_table,
                               seq_lens, meta.query_start_loc, scale)
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta, scale: float) -> torch.Tensor:
+    """Attention of q [T, H, d] over the cache views (`kv_cache_views`) with vLLM's attention metadata `meta`
+    (`seq_lens`, `block_table`, `query_start_loc`): in place where the blocks are contiguous (CUDA-graph
+    safe), else over a compact copy of the used blocks. Both give the same bits (rk.paged_attention's
+    result does not depend on where the blocks are nor on the table's width)."""
+    if _contiguous_blocks(k_cache) and _contiguous_blocks(v_cache):
+        return _paged_attention_in_place(q, k_cache, v_cache, meta, scale)
+    return _paged_attention_compact(q, k_cache, v_cache, meta, scale)
 
 
 class RLKernelQwen3ForCausalLM(nn.Module):
@@ -105,12 +176,13 @@ class RLKernelQwen3ForCausalLM(nn.Module):
         from vllm.model_executor.layers.attention.attention import get_attention_context
 
         out = torch.zeros_like(q)
-        meta, _, kv_cache, slot_mapping = get_attention_context(self.attn[layer].layer_name)
+        meta, attn, kv_cache, slot_mapping = get_attention_context(self.attn[layer].layer_name)
         if meta is not None:  # None only in vLLM's warm-up / profiling runs
-            n = meta.num_actual_tokens
-            k_cache, v_cache = _cache_views(kv_cache)
-            _write_kv(k[:n], v[:n], k_cache, v_cache, meta.slot_mapping if slot_mapping is None else slot_mapping[:n])
-            out[:n] = _paged_attention(q[:n], k_cache, v_cache, meta, self.model.scale)
+            n = meta.num_actual_tokens  # a Python int (padded count in a CUDA-graph batch)
+            k_cache, v_cache = kv_cache_views(kv_cache, attn.get_attn_backend().get_name(), self.shape.head_dim)
+            slots = meta.slot_mapping if slot_mapping is None else slot_mapping
+            write_kv(k[:n], v[:n], k_cache, v_cache, slots[:n])
+            out[:n] = paged_attention(q[:n], k_cache, v_cache, meta, self.model.scale)
         return out
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
