@@ -177,11 +177,11 @@ def _prefill_case(t: int, h: int = 32, hkv: int = 8, d: int = 128) -> None:
     flops = 2 * t * t * h * d  # causal: half of 4 T^2 H d
     ref = attention.varlen_attention(q, k, v, cu, d**-0.5)
     configs = {}  # other launch configurations: time, and whether the bits equal the default's (they must)
-    for bm, warps, stages, flat in ((128, 8, 3, False), (128, 8, 4, True), (64, 4, 2, True), (64, 4, 3, True),
-                                    (64, 4, 4, True), (64, 4, 5, True), (256, 8, 2, True), (256, 8, 3, True),
-                                    (256, 16, 2, True)):
-        cfg = {"BLOCK_M": bm, "num_warps": warps, "num_stages": stages, "FLAT": flat}
-        name = f"{bm}/w{warps}/s{stages}" + ("/flat" if flat else "/nested")
+    for bm, warps, stages, flat, heavy in ((128, 8, 3, False, False), (64, 4, 2, True, False), (64, 4, 3, True, False),
+                                           (64, 4, 3, True, True), (64, 4, 2, True, True), (64, 4, 3, False, True),
+                                           (128, 8, 3, True, True), (128, 8, 4, True, True)):
+        cfg = {"BLOCK_M": bm, "num_warps": warps, "num_stages": stages, "FLAT": flat, "HEAVY_FIRST": heavy}
+        name = f"{bm}/w{warps}/s{stages}" + ("/flat" if flat else "/nested") + ("/heavy-first" if heavy else "")
         try:
             out = attention.varlen_attention(q, k, v, cu, d**-0.5, config=cfg)
             ms = bench(lambda c=cfg: attention.varlen_attention(q, k, v, cu, d**-0.5, config=c))
@@ -276,6 +276,14 @@ def bench_logprob(bw: float) -> None:
                 hid, w, tg, temps, 0, v, server=s)[0]), 3)
         except Exception as e:
             variants[server] = repr(e)[:100]
+    saved = logprob.STATE_FRACTION
+    for fraction in (4, 6, 24):  # the state budget: speed against peak memory (no bit depends on it)
+        logprob.STATE_FRACTION = fraction
+        try:
+            variants[f"state_1/{fraction}"] = {"ms": round(bench(strict), 3),
+                                               "peak_over_inputs": round((inputs + _extra_peak(strict)) / inputs, 3)}
+        finally:
+            logprob.STATE_FRACTION = saved
     variants["servers_bitwise"] = same_bits(logprob.logprobs_and_lse(hid, w, tg, temps, 0, v, server="triton")[0],
                                               logprob.logprobs_and_lse(hid, w, tg, temps, 0, v, server="cublaslt")[0])
     row("logprob", f"linear-logprob fwd T={t} D={d} V={v}", s, n, max(flops / PEAK_BF16, inputs / bw) * 1e3,

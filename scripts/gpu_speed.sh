@@ -2,7 +2,8 @@
 # One device call for the GPU-speed work (issue 10) on a 2 x H200 machine: correctness first, then speed.
 #   bash scripts/gpu_speed.sh            # results under $OUT (default /tmp/gpu_out)
 # Stages (each under its own timeout; a failure is recorded and the next still runs):
-#   kernels   pytest tests/gpu/test_triton_kernels.py (bits of both GEMM servers, backward accuracy, ...)
+#   kernels   pytest tests/gpu/test_triton_kernels.py (bits of both GEMM servers, backward accuracy, ...) and
+#             tests/gpu/test_vllm_attention_capture.py (the vLLM model's attention captured in a CUDA graph)
 #   models    pytest tests/models/test_qwen3_gpu.py (the reference model's rollout == teacher forcing on CUDA)
 #   train1    benchmarks/train_step.py, 1 GPU (strict vs native step at Qwen3-8B shapes)
 #   train2    benchmarks/train_step.py under torchrun, TP2
@@ -16,7 +17,8 @@ set -u
 cd "$(dirname "$0")/.."
 export OUT=${OUT:-/tmp/gpu_out} GPU_CHECK_BUDGET_S=${GPU_CHECK_BUDGET_S:-560}
 source scripts/gpu_stages.sh
-TAIL_LINES=30 stage kernels 130 $PY -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_triton_kernels.py
+TAIL_LINES=30 stage kernels 150 $PY -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_triton_kernels.py \
+  tests/gpu/test_vllm_attention_capture.py
 stage models 90 $PY -m pytest -q -rfE -p no:cacheprovider tests/models/test_qwen3_gpu.py
 TAIL_LINES=16 stage train1 110 $PY benchmarks/train_step.py --json "$OUT/train_step_tp1.json"
 [ -n "${WITH_ND:-}" ] && TAIL_LINES=12 RL_KERNEL_DETERMINISTIC_GRADS=0 stage train1nd 80 $PY benchmarks/train_step.py --reps 8 \

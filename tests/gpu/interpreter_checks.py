@@ -112,6 +112,10 @@ def attentions(gen: torch.Generator) -> None:
             ref.append(torch.einsum("hqk,khd->qhd", s.softmax(-1), v[a:e].double().repeat_interleave(rep, 1)))
         ref = torch.cat(ref)
         check("attention accuracy", float((packed.double() - ref).norm() / ref.norm()) < 2e-3)
+        for heavy_first in (False, True):  # program order: no bit may depend on it
+            config = dict(attention.PREFILL, FLAT=not attention.PREFILL.get("FLAT", False), HEAVY_FIRST=heavy_first)
+            check(f"attention FLAT/HEAVY_FIRST={heavy_first} == default",
+                  same(attention.varlen_attention(q, k, v, cu, scale, config=config), packed))
         blocks = torch.randperm(16, generator=gen)
         table = torch.stack([blocks[0:5], blocks[5:10], blocks[10:15]]).to(torch.int32)
         kc, vc = torch.randn(16, page, kv_heads, d, generator=gen).to(F16), torch.randn(16, page, kv_heads, d).to(F16)

@@ -189,9 +189,11 @@ def test_attention_layouts_bitwise(heads, kv_heads, d, page):
     for schedule in ("split", "fused"):
         poison()
         assert same(attention.paged_attention(q, kc, vc, table, seq_lens, cu, scale, schedule=schedule), packed)
-    for flat in (False, True):  # the fused schedule as one loop over chunks (merge at split boundaries) or nested
-        config = dict(attention.PREFILL, FLAT=flat)
-        assert same(attention.varlen_attention(q, k, v, cu, scale, config=config), packed), f"FLAT={flat}"
+    # the fused schedule as one loop over chunks (merge at split boundaries) or nested; tiles in order or last first
+    for flat, heavy_first in ((False, False), (True, False), (False, True), (True, True)):
+        config = dict(attention.PREFILL, FLAT=flat, HEAVY_FIRST=heavy_first)
+        assert same(attention.varlen_attention(q, k, v, cu, scale, config=config), packed), \
+            f"FLAT={flat} HEAVY_FIRST={heavy_first}"
     last = cu[1:] - 1  # decode: the last token of every sequence, one batch
     qsl = torch.arange(len(lens) + 1, dtype=torch.int32, device=DEV)
     for schedule in ("split", "fused"):

@@ -40,14 +40,25 @@ SPLIT_SCRATCH_BYTES = 256 << 20  # paged calls whose split partials fit use the 
 # are exact identities): tests/gpu compare packed prefill (PREFILL) with paged decode (PAGED) bit for bit.
 # Picked by benchmarks/kernels.py's prefill sweep on an H200 (kernels_h200.json).
 PAGED = {"BLOCK_M": BLOCK_M, "num_warps": 4, "num_stages": 2}
-PREFILL = {"BLOCK_M": 64, "num_warps": 4, "num_stages": 3, "FLAT": True}  # H200, 2026-11-30: 0.463 / 5.78 ms at
-# T = 4k / 16k against 0.507 / 6.94 ms for the 128-row nested form (benchmarks/results/prefill_sweep_h200.txt)
+# H200, 2026-11-30: 0.419 / 5.67 ms at T = 4k / 16k, against 0.465 / 5.83 ms in tile order and 0.506 / 6.23 ms
+# for the 128-row nested form (benchmarks/results/prefill_sweep_h200.txt)
+PREFILL = {"BLOCK_M": 64, "num_warps": 4, "num_stages": 3, "FLAT": True, "HEAVY_FIRST": True}
 
 
 @triton.jit
-def _find_tile(tile_start_ptr, B, LOG_B):
+def _program_tile(KV_HEADS, HEAVY_FIRST: tl.constexpr):
+    """(global tile index, kv head) of this program. HEAVY_FIRST: one axis of tiles x kv heads, kv head fastest,
+    last tile first (under a causal mask the last tiles of a sequence see the most keys, so they start first and
+    the light ones fill the tail); otherwise axis 0 is the tile and axis 1 the kv head. No bit depends on it."""
+    if HEAVY_FIRST:
+        pid = tl.program_id(0)
+        return tl.num_programs(0) // KV_HEADS - 1 - pid // KV_HEADS, pid % KV_HEADS
+    return tl.program_id(0), tl.program_id(1)
+
+
+@triton.jit
+def _find_tile(pid, tile_start_ptr, B, LOG_B):
     """Sequence b with tile_start[b] <= pid < tile_start[b + 1] (binary search, fixed step count)."""
-    pid = tl.program_id(0)
     lo = pid * 0
     hi = lo + B
     for _ in range(0, LOG_B):
@@ -178,17 +189,17 @@ def _merge(m_t, l_t, o_t, m_s, l_s, o_s):
 
 @triton.jit
 def _attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, pm_ptr, pl_ptr, po_ptr, nsplit_ptr, lse_ptr,
-                 q_start_ptr, ctx_len_ptr, tile_start_ptr, block_table_ptr, B, LOG_B, NUM_SPLITS,
+                 q_start_ptr, ctx_len_ptr, tile_start_ptr, block_table_ptr, B, LOG_B, NUM_SPLITS, KV_HEADS,
                  stride_qt, stride_qh, stride_ot, stride_oh, stride_kt, stride_kh, stride_vt, stride_vh,
                  stride_bt, stride_lse_h, qk_scale,
                  G: tl.constexpr, D: tl.constexpr, PAGED: tl.constexpr, STORE_LSE: tl.constexpr,
                  SPLIT: tl.constexpr, BLOCK_SIZE: tl.constexpr, CHUNK: tl.constexpr,
                  SPLIT_CHUNKS: tl.constexpr, BLOCK_M: tl.constexpr, PRECISION: tl.constexpr,
-                 FLAT: tl.constexpr):
-    b, tile = _find_tile(tile_start_ptr, B, LOG_B)
+                 FLAT: tl.constexpr, HEAVY_FIRST: tl.constexpr):
+    pid, kvh = _program_tile(KV_HEADS, HEAVY_FIRST)
+    b, tile = _find_tile(pid, tile_start_ptr, B, LOG_B)
     # programs past the last tile (the grid is an upper bound) have no valid row and run no chunk
     tile_ok = tile < tl.load(tile_start_ptr + b + 1) - tl.load(tile_start_ptr + b)
-    kvh = tl.program_id(1)
     q0 = tl.load(q_start_ptr + b)
     q_len = tl.load(q_start_ptr + b + 1) - q0
     ctx_len = tl.load(ctx_len_ptr + b)
@@ -212,7 +223,7 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, pm_ptr, pl_ptr, po_ptr, nsplit_pt
                                  stride_kt, stride_kh, stride_vt, stride_vh, c0,
                                  tl.minimum(c0 + SPLIT_CHUNKS, n_chunks), c_full, qk_scale,
                                  PAGED, BLOCK_SIZE, D, CHUNK, BLOCK_M, PRECISION)
-        H = tl.num_programs(1) * G
+        H = KV_HEADS * G
         prow = ((q0 + tok).to(tl.int64) * H + head) * NUM_SPLITS + s
         keep = tok < tl.where(s < n_splits, q_rows, 0)
         tl.store(pm_ptr + prow, m, mask=keep)
@@ -310,16 +321,19 @@ def _run(q, k, v, q_start, ctx_len, block_table, block_size, scale, paged, sched
     pm = torch.empty(tq * heads * num_splits if split else 1, dtype=f32, device=q.device)
     pl = torch.empty_like(pm)
     po = torch.empty(pm.numel() * d if split else 1, dtype=f32, device=q.device)
-    nsplit = torch.empty(tq if split else 1, dtype=torch.int32, device=q.device)
+    # zeros: rows of no sequence (the padding of a CUDA-graph batch) merge no split and are never read
+    nsplit = torch.zeros(tq if split else 1, dtype=torch.int32, device=q.device)
     table = block_table if paged else tile_start
-    grid = (grid_tiles, kv_heads, num_splits if split else 1)
-    _attn_kernel[grid](
+    heavy_first = cfg.pop("HEAVY_FIRST", False)
+    grid = (grid_tiles * kv_heads, 1) if heavy_first else (grid_tiles, kv_heads)
+    _attn_kernel[grid + (num_splits if split else 1,)](
         q, k, v, out, pm, pl, po, nsplit, pm if lse is None else lse, q_start, ctx_len, tile_start, table, b,
-        b.bit_length(), num_splits,
+        b.bit_length(), num_splits, kv_heads,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         table.stride(0), 0 if lse is None else lse.stride(0), float(scale) * LOG2E,
         G=g, D=d, PAGED=paged, STORE_LSE=lse is not None, SPLIT=split, BLOCK_SIZE=block_size,
-        CHUNK=CHUNK, SPLIT_CHUNKS=SPLIT_CHUNKS, BLOCK_M=block_m, PRECISION=precision, FLAT=flat, **cfg, **LAUNCH)
+        CHUNK=CHUNK, SPLIT_CHUNKS=SPLIT_CHUNKS, BLOCK_M=block_m, PRECISION=precision, FLAT=flat,
+        HEAVY_FIRST=heavy_first, **cfg, **LAUNCH)
     if split:
         _merge_kernel[(tq, heads)](pm, pl, po, nsplit, out, heads, num_splits, out.stride(0), out.stride(1),
                                    D=d, num_warps=1, **LAUNCH)
@@ -369,7 +383,7 @@ def _cp_split_kernel(q_ptr, k_ptr, v_ptr, pm_ptr, pl_ptr, po_ptr, q_row_ptr, pos
     """Task b: query rows q_row[b] + j (positions pos0[b] + j, j < tile_start-derived length) against
     the keys of split split[b] of a sequence of seq_len[b] keys, key position p at row kv_base[b] + p.
     Writes the split's exact fp32 partial (m, l, o) of each row at out_row[b] + j (`_split_partial`)."""
-    b, tile = _find_tile(tile_start_ptr, B, LOG_B)
+    b, tile = _find_tile(tl.program_id(0), tile_start_ptr, B, LOG_B)
     q_len = tl.load(pos0_ptr + B + b)  # pos0_ptr holds [pos0 (B), q_len (B)]
     tile_ok = tile < tl.load(tile_start_ptr + b + 1) - tl.load(tile_start_ptr + b)
     kvh = tl.program_id(1)
@@ -436,6 +450,7 @@ def split_partials(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_row: tor
     cfg = dict(config or PREFILL)
     block_m = cfg.pop("BLOCK_M")
     cfg.pop("FLAT", None)  # one split per program here: nothing to flatten
+    cfg.pop("HEAVY_FIRST", None)  # (its own grid)
     g, d = _check(q, k.shape[1], block_m)
     precision = _precision(q, k)
     dev, i32 = q.device, torch.int32
