@@ -30,6 +30,7 @@ from rl_kernel.integrations.vllm.nccl import (
 )
 from rl_kernel.models.weight_transfer import WeightVersionError
 from vime.errors import WeightSyncError
+from vime.weights.sync import VLLM_NCCL, push_transport
 
 pytestmark = pytest.mark.vllm
 
@@ -250,3 +251,8 @@ def test_messages_out_of_order_are_refused(tiny_qwen3_path, state):
         client.version = 1
         client.finish_weight_update("3")
 
+
+def test_vllm_engines_on_nccl_get_vllms_push():
+    assert push_transport("nccl", "vllm") == VLLM_NCCL
+    assert [push_transport(t, e) for t, e in [("ipc", "vllm"), ("nccl", "reference"), ("object_store", "vllm")]] == \
+        ["ipc", "nccl", "object_store"]
