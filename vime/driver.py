@@ -29,7 +29,7 @@ from vime.rollout.actor import RolloutWorker
 from vime.timeline import Timeline
 from vime.trainer.actor import TrainerWorker
 from vime.trainer.grpo import group_advantages
-from vime.weights.sync import sync_weights
+from vime.weights.sync import push_transport, sync_weights
 
 log = logging.getLogger("vime")
 BUCKET_BYTES = 64 << 20
@@ -136,7 +136,8 @@ class Driver:
             num_cpus=cfg.ray.cpus_per_actor, num_gpus=gpus * cfg.rollout.tp,
             scheduling_strategy=placement.in_group(rollout_pg, i),
             name=f"rollout-{i}" + (f"-restart{self.engine_restarts}" if self.engine_restarts else "")
-        ).remote(i, cfg.rollout, self.model_path, cfg.model.dtype, cfg.device, self.rollout_modes, cfg.seed)
+        ).remote(i, cfg.rollout, self.model_path, cfg.model.dtype, cfg.device, self.rollout_modes, cfg.seed,
+                 str(cfg.weights.transport))
         self.engines = [self.new_engine(i) for i in range(cfg.rollout.num_engines)]
         self.trainer = [Trainer.options(num_cpus=cfg.ray.cpus_per_actor, num_gpus=gpus,
                                         scheduling_strategy=placement.in_group(trainer_pg, r), name=f"trainer-{r}")
@@ -218,8 +219,9 @@ class Driver:
         result = consistency.compare([consistency.rollout_tensor(s.logprobs) for s in samples],
                                      [sc.logprobs for sc in scored], [sc.positions for sc in scored],
                                      [sc.token_ids for sc in scored])
+        transport = push_transport(cfg.weights.transport, cfg.rollout.engine)
         sync = restart.sync(self, lambda: sync_weights(self.trainer, self.engines, self.timeline.trainer_version,
-                                                       BUCKET_BYTES, self.timeline, call, cfg.weights.transport))
+                                                       BUCKET_BYTES, self.timeline, call, transport))
         rewards = torch.tensor([s.reward for s in samples])
         tied = report.tied_groups(rewards.tolist(), cfg.algo.group_size)
         warning = report.no_signal_warning(step, rewards.tolist(), cfg.algo.group_size)

@@ -57,15 +57,16 @@ def check_local_resources(cfg: VimeConfig) -> None:
 
 
 def check_weight_transport(cfg: VimeConfig) -> None:
-    """vLLM engines on GPUs take the `ipc` push only (rl_kernel.integrations.vllm.ipc; written, never run on a
-    GPU: docs/vllm.md): vLLM's nccl engine has its own rendezvous and wire, which vime's push does not speak.
-    (`ipc` serves colocated engines on every trainer GPU: each trainer rank ships its own GPU's handles,
-    vime.weights.sync; `vime.layout` checks the colocation.)"""
+    """vLLM engines on GPUs take weights only as a push of trainer rank 0 (written, never run on a GPU:
+    docs/vllm.md): `ipc`, rl_kernel's push translated into vLLM's calls (rl_kernel.integrations.vllm.ipc;
+    with several trainer ranks each ships its own GPU's handles, vime.weights.sync), or `nccl`, vLLM's own
+    nccl trainer engine driven from trainer rank 0 (rl_kernel.integrations.vllm.nccl). Which GPUs each serves
+    (`ipc`: engines colocated on the trainer's; `nccl`: GPUs of their own) is `vime.layout`'s check."""
     if cfg.device == "cuda" and RolloutBackend(cfg.rollout.engine) == RolloutBackend.vllm \
-            and cfg.weights.transport != "ipc":
-        raise ConfigError(f"rollout.engine=vllm with weights.transport={cfg.weights.transport} on GPUs: vLLM's nccl "
-                          "weight-transfer engine has a rendezvous and wire of its own that vime's push does not "
-                          "speak; use weights.transport=ipc with weights.colocate=true, or rollout.engine=reference")
+            and cfg.weights.transport not in ("ipc", "nccl"):
+        raise ConfigError(f"rollout.engine=vllm with weights.transport={cfg.weights.transport} on GPUs: a vLLM engine "
+                          "on CUDA takes weights only as a push of trainer rank 0; use weights.transport=ipc with "
+                          "weights.colocate=true, or nccl with weights.colocate=false")
 
 
 def check_checkpoint(path: Path) -> None:

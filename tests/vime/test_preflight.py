@@ -160,15 +160,20 @@ def test_stale_temporary_files_are_swept_and_live_ones_kept(tmp_path):
     assert not stale.exists() and fresh.exists() and held.exists() and live.exists()
 
 
-def test_vllm_on_gpus_takes_ipc_and_nccl_is_refused(compose_cfg):
+def test_vllm_on_gpus_takes_ipc_and_nccl(compose_cfg):
     # the seed's layout: 2 vLLM engines x TP4 colocated on the trainer's 8 GPUs, each rank shipping its GPU's handles
     preflight.check_weight_transport(validate(to_object(compose_cfg("+experiment=qwen3_8b_grpo",
                                                                     "model.path=/ckpt/Qwen3-8B"))))
     preflight.check_weight_transport(validate(to_object(compose_cfg("+experiment=h200_8b_layers",
                                                                     "rollout.engine=vllm"))))
-    with pytest.raises(ConfigError, match="rollout.engine=vllm with weights.transport=nccl on GPUs: vLLM's nccl "
-                                          "weight-transfer engine has a rendezvous and wire of its own"):
+    # 4 vLLM engines x TP2 on a second node, weights through vLLM's own nccl engine
+    preflight.check_weight_transport(validate(to_object(compose_cfg("+experiment=qwen3_8b_grpo_tp2x4",
+                                                                    "model.path=/ckpt/Qwen3-8B"))))
+    preflight.check_weight_transport(validate(to_object(compose_cfg(
+        "+experiment=h200_8b_layers", "rollout.engine=vllm", "weights.transport=nccl", "weights.colocate=false"))))
+    with pytest.raises(ConfigError, match="rollout.engine=vllm with weights.transport=object_store on GPUs: a vLLM "
+                                          "engine on CUDA takes weights only as a push of trainer rank 0"):
         preflight.check_weight_transport(validate(to_object(compose_cfg(
-            "+experiment=h200_8b_layers", "rollout.engine=vllm", "weights.transport=nccl", "weights.colocate=false"))))
+            "+experiment=h200_8b_layers", "rollout.engine=vllm", "weights.transport=object_store"))))
     preflight.check_weight_transport(validate(to_object(compose_cfg("+experiment=h200_8b_layers"))))
     preflight.check_weight_transport(validate(to_object(compose_cfg())))  # vLLM on CPU: the object store

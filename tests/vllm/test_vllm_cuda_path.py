@@ -19,6 +19,7 @@ from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend, FlashAt
 from vllm.v1.attention.backends.utils import NULL_BLOCK_ID, get_supported_kv_cache_layouts
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheTensor, create_kv_cache_views
 from vllm.v1.kv_cache_layout import KVCacheLayout
+from vllm_test_utils import RecordingLLM, cuda_rollout
 
 import rl_kernel as rk
 from rl_kernel.bits import bits, same_bits
@@ -88,31 +89,9 @@ def test_cuda_kwargs_refuse_what_strict_mode_cannot_run(tiny_qwen3_path):
         native_llm_kwargs(tiny_qwen3_path, device="tpu")
 
 
-class FakeLLM:
-    """`vllm.LLM`'s weight-update API (vllm/entrypoints/rl/offline.py), recorded; payloads parsed by vLLM."""
-
-    def __init__(self):
-        self.calls: list[tuple] = []
-        self.weight_version = "0"
-
-    def init_weight_transfer_engine(self, request):
-        self.calls.append(("init", IPCWeightTransferInitInfo(**request["init_info"])))
-
-    def start_weight_update(self):
-        self.calls.append(("start",))
-
-    def update_weights(self, request):
-        self.calls.append(("update", IPCWeightTransferUpdateInfo(**request["update_info"])))
-
-    def finish_weight_update(self, weight_version=None):
-        self.calls.append(("finish", weight_version))
-        self.weight_version = weight_version
-
-    def reset_prefix_cache(self):
-        return True
-
-    def get_weight_version(self):
-        return self.weight_version
+def ipc_llm() -> RecordingLLM:
+    """`vllm.LLM` with the `ipc` engine, recorded; payloads parsed by vLLM's ipc dataclasses."""
+    return RecordingLLM(IPCWeightTransferInitInfo, IPCWeightTransferUpdateInfo)
 
 
 class HandleSender(WeightSender):
@@ -140,7 +119,7 @@ EXPECTED = {n: TensorMeta.of(n, t) for n, t in WEIGHTS.items()}
 
 
 def test_ipc_push_becomes_vllm_weight_update_calls():
-    llm = FakeLLM()
+    llm = ipc_llm()
     receiver = VllmIPCReceiver(llm, EXPECTED)
     ack = _wire(receiver.handle).push(WEIGHTS.items(), version=1)
     assert ack == {"version": 1, "tensors": 3, "bytes": 768, "buckets": 2}
@@ -159,7 +138,7 @@ def test_ipc_push_becomes_vllm_weight_update_calls():
     (WEIGHTS | {"c": torch.ones(64, dtype=torch.float16)}, 1, "c: pushed float16\\[64\\], engine holds float32"),
 ])
 def test_ipc_push_that_does_not_fit_fails_before_vllm_sees_it(weights, version, error):
-    llm = FakeLLM()
+    llm = ipc_llm()
     with pytest.raises((WeightVersionError, KeyError, ValueError), match=error):
         _wire(VllmIPCReceiver(llm, EXPECTED).handle).push(weights.items(), version=version)
     assert [c[0] for c in llm.calls] == ["init"]
@@ -167,10 +146,10 @@ def test_ipc_push_that_does_not_fit_fails_before_vllm_sees_it(weights, version, 
 
 def test_padded_or_handleless_buckets_are_refused():
     odd = {"n": torch.ones(3)}  # 12 bytes in a 256-byte slot: vLLM's reader would misplace what follows
-    llm = FakeLLM()
+    llm = ipc_llm()
     with pytest.raises(ValueError, match="1 tensor\\(s\\) of bucket 0 are padded to 256 bytes, e.g. \\['n'\\]"):
         _wire(VllmIPCReceiver(llm, {"n": TensorMeta.of("n", odd["n"])}).handle).push(odd.items(), version=1)
-    receiver = VllmIPCReceiver(FakeLLM(), EXPECTED)
+    receiver = VllmIPCReceiver(ipc_llm(), EXPECTED)
     meta = EXPECTED["a"]
     start = {"op": "start", "version": 1, "names": list(EXPECTED), "dtype_names": [m.dtype_name for m in
              EXPECTED.values()], "shapes": [list(m.shape) for m in EXPECTED.values()]}
@@ -181,13 +160,7 @@ def test_padded_or_handleless_buckets_are_refused():
 
 
 def _cuda_rollout(model_path):
-    """A VllmRollout on CUDA as its __init__ leaves it, over the stand-in `llm` (no engine is built)."""
-    from vime.rollout.vllm_engine import VllmRollout
-
-    rollout = VllmRollout.__new__(VllmRollout)
-    rollout.llm, rollout.cuda, rollout.model_path, rollout.dtype = FakeLLM(), True, str(model_path), "bfloat16"
-    rollout.engine_id, rollout.version, rollout._receiver = 0, 0, None
-    return rollout
+    return cuda_rollout(model_path, ipc_llm())
 
 
 def test_vllm_rollout_on_cuda_fails_closed_with_weight_sync_errors(tiny_qwen3_path):
@@ -206,9 +179,9 @@ def test_vllm_rollout_on_cuda_fails_closed_with_weight_sync_errors(tiny_qwen3_pa
     with pytest.raises(WeightSyncError, match="asked to serve weight version 1; the last ipc push was version 0 "
                                               "and vLLM serves 0"):
         rollout.set_version(1)
-    with pytest.raises(WeightSyncError, match="ipc push \\(receive_weights\\)"):
+    with pytest.raises(WeightSyncError, match="only as trainer rank 0's ipc push \\(receive_weights\\)"):
         rollout.update_weights({}, 1)
-    with pytest.raises(WeightSyncError, match="ipc weight transport only"):
+    with pytest.raises(WeightSyncError, match="vLLM engines join no rl_kernel NCCL group"):
         rollout.join_weight_group("127.0.0.1", 1, 1, 2)
 
 

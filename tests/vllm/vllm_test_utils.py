@@ -85,3 +85,49 @@ def compare_with_reference(outputs, prompts: list[list[int]], temperatures: list
     differ = bits(got) != bits(want)
     return {"tokens": got.numel(), "mismatches": int(differ.sum()),
             "max_abs_diff": float((got.double() - want.double()).abs().max()) if got.numel() else 0.0}
+
+
+class RecordingLLM:
+    """`vllm.LLM`'s weight-update API (vllm/entrypoints/rl/offline.py) over no engine: every call is recorded
+    in `calls`, every payload parsed by vLLM's own dataclasses of the engine's transport (`init_cls`,
+    `update_cls`). `tp`: its workers; `commits=False`: a vLLM that does not take the version it is given."""
+
+    def __init__(self, init_cls: type, update_cls: type, tp: int = 1, commits: bool = True):
+        from vllm.config import ParallelConfig
+
+        self.init_cls, self.update_cls, self.commits = init_cls, update_cls, commits
+        self.calls: list[tuple] = []
+        self.weight_version = "0"
+        config = type("VllmConfig", (), {"parallel_config": ParallelConfig(tensor_parallel_size=tp)})
+        self.llm_engine = type("LLMEngine", (), {"vllm_config": config})
+
+    def init_weight_transfer_engine(self, request):
+        self.calls.append(("init", self.init_cls(**request["init_info"])))
+
+    def start_weight_update(self):
+        self.calls.append(("start",))
+
+    def update_weights(self, request):
+        self.calls.append(("update", self.update_cls(**request["update_info"])))
+
+    def finish_weight_update(self, weight_version=None):
+        self.calls.append(("finish", weight_version))
+        if self.commits:
+            self.weight_version = weight_version
+
+    def reset_prefix_cache(self):
+        return True
+
+    def get_weight_version(self):
+        return self.weight_version
+
+
+def cuda_rollout(model_path, llm, transport: str = "ipc"):
+    """vime's VllmRollout on CUDA as its __init__ leaves it (bfloat16, engine 0, version 0, weights over
+    `transport`), over a stand-in `llm`: no engine is built, so only its weight-update logic can run."""
+    from vime.rollout.vllm_engine import VllmRollout
+
+    rollout = VllmRollout.__new__(VllmRollout)
+    rollout.llm, rollout.cuda, rollout.model_path, rollout.dtype = llm, True, str(model_path), "bfloat16"
+    rollout.engine_id, rollout.version, rollout._receiver, rollout.transport = 0, 0, None, transport
+    return rollout

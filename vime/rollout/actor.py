@@ -71,7 +71,8 @@ class RolloutWorker:
     """Wrapped with `ray.remote` by the driver; plain class so it is testable in-process."""
 
     def __init__(self, engine_id: int, cfg: RolloutConfig, model_path: str, dtype: str, device: str,
-                 modes: dict[str, str], seed: int):
+                 modes: dict[str, str], seed: int, transport: str = "ipc"):
+        """`transport` (`weights.transport`): how a vLLM engine on CUDA takes weights, `ipc` or `nccl`."""
         redirect_output()
         apply_modes(modes)
         self.engine_id, self.cfg, self.modes, self.seed = engine_id, cfg, modes, seed
@@ -79,7 +80,7 @@ class RolloutWorker:
         self.engine: Rollout
         if RolloutBackend(cfg.engine) == RolloutBackend.vllm:
             from vime.rollout.vllm_engine import VllmRollout
-            self.engine = VllmRollout(cfg, model_path, dtype, device, modes, seed + engine_id, engine_id)
+            self.engine = VllmRollout(cfg, model_path, dtype, device, modes, seed + engine_id, engine_id, transport)
         else:
             from vime.rollout.reference import ReferenceRollout
             self.engine = ReferenceRollout(cfg, model_path, dtype, device)
@@ -147,8 +148,9 @@ class RolloutWorker:
         self.engine.join_weight_group(host, port, rank, world)
 
     @_engine_call
-    def receive_weights(self, msg: dict) -> dict | None:
-        """One control message of an `ipc` / `nccl` weight push; returns the acknowledgement after `finish`."""
+    def receive_weights(self, msg: dict) -> dict | int | None:
+        """One control message of an `ipc` / `nccl` weight push; returns the acknowledgement after `finish` (a
+        vLLM engine on `nccl`: also its transfer-group ranks, asked with `ranks`)."""
         return self.engine.receive_weights(msg)
 
     @_engine_call

@@ -8,8 +8,9 @@ kernels (`native_llm_kwargs`). Both take new weights through vLLM's weight-updat
 `rl_kernel_cpu` engine: one update session per weight version (opened by its first bucket, finished
 when the version is set), which for vLLM's own model redoes vLLM's post-load weight processing.
 Either way vLLM stamps each output with its engine weight version, which becomes the per-token
-version of the sample. On CUDA (written, never run: docs/vllm.md) the engine uses vLLM's `ipc` engine
-and takes trainer rank 0's `ipc` pushes (`receive_weights`) instead.
+version of the sample. On CUDA (written, never run: docs/vllm.md) the engine uses vLLM's `ipc` or `nccl`
+engine (`weights.transport`) and takes trainer rank 0's pushes (`receive_weights`) instead: rl_kernel's `ipc`
+push translated into vLLM's calls, or vLLM's own nccl rendezvous and wire driven from trainer rank 0.
 
 With `rollout.tp > 1` vLLM's multiprocess executor runs every TP rank in its own process. A watcher
 thread records the first of them to exit; the engine then reports "rollout engine i, TP rank r died"
@@ -132,7 +133,7 @@ def _versions(output, n: int) -> list[int]:
 
 class VllmRollout:
     def __init__(self, cfg: RolloutConfig, model_path: str, dtype: str, device: str, modes: dict[str, str], seed: int,
-                 engine_id: int = 0):
+                 engine_id: int = 0, transport: str = "ipc"):
         import vllm
 
         from rl_kernel.integrations import vllm as rkv
@@ -150,9 +151,9 @@ class VllmRollout:
                 cpus = sorted(os.sched_getaffinity(0))
                 os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(cpus[i % len(cpus)]) for i in range(cfg.tp))
         make_kwargs = functools.partial(rkv.strict_llm_kwargs, modes=modes) if self.strict else rkv.native_llm_kwargs
-        self.cuda = torch.device(device).type == "cuda"
-        if self.cuda:  # vLLM's own `ipc` engine: weights come as rl_kernel ipc pushes (`receive_weights`)
-            make_kwargs = functools.partial(make_kwargs, device="cuda", transport="ipc")
+        self.cuda, self.transport = torch.device(device).type == "cuda", str(transport)
+        if self.cuda:  # vLLM's own `ipc` / `nccl` engine: weights come as pushes of trainer rank 0 (`receive_weights`)
+            make_kwargs = functools.partial(make_kwargs, device="cuda", transport=self.transport)
         self.model_path, self.dtype = model_path, dtype
         self.engine_id, self._temp_files, self._closing = engine_id, [], False
         self._death: tuple[int, int | None, int] | None = None  # (TP rank, exit code, pid) of a dead worker
@@ -164,7 +165,7 @@ class VllmRollout:
         self.version = 0
         self.top_k, self.top_p = -1, 1.0  # set from the sampling parameters of each `generate`
         self._updating: int | None = None  # version of the open weight-update session
-        self._receiver = None  # CUDA: the ipc push's receiver (rl_kernel.integrations.vllm.ipc), from the first push
+        self._receiver = None  # CUDA: the push's receiver (rl_kernel.integrations.vllm.ipc / .nccl), made on first use
         self.llm.update_weight_version("0")
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float,
@@ -216,8 +217,9 @@ class VllmRollout:
     def update_weights(self, weights: dict[str, torch.Tensor], version: int) -> None:
         """Load one bucket of version `version`; the first bucket of a version opens the update session."""
         if self.cuda:
-            raise WeightSyncError("a vLLM engine on CUDA takes weights only as an ipc push (receive_weights), "
-                                  "not as tensors from Ray's object store (restart and resume load that way)")
+            raise WeightSyncError(f"a vLLM engine on CUDA takes weights only as trainer rank 0's {self.transport} "
+                                  "push (receive_weights), not as tensors from Ray's object store (restart and "
+                                  "resume load that way)")
         if self._updating is None:
             self.llm.start_weight_update()
             self._updating = version
@@ -227,14 +229,15 @@ class VllmRollout:
         self.rkv.send_weights(self.llm, weights, version)
 
     def join_weight_group(self, host: str, port: int, rank: int, world: int) -> None:
-        raise WeightSyncError("vLLM engines take the ipc weight transport only: vLLM's nccl engine has its own "
-                              "rendezvous (PyNccl) and wire, which vime's trainer-side push does not speak")
+        raise WeightSyncError("vLLM engines join no rl_kernel NCCL group: weights.transport=nccl into vLLM goes "
+                              "through vLLM's own nccl engine (receive_weights from trainer rank 0's vllm_nccl push)")
 
-    def receive_weights(self, msg: dict) -> dict | None:
-        """One message of an rl_kernel `ipc` push (rl_kernel.models.weight_transfer), translated into vLLM's
-        weight-update API; a push that is stale, names other weights or is not packed IPC raises
-        WeightSyncError before vLLM sees it. Returns the acknowledgement after `finish`."""
-        from rl_kernel.integrations.vllm.ipc import VllmIPCReceiver
+    def receive_weights(self, msg: dict) -> dict | int | None:
+        """One message of trainer rank 0's push, passed to vLLM's weight-update API: with `ipc` rl_kernel's push
+        (rl_kernel.integrations.vllm.ipc), with `nccl` the calls of vLLM's own nccl trainer engine
+        (rl_kernel.integrations.vllm.nccl). A push that is stale or names other weights (or, ipc, is not packed
+        IPC) raises WeightSyncError before vLLM sees it. Returns the acknowledgement after `finish` (and, nccl,
+        the number of group ranks this engine's workers take for `ranks`)."""
         from rl_kernel.models.qwen3 import read_config
         from rl_kernel.models.weight_transfer import WeightVersionError, expected_weights
 
@@ -242,20 +245,24 @@ class VllmRollout:
             raise WeightSyncError("a vLLM engine on CPU takes weights from Ray's object store (update_weights)")
         try:
             if self._receiver is None:
+                if self.transport == "nccl":
+                    from rl_kernel.integrations.vllm.nccl import VllmNCCLReceiver as Receiver
+                else:
+                    from rl_kernel.integrations.vllm.ipc import VllmIPCReceiver as Receiver
                 expected = expected_weights(read_config(self.model_path), self.dtype)
-                self._receiver = VllmIPCReceiver(self.llm, expected, version=self.version)
+                self._receiver = Receiver(self.llm, expected, version=self.version)
             return self._receiver.handle(msg)
         except (WeightVersionError, KeyError, ValueError) as e:
             raise WeightSyncError(f"rollout engine {self.engine_id}: weight push refused: {e}") from e
 
     def set_version(self, version: int) -> int:
         """All buckets of `version` are in: finish the update session and serve `version` from now on."""
-        if self.cuda:  # the ipc push's `finish` has finished vLLM's update session
+        if self.cuda:  # the push's `finish` has finished vLLM's update session
             pushed = None if self._receiver is None else self._receiver.version
             served = int(self.llm.get_weight_version())
             if pushed != version or served != version:
-                raise WeightSyncError(f"asked to serve weight version {version}; the last ipc push was version "
-                                      f"{pushed} and vLLM serves {served}")
+                raise WeightSyncError(f"asked to serve weight version {version}; the last {self.transport} push was "
+                                      f"version {pushed} and vLLM serves {served}")
             self.version = served
             return served
         if self._updating is not None:

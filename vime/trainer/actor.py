@@ -157,9 +157,10 @@ class TrainerWorker:
 
     def push_weights(self, engines: list, version: int, transport: str, bucket_bytes: int) -> dict:
         """Push the HF-named full weights (collective: TP shards are gathered) as version `version` into the
-        rollout actors `engines` over `transport` ("ipc" or "nccl"); rank 0 pushes and returns the engines'
-        acknowledgement {version, tensors, bytes, buckets}, the other ranks {}. With `ipc` and several
-        ranks, every rank ships the handles of its own GPU's copy (colocated engines on every trainer GPU)."""
+        rollout actors `engines` over `transport` ("ipc", "nccl" or "vllm_nccl": vime.weights.sync); rank 0
+        pushes and returns the engines' acknowledgement {version, tensors, bytes, buckets}, the other ranks {}.
+        With `ipc` and several ranks, every rank ships the handles of its own GPU's copy (colocated engines on
+        every trainer GPU)."""
         device = torch.device(self._args[2])  # the GPU this rank trains on (CPU: the gloo form, for tests)
         tensors = self.engine.export_hf(device=device)
         every_rank = transport == "ipc" and self.world_size > 1
@@ -168,7 +169,7 @@ class TrainerWorker:
         if self._push is None:
             from vime.weights.sync import EnginePush
 
-            self._push = EnginePush(device)
+            self._push = EnginePush(device, dtype=self._args[1])
         ack = self._push.push(engines, tensors, version, transport, bucket_bytes, every_rank=every_rank)
         return ack if self.rank == 0 else {}
 

@@ -7,6 +7,10 @@
   pushes the gathered tensors itself (`EnginePush`, rl_kernel.models.weight_transfer's protocol): CUDA
   IPC handles of packed buckets, or the buckets broadcast in an NCCL group of rank 0 and the engines.
   The control messages go to the engines' Ray actors; the engines acknowledge the version they received.
+- `nccl` into vLLM engines (`vllm_nccl`, `push_transport`): rank 0 drives vLLM's own trainer engine
+  (`NCCLTrainerWeightTransferEngine`: vLLM's rendezvous and packed wire) through
+  rl_kernel.integrations.vllm.nccl; its client calls go to the engines' Ray actors, which check the push
+  before any NCCL call and acknowledge the version vLLM serves after it.
 
 Either way each engine is then told the new version and reports the version it serves, which the
 timeline checks.
@@ -19,14 +23,26 @@ import time
 import torch
 
 from rl_kernel.models.weight_transfer import DEFAULT_BUCKET_BYTES
+from vime.config import RolloutBackend
+from vime.errors import WeightSyncError
 from vime.timeline import Timeline
+
+VLLM_NCCL = "vllm_nccl"  # `nccl` into vLLM engines: vLLM's own rendezvous and wire
+
+
+def push_transport(transport: str, rollout_engine: str) -> str:
+    """What trainer rank 0 speaks for `weights.transport` into `rollout.engine`'s actors: vLLM engines take
+    `nccl` as vLLM's own rendezvous and wire (VLLM_NCCL); every other pair is `transport` itself."""
+    vllm = RolloutBackend(rollout_engine) == RolloutBackend.vllm
+    return VLLM_NCCL if vllm and str(transport) == "nccl" else str(transport)
 
 
 def sync_weights(trainer_ranks: list, engines: list, version: int, bucket_bytes: int, timeline: Timeline,
                  call, transport: str = "object_store") -> dict[str, float]:
-    """Push the trainer's weights (version `version`) to `engines` over `transport`; `call(refs, what,
-    names)` is the driver's error-reporting ray.get. `bucket_bytes` sizes the object store's buckets; the
-    GPU transports pack 1 GiB buckets (vLLM's packed-buffer size). Returns sync stats (seconds, bytes, GB/s)."""
+    """Push the trainer's weights (version `version`) to `engines` over `transport` (`object_store`, `ipc`,
+    `nccl` or VLLM_NCCL: see `push_transport`); `call(refs, what, names)` is the driver's error-reporting
+    ray.get. `bucket_bytes` sizes the object store's buckets; the GPU transports pack 1 GiB buckets (vLLM's
+    packed-buffer size). Returns sync stats (seconds, bytes, GB/s)."""
     t0 = time.perf_counter()
     ranks = [f"trainer rank {i}" for i in range(len(trainer_ranks))]
     if transport == "object_store":
@@ -56,11 +72,16 @@ class EnginePush:
     push's names, shapes and version); the rest are submitted without waiting (a caller's calls to one
     actor run in order), so that rank 0 can broadcast a bucket while the engines wait for it, and their
     replies are collected after `finish`. Every engine must acknowledge the same version, tensors and bytes. The
-    NCCL group is formed on the first push and again whenever the set of engines changes (a restart)."""
+    NCCL group is formed on the first push and again whenever the set of engines changes (a restart).
 
-    def __init__(self, device: torch.device):
-        self.device = torch.device(device)
+    VLLM_NCCL (vLLM engines on `nccl`) goes through rl_kernel.integrations.vllm.nccl instead, on rank 0 only:
+    the tensors travel in `dtype` (the engines' dtype); vLLM's transfer group is formed and re-formed the same
+    way."""
+
+    def __init__(self, device: torch.device, dtype: torch.dtype | str | None = None):
+        self.device, self.dtype = torch.device(device), dtype
         self._group = None
+        self._vllm = None  # rl_kernel.integrations.vllm.nccl.VllmNCCLSender of the engines in `_members`
         self._members: tuple | None = None
 
     def push(self, engines: list, tensors: dict[str, torch.Tensor], version: int, transport: str,
@@ -72,6 +93,8 @@ class EnginePush:
 
         from rl_kernel.models.weight_transfer import WeightSender, WeightVersionError
 
+        if transport == VLLM_NCCL:
+            return self._vllm_push(engines, tensors, version, bucket_bytes)
         group = self._nccl_group(engines) if transport == "nccl" else None
         lead = not every_rank or torch.distributed.get_rank() == 0
         pending: list[list] = []
@@ -115,6 +138,36 @@ class EnginePush:
         sender = WeightSender(transport, send, recv, bucket_bytes=bucket_bytes, group=group, src=0,
                               merge_handles=_all_gathered if every_rank else None)
         return sender.push(tensors.items(), version)
+
+    def _vllm_push(self, engines: list, tensors: dict[str, torch.Tensor], version: int, bucket_bytes: int) -> dict:
+        from rl_kernel.models.weight_transfer import WeightVersionError
+
+        try:
+            return self._vllm_sender(engines, bucket_bytes).push(tensors, version)
+        except (WeightVersionError, WeightSyncError) as e:  # an engine's refusal comes wrapped by Ray: its cause
+            raise WeightSyncError(f"trainer rank 0: vLLM nccl push of weight version {version}: "
+                                  f"{getattr(e, 'cause', e)}") from e
+
+    def _vllm_sender(self, engines: list, bucket_bytes: int):
+        import ray
+
+        members = (VLLM_NCCL, *(e._actor_id.hex() for e in engines))
+        if members != self._members:
+            try:
+                from rl_kernel.integrations.vllm.nccl import VllmNCCLSender
+            except ImportError as e:
+                raise WeightSyncError(f"weights.transport=nccl into vLLM engines runs vLLM's trainer engine on trainer "
+                                      f"rank 0, where vLLM cannot be imported ({e}); install vllm in the trainer's "
+                                      "environment or use weights.transport=ipc") from e
+
+            def send(msgs: list[dict]) -> list:
+                return ray.get([e.receive_weights.remote(m) for e, m in zip(engines, msgs)])
+
+            # a former group's communicator is dropped, not destroyed: with a dead member it may not come down
+            self._vllm = VllmNCCLSender(send, len(engines), ray.util.get_node_ip_address(), dtype=self.dtype,
+                                        buffer_bytes=bucket_bytes)
+            self._members = members
+        return self._vllm
 
     def _nccl_group(self, engines: list):
         import ray
