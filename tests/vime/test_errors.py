@@ -13,7 +13,7 @@ import torch
 
 from vime.config import TrainerConfig, VimeConfig
 from vime.driver import call, make_model
-from vime.errors import EngineDiedError, TrainingError, VimeError
+from vime.errors import EngineDiedError, TrainingError, VimeError, WeightSyncError
 from vime.trainer.grpo import LossConfig, TrainBatch
 from vime.trainer.reference import ReferenceTrainer
 
@@ -52,6 +52,12 @@ class _Flaky:
     def bad_value(self) -> None:
         raise ValueError("prompt ids out of range")
 
+    def refuse(self) -> None:
+        raise WeightSyncError("weight version 3 is not above the served version 3")
+
+    def relay(self, other) -> None:  # a trainer rank waiting on an engine's reply, as weight pushes do
+        ray.get(other.refuse.remote())
+
 
 def test_a_dead_or_failing_actor_is_named():
     ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
@@ -61,6 +67,10 @@ def test_a_dead_or_failing_actor_is_named():
             call([b.die.remote()], "generate", ["rollout engine 1"])
         with pytest.raises(ValueError, match=r"rollout engine 0 \(generate\): prompt ids out of range"):
             call([a.bad_value.remote()], "generate", ["rollout engine 0"])
+        with pytest.raises(WeightSyncError) as raised:  # an engine's refusal through another actor: still one line
+            call([a.relay.remote(_Flaky.remote())], "sync", ["trainer rank 0"])
+        assert type(raised.value) is WeightSyncError
+        assert str(raised.value) == "trainer rank 0 (sync): weight version 3 is not above the served version 3"
     finally:
         ray.shutdown()
 
