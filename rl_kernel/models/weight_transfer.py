@@ -38,6 +38,16 @@ class WeightVersionError(RuntimeError):
     """A weight push whose versions do not line up (stale, repeated, interleaved or unacknowledged)."""
 
 
+def dtype_of(dtype: torch.dtype | str) -> torch.dtype:
+    """The torch dtype of `dtype`, a torch dtype or its name ('bfloat16' or 'torch.bfloat16')."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    found = getattr(torch, str(dtype).removeprefix("torch."), None)
+    if not isinstance(found, torch.dtype):
+        raise ValueError(f"unknown dtype name {dtype!r}; use a torch dtype name such as 'bfloat16'")
+    return found
+
+
 @dataclasses.dataclass(frozen=True)
 class TensorMeta:
     name: str
@@ -46,10 +56,10 @@ class TensorMeta:
 
     @property
     def dtype(self) -> torch.dtype:
-        dtype = getattr(torch, self.dtype_name, None)
-        if not isinstance(dtype, torch.dtype):
-            raise ValueError(f"{self.name}: unknown dtype name {self.dtype_name!r}")
-        return dtype
+        try:
+            return dtype_of(self.dtype_name)
+        except ValueError as e:
+            raise ValueError(f"{self.name}: {e}") from None
 
     @property
     def nbytes(self) -> int:
@@ -120,7 +130,9 @@ def _bucket_message(version: int, index: int, metas: list[TensorMeta], sizes: li
             "tensor_sizes": sizes, **extra}
 
 
-def _metas_of(msg: dict) -> list[TensorMeta]:
+def metas_of(msg: dict) -> list[TensorMeta]:
+    """The tensors a push message (`start`, `bucket`, or vLLM's update info) names: one TensorMeta per entry of
+    its `names`, `dtype_names` and `shapes` (and `tensor_sizes` when present), in order."""
     n = len(msg["names"])
     if not (len(msg["dtype_names"]) == len(msg["shapes"]) == len(msg.get("tensor_sizes", msg["names"])) == n):
         raise ValueError("`names`, `dtype_names`, `shapes` and `tensor_sizes` must have one entry per tensor")
@@ -277,7 +289,7 @@ class WeightReceiver:
                                          "still being received")
             if version <= self.version:
                 raise WeightVersionError(f"weight version {version} offered to an engine serving {self.version}")
-            metas = _metas_of(msg)
+            metas = metas_of(msg)
             self._check(metas, set())
             if self.expected is not None and {m.name for m in metas} != set(self.expected):
                 missing = sorted(set(self.expected) - {m.name for m in metas})
@@ -316,7 +328,7 @@ class WeightReceiver:
                                  f"{want.dtype_name}{list(want.shape)}")
 
     def _bucket(self, msg: dict) -> None:
-        metas, sizes = _metas_of(msg), list(msg["tensor_sizes"])
+        metas, sizes = metas_of(msg), list(msg["tensor_sizes"])
         self._check(metas, self._seen)
         self._load_bucket(msg, metas, sizes)
         self._seen.update(m.name for m in metas)

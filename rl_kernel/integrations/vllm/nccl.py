@@ -25,7 +25,14 @@ from dataclasses import asdict
 import torch
 
 from rl_kernel.integrations.vllm import finish_weight_update
-from rl_kernel.models.weight_transfer import TensorMeta, WeightReceiver, WeightVersionError, _metas_of, check_ack
+from rl_kernel.models.weight_transfer import (
+    TensorMeta,
+    WeightReceiver,
+    WeightVersionError,
+    check_ack,
+    dtype_of,
+    metas_of,
+)
 from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
 from vllm.distributed.weight_transfer.nccl_engine import (
     NCCLTrainerInitInfo,
@@ -38,12 +45,7 @@ Send = Callable[[list[dict]], list]  # msgs[i] to engine i; returns the engines'
 
 
 def _dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
-    if dtype is None or isinstance(dtype, torch.dtype):
-        return dtype
-    found = getattr(torch, str(dtype).removeprefix("torch."), None)
-    if not isinstance(found, torch.dtype):
-        raise ValueError(f"unknown dtype {dtype!r}; use a torch dtype name such as 'bfloat16'")
-    return found
+    return None if dtype is None else dtype_of(dtype)
 
 
 class TensorDictSource(WeightSource):
@@ -203,7 +205,7 @@ class VllmNCCLReceiver(WeightReceiver):
             return None
         if op == "start":
             super().handle(msg)
-            self._offered, self._received = _metas_of(msg), None
+            self._offered, self._received = metas_of(msg), None
             return None
         if msg.get("version") is None or msg.get("version") != self._pending:
             raise WeightVersionError(f"{op!r} of weight version {msg.get('version')!r} during the push of "
@@ -211,7 +213,7 @@ class VllmNCCLReceiver(WeightReceiver):
         if op == "start_weight_update":
             self.llm.start_weight_update()
         elif op == "update_weights":
-            self._received = _metas_of(msg["update_info"])
+            self._received = metas_of(msg["update_info"])
             self.llm.update_weights({"update_info": msg["update_info"]})
         elif op == "finish":
             return self._finish(msg["version"])
