@@ -12,7 +12,7 @@ import torch
 
 import rl_kernel as rk
 from rl_kernel.bits import same_bits
-from rl_kernel.integrations.vllm.model import kv_cache_views, paged_attention, write_kv
+from rl_kernel.integrations.vllm.model import _paged_attention_compact, kv_cache_views, paged_attention, write_kv
 
 pytestmark = pytest.mark.gpu
 
@@ -50,12 +50,11 @@ def _step(q, k, v, k_cache, v_cache, meta, slots):
 
 
 def _compact_reference(q, k_cache, v_cache, meta):
-    """rk.paged_attention over a compact copy of the blocks in use (the CPU path's form), real rows only."""
+    """The model's compacting path (what the CPU layout runs) over the real requests and their rows only."""
     n = len(LENS)
-    table = meta.block_table[:n].long()
-    used, local = torch.unique(table, return_inverse=True)
-    return rk.paged_attention(q[:n], k_cache[used].contiguous(), v_cache[used].contiguous(), local,
-                              meta.seq_lens[:n], meta.query_start_loc[: n + 1], D ** -0.5)
+    real = SimpleNamespace(seq_lens=meta.seq_lens[:n], block_table=meta.block_table[:n],
+                           query_start_loc=meta.query_start_loc[: n + 1])
+    return _paged_attention_compact(q[:n], k_cache, v_cache, real, D ** -0.5)
 
 
 def test_flash_layout_decode_captures_and_replays_bitwise():
