@@ -39,6 +39,7 @@ VOCAB_TILE = 64
 FIXED_POINT_BITS = 40
 LOG2E = 1.4426950408889634
 STATE_FRACTION = 12  # the forward's per-tile stats and logits slice stay under 1/12 of the LM head's bytes
+FORWARD_PARTS = 2  # the forward's budget is split evenly between a row chunk's tile stats and a logits slice
 MIN_STATE_BYTES = 1 << 25
 STATS_TILE = {"BLOCK_M": 32, "BLOCK_N": 256, "num_warps": 8}
 KEPT_SLICE_FACTOR = 4
@@ -166,7 +167,8 @@ def _tile_stats_of_rows(x, w, temps32, tgt, m_t, s_t, z_t, vocab_start, vocab_si
     fixed = float(1 << FIXED_POINT_BITS)
     if tile is None and gemm.use_cublaslt(x, w, server):
         # kept slices are held until the backward anyway: wider ones only mean fewer launches
-        cols = KEPT_SLICE_FACTOR * _slice_cols(r, w, 4) if keep is not None else _slice_cols(r, w, 4, share=2)
+        cols = (KEPT_SLICE_FACTOR * _slice_cols(r, w, 4) if keep is not None
+                else _slice_cols(r, w, 4, share=FORWARD_PARTS))
         cfg = dict(STATS_TILE)
         bm, bn = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N")
         for c0 in range(0, v_local, cols):
@@ -195,7 +197,7 @@ def _forward(hidden, weight, targets, temps, vocab_start, vocab_size, group, ser
     rows, v_local = hidden.shape[0], weight.shape[0]
     dev = hidden.device
     n_tiles = triton.cdiv(v_local, VOCAB_TILE)
-    chunk = rows if keep is not None else max(1, min(rows, _state_budget(weight) // 2 // (n_tiles * 12)))
+    chunk = rows if keep is not None else max(1, min(rows, _state_budget(weight) // FORWARD_PARTS // (n_tiles * 12)))
     temps32 = temps.to(torch.float32)
     tgt = targets.to(torch.int64)
     x = hidden.contiguous()
