@@ -177,11 +177,15 @@ def _prefill_case(t: int, h: int = 32, hkv: int = 8, d: int = 128) -> None:
     flops = 2 * t * t * h * d  # causal: half of 4 T^2 H d
     ref = attention.varlen_attention(q, k, v, cu, d**-0.5)
     configs = {}  # other launch configurations: time, and whether the bits equal the default's (they must)
-    for bm, warps, stages, flat, heavy in ((128, 8, 3, False, False), (64, 4, 2, True, False), (64, 4, 3, True, False),
-                                           (64, 4, 3, True, True), (64, 4, 2, True, True), (64, 4, 3, False, True),
-                                           (128, 8, 3, True, True), (128, 8, 4, True, True)):
-        cfg = {"BLOCK_M": bm, "num_warps": warps, "num_stages": stages, "FLAT": flat, "HEAVY_FIRST": heavy}
-        name = f"{bm}/w{warps}/s{stages}" + ("/flat" if flat else "/nested") + ("/heavy-first" if heavy else "")
+    for bm, warps, stages, flat, heavy, tma in ((128, 8, 3, False, False, False), (64, 4, 3, True, True, False),
+                                                (64, 4, 2, True, True, True), (64, 4, 3, True, True, True),
+                                                (64, 4, 4, True, True, True), (128, 8, 2, True, True, True),
+                                                (128, 8, 3, True, True, True), (128, 8, 4, True, True, True),
+                                                (64, 4, 3, True, False, True), (128, 8, 3, True, False, True)):
+        cfg = {"BLOCK_M": bm, "num_warps": warps, "num_stages": stages, "FLAT": flat, "HEAVY_FIRST": heavy,
+               "TMA": tma}
+        name = (f"{bm}/w{warps}/s{stages}" + ("/flat" if flat else "/nested") + ("/heavy-first" if heavy else "")
+                + ("/tma" if tma else ""))
         try:
             out = attention.varlen_attention(q, k, v, cu, d**-0.5, config=cfg)
             ms = bench(lambda c=cfg: attention.varlen_attention(q, k, v, cu, d**-0.5, config=c))
@@ -237,7 +241,7 @@ def _decode_case(b: int, bw: float, h: int = 32, hkv: int = 8, d: int = 128, ctx
 
 # ---- linear logprob -------------------------------------------------------------------------------------
 
-def _extra_peak(fn) -> int:
+def extra_peak(fn) -> int:
     """Bytes `fn` allocates at its peak beyond what was allocated before it (a second call, warm)."""
     fn()
     torch.cuda.synchronize()
@@ -266,7 +270,7 @@ def bench_logprob(bw: float) -> None:
     def strict():
         return logprob.logprobs_and_lse(hid, w, tg, temps, 0, v)[0]
 
-    peaks = {"strict": _extra_peak(strict), "native": _extra_peak(native)}
+    peaks = {"strict": extra_peak(strict), "native": extra_peak(native)}
     s, n = bench(strict, rep=100), bench(native, rep=100)
     flops = 2 * t * v * d
     variants = {}
@@ -281,7 +285,7 @@ def bench_logprob(bw: float) -> None:
         logprob.STATE_FRACTION = fraction
         try:
             variants[f"state_1/{fraction}"] = {"ms": round(bench(strict), 3),
-                                               "peak_over_inputs": round((inputs + _extra_peak(strict)) / inputs, 3)}
+                                               "peak_over_inputs": round((inputs + extra_peak(strict)) / inputs, 3)}
         finally:
             logprob.STATE_FRACTION = saved
     variants["servers_bitwise"] = same_bits(logprob.logprobs_and_lse(hid, w, tg, temps, 0, v, server="triton")[0],
@@ -305,11 +309,11 @@ def bench_logprob(bw: float) -> None:
             out = rk.logprobs(hid_g, w_g, tg, 1.0, v)
         return torch.autograd.grad(out, (hid_g, w_g), grad)
 
-    native_ms, native_peak = bench(native_train, rep=50), _extra_peak(native_train)
+    native_ms, native_peak = bench(native_train, rep=50), extra_peak(native_train)
     for keep in (True, False):  # the fp32 logits kept for the backward (default) or recomputed there
         logprob_op.KEEP_LOGITS = keep
         try:
-            ms, peak = bench(strict_train, rep=50), _extra_peak(strict_train)
+            ms, peak = bench(strict_train, rep=50), extra_peak(strict_train)
         finally:
             logprob_op.KEEP_LOGITS = True
         row("logprob", f"linear-logprob fwd+bwd T={t} ({'kept' if keep else 'recomputed'} logits)", ms, native_ms,

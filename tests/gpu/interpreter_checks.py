@@ -116,6 +116,13 @@ def attentions(gen: torch.Generator) -> None:
             config = dict(attention.PREFILL, FLAT=not attention.PREFILL.get("FLAT", False), HEAVY_FIRST=heavy_first)
             check(f"attention FLAT/HEAVY_FIRST={heavy_first} == default",
                   same(attention.varlen_attention(q, k, v, cu, scale, config=config), packed))
+        wide = torch.randn(115, 3 * kv_heads, d, generator=gen).to(F16)  # k, v as views of a fused projection
+        wide[:, :kv_heads], wide[:, kv_heads:2 * kv_heads] = k, v
+        pointer = attention.varlen_attention(q, k, v, cu, scale, config=dict(attention.PREFILL, TMA=False))
+        check("attention TMA descriptor loads (strided k, v) == pointer loads",
+              same(attention.varlen_attention(q, wide[:, :kv_heads], wide[:, kv_heads:2 * kv_heads], cu, scale,
+                                              config=dict(attention.PREFILL, TMA=True)), pointer))
+        check("attention default (TMA) == pointer loads", same(packed, pointer))
         blocks = torch.randperm(16, generator=gen)
         table = torch.stack([blocks[0:5], blocks[5:10], blocks[10:15]]).to(torch.int32)
         kc, vc = torch.randn(16, page, kv_heads, d, generator=gen).to(F16), torch.randn(16, page, kv_heads, d).to(F16)
@@ -207,9 +214,42 @@ def logprobs(gen: torch.Generator) -> None:
           all(float((a - b).abs().max()) < 1e-5 for a, b in zip(runs[0][1:], runs[1][1:])))
 
 
+def _slice_stats(logits, temps, tg, real, **options):
+    """The cuBLASLt server's reduction: `_stats_kernel` over 256-column slices of precomputed fp32 logits."""
+    t, v = logits.shape
+    n_tiles = -(-v // logprob.VOCAB_TILE)
+    m_t, s_t = torch.empty(t, n_tiles), torch.empty(t, n_tiles, dtype=torch.int64)
+    z_t = torch.zeros(t)
+    for c0 in range(0, v, 256):
+        part = logits[:, c0:c0 + 256].contiguous()
+        logprob._stats_kernel[(-(-t // 32), 1)](
+            part, temps.float(), tg, m_t, s_t, z_t, t, v, c0, part.shape[1], part.stride(0), 0, real, n_tiles,
+            BLOCK_M=32, BLOCK_N=256, VT=logprob.VOCAB_TILE, FIXED=float(1 << logprob.FIXED_POINT_BITS),
+            LOG2E=logprob.LOG2E, RNI=False, **options)
+    return m_t, s_t, z_t
+
+
+def logprob_slice_stats(gen: torch.Generator) -> None:
+    t, v, real = 37, 700, 650  # the last slice is part-filled and holds the padding columns
+    logits = torch.randn(t, v, generator=gen) * 4
+    tg = torch.randint(0, real, (t,), generator=gen)
+    tg[3] = 690  # a target in the padding columns: z stays 0, as in the fused kernel
+    logits[5, tg[5]] = -0.0  # a -0 target logit: the fused kernel's sum gives +0
+    for name, temps in (("temperature 1", torch.ones(t, dtype=torch.float64)),
+                        ("mixed temperatures", torch.rand(t, generator=gen, dtype=torch.float64) + 0.5)):
+        ref = _slice_stats(logits, temps, tg, real, FAST_TEMP=False, TARGET_LOAD=False)
+        for fast in (False, True):
+            got = _slice_stats(logits, temps, tg, real, FAST_TEMP=fast, TARGET_LOAD=True)
+            check(f"logprob slice stats, {name}: target read from the slice (fast temperature {fast}) == summed "
+                  "out of the block", all(torch.equal(a.view(torch.int32) if a.dtype == torch.float32 else a,
+                                                      b.view(torch.int32) if b.dtype == torch.float32 else b)
+                                          for a, b in zip(got, ref)))
+    check("logprob slice stats: the -0 target logit gives +0", ref[2][5].view(torch.int32) == 0)
+
+
 def main() -> None:
     gen = torch.Generator().manual_seed(0)
-    for part in (elementwise, gemms, attentions, cp_attention, logprobs):
+    for part in (elementwise, gemms, attentions, cp_attention, logprobs, logprob_slice_stats):
         part(gen)
     print(f"INTERPRETER {'FAIL: ' + ', '.join(FAILED) if FAILED else 'PASS'}")
     sys.exit(1 if FAILED else 0)

@@ -190,10 +190,12 @@ def test_attention_layouts_bitwise(heads, kv_heads, d, page):
         poison()
         assert same(attention.paged_attention(q, kc, vc, table, seq_lens, cu, scale, schedule=schedule), packed)
     # the fused schedule as one loop over chunks (merge at split boundaries) or nested; tiles in order or last first
-    for flat, heavy_first in ((False, False), (True, False), (False, True), (True, True)):
-        config = dict(attention.PREFILL, FLAT=flat, HEAVY_FIRST=heavy_first)
+    # and keys read by TMA descriptors or by pointers
+    for flat, heavy_first, tma in ((False, False, False), (True, False, False), (False, True, True),
+                                   (True, True, False), (True, True, True)):
+        config = dict(attention.PREFILL, FLAT=flat, HEAVY_FIRST=heavy_first, TMA=tma)
         assert same(attention.varlen_attention(q, k, v, cu, scale, config=config), packed), \
-            f"FLAT={flat} HEAVY_FIRST={heavy_first}"
+            f"FLAT={flat} HEAVY_FIRST={heavy_first} TMA={tma}"
     last = cu[1:] - 1  # decode: the last token of every sequence, one batch
     qsl = torch.arange(len(lens) + 1, dtype=torch.int32, device=DEV)
     for schedule in ("split", "fused"):
@@ -263,17 +265,32 @@ def test_logprobs_backward():
     assert rel_err(h.grad, h64.grad) < 1e-4 and rel_err(w.grad, w64.grad) < 1e-4
 
 
-def test_logprobs_servers_same_bits_and_backward_bf16():
+def test_logprobs_servers_same_bits_and_backward_bf16(monkeypatch):
     gen = torch.Generator(device=DEV).manual_seed(6)
     t, d, v, real = 1024, 4096, 32768, 32700
     h, w = randn(t, d, gen=gen), randn(v, d, std=0.02, gen=gen)
     tg = torch.randint(0, real, (t,), device=DEV, generator=gen)
     temps = torch.full((t,), 0.9, device=DEV, dtype=torch.float64)
+    options = dict(logprob.STATS_OPTIONS)
     if rk.backends.triton.cublaslt_ready():
-        a = logprob.logprobs_and_lse(h, w, tg, temps, 0, real, server="cublaslt")[0]
-        b = logprob.logprobs_and_lse(h, w, tg, temps, 0, real, server="triton")[0]
-        assert same(a, b), "logprob servers differ"
-        assert same(logprob.logprobs_and_lse(h[7:9], w, tg[7:9], temps[7:9], 0, real)[0], a[7:9])
+        # temperature 1 (the division skipped) on most rows, 0.9 on a stretch that shares row blocks with them
+        for name, tt in (("0.9", temps), ("1 and 0.9", torch.ones_like(temps).index_fill_(0, torch.arange(
+                500, 530, device=DEV), 0.9))):
+            a = logprob.logprobs_and_lse(h, w, tg, tt, 0, real, server="cublaslt")[0]
+            b = logprob.logprobs_and_lse(h, w, tg, tt, 0, real, server="triton")[0]
+            assert same(a, b), f"logprob servers differ (temperatures {name})"
+            assert same(logprob.logprobs_and_lse(h[7:9], w, tg[7:9], tt[7:9], 0, real)[0], a[7:9])
+            with monkeypatch.context() as m:  # the stats pass's options move no bit
+                m.setattr(logprob, "STATS_OPTIONS", {"FAST_TEMP": False, "RNI": False, "TARGET_LOAD": False})
+                m.setattr(logprob, "ROW_ALIGN", 1)
+                assert same(logprob.logprobs_and_lse(h, w, tg, tt, 0, real, server="cublaslt")[0], a)
+                assert same(logprob.logprobs_and_lse(h, w, tg, tt, 0, real, server="triton")[0], a)
+                m.setattr(logprob, "STATS_OPTIONS", options)
+                m.setattr(logprob, "MIN_STATE_BYTES", 1)
+                m.setattr(logprob, "STATE_FRACTION", 64)  # nor do slices and row chunks, nor the stats tile
+                assert same(logprob.logprobs_and_lse(h, w, tg, tt, 0, real, server="cublaslt")[0], a)
+                m.setattr(logprob, "STATS_TILE", {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4})
+                assert same(logprob.logprobs_and_lse(h, w, tg, tt, 0, real, server="cublaslt")[0], a)
     hg, wg = h.clone().requires_grad_(), w.clone().requires_grad_()
     g = torch.randn(t, device=DEV, generator=gen)
     with rk.mode("strict"):

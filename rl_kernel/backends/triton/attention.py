@@ -19,7 +19,9 @@ Two schedules give the same bits: `fused` (one program loops over all splits and
 registers) and `split` (one program per split writes its fp32 partial, exactly; a second kernel
 merges them with the same operations). The fused schedule has two loop forms, nested (a loop per
 split) and FLAT (one loop over all chunks, merging and resetting at split boundaries), with the same
-operations in the same order. Launch grids depend on tensor shapes only (no host sync).
+operations in the same order. Packed prefill reads the keys of its unmasked chunks through TMA
+descriptors where k and v allow one (16-byte strides), otherwise by pointer loads: the same values.
+Launch grids depend on tensor shapes only (no host sync).
 """
 
 from __future__ import annotations
@@ -40,9 +42,10 @@ SPLIT_SCRATCH_BYTES = 256 << 20  # paged calls whose split partials fit use the 
 # are exact identities): tests/gpu compare packed prefill (PREFILL) with paged decode (PAGED) bit for bit.
 # Picked by benchmarks/kernels.py's prefill sweep on an H200 (kernels_h200.json).
 PAGED = {"BLOCK_M": BLOCK_M, "num_warps": 4, "num_stages": 2}
-# H200, 2026-11-30: 0.419 / 5.67 ms at T = 4k / 16k, against 0.465 / 5.83 ms in tile order and 0.506 / 6.23 ms
-# for the 128-row nested form (benchmarks/results/prefill_sweep_h200.txt)
-PREFILL = {"BLOCK_M": 64, "num_warps": 4, "num_stages": 3, "FLAT": True, "HEAVY_FIRST": True}
+# H200, 2026-12-01: keys by TMA descriptors 0.358 / 4.45 ms at T = 4k / 16k, against 0.424 / 5.77 ms by pointer
+# loads, 0.465 / 5.83 ms in tile order and 0.506 / 6.23 ms for the 128-row nested form
+# (benchmarks/results/prefill_sweep_h200.txt)
+PREFILL = {"BLOCK_M": 64, "num_warps": 4, "num_stages": 3, "FLAT": True, "HEAVY_FIRST": True, "TMA": True}
 
 
 @triton.jit
@@ -70,10 +73,16 @@ def _find_tile(pid, tile_start_ptr, B, LOG_B):
 
 
 @triton.jit
-def _load_kv(k_ptr, v_ptr, block_table_ptr, b, stride_bt, kv_base, kvh, c, ctx_len, stride_kt, stride_kh, stride_vt,
-             stride_vh, PAGED: tl.constexpr, MASKED: tl.constexpr, BLOCK_SIZE: tl.constexpr, D: tl.constexpr,
-             CHUNK: tl.constexpr):
+def _load_kv(k_ptr, v_ptr, k_desc, v_desc, block_table_ptr, b, stride_bt, kv_base, kvh, c, ctx_len, stride_kt,
+             stride_kh, stride_vt, stride_vh, PAGED: tl.constexpr, MASKED: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+             D: tl.constexpr, CHUNK: tl.constexpr, TMA: tl.constexpr):
+    """Chunk c's key positions and k, v [CHUNK, D]. TMA (packed keys, unmasked chunks): by tensor descriptors
+    over [N, Hkv, D] instead of pointer loads (the same values)."""
     kpos = c * CHUNK + tl.arange(0, CHUNK)
+    if TMA and not PAGED and not MASKED:
+        k = tl.reshape(k_desc.load([kv_base + c * CHUNK, kvh, 0]), (CHUNK, D))
+        v = tl.reshape(v_desc.load([kv_base + c * CHUNK, kvh, 0]), (CHUNK, D))
+        return kpos, k, v
     d = tl.arange(0, D)
     kv_ok = kpos < ctx_len
     if PAGED:
@@ -116,22 +125,22 @@ def _chunk_update(q, qpos, kpos, k, v, m, l, o, c, qk_scale, MASKED: tl.constexp
 
 
 @triton.jit
-def _split_partial(q, qpos, b, kvh, k_ptr, v_ptr, block_table_ptr, stride_bt, kv_base, ctx_len,
+def _split_partial(q, qpos, b, kvh, k_ptr, v_ptr, k_desc, v_desc, block_table_ptr, stride_bt, kv_base, ctx_len,
                    stride_kt, stride_kh, stride_vt, stride_vh, c_begin, c_end, c_full, qk_scale,
                    PAGED: tl.constexpr, BLOCK_SIZE: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr,
-                   BLOCK_M: tl.constexpr, PRECISION: tl.constexpr):
+                   BLOCK_M: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr):
     """Online softmax over key chunks [c_begin, c_end) from an empty state: (m, l, o), fp32.
     Chunks before `c_full` hold only keys at or before every row's position."""
     m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l = tl.zeros((BLOCK_M,), tl.float32)
     o = tl.zeros((BLOCK_M, D), tl.float32)
     for c in range(c_begin, tl.minimum(c_end, c_full)):
-        kpos, k, v = _load_kv(k_ptr, v_ptr, block_table_ptr, b, stride_bt, kv_base, kvh, c, ctx_len, stride_kt,
-                              stride_kh, stride_vt, stride_vh, PAGED, False, BLOCK_SIZE, D, CHUNK)
+        kpos, k, v = _load_kv(k_ptr, v_ptr, k_desc, v_desc, block_table_ptr, b, stride_bt, kv_base, kvh, c, ctx_len,
+                              stride_kt, stride_kh, stride_vt, stride_vh, PAGED, False, BLOCK_SIZE, D, CHUNK, TMA)
         m, l, o = _chunk_update(q, qpos, kpos, k, v, m, l, o, c, qk_scale, False, CHUNK, PRECISION)
     for c in range(tl.maximum(c_begin, c_full), c_end):
-        kpos, k, v = _load_kv(k_ptr, v_ptr, block_table_ptr, b, stride_bt, kv_base, kvh, c, ctx_len, stride_kt,
-                              stride_kh, stride_vt, stride_vh, PAGED, True, BLOCK_SIZE, D, CHUNK)
+        kpos, k, v = _load_kv(k_ptr, v_ptr, k_desc, v_desc, block_table_ptr, b, stride_bt, kv_base, kvh, c, ctx_len,
+                              stride_kt, stride_kh, stride_vt, stride_vh, PAGED, True, BLOCK_SIZE, D, CHUNK, TMA)
         m, l, o = _chunk_update(q, qpos, kpos, k, v, m, l, o, c, qk_scale, True, CHUNK, PRECISION)
     return m, l, o
 
@@ -149,10 +158,10 @@ def _split_boundary(c, m_t, l_t, o_t, m, l, o, SPLIT_CHUNKS: tl.constexpr):
 
 
 @triton.jit
-def _all_splits(q, qpos, b, kvh, k_ptr, v_ptr, block_table_ptr, stride_bt, kv_base, ctx_len,
+def _all_splits(q, qpos, b, kvh, k_ptr, v_ptr, k_desc, v_desc, block_table_ptr, stride_bt, kv_base, ctx_len,
                 stride_kt, stride_kh, stride_vt, stride_vh, n_chunks, c_full, qk_scale,
                 PAGED: tl.constexpr, BLOCK_SIZE: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr,
-                SPLIT_CHUNKS: tl.constexpr, BLOCK_M: tl.constexpr, PRECISION: tl.constexpr):
+                SPLIT_CHUNKS: tl.constexpr, BLOCK_M: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr):
     """The fused schedule as one loop over chunks: the same operations as `_split_partial` per split
     followed by `_merge` in split order, with the merge and the reset to an empty state done at each
     split boundary inside the loop (one software pipeline over all chunks instead of one per split)."""
@@ -164,13 +173,13 @@ def _all_splits(q, qpos, b, kvh, k_ptr, v_ptr, block_table_ptr, stride_bt, kv_ba
     o = tl.zeros((BLOCK_M, D), tl.float32)
     for c in range(0, tl.minimum(n_chunks, c_full)):
         m_t, l_t, o_t, m, l, o = _split_boundary(c, m_t, l_t, o_t, m, l, o, SPLIT_CHUNKS)
-        kpos, k, v = _load_kv(k_ptr, v_ptr, block_table_ptr, b, stride_bt, kv_base, kvh, c, ctx_len, stride_kt,
-                              stride_kh, stride_vt, stride_vh, PAGED, False, BLOCK_SIZE, D, CHUNK)
+        kpos, k, v = _load_kv(k_ptr, v_ptr, k_desc, v_desc, block_table_ptr, b, stride_bt, kv_base, kvh, c, ctx_len,
+                              stride_kt, stride_kh, stride_vt, stride_vh, PAGED, False, BLOCK_SIZE, D, CHUNK, TMA)
         m, l, o = _chunk_update(q, qpos, kpos, k, v, m, l, o, c, qk_scale, False, CHUNK, PRECISION)
     for c in range(c_full, n_chunks):
         m_t, l_t, o_t, m, l, o = _split_boundary(c, m_t, l_t, o_t, m, l, o, SPLIT_CHUNKS)
-        kpos, k, v = _load_kv(k_ptr, v_ptr, block_table_ptr, b, stride_bt, kv_base, kvh, c, ctx_len, stride_kt,
-                              stride_kh, stride_vt, stride_vh, PAGED, True, BLOCK_SIZE, D, CHUNK)
+        kpos, k, v = _load_kv(k_ptr, v_ptr, k_desc, v_desc, block_table_ptr, b, stride_bt, kv_base, kvh, c, ctx_len,
+                              stride_kt, stride_kh, stride_vt, stride_vh, PAGED, True, BLOCK_SIZE, D, CHUNK, TMA)
         m, l, o = _chunk_update(q, qpos, kpos, k, v, m, l, o, c, qk_scale, True, CHUNK, PRECISION)
     return _merge(m_t, l_t, o_t, m, l, o)
 
@@ -188,14 +197,14 @@ def _merge(m_t, l_t, o_t, m_s, l_s, o_s):
 
 
 @triton.jit
-def _attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, pm_ptr, pl_ptr, po_ptr, nsplit_ptr, lse_ptr,
+def _attn_kernel(q_ptr, k_ptr, v_ptr, k_desc, v_desc, out_ptr, pm_ptr, pl_ptr, po_ptr, nsplit_ptr, lse_ptr,
                  q_start_ptr, ctx_len_ptr, tile_start_ptr, block_table_ptr, B, LOG_B, NUM_SPLITS, KV_HEADS,
                  stride_qt, stride_qh, stride_ot, stride_oh, stride_kt, stride_kh, stride_vt, stride_vh,
                  stride_bt, stride_lse_h, qk_scale,
                  G: tl.constexpr, D: tl.constexpr, PAGED: tl.constexpr, STORE_LSE: tl.constexpr,
                  SPLIT: tl.constexpr, BLOCK_SIZE: tl.constexpr, CHUNK: tl.constexpr,
                  SPLIT_CHUNKS: tl.constexpr, BLOCK_M: tl.constexpr, PRECISION: tl.constexpr,
-                 FLAT: tl.constexpr, HEAVY_FIRST: tl.constexpr):
+                 FLAT: tl.constexpr, HEAVY_FIRST: tl.constexpr, TMA: tl.constexpr):
     pid, kvh = _program_tile(KV_HEADS, HEAVY_FIRST)
     b, tile = _find_tile(pid, tile_start_ptr, B, LOG_B)
     # programs past the last tile (the grid is an upper bound) have no valid row and run no chunk
@@ -219,10 +228,10 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, pm_ptr, pl_ptr, po_ptr, nsplit_pt
     if SPLIT:
         s = tl.program_id(2)
         c0 = s * SPLIT_CHUNKS  # a split past the tile's last one runs no chunk and stores nothing
-        m, l, o = _split_partial(q, qpos, b, kvh, k_ptr, v_ptr, block_table_ptr, stride_bt, q0, ctx_len,
-                                 stride_kt, stride_kh, stride_vt, stride_vh, c0,
+        m, l, o = _split_partial(q, qpos, b, kvh, k_ptr, v_ptr, k_desc, v_desc, block_table_ptr, stride_bt, q0,
+                                 ctx_len, stride_kt, stride_kh, stride_vt, stride_vh, c0,
                                  tl.minimum(c0 + SPLIT_CHUNKS, n_chunks), c_full, qk_scale,
-                                 PAGED, BLOCK_SIZE, D, CHUNK, BLOCK_M, PRECISION)
+                                 PAGED, BLOCK_SIZE, D, CHUNK, BLOCK_M, PRECISION, TMA)
         H = KV_HEADS * G
         prow = ((q0 + tok).to(tl.int64) * H + head) * NUM_SPLITS + s
         keep = tok < tl.where(s < n_splits, q_rows, 0)
@@ -233,19 +242,19 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, pm_ptr, pl_ptr, po_ptr, nsplit_pt
             tl.store(nsplit_ptr + q0 + tok, qpos // (CHUNK * SPLIT_CHUNKS) + 1, mask=row_ok & (r % G == 0))
     else:
         if FLAT:
-            m_t, l_t, o_t = _all_splits(q, qpos, b, kvh, k_ptr, v_ptr, block_table_ptr, stride_bt, q0, ctx_len,
-                                        stride_kt, stride_kh, stride_vt, stride_vh, n_chunks, c_full, qk_scale,
-                                        PAGED, BLOCK_SIZE, D, CHUNK, SPLIT_CHUNKS, BLOCK_M, PRECISION)
+            m_t, l_t, o_t = _all_splits(q, qpos, b, kvh, k_ptr, v_ptr, k_desc, v_desc, block_table_ptr, stride_bt,
+                                        q0, ctx_len, stride_kt, stride_kh, stride_vt, stride_vh, n_chunks, c_full,
+                                        qk_scale, PAGED, BLOCK_SIZE, D, CHUNK, SPLIT_CHUNKS, BLOCK_M, PRECISION, TMA)
         else:
             m_t = tl.full((BLOCK_M,), float("-inf"), tl.float32)
             l_t = tl.zeros((BLOCK_M,), tl.float32)
             o_t = tl.zeros((BLOCK_M, D), tl.float32)
             for s in range(0, n_splits):
                 c0 = s * SPLIT_CHUNKS
-                m, l, o = _split_partial(q, qpos, b, kvh, k_ptr, v_ptr, block_table_ptr, stride_bt, q0, ctx_len,
-                                         stride_kt, stride_kh, stride_vt, stride_vh, c0,
+                m, l, o = _split_partial(q, qpos, b, kvh, k_ptr, v_ptr, k_desc, v_desc, block_table_ptr, stride_bt,
+                                         q0, ctx_len, stride_kt, stride_kh, stride_vt, stride_vh, c0,
                                          tl.minimum(c0 + SPLIT_CHUNKS, n_chunks), c_full, qk_scale,
-                                         PAGED, BLOCK_SIZE, D, CHUNK, BLOCK_M, PRECISION)
+                                         PAGED, BLOCK_SIZE, D, CHUNK, BLOCK_M, PRECISION, TMA)
                 m_t, l_t, o_t = _merge(m_t, l_t, o_t, m, l, o)
         out = tl.div_rn(o_t, l_t[:, None])
         o_off = (q0 + tok).to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
@@ -292,6 +301,19 @@ def _precision(q: torch.Tensor, k: torch.Tensor) -> str:
     return "ieee" if q.dtype == torch.float32 else "tf32"
 
 
+def _descriptors(k: torch.Tensor, v: torch.Tensor, d: int):
+    """TMA descriptors of packed k, v [N, Hkv, d] with [CHUNK, 1, d] blocks, or (None, None) where TMA cannot
+    read them (16-byte strides and base); the pointer loads then serve (the same values)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    def fits(t):
+        return t.stride(-1) == 1 and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1]) \
+            and t.data_ptr() % 16 == 0
+    if not (fits(k) and fits(v)):
+        return None, None
+    return tuple(TensorDescriptor(t, list(t.shape), list(t.stride()), [CHUNK, 1, d]) for t in (k, v))
+
+
 def _run(q, k, v, q_start, ctx_len, block_table, block_size, scale, paged, schedule, lse=None, config=None):
     tq, heads, _ = q.shape
     kv_heads = k.shape[-2]
@@ -325,15 +347,17 @@ def _run(q, k, v, q_start, ctx_len, block_table, block_size, scale, paged, sched
     nsplit = torch.zeros(tq if split else 1, dtype=torch.int32, device=q.device)
     table = block_table if paged else tile_start
     heavy_first = cfg.pop("HEAVY_FIRST", False)
+    k_desc, v_desc = _descriptors(k, v, d) if cfg.pop("TMA", False) and not paged else (None, None)
     grid = (grid_tiles * kv_heads, 1) if heavy_first else (grid_tiles, kv_heads)
     _attn_kernel[grid + (num_splits if split else 1,)](
-        q, k, v, out, pm, pl, po, nsplit, pm if lse is None else lse, q_start, ctx_len, tile_start, table, b,
+        q, k, v, k if k_desc is None else k_desc, v if v_desc is None else v_desc, out, pm, pl, po, nsplit,
+        pm if lse is None else lse, q_start, ctx_len, tile_start, table, b,
         b.bit_length(), num_splits, kv_heads,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         table.stride(0), 0 if lse is None else lse.stride(0), float(scale) * LOG2E,
         G=g, D=d, PAGED=paged, STORE_LSE=lse is not None, SPLIT=split, BLOCK_SIZE=block_size,
         CHUNK=CHUNK, SPLIT_CHUNKS=SPLIT_CHUNKS, BLOCK_M=block_m, PRECISION=precision, FLAT=flat,
-        HEAVY_FIRST=heavy_first, **cfg, **LAUNCH)
+        HEAVY_FIRST=heavy_first, TMA=k_desc is not None, **cfg, **LAUNCH)
     if split:
         _merge_kernel[(tq, heads)](pm, pl, po, nsplit, out, heads, num_splits, out.stride(0), out.stride(1),
                                    D=d, num_warps=1, **LAUNCH)
@@ -402,9 +426,9 @@ def _cp_split_kernel(q_ptr, k_ptr, v_ptr, pm_ptr, pl_ptr, po_ptr, q_row_ptr, pos
     last_pos = tl.load(pos0_ptr + b) + tile * (BLOCK_M // G) + rows // G - 1
     c_end = tl.where(rows > 0, tl.minimum(c0 + SPLIT_CHUNKS, last_pos // CHUNK + 1), c0)
     c_full = (tl.load(pos0_ptr + b) + tile * (BLOCK_M // G) + 1) // CHUNK  # chunks every row sees whole
-    m, l, o = _split_partial(q, qpos, b, kvh, k_ptr, v_ptr, kv_base_ptr, 0, kv_base, ctx_len,
+    m, l, o = _split_partial(q, qpos, b, kvh, k_ptr, v_ptr, k_ptr, v_ptr, kv_base_ptr, 0, kv_base, ctx_len,
                              stride_kt, stride_kh, stride_vt, stride_vh, c0, c_end, c_full, qk_scale,
-                             False, 1, D, CHUNK, BLOCK_M, PRECISION)
+                             False, 1, D, CHUNK, BLOCK_M, PRECISION, False)
     prow = (tl.load(out_row_ptr + b) + tok).to(tl.int64) * H + head
     tl.store(pm_ptr + prow, m, mask=row_ok)
     tl.store(pl_ptr + prow, l, mask=row_ok)
@@ -451,6 +475,7 @@ def split_partials(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_row: tor
     block_m = cfg.pop("BLOCK_M")
     cfg.pop("FLAT", None)  # one split per program here: nothing to flatten
     cfg.pop("HEAVY_FIRST", None)  # (its own grid)
+    cfg.pop("TMA", None)
     g, d = _check(q, k.shape[1], block_m)
     precision = _precision(q, k)
     dev, i32 = q.device, torch.int32

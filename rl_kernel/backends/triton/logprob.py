@@ -15,7 +15,7 @@ Two servers of the forward, the same bits: with cuBLASLt ready, fp32 logits of o
 time come from cuBLASLt (no split-K) and `_stats_kernel` reduces them; otherwise `_fused_kernel`
 computes each logits tile with the Triton GEMM and reduces it in registers. Either way the forward's
 state (a row chunk's per-tile stats, plus one logits slice) stays under 1/STATE_FRACTION of the LM
-head's bytes, half for each.
+head's bytes.
 
 Backward (no bit contract): per vocab slice, the logits are recomputed by a tensor-core GEMM, the
 logit gradient (onehot - p) * g / T is formed in bf16 by `_dlogits_kernel`, and two more tensor-core
@@ -23,6 +23,8 @@ GEMMs give that slice's LM-head gradient and add its share of the hidden gradien
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.distributed as dist
@@ -39,10 +41,19 @@ VOCAB_TILE = 64
 FIXED_POINT_BITS = 40
 LOG2E = 1.4426950408889634
 STATE_FRACTION = 12  # the forward's per-tile stats and logits slice stay under 1/12 of the LM head's bytes
-FORWARD_PARTS = 2  # the forward's budget is split evenly between a row chunk's tile stats and a logits slice
+# The forward's budget is split evenly between a row chunk's tile stats and one logits slice. Few, wide slices:
+# each costs a cuBLASLt call and a Triton launch on the host (about 0.1 ms on an H200 host), so slices sized
+# for L2 (2048 x 2048) left the GPU waiting: 34 ms against 18 (benchmarks/results/logprob_probe_h200.txt).
+FORWARD_PARTS = 2
 MIN_STATE_BYTES = 1 << 25
-STATS_TILE = {"BLOCK_M": 32, "BLOCK_N": 256, "num_warps": 8}
+STATS_TILE = {"BLOCK_M": 16, "BLOCK_N": 256, "num_warps": 4}
 KEPT_SLICE_FACTOR = 4
+ROW_ALIGN = 128  # row chunks are whole multiples of the GEMM's row tiles where the budget allows
+# How the stats pass computes the contract's numbers (none moves a bit; tests/gpu compare each off): skip the
+# division at temperature 1, round to int64 in one cvt.rni, read the target's logit instead of summing it out.
+# H200: the stats pass over 8192 x 151936 logits 3.38 -> 2.56 ms (benchmarks/results/logprob_probe_h200.txt).
+STATS_OPTIONS = {"FAST_TEMP": True, "RNI": True, "TARGET_LOAD": True}
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # the interpreter runs no inline PTX
 
 
 @triton.jit
@@ -52,26 +63,38 @@ def _rint32(y):
 
 
 @triton.jit
-def _tile_stats(logits, offs_m, offs_n, row_ok, temp_ptr, tgt_ptr, m_ptr, s_ptr, zt_ptr, V, vocab_start,
-                vocab_size, n_tiles, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, VT: tl.constexpr,
-                FIXED: tl.constexpr, LOG2E: tl.constexpr):
-    """Per (row, vocab tile of VT columns) of an fp32 logits block: exact max and int64 fixed-point sum of
-    exp; the target's z for the rows whose target column lies in this block."""
-    temp = tl.load(temp_ptr + offs_m, mask=row_ok, other=1.0)
-    z = tl.div_rn(logits, temp[:, None])
-    real = (offs_n < V) & (vocab_start + offs_n < vocab_size)
-    z = tl.where(real[None, :], z, float("-inf"))
-    local = tl.load(tgt_ptr + offs_m, mask=row_ok, other=-1) - vocab_start
-    hit = (offs_n[None, :] == local[:, None]) & real[None, :]
-    z_t = tl.sum(tl.where(hit, z, 0.0), 1)
-    first = tl.min(offs_n, 0)
-    owns = row_ok & (local >= first) & (local < first + BLOCK_N) & (local < V)
-    tl.store(zt_ptr + offs_m, z_t, mask=owns)
-    zz = tl.reshape(z, (BLOCK_M, BLOCK_N // VT, VT))
+def _scaled(logits, temp, temp_b, FAST_TEMP: tl.constexpr):
+    """z = logits / temperature per row (IEEE div); temp: the block's per-row temperatures, temp_b: the same
+    broadcastable against logits. A block whose rows all run at temperature 1 skips the division: x / 1 == x."""
+    z = logits
+    if FAST_TEMP:
+        if (tl.min(temp, 0) != 1.0) | (tl.max(temp, 0) != 1.0):
+            z = tl.div_rn(logits, temp_b)
+    else:
+        z = tl.div_rn(logits, temp_b)
+    return z
+
+
+@triton.jit
+def _fixed_point(e, FIXED: tl.constexpr, RNI: tl.constexpr):
+    """rint(e * FIXED) as int64, round half to even. RNI: one cvt.rni instruction (the same rounding)."""
+    if RNI:
+        q = tl.inline_asm_elementwise("cvt.rni.s64.f32 $0, $1;", "=l,r", [e * FIXED], dtype=tl.int64,
+                                      is_pure=True, pack=1)
+    else:
+        q = _rint32(e * FIXED).to(tl.int64)
+    return q
+
+
+@triton.jit
+def _tile_sums(zz, offs_m, first, row_ok, m_ptr, s_ptr, n_tiles, BLOCK_N: tl.constexpr, VT: tl.constexpr,
+               FIXED: tl.constexpr, LOG2E: tl.constexpr, RNI: tl.constexpr):
+    """Per (row, vocab tile of VT columns) of a z block [BLOCK_M, BLOCK_N // VT, VT] whose first column is
+    `first`: exact max and int64 fixed-point sum of exp."""
     m = tl.max(zz, 2)
     m_use = tl.where(m == float("-inf"), 0.0, m)
     e = tl.math.exp2((zz - m_use[:, :, None]) * LOG2E)
-    s = tl.sum(_rint32(e * FIXED).to(tl.int64), 2)
+    s = tl.sum(_fixed_point(e, FIXED, RNI), 2)
     tiles = first // VT + tl.arange(0, BLOCK_N // VT)
     idx = offs_m.to(tl.int64)[:, None] * n_tiles + tiles[None, :]
     mask = row_ok[:, None] & (tiles < n_tiles)[None, :]
@@ -80,32 +103,73 @@ def _tile_stats(logits, offs_m, offs_n, row_ok, temp_ptr, tgt_ptr, m_ptr, s_ptr,
 
 
 @triton.jit
+def _tile_stats(logits, offs_m, offs_n, row_ok, temp_ptr, tgt_ptr, m_ptr, s_ptr, zt_ptr, V, vocab_start,
+                vocab_size, n_tiles, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, VT: tl.constexpr,
+                FIXED: tl.constexpr, LOG2E: tl.constexpr, FAST_TEMP: tl.constexpr, RNI: tl.constexpr):
+    """`_tile_sums` of an fp32 logits block held in registers, and the target's z for the rows whose target
+    column lies in it (summed out of the block: z + 0 + ... + 0)."""
+    temp = tl.load(temp_ptr + offs_m, mask=row_ok, other=1.0)
+    z = _scaled(logits, temp, temp[:, None], FAST_TEMP)
+    real = (offs_n < V) & (vocab_start + offs_n < vocab_size)
+    z = tl.where(real[None, :], z, float("-inf"))
+    local = tl.load(tgt_ptr + offs_m, mask=row_ok, other=-1) - vocab_start
+    hit = (offs_n[None, :] == local[:, None]) & real[None, :]
+    z_t = tl.sum(tl.where(hit, z, 0.0), 1)
+    first = tl.min(offs_n, 0)
+    owns = row_ok & (local >= first) & (local < first + BLOCK_N) & (local < V)
+    tl.store(zt_ptr + offs_m, z_t, mask=owns)
+    _tile_sums(tl.reshape(z, (BLOCK_M, BLOCK_N // VT, VT)), offs_m, first, row_ok, m_ptr, s_ptr, n_tiles, BLOCK_N,
+               VT, FIXED, LOG2E, RNI)
+
+
+@triton.jit
 def _fused_kernel(h_ptr, w_ptr, temp_ptr, tgt_ptr, m_ptr, s_ptr, zt_ptr, T, V, stride_h, stride_w, K,
                   vocab_start, vocab_size, n_tiles,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-                  VT: tl.constexpr, FIXED: tl.constexpr, LOG2E: tl.constexpr):
+                  VT: tl.constexpr, FIXED: tl.constexpr, LOG2E: tl.constexpr, FAST_TEMP: tl.constexpr,
+                  RNI: tl.constexpr):
     pid_m, pid_n = _tile_ids(T, V, BLOCK_M, BLOCK_N)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     logits = _group_dot(h_ptr, w_ptr, offs_m, offs_n, T, V, stride_h, stride_w, 0, K, BLOCK_M, BLOCK_N, BLOCK_K,
                         PRECISION)
     _tile_stats(logits, offs_m, offs_n, offs_m < T, temp_ptr, tgt_ptr, m_ptr, s_ptr, zt_ptr, V, vocab_start,
-                vocab_size, n_tiles, BLOCK_M, BLOCK_N, VT, FIXED, LOG2E)
+                vocab_size, n_tiles, BLOCK_M, BLOCK_N, VT, FIXED, LOG2E, FAST_TEMP, RNI)
 
 
 @triton.jit
 def _stats_kernel(logits_ptr, temp_ptr, tgt_ptr, m_ptr, s_ptr, zt_ptr, T, V, col0, cols, stride_l,
                   vocab_start, vocab_size, n_tiles,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, VT: tl.constexpr, FIXED: tl.constexpr,
-                  LOG2E: tl.constexpr):
-    """`_tile_stats` of a precomputed fp32 logits slice [T, cols] holding local vocab columns col0.."""
+                  LOG2E: tl.constexpr, FAST_TEMP: tl.constexpr, RNI: tl.constexpr, TARGET_LOAD: tl.constexpr):
+    """The per-tile stats of a precomputed fp32 logits slice [T, cols] holding local vocab columns col0..
+    TARGET_LOAD: the block is loaded as [rows, tiles, VT] (no reshape of a 2-D block), and the target's z is
+    read from the slice (one load per row) instead of summed out of the block; + 0.0 gives the sum's +0 for a
+    -0 logit."""
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_c = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = offs_m < T
-    logits = tl.load(logits_ptr + offs_m.to(tl.int64)[:, None] * stride_l + offs_c[None, :],
-                     mask=row_ok[:, None] & (offs_c < cols)[None, :], other=0.0)
-    _tile_stats(logits, offs_m, col0 + offs_c, row_ok, temp_ptr, tgt_ptr, m_ptr, s_ptr, zt_ptr, V, vocab_start,
-                vocab_size, n_tiles, BLOCK_M, BLOCK_N, VT, FIXED, LOG2E)
+    rows = offs_m.to(tl.int64) * stride_l
+    first = tl.program_id(1) * BLOCK_N
+    if TARGET_LOAD:
+        offs_c = first + tl.arange(0, BLOCK_N // VT)[:, None] * VT + tl.arange(0, VT)[None, :]
+        logits = tl.load(logits_ptr + rows[:, None, None] + offs_c[None, :, :],
+                         mask=row_ok[:, None, None] & (offs_c < cols)[None, :, :], other=0.0)
+        temp = tl.load(temp_ptr + offs_m, mask=row_ok, other=1.0)
+        offs_n = col0 + offs_c
+        real = (offs_n < V) & (vocab_start + offs_n < vocab_size)
+        z = tl.where(real[None, :, :], _scaled(logits, temp, temp[:, None, None], FAST_TEMP), float("-inf"))
+        local = tl.load(tgt_ptr + offs_m, mask=row_ok, other=-1) - vocab_start
+        owns = row_ok & (local >= col0 + first) & (local < col0 + first + BLOCK_N) & (local < V)
+        hit = owns & (local - col0 < cols) & (vocab_start + local < vocab_size)
+        z_t = tl.div_rn(tl.load(logits_ptr + rows + (local - col0), mask=hit, other=0.0), temp) + 0.0
+        tl.store(zt_ptr + offs_m, z_t, mask=owns)
+        _tile_sums(z, offs_m, col0 + first, row_ok, m_ptr, s_ptr, n_tiles, BLOCK_N, VT, FIXED, LOG2E, RNI)
+    else:
+        offs_c = first + tl.arange(0, BLOCK_N)
+        logits = tl.load(logits_ptr + rows[:, None] + offs_c[None, :],
+                         mask=row_ok[:, None] & (offs_c < cols)[None, :], other=0.0)
+        _tile_stats(logits, offs_m, col0 + offs_c, row_ok, temp_ptr, tgt_ptr, m_ptr, s_ptr, zt_ptr, V, vocab_start,
+                    vocab_size, n_tiles, BLOCK_M, BLOCK_N, VT, FIXED, LOG2E, FAST_TEMP, RNI)
 
 
 @triton.jit
@@ -154,33 +218,64 @@ def _state_budget(weight: torch.Tensor) -> int:
     return max(MIN_STATE_BYTES, weight.numel() * weight.element_size() // STATE_FRACTION)
 
 
-def _slice_cols(rows: int, weight: torch.Tensor, bytes_per_element: int, share: int = 1) -> int:
-    """Vocab slice width (a multiple of 256) whose [rows, width] intermediates fit 1/share of the state budget."""
-    return max(256, _state_budget(weight) // share // (max(rows, 1) * bytes_per_element) // 256 * 256)
+def _even_parts(total: int, most: int, align: int) -> int:
+    """Size of the equal parts that cut `total` into as few as `most` allows, rounded up to a multiple of
+    `align` while that stays within `most` (whole GEMM tiles, no part-empty last tile)."""
+    most = max(1, most)
+    part = triton.cdiv(total, triton.cdiv(total, most))
+    aligned = triton.cdiv(part, align) * align
+    return aligned if aligned <= most else max(part, most // align * align)
 
 
-def _tile_stats_of_rows(x, w, temps32, tgt, m_t, s_t, z_t, vocab_start, vocab_size, server, tile, keep=None):
+def _slice_cols(rows: int, weight: torch.Tensor, bytes_per_element: int) -> int:
+    """Vocab slice width (a multiple of 256 but the last) whose [rows, width] intermediates fit the state budget."""
+    most = max(256, _state_budget(weight) // (max(rows, 1) * bytes_per_element) // 256 * 256)
+    return _even_parts(weight.shape[0], most, 256)
+
+
+def _cublaslt_slices(x, w, cols, stats, keep=None):
+    """fp32 logits of vocab slices [c0, c0 + cols) by cuBLASLt, each passed to `stats(logits, c0)`; one slice
+    alive at a time unless `keep` (a list) holds them for the backward."""
+    with gemm.cublaslt():
+        for c0 in range(0, w.shape[0], cols):
+            logits = torch.mm(x, w[c0:c0 + cols].t(), out_dtype=torch.float32)
+            stats(logits, c0)
+            if keep is not None:
+                keep.append((c0, logits))
+            del logits  # before the next slice is allocated
+
+
+def _forward_geometry(rows: int, weight: torch.Tensor, n_tiles: int) -> tuple[int, int]:
+    """(row chunk, slice columns) of the forward: the row chunk's per-tile stats and one [chunk, columns] fp32
+    logits slice each take 1/FORWARD_PARTS of the state budget."""
+    share = _state_budget(weight) // FORWARD_PARTS
+    chunk = _even_parts(rows, max(1, min(rows, share // (n_tiles * 12))), ROW_ALIGN)
+    cols = max(256, share // (chunk * 4) // 256 * 256)
+    return chunk, _even_parts(weight.shape[0], cols, 256)
+
+
+def _tile_stats_of_rows(x, w, temps32, tgt, m_t, s_t, z_t, vocab_start, vocab_size, server, tile, keep=None,
+                        cols=None):
     """Fill per-tile (m, S) and the targets' z for the rows of x under the contract (either server).
-    `keep`, a list, receives the cuBLASLt server's fp32 logits slices as (first column, logits)."""
+    `keep`, a list, receives the cuBLASLt server's fp32 logits slices as (first column, logits); otherwise
+    the cuBLASLt server's slices are `cols` wide."""
     r, v_local = x.shape[0], w.shape[0]
     n_tiles = m_t.shape[1]
     fixed = float(1 << FIXED_POINT_BITS)
+    options = dict(STATS_OPTIONS, RNI=STATS_OPTIONS["RNI"] and not _INTERPRETED)
     if tile is None and gemm.use_cublaslt(x, w, server):
-        # kept slices are held until the backward anyway: wider ones only mean fewer launches
-        cols = (KEPT_SLICE_FACTOR * _slice_cols(r, w, 4) if keep is not None
-                else _slice_cols(r, w, 4, share=FORWARD_PARTS))
-        cfg = dict(STATS_TILE)
-        bm, bn = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N")
-        for c0 in range(0, v_local, cols):
-            with gemm.cublaslt():
-                logits = torch.mm(x, w[c0:c0 + cols].t(), out_dtype=torch.float32)
+        launch = dict(STATS_TILE, VT=VOCAB_TILE, FIXED=fixed, LOG2E=LOG2E, **options, **LAUNCH)
+        bm, bn = launch["BLOCK_M"], launch["BLOCK_N"]
+
+        def stats(logits, c0):  # once per slice: kept lean, the host time of a launch is the slice's overhead
             grid = (triton.cdiv(r, bm), triton.cdiv(logits.shape[1], bn))
             _stats_kernel[grid](logits, temps32, tgt, m_t, s_t, z_t, r, v_local, c0, logits.shape[1], logits.stride(0),
-                                vocab_start, vocab_size, n_tiles, BLOCK_M=bm, BLOCK_N=bn, VT=VOCAB_TILE, FIXED=fixed,
-                                LOG2E=LOG2E, **cfg, **LAUNCH)
-            if keep is not None:
-                keep.append((c0, logits))
-            del logits  # before the next slice is allocated: one slice alive at a time
+                                vocab_start, vocab_size, n_tiles, **launch)
+
+        # kept slices are held until the backward anyway: wider ones only mean fewer launches
+        if keep is not None:
+            cols = KEPT_SLICE_FACTOR * _slice_cols(r, w, 4)
+        _cublaslt_slices(x, w, cols, stats, keep)
         return
     x, w, precision = gemm._operands(x, w)
     cfg = dict(tile or gemm.TILE)
@@ -188,7 +283,8 @@ def _tile_stats_of_rows(x, w, temps32, tgt, m_t, s_t, z_t, vocab_start, vocab_si
     grid = (triton.cdiv(r, bm) * triton.cdiv(v_local, bn),)
     _fused_kernel[grid](x, w, temps32, tgt, m_t, s_t, z_t, r, v_local, x.stride(0), w.stride(0), x.shape[1],
                         vocab_start, vocab_size, n_tiles, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=gemm.BLOCK_K,
-                        PRECISION=precision, VT=VOCAB_TILE, FIXED=fixed, LOG2E=LOG2E, **cfg, **LAUNCH)
+                        PRECISION=precision, VT=VOCAB_TILE, FIXED=fixed, LOG2E=LOG2E, FAST_TEMP=options["FAST_TEMP"],
+                        RNI=options["RNI"], **cfg, **LAUNCH)
 
 
 def _forward(hidden, weight, targets, temps, vocab_start, vocab_size, group, server=None, tile=None, keep=None):
@@ -197,7 +293,7 @@ def _forward(hidden, weight, targets, temps, vocab_start, vocab_size, group, ser
     rows, v_local = hidden.shape[0], weight.shape[0]
     dev = hidden.device
     n_tiles = triton.cdiv(v_local, VOCAB_TILE)
-    chunk = rows if keep is not None else max(1, min(rows, _state_budget(weight) // FORWARD_PARTS // (n_tiles * 12)))
+    chunk, cols = (rows, None) if keep is not None else _forward_geometry(rows, weight, n_tiles)
     temps32 = temps.to(torch.float32)
     tgt = targets.to(torch.int64)
     x = hidden.contiguous()
@@ -211,7 +307,7 @@ def _forward(hidden, weight, targets, temps, vocab_start, vocab_size, group, ser
         s_t = torch.empty(r, n_tiles, dtype=torch.int64, device=dev)
         z_t = torch.zeros(r, dtype=torch.float32, device=dev)
         _tile_stats_of_rows(x[a:b], weight, temps32[a:b], tgt[a:b], m_t, s_t, z_t, vocab_start, vocab_size,
-                            server, tile, keep)
+                            server, tile, keep, cols)
         big_m = m_t.amax(1)  # max is exact in any order
         if world > 1:
             dist.all_reduce(big_m, op=dist.ReduceOp.MAX, group=group)

@@ -1,0 +1,146 @@
+"""Where the strict linear-logprob forward spends its time on a GPU, and which of its settings pay.
+
+    python3 benchmarks/logprob_probe.py [out.json]      # benchmarks/results/logprob_probe_h200.{json,txt}
+
+Qwen3-8B's LM head (V 151936, D 4096) over 8192 tokens, bf16, temperature 1 and mixed temperatures. Each
+setting is timed eagerly (what a caller sees: host launch time included) and as the replay of a CUDA graph of
+the same call (GPU time alone), with its bits against the reference setting and its peak memory; then the
+cuBLASLt GEMM passes alone and the stats pass alone, both as graph replays. No setting moves a bit
+(tests/gpu/test_triton_kernels.py); this says which ones pay and whether the host or the GPU bounds the call.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+import torch.nn.functional as F
+import triton
+from kernels import extra_peak  # benchmarks/kernels.py, beside this file
+from triton.testing import do_bench
+
+import rl_kernel  # noqa: F401  (claims cuBLASLt's workspace before any CUDA work)
+from rl_kernel.backends.triton import gemm, logprob
+
+DEV, BF16 = "cuda", torch.bfloat16
+T, D, V = 8192, 4096, 151936
+OUT: dict = {}
+OFF = {"FAST_TEMP": False, "RNI": False, "TARGET_LOAD": False}
+
+
+def bench(fn, rep=60) -> float:
+    return do_bench(fn, warmup=5, rep=rep, return_mode="median")
+
+
+def graph_ms(fn) -> float:
+    """Median replay time of a CUDA graph of `fn`: its GPU time without the host's launch overhead."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return bench(graph.replay)
+
+
+def same(a, b) -> bool:
+    return torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+def forward_variants(hid, w, tg, temps_by_name, inputs) -> None:
+    defaults = {k: getattr(logprob, k) for k in ("ROW_ALIGN", "STATE_FRACTION", "STATS_TILE", "STATS_OPTIONS")}
+    variants = {
+        "options off, no row alignment": dict(STATS_OPTIONS=OFF, ROW_ALIGN=1),
+        "default": {},
+        "default, stats 32x256 w8": dict(STATS_TILE={"BLOCK_M": 32, "BLOCK_N": 256, "num_warps": 8}),
+        "default, stats 64x64 w4": dict(STATS_TILE={"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4}),
+        "default, state 1/9": dict(STATE_FRACTION=9),
+    }
+    refs, OUT["forward"] = {}, {}
+    for name, attrs in variants.items():
+        for tname, temps in temps_by_name.items():
+            for k, val in {**defaults, **attrs}.items():
+                setattr(logprob, k, val)
+            try:
+                def fn(temps=temps):
+                    return logprob.logprobs_and_lse(hid, w, tg, temps, 0, V)[0]
+                out = fn()
+                row = {"eager_ms": round(bench(fn), 3), "graph_ms": round(graph_ms(fn), 3),
+                       "peak_over_inputs": round((inputs + extra_peak(fn)) / inputs, 3)}
+            finally:
+                for k, val in defaults.items():
+                    setattr(logprob, k, val)
+            refs.setdefault(tname, out)
+            row["bits_equal_first"] = same(out, refs[tname])
+            OUT["forward"][f"{name} / {tname}"] = row
+            print(f"{name + ' / ' + tname:52s} eager {row['eager_ms']:7.3f} ms  graph {row['graph_ms']:7.3f} ms  "
+                  f"peak {row['peak_over_inputs']:.3f}x  bits {'equal' if row['bits_equal_first'] else 'DIFFER'}",
+                  flush=True)
+
+
+def gemm_and_stats(hid, w, tg, ones) -> None:
+    """GPU time (graph replays) of the forward's two passes at its own geometry: GEMMs alone, stats alone."""
+    n_tiles = triton.cdiv(V, 64)
+    rows, cols = logprob._forward_geometry(T, w, n_tiles)
+
+    def passes():
+        with gemm.cublaslt():
+            for a in range(0, T, rows):
+                for c0 in range(0, V, cols):
+                    torch.mm(hid[a:a + rows], w[c0:c0 + cols].t(), out_dtype=torch.float32)
+    OUT["geometry"] = {"rows": rows, "cols": cols, "slices": triton.cdiv(T, rows) * triton.cdiv(V, cols)}
+    OUT["gemm_passes_graph_ms"] = round(graph_ms(passes), 3)
+    with gemm.cublaslt():
+        OUT["gemm_full_lt_fp32_graph_ms"] = round(graph_ms(lambda: torch.mm(hid, w.t(), out_dtype=torch.float32)), 3)
+    OUT["gemm_full_bf16_graph_ms"] = round(graph_ms(lambda: F.linear(hid, w)), 3)
+    with gemm.cublaslt():
+        sl = torch.mm(hid[:rows], w[:cols].t(), out_dtype=torch.float32)
+    m_t = torch.empty(rows, n_tiles, device=DEV)
+    s_t = torch.empty(rows, n_tiles, dtype=torch.int64, device=DEV)
+    z_t = torch.zeros(rows, device=DEV)
+    t32 = ones[:rows].float()
+    OUT["stats_pass_graph_ms"] = {}
+    for name, opts, tile in (("options off", OFF, logprob.STATS_TILE), ("default", logprob.STATS_OPTIONS,
+                                                                       logprob.STATS_TILE),
+                             ("default, 32x256 w8", logprob.STATS_OPTIONS, {"BLOCK_M": 32, "BLOCK_N": 256,
+                                                                           "num_warps": 8}),
+                             ("default, 64x64 w4", logprob.STATS_OPTIONS, {"BLOCK_M": 64, "BLOCK_N": 64,
+                                                                          "num_warps": 4})):
+        launch = dict(tile, VT=64, FIXED=float(1 << 40), LOG2E=logprob.LOG2E, **opts, enable_fp_fusion=False)
+
+        def stats(launch=launch):
+            for _ in range(OUT["geometry"]["slices"]):
+                logprob._stats_kernel[(triton.cdiv(rows, launch["BLOCK_M"]), triton.cdiv(cols, launch["BLOCK_N"]))](
+                    sl, t32, tg, m_t, s_t, z_t, rows, V, 0, cols, sl.stride(0), 0, V, n_tiles, **launch)
+        OUT["stats_pass_graph_ms"][name] = round(graph_ms(stats), 3)
+    print(f"geometry {OUT['geometry']}; GPU time: GEMM passes {OUT['gemm_passes_graph_ms']} ms (one cuBLASLt fp32 "
+          f"GEMM {OUT['gemm_full_lt_fp32_graph_ms']}, cuBLAS bf16 {OUT['gemm_full_bf16_graph_ms']}); stats pass "
+          + ", ".join(f"{k} {v}" for k, v in OUT["stats_pass_graph_ms"].items()), flush=True)
+
+
+def main() -> None:
+    torch.manual_seed(0)
+    hid = torch.randn(T, D, device=DEV).to(BF16)
+    w = (torch.randn(V, D, device=DEV) * 0.02).to(BF16)
+    tg = torch.randint(0, V, (T,), device=DEV)
+    ones = torch.ones(T, dtype=torch.float64, device=DEV)
+    mixed = torch.rand(T, dtype=torch.float64, device=DEV) * 0.5 + 0.6
+    inputs = hid.numel() * 2 + w.numel() * 2
+
+    def native():
+        return torch.log_softmax(F.linear(hid, w).float(), -1).gather(1, tg[:, None]).squeeze(1)
+
+    OUT["native_ms_first"] = round(bench(native), 3)
+    OUT["native_graph_ms"] = round(graph_ms(native), 3)
+    print(f"native: eager {OUT['native_ms_first']} ms, graph {OUT['native_graph_ms']} ms", flush=True)
+    forward_variants(hid, w, tg, {"t=1": ones, "mixed t": mixed}, inputs)
+    gemm_and_stats(hid, w, tg, ones)
+    OUT["native_ms_last"] = round(bench(native), 3)
+    print(f"native again {OUT['native_ms_last']} ms", flush=True)
+    if len(sys.argv) > 1:
+        with open(sys.argv[1], "w") as f:
+            json.dump(OUT, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
