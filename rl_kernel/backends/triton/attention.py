@@ -303,8 +303,12 @@ def _precision(q: torch.Tensor, k: torch.Tensor) -> str:
 
 def _descriptors(k: torch.Tensor, v: torch.Tensor, d: int):
     """TMA descriptors of packed k, v [N, Hkv, d] with [CHUNK, 1, d] blocks, or (None, None) where TMA cannot
-    read them (16-byte strides and base); the pointer loads then serve (the same values)."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
+    read them (16-byte strides and base; a Triton without host descriptors); the pointer loads then serve (the
+    same values)."""
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+    except ImportError:
+        return None, None
 
     def fits(t):
         return t.stride(-1) == 1 and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1]) \
