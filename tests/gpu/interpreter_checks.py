@@ -214,8 +214,9 @@ def logprobs(gen: torch.Generator) -> None:
           all(float((a - b).abs().max()) < 1e-5 for a, b in zip(runs[0][1:], runs[1][1:])))
 
 
-def _slice_stats(logits, temps, tg, real, **options):
-    """The cuBLASLt server's reduction: `_stats_kernel` over 256-column slices of precomputed fp32 logits."""
+def _slice_stats(logits, temps, tg, real, vocab_start=0, **options):
+    """The cuBLASLt server's reduction: `_stats_kernel` over 256-column slices of precomputed fp32 logits of the
+    vocab shard that starts at global column `vocab_start` (`real`: the global vocab size less vocab_start)."""
     t, v = logits.shape
     n_tiles = -(-v // logprob.VOCAB_TILE)
     m_t, s_t = torch.empty(t, n_tiles), torch.empty(t, n_tiles, dtype=torch.int64)
@@ -223,7 +224,8 @@ def _slice_stats(logits, temps, tg, real, **options):
     for c0 in range(0, v, 256):
         part = logits[:, c0:c0 + 256].contiguous()
         logprob._stats_kernel[(-(-t // 32), 1)](
-            part, temps.float(), tg, m_t, s_t, z_t, t, v, c0, part.shape[1], part.stride(0), 0, real, n_tiles,
+            part, temps.float(), tg, m_t, s_t, z_t, t, v, c0, part.shape[1], part.stride(0), vocab_start,
+            vocab_start + real, n_tiles,
             BLOCK_M=32, BLOCK_N=256, VT=logprob.VOCAB_TILE, FIXED=float(1 << logprob.FIXED_POINT_BITS),
             LOG2E=logprob.LOG2E, RNI=False, **options)
     return m_t, s_t, z_t
@@ -245,6 +247,15 @@ def logprob_slice_stats(gen: torch.Generator) -> None:
                                                       b.view(torch.int32) if b.dtype == torch.float32 else b)
                                           for a, b in zip(got, ref)))
     check("logprob slice stats: the -0 target logit gives +0", ref[2][5].view(torch.int32) == 0)
+    shard = 128  # a TP rank's shard from global column 128: targets before it belong to another rank
+    tg_global = tg + shard
+    tg_global[:6] = torch.arange(6) * 20  # columns 0..100: not this shard's
+    ref = _slice_stats(logits, temps, tg_global, real, shard, FAST_TEMP=False, TARGET_LOAD=False)
+    got = _slice_stats(logits, temps, tg_global, real, shard, FAST_TEMP=True, TARGET_LOAD=True)
+    check("logprob slice stats of a vocab shard (vocab_start 128): target read == summed out of the block",
+          all(torch.equal(a.view(torch.int32) if a.dtype == torch.float32 else a,
+                          b.view(torch.int32) if b.dtype == torch.float32 else b) for a, b in zip(got, ref))
+          and bool((got[2][:6] == 0).all()) and bool((got[2][6:] != 0).any()))
 
 
 def main() -> None:
