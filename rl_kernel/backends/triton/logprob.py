@@ -51,7 +51,8 @@ KEPT_SLICE_FACTOR = 4
 ROW_ALIGN = 128  # row chunks are whole multiples of the GEMM's row tiles where the budget allows
 # How the stats pass computes the contract's numbers (none moves a bit; tests/gpu compare each off): skip the
 # division at temperature 1, round to int64 in one cvt.rni, read the target's logit instead of summing it out.
-# H200: the stats pass over 8192 x 151936 logits 3.38 -> 2.56 ms (benchmarks/results/logprob_probe_h200.txt).
+# H200: the stats pass over 8192 x 151936 logits takes 1.73 ms of GPU time, 2.64 with all three off
+# (CUDA-graph replays, benchmarks/results/logprob_probe_h200.txt).
 STATS_OPTIONS = {"FAST_TEMP": True, "RNI": True, "TARGET_LOAD": True}
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # the interpreter runs no inline PTX
 
