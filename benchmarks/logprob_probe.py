@@ -78,6 +78,25 @@ def forward_variants(hid, w, tg, temps_by_name, inputs) -> None:
                   flush=True)
 
 
+def geometries(hid, w, tg, ones, inputs) -> None:
+    """The forward at fixed (row chunk, slice columns) instead of `_forward_geometry`'s: eager and graph time,
+    peak memory (no bit depends on it)."""
+    saved, OUT["geometries"] = logprob._forward_geometry, {}
+    ref = logprob.logprobs_and_lse(hid, w, tg, ones, 0, V)[0]
+    for rows, cols in ((1664, 7680), (1024, 16896), (1024, 12288), (1152, 11264), (1536, 8192), (2048, 4096)):
+        logprob._forward_geometry = lambda *_, g=(rows, cols): g
+        try:
+            def fn():
+                return logprob.logprobs_and_lse(hid, w, tg, ones, 0, V)[0]
+            row = {"eager_ms": round(bench(fn), 3), "graph_ms": round(graph_ms(fn), 3),
+                   "peak_over_inputs": round((inputs + extra_peak(fn)) / inputs, 3), "bits_equal": same(fn(), ref)}
+        finally:
+            logprob._forward_geometry = saved
+        OUT["geometries"][f"{rows}x{cols}"] = row
+        print(f"geometry {rows} x {cols}: eager {row['eager_ms']} ms, graph {row['graph_ms']} ms, peak "
+              f"{row['peak_over_inputs']}x, bits {'equal' if row['bits_equal'] else 'DIFFER'}", flush=True)
+
+
 def gemm_and_stats(hid, w, tg, ones) -> None:
     """GPU time (graph replays) of the forward's two passes at its own geometry: GEMMs alone, stats alone."""
     n_tiles = triton.cdiv(V, 64)
@@ -134,6 +153,7 @@ def main() -> None:
     OUT["native_graph_ms"] = round(graph_ms(native), 3)
     print(f"native: eager {OUT['native_ms_first']} ms, graph {OUT['native_graph_ms']} ms", flush=True)
     forward_variants(hid, w, tg, {"t=1": ones, "mixed t": mixed}, inputs)
+    geometries(hid, w, tg, ones, inputs)
     gemm_and_stats(hid, w, tg, ones)
     OUT["native_ms_last"] = round(bench(native), 3)
     print(f"native again {OUT['native_ms_last']} ms", flush=True)
