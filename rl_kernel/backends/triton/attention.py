@@ -301,7 +301,7 @@ def _precision(q: torch.Tensor, k: torch.Tensor) -> str:
     return "ieee" if q.dtype == torch.float32 else "tf32"
 
 
-def _descriptors(k: torch.Tensor, v: torch.Tensor, d: int):
+def _descriptors(k: torch.Tensor, v: torch.Tensor):
     """TMA descriptors of packed k, v [N, Hkv, d] with [CHUNK, 1, d] blocks, or (None, None) where TMA cannot
     read them (16-byte strides and base; a Triton without host descriptors); the pointer loads then serve (the
     same values)."""
@@ -315,7 +315,7 @@ def _descriptors(k: torch.Tensor, v: torch.Tensor, d: int):
             and t.data_ptr() % 16 == 0
     if not (fits(k) and fits(v)):
         return None, None
-    return tuple(TensorDescriptor(t, list(t.shape), list(t.stride()), [CHUNK, 1, d]) for t in (k, v))
+    return tuple(TensorDescriptor(t, list(t.shape), list(t.stride()), [CHUNK, 1, t.shape[-1]]) for t in (k, v))
 
 
 def _run(q, k, v, q_start, ctx_len, block_table, block_size, scale, paged, schedule, lse=None, config=None):
@@ -351,7 +351,7 @@ def _run(q, k, v, q_start, ctx_len, block_table, block_size, scale, paged, sched
     nsplit = torch.zeros(tq if split else 1, dtype=torch.int32, device=q.device)
     table = block_table if paged else tile_start
     heavy_first = cfg.pop("HEAVY_FIRST", False)
-    k_desc, v_desc = _descriptors(k, v, d) if cfg.pop("TMA", False) and not paged else (None, None)
+    k_desc, v_desc = _descriptors(k, v) if cfg.pop("TMA", False) and not paged else (None, None)
     grid = (grid_tiles * kv_heads, 1) if heavy_first else (grid_tiles, kv_heads)
     _attn_kernel[grid + (num_splits if split else 1,)](
         q, k, v, k if k_desc is None else k_desc, v if v_desc is None else v_desc, out, pm, pl, po, nsplit,

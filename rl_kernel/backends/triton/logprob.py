@@ -228,9 +228,10 @@ def _even_parts(total: int, most: int, align: int) -> int:
     return aligned if aligned <= most else max(part, most // align * align)
 
 
-def _slice_cols(rows: int, weight: torch.Tensor, bytes_per_element: int) -> int:
-    """Vocab slice width (a multiple of 256 but the last) whose [rows, width] intermediates fit the state budget."""
-    most = max(256, _state_budget(weight) // (max(rows, 1) * bytes_per_element) // 256 * 256)
+def _slice_cols(rows: int, weight: torch.Tensor, bytes_per_element: int, share: int = 1) -> int:
+    """Vocab slice width (a multiple of 256 but the last) whose [rows, width] intermediates fit 1/share of the
+    state budget."""
+    most = max(256, _state_budget(weight) // share // (max(rows, 1) * bytes_per_element) // 256 * 256)
     return _even_parts(weight.shape[0], most, 256)
 
 
@@ -246,20 +247,22 @@ def _cublaslt_slices(x, w, cols, stats, keep=None):
             del logits  # before the next slice is allocated
 
 
-def _forward_geometry(rows: int, weight: torch.Tensor, n_tiles: int) -> tuple[int, int]:
+def _forward_geometry(rows: int, weight: torch.Tensor, n_tiles: int, keep: bool = False) -> tuple[int, int]:
     """(row chunk, slice columns) of the forward: the row chunk's per-tile stats and one [chunk, columns] fp32
-    logits slice each take 1/FORWARD_PARTS of the state budget."""
+    logits slice each take 1/FORWARD_PARTS of the state budget. `keep` (the slices are held for the backward
+    anyway): all rows in one chunk, slices KEPT_SLICE_FACTOR times the budget's width (fewer launches)."""
+    if keep:
+        return rows, KEPT_SLICE_FACTOR * _slice_cols(rows, weight, 4)
     share = _state_budget(weight) // FORWARD_PARTS
     chunk = _even_parts(rows, max(1, min(rows, share // (n_tiles * 12))), ROW_ALIGN)
-    cols = max(256, share // (chunk * 4) // 256 * 256)
-    return chunk, _even_parts(weight.shape[0], cols, 256)
+    return chunk, _slice_cols(chunk, weight, 4, share=FORWARD_PARTS)
 
 
-def _tile_stats_of_rows(x, w, temps32, tgt, m_t, s_t, z_t, vocab_start, vocab_size, server, tile, keep=None,
-                        cols=None):
-    """Fill per-tile (m, S) and the targets' z for the rows of x under the contract (either server).
-    `keep`, a list, receives the cuBLASLt server's fp32 logits slices as (first column, logits); otherwise
-    the cuBLASLt server's slices are `cols` wide."""
+def _tile_stats_of_rows(x, w, temps32, tgt, m_t, s_t, z_t, vocab_start, vocab_size, server, tile, cols,
+                        keep=None):
+    """Fill per-tile (m, S) and the targets' z for the rows of x under the contract (either server); the
+    cuBLASLt server's slices are `cols` wide. `keep`, a list, receives its fp32 logits slices as (first
+    column, logits)."""
     r, v_local = x.shape[0], w.shape[0]
     n_tiles = m_t.shape[1]
     fixed = float(1 << FIXED_POINT_BITS)
@@ -273,9 +276,6 @@ def _tile_stats_of_rows(x, w, temps32, tgt, m_t, s_t, z_t, vocab_start, vocab_si
             _stats_kernel[grid](logits, temps32, tgt, m_t, s_t, z_t, r, v_local, c0, logits.shape[1], logits.stride(0),
                                 vocab_start, vocab_size, n_tiles, **launch)
 
-        # kept slices are held until the backward anyway: wider ones only mean fewer launches
-        if keep is not None:
-            cols = KEPT_SLICE_FACTOR * _slice_cols(r, w, 4)
         _cublaslt_slices(x, w, cols, stats, keep)
         return
     x, w, precision = gemm._operands(x, w)
@@ -294,7 +294,7 @@ def _forward(hidden, weight, targets, temps, vocab_start, vocab_size, group, ser
     rows, v_local = hidden.shape[0], weight.shape[0]
     dev = hidden.device
     n_tiles = triton.cdiv(v_local, VOCAB_TILE)
-    chunk, cols = (rows, None) if keep is not None else _forward_geometry(rows, weight, n_tiles)
+    chunk, cols = _forward_geometry(rows, weight, n_tiles, keep is not None)
     temps32 = temps.to(torch.float32)
     tgt = targets.to(torch.int64)
     x = hidden.contiguous()
@@ -308,7 +308,7 @@ def _forward(hidden, weight, targets, temps, vocab_start, vocab_size, group, ser
         s_t = torch.empty(r, n_tiles, dtype=torch.int64, device=dev)
         z_t = torch.zeros(r, dtype=torch.float32, device=dev)
         _tile_stats_of_rows(x[a:b], weight, temps32[a:b], tgt[a:b], m_t, s_t, z_t, vocab_start, vocab_size,
-                            server, tile, keep, cols)
+                            server, tile, cols, keep)
         big_m = m_t.amax(1)  # max is exact in any order
         if world > 1:
             dist.all_reduce(big_m, op=dist.ReduceOp.MAX, group=group)
