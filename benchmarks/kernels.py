@@ -49,6 +49,16 @@ def bench(fn, warmup=5, rep=25) -> float:
     return do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
 
 
+def graph_ms(fn, rep=25) -> float:
+    """Median replay time of a CUDA graph of `fn`: its GPU time without the host's launch overhead."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return bench(graph.replay, rep=rep)
+
+
 def rotating(make, nbytes: int):
     """`make()` -> args; enough copies that they overflow L2; returns a function cycling through them."""
     copies = [make() for _ in range(max(1, min(4, math.ceil(3 * L2_BYTES / max(nbytes, 1)))))]
@@ -224,15 +234,9 @@ def _decode_case(b: int, bw: float, h: int = 32, hkv: int = 8, d: int = 128, ctx
 
     native = bench(native_paged)
     kv_bytes = 2 * b * ctx * hkv * d * 2
-    graphs = {}  # decode runs under CUDA graphs in serving engines: both sides captured, replays timed
-    for name, fn in (("strict", lambda: attention.paged_attention(q, kc, vc, table, seq_lens, qsl, d**-0.5)),
-                     ("native", native_paged)):
-        fn()
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-        graphs[name] = bench(graph.replay)
+    # decode runs under CUDA graphs in serving engines: both sides captured, replays timed
+    graphs = {"strict": graph_ms(lambda: attention.paged_attention(q, kc, vc, table, seq_lens, qsl, d**-0.5)),
+              "native": graph_ms(native_paged)}
     row("attn", f"paged decode B={b} ctx={ctx}", strict, native, kv_bytes / bw * 1e3, ">=0.8x native paged",
         fused_schedule_ms=round(fused, 4), kv_gbps_strict=round(kv_bytes / strict * 1e-6, 1),
         graph_strict_ms=round(graphs["strict"], 4), graph_native_ms=round(graphs["native"], 4),

@@ -17,7 +17,7 @@ import sys
 import torch
 import torch.nn.functional as F
 import triton
-from kernels import extra_peak  # benchmarks/kernels.py, beside this file
+from kernels import extra_peak, graph_ms  # benchmarks/kernels.py, beside this file
 from triton.testing import do_bench
 
 import rl_kernel  # noqa: F401  (claims cuBLASLt's workspace before any CUDA work)
@@ -31,16 +31,6 @@ OFF = {"FAST_TEMP": False, "RNI": False, "TARGET_LOAD": False}
 
 def bench(fn, rep=60) -> float:
     return do_bench(fn, warmup=5, rep=rep, return_mode="median")
-
-
-def graph_ms(fn) -> float:
-    """Median replay time of a CUDA graph of `fn`: its GPU time without the host's launch overhead."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return bench(graph.replay)
 
 
 def same(a, b) -> bool:
@@ -65,7 +55,7 @@ def forward_variants(hid, w, tg, temps_by_name, inputs) -> None:
                 def fn(temps=temps):
                     return logprob.logprobs_and_lse(hid, w, tg, temps, 0, V)[0]
                 out = fn()
-                row = {"eager_ms": round(bench(fn), 3), "graph_ms": round(graph_ms(fn), 3),
+                row = {"eager_ms": round(bench(fn), 3), "graph_ms": round(graph_ms(fn, rep=60), 3),
                        "peak_over_inputs": round((inputs + extra_peak(fn)) / inputs, 3)}
             finally:
                 for k, val in defaults.items():
@@ -88,7 +78,7 @@ def geometries(hid, w, tg, ones, inputs) -> None:
         try:
             def fn():
                 return logprob.logprobs_and_lse(hid, w, tg, ones, 0, V)[0]
-            row = {"eager_ms": round(bench(fn), 3), "graph_ms": round(graph_ms(fn), 3),
+            row = {"eager_ms": round(bench(fn), 3), "graph_ms": round(graph_ms(fn, rep=60), 3),
                    "peak_over_inputs": round((inputs + extra_peak(fn)) / inputs, 3), "bits_equal": same(fn(), ref)}
         finally:
             logprob._forward_geometry = saved
@@ -108,10 +98,11 @@ def gemm_and_stats(hid, w, tg, ones) -> None:
                 for c0 in range(0, V, cols):
                     torch.mm(hid[a:a + rows], w[c0:c0 + cols].t(), out_dtype=torch.float32)
     OUT["geometry"] = {"rows": rows, "cols": cols, "slices": triton.cdiv(T, rows) * triton.cdiv(V, cols)}
-    OUT["gemm_passes_graph_ms"] = round(graph_ms(passes), 3)
+    OUT["gemm_passes_graph_ms"] = round(graph_ms(passes, rep=60), 3)
     with gemm.cublaslt():
-        OUT["gemm_full_lt_fp32_graph_ms"] = round(graph_ms(lambda: torch.mm(hid, w.t(), out_dtype=torch.float32)), 3)
-    OUT["gemm_full_bf16_graph_ms"] = round(graph_ms(lambda: F.linear(hid, w)), 3)
+        lt_fp32 = graph_ms(lambda: torch.mm(hid, w.t(), out_dtype=torch.float32), rep=60)
+    OUT["gemm_full_lt_fp32_graph_ms"] = round(lt_fp32, 3)
+    OUT["gemm_full_bf16_graph_ms"] = round(graph_ms(lambda: F.linear(hid, w), rep=60), 3)
     with gemm.cublaslt():
         sl = torch.mm(hid[:rows], w[:cols].t(), out_dtype=torch.float32)
     m_t = torch.empty(rows, n_tiles, device=DEV)
@@ -131,7 +122,7 @@ def gemm_and_stats(hid, w, tg, ones) -> None:
             for _ in range(OUT["geometry"]["slices"]):
                 logprob._stats_kernel[(triton.cdiv(rows, launch["BLOCK_M"]), triton.cdiv(cols, launch["BLOCK_N"]))](
                     sl, t32, tg, m_t, s_t, z_t, rows, V, 0, cols, sl.stride(0), 0, V, n_tiles, **launch)
-        OUT["stats_pass_graph_ms"][name] = round(graph_ms(stats), 3)
+        OUT["stats_pass_graph_ms"][name] = round(graph_ms(stats, rep=60), 3)
     print(f"geometry {OUT['geometry']}; GPU time: GEMM passes {OUT['gemm_passes_graph_ms']} ms (one cuBLASLt fp32 "
           f"GEMM {OUT['gemm_full_lt_fp32_graph_ms']}, cuBLAS bf16 {OUT['gemm_full_bf16_graph_ms']}); stats pass "
           + ", ".join(f"{k} {v}" for k, v in OUT["stats_pass_graph_ms"].items()), flush=True)
@@ -150,7 +141,7 @@ def main() -> None:
         return torch.log_softmax(F.linear(hid, w).float(), -1).gather(1, tg[:, None]).squeeze(1)
 
     OUT["native_ms_first"] = round(bench(native), 3)
-    OUT["native_graph_ms"] = round(graph_ms(native), 3)
+    OUT["native_graph_ms"] = round(graph_ms(native, rep=60), 3)
     print(f"native: eager {OUT['native_ms_first']} ms, graph {OUT['native_graph_ms']} ms", flush=True)
     forward_variants(hid, w, tg, {"t=1": ones, "mixed t": mixed}, inputs)
     geometries(hid, w, tg, ones, inputs)
