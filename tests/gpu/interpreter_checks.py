@@ -53,7 +53,7 @@ def check(name: str, ok: bool) -> None:
 
 
 def same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    view = {2: torch.int16, 4: torch.int32}[a.element_size()]
+    view = {2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
     return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.view(view), b.view(view))
 
 
@@ -243,9 +243,7 @@ def logprob_slice_stats(gen: torch.Generator) -> None:
         for fast in (False, True):
             got = _slice_stats(logits, temps, tg, real, FAST_TEMP=fast, TARGET_LOAD=True)
             check(f"logprob slice stats, {name}: target read from the slice (fast temperature {fast}) == summed "
-                  "out of the block", all(torch.equal(a.view(torch.int32) if a.dtype == torch.float32 else a,
-                                                      b.view(torch.int32) if b.dtype == torch.float32 else b)
-                                          for a, b in zip(got, ref)))
+                  "out of the block", all(same(a, b) for a, b in zip(got, ref)))
     check("logprob slice stats: the -0 target logit gives +0", ref[2][5].view(torch.int32) == 0)
     shard = 128  # a TP rank's shard from global column 128: targets before it belong to another rank
     tg_global = tg + shard
@@ -253,9 +251,7 @@ def logprob_slice_stats(gen: torch.Generator) -> None:
     ref = _slice_stats(logits, temps, tg_global, real, shard, FAST_TEMP=False, TARGET_LOAD=False)
     got = _slice_stats(logits, temps, tg_global, real, shard, FAST_TEMP=True, TARGET_LOAD=True)
     check("logprob slice stats of a vocab shard (vocab_start 128): target read == summed out of the block",
-          all(torch.equal(a.view(torch.int32) if a.dtype == torch.float32 else a,
-                          b.view(torch.int32) if b.dtype == torch.float32 else b) for a, b in zip(got, ref))
-          and bool((got[2][:6] == 0).all()) and bool((got[2][6:] != 0).any()))
+          all(same(a, b) for a, b in zip(got, ref)) and bool((got[2][:6] == 0).all()) and bool((got[2][6:] != 0).any()))
 
 
 def main() -> None:
