@@ -118,6 +118,8 @@ def attentions(gen: torch.Generator) -> None:
                   same(attention.varlen_attention(q, k, v, cu, scale, config=config), packed))
         wide = torch.randn(115, 3 * kv_heads, d, generator=gen).to(F16)  # k, v as views of a fused projection
         wide[:, :kv_heads], wide[:, kv_heads:2 * kv_heads] = k, v
+        check("attention TMA: the strided k, v views get descriptors (the TMA path runs)",
+              None not in attention._descriptors(wide[:, :kv_heads], wide[:, kv_heads:2 * kv_heads]))
         pointer = attention.varlen_attention(q, k, v, cu, scale, config=dict(attention.PREFILL, TMA=False))
         check("attention TMA descriptor loads (strided k, v) == pointer loads",
               same(attention.varlen_attention(q, wide[:, :kv_heads], wide[:, kv_heads:2 * kv_heads], cu, scale,
