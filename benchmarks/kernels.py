@@ -301,6 +301,15 @@ def bench_logprob(bw: float) -> None:
         peak_over_inputs_native=round((inputs + peaks["native"]) / inputs, 3),
         tflops_strict=round(flops / s * 1e-9, 1), logit_servers_ms=variants)
 
+    def strict_bf16():  # the bf16 logit contract (rl_kernel.set_logits_dtype): native's own logit rounding
+        return logprob.logprobs_and_lse(hid, w, tg, temps, 0, v, logits_dtype=BF16)[0]
+
+    peak = extra_peak(strict_bf16)
+    s, n = bench(strict_bf16, rep=100), bench(native, rep=100)
+    row("logprob", f"linear-logprob fwd T={t} D={d} V={v}, bf16 logits", s, n,
+        max(flops / PEAK_BF16, inputs / bw) * 1e3, ">=1.2x native, peak <=1.1x inputs",
+        peak_over_inputs_strict=round((inputs + peak) / inputs, 3), tflops_strict=round(flops / s * 1e-9, 1))
+
     hid_g, w_g = hid.clone().requires_grad_(), w.clone().requires_grad_()
     grad = torch.randn(t, device=DEV)
 
@@ -314,13 +323,17 @@ def bench_logprob(bw: float) -> None:
         return torch.autograd.grad(out, (hid_g, w_g), grad)
 
     native_ms, native_peak = bench(native_train, rep=50), extra_peak(native_train)
-    for keep in (True, False):  # the fp32 logits kept for the backward (default) or recomputed there
+    # the logits kept for the backward (default) or recomputed there; fp32 logits, and the bf16 logit contract
+    for keep, logits in ((True, "float32"), (False, "float32"), (True, "bfloat16")):
         logprob_op.KEEP_LOGITS = keep
+        rk.set_logits_dtype(logits)
         try:
             ms, peak = bench(strict_train, rep=50), extra_peak(strict_train)
         finally:
             logprob_op.KEEP_LOGITS = True
-        row("logprob", f"linear-logprob fwd+bwd T={t} ({'kept' if keep else 'recomputed'} logits)", ms, native_ms,
+            rk.set_logits_dtype("float32")
+        kind = f"{'kept' if keep else 'recomputed'} logits{', bf16' if logits == 'bfloat16' else ''}"
+        row("logprob", f"linear-logprob fwd+bwd T={t} ({kind})", ms, native_ms,
             3 * max(flops / PEAK_BF16, inputs / bw) * 1e3, ">=1.0x native", extra_peak_gb_strict=round(peak / 1e9, 3),
             extra_peak_gb_native=round(native_peak / 1e9, 3), inputs_gb=round(inputs / 1e9, 3),
             peak_over_inputs_strict=round((inputs + peak) / inputs, 3),

@@ -1,8 +1,9 @@
 """Where the strict linear-logprob forward spends its time on a GPU, and which of its settings pay.
 
-    python3 benchmarks/logprob_probe.py [out.json]      # benchmarks/results/logprob_probe_h200.{json,txt}
+    python3 benchmarks/logprob_probe.py [out.json] [--geometries]   # benchmarks/results/logprob_probe_h200.*
 
-Qwen3-8B's LM head (V 151936, D 4096) over 8192 tokens, bf16, temperature 1 and mixed temperatures. Each
+Qwen3-8B's LM head (V 151936, D 4096) over 8192 tokens, bf16, temperature 1 and mixed temperatures, logits
+in fp32 and in bf16 (the bf16 logit contract, rl_kernel.set_logits_dtype). Each
 setting is timed eagerly (what a caller sees: host launch time included) and as the replay of a CUDA graph of
 the same call (GPU time alone), with its bits against the reference setting and its peak memory; then the
 cuBLASLt GEMM passes alone and the stats pass alone, both as graph replays. No setting moves a bit
@@ -42,26 +43,29 @@ def forward_variants(hid, w, tg, temps_by_name, inputs) -> None:
     variants = {
         "options off, no row alignment": dict(STATS_OPTIONS=OFF, ROW_ALIGN=1),
         "default": {},
+        "default, bf16 logits": dict(LOGITS=BF16),
         "default, stats 32x256 w8": dict(STATS_TILE={"BLOCK_M": 32, "BLOCK_N": 256, "num_warps": 8}),
         "default, stats 64x64 w4": dict(STATS_TILE={"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4}),
         "default, state 1/9": dict(STATE_FRACTION=9),
     }
     refs, OUT["forward"] = {}, {}
     for name, attrs in variants.items():
+        attrs = dict(attrs)
+        logits = attrs.pop("LOGITS", torch.float32)
         for tname, temps in temps_by_name.items():
             for k, val in {**defaults, **attrs}.items():
                 setattr(logprob, k, val)
             try:
-                def fn(temps=temps):
-                    return logprob.logprobs_and_lse(hid, w, tg, temps, 0, V)[0]
+                def fn(temps=temps, logits=logits):
+                    return logprob.logprobs_and_lse(hid, w, tg, temps, 0, V, logits_dtype=logits)[0]
                 out = fn()
                 row = {"eager_ms": round(bench(fn), 3), "graph_ms": round(graph_ms(fn, rep=60), 3),
                        "peak_over_inputs": round((inputs + extra_peak(fn)) / inputs, 3)}
             finally:
                 for k, val in defaults.items():
                     setattr(logprob, k, val)
-            refs.setdefault(tname, out)
-            row["bits_equal_first"] = same(out, refs[tname])
+            refs.setdefault((tname, logits), out)  # the first setting of the same logit dtype
+            row["bits_equal_first"] = same(out, refs[(tname, logits)])
             OUT["forward"][f"{name} / {tname}"] = row
             print(f"{name + ' / ' + tname:52s} eager {row['eager_ms']:7.3f} ms  graph {row['graph_ms']:7.3f} ms  "
                   f"peak {row['peak_over_inputs']:.3f}x  bits {'equal' if row['bits_equal_first'] else 'DIFFER'}",
@@ -87,29 +91,40 @@ def geometries(hid, w, tg, ones, inputs) -> None:
               f"{row['peak_over_inputs']}x, bits {'equal' if row['bits_equal'] else 'DIFFER'}", flush=True)
 
 
-def gemm_and_stats(hid, w, tg, ones) -> None:
-    """GPU time (graph replays) of the forward's two passes at its own geometry: GEMMs alone, stats alone."""
+def gemm_and_stats(hid, w, tg, ones, logits=torch.float32) -> None:
+    """GPU time (graph replays) of the forward's two passes at its own geometry, logits in `logits`: GEMMs alone,
+    stats alone."""
     n_tiles = triton.cdiv(V, 64)
-    rows, cols = logprob._forward_geometry(T, w, n_tiles)
+    rows, cols = logprob._forward_geometry(T, w, n_tiles, logit_bytes=logits.itemsize)
+    tag = "" if logits == torch.float32 else " (bf16 logits)"
+
+    out = {} if logits == hid.dtype else {"out_dtype": torch.float32}  # bf16: cuBLASLt's epilogue rounds
 
     def passes():
         with gemm.cublaslt():
             for a in range(0, T, rows):
                 for c0 in range(0, V, cols):
-                    torch.mm(hid[a:a + rows], w[c0:c0 + cols].t(), out_dtype=torch.float32)
-    OUT["geometry"] = {"rows": rows, "cols": cols, "slices": triton.cdiv(T, rows) * triton.cdiv(V, cols)}
-    OUT["gemm_passes_graph_ms"] = round(graph_ms(passes, rep=60), 3)
+                    torch.mm(hid[a:a + rows], w[c0:c0 + cols].t(), **out)
+    OUT["geometry" + tag] = {"rows": rows, "cols": cols, "slices": triton.cdiv(T, rows) * triton.cdiv(V, cols)}
+    OUT["gemm_passes_graph_ms" + tag] = round(graph_ms(passes, rep=60), 3)
+    if logits == torch.float32:
+        with gemm.cublaslt():
+            lt_fp32 = graph_ms(lambda: torch.mm(hid, w.t(), out_dtype=torch.float32), rep=60)
+        OUT["gemm_full_lt_fp32_graph_ms"] = round(lt_fp32, 3)
+        OUT["gemm_full_bf16_graph_ms"] = round(graph_ms(lambda: F.linear(hid, w), rep=60), 3)
+    _stats_passes(hid, w, tg, ones, rows, cols, n_tiles, logits, tag)
+
+
+def _stats_passes(hid, w, tg, ones, rows, cols, n_tiles, logits, tag) -> None:
+    """GPU time (graph replays) of the stats pass over the forward's slices of `logits`, per stats setting."""
     with gemm.cublaslt():
-        lt_fp32 = graph_ms(lambda: torch.mm(hid, w.t(), out_dtype=torch.float32), rep=60)
-    OUT["gemm_full_lt_fp32_graph_ms"] = round(lt_fp32, 3)
-    OUT["gemm_full_bf16_graph_ms"] = round(graph_ms(lambda: F.linear(hid, w), rep=60), 3)
-    with gemm.cublaslt():
-        sl = torch.mm(hid[:rows], w[:cols].t(), out_dtype=torch.float32)
+        sl = torch.mm(hid[:rows], w[:cols].t(), out_dtype=torch.float32).to(logits)
     m_t = torch.empty(rows, n_tiles, device=DEV)
     s_t = torch.empty(rows, n_tiles, dtype=torch.int64, device=DEV)
     z_t = torch.zeros(rows, device=DEV)
     t32 = ones[:rows].float()
-    OUT["stats_pass_graph_ms"] = {}
+    key = "stats_pass_graph_ms" + tag
+    OUT[key] = {}
     for name, opts, tile in (("options off", OFF, logprob.STATS_TILE), ("default", logprob.STATS_OPTIONS,
                                                                        logprob.STATS_TILE),
                              ("default, 32x256 w8", logprob.STATS_OPTIONS, {"BLOCK_M": 32, "BLOCK_N": 256,
@@ -119,13 +134,14 @@ def gemm_and_stats(hid, w, tg, ones) -> None:
         launch = dict(tile, VT=64, FIXED=float(1 << 40), LOG2E=logprob.LOG2E, **opts, enable_fp_fusion=False)
 
         def stats(launch=launch):
-            for _ in range(OUT["geometry"]["slices"]):
+            for _ in range(OUT["geometry" + tag]["slices"]):
                 logprob._stats_kernel[(triton.cdiv(rows, launch["BLOCK_M"]), triton.cdiv(cols, launch["BLOCK_N"]))](
                     sl, t32, tg, m_t, s_t, z_t, rows, V, 0, cols, sl.stride(0), 0, V, n_tiles, **launch)
-        OUT["stats_pass_graph_ms"][name] = round(graph_ms(stats, rep=60), 3)
-    print(f"geometry {OUT['geometry']}; GPU time: GEMM passes {OUT['gemm_passes_graph_ms']} ms (one cuBLASLt fp32 "
-          f"GEMM {OUT['gemm_full_lt_fp32_graph_ms']}, cuBLAS bf16 {OUT['gemm_full_bf16_graph_ms']}); stats pass "
-          + ", ".join(f"{k} {v}" for k, v in OUT["stats_pass_graph_ms"].items()), flush=True)
+        OUT[key][name] = round(graph_ms(stats, rep=60), 3)
+    print(f"geometry{tag} {OUT['geometry' + tag]}; GPU time: GEMM passes {OUT['gemm_passes_graph_ms' + tag]} ms "
+          f"(one cuBLASLt fp32 GEMM {OUT.get('gemm_full_lt_fp32_graph_ms')}, cuBLAS bf16 "
+          f"{OUT.get('gemm_full_bf16_graph_ms')}); stats pass " + ", ".join(f"{k} {v}" for k, v in OUT[key].items()),
+          flush=True)
 
 
 def main() -> None:
@@ -144,12 +160,15 @@ def main() -> None:
     OUT["native_graph_ms"] = round(graph_ms(native, rep=60), 3)
     print(f"native: eager {OUT['native_ms_first']} ms, graph {OUT['native_graph_ms']} ms", flush=True)
     forward_variants(hid, w, tg, {"t=1": ones, "mixed t": mixed}, inputs)
-    geometries(hid, w, tg, ones, inputs)
+    if "--geometries" in sys.argv:
+        geometries(hid, w, tg, ones, inputs)
     gemm_and_stats(hid, w, tg, ones)
+    gemm_and_stats(hid, w, tg, ones, BF16)
     OUT["native_ms_last"] = round(bench(native), 3)
     print(f"native again {OUT['native_ms_last']} ms", flush=True)
-    if len(sys.argv) > 1:
-        with open(sys.argv[1], "w") as f:
+    paths = [a for a in sys.argv[1:] if not a.startswith("--")]
+    if paths:
+        with open(paths[0], "w") as f:
             json.dump(OUT, f, indent=1)
 
 

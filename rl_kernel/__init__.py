@@ -16,8 +16,10 @@ from rl_kernel.modes import (
     canonical_tp,
     current_modes,
     get_mode,
+    logits_dtype,
     mode,
     set_canonical_tp,
+    set_logits_dtype,
     set_mode,
 )
 from rl_kernel.ops.activation import silu_and_mul
@@ -31,6 +33,6 @@ from rl_kernel.ops.rope import rope
 __all__ = [
     "BOUNDARIES", "MODES", "OP_BOUNDARY", "StrictModeError", "all_reduce", "attention_varlen", "canonical_tp",
     "contracts", "current_modes", "evidence", "get_backend", "get_mode", "linear", "linear_fp32", "log_softmax",
-    "logprobs", "mode", "paged_attention", "rms_norm", "rope", "row_parallel_linear", "set_backend",
-    "set_canonical_tp", "set_mode", "silu_and_mul", "write_kv_cache",
+    "logits_dtype", "logprobs", "mode", "paged_attention", "rms_norm", "rope", "row_parallel_linear", "set_backend",
+    "set_canonical_tp", "set_logits_dtype", "set_mode", "silu_and_mul", "write_kv_cache",
 ]

@@ -110,3 +110,32 @@ def set_canonical_tp(c: int) -> None:
     global _canonical_tp
     _check_canonical_tp(c)
     _canonical_tp = c
+
+
+# ---- the deployment's logit dtype ------------------------------------------------------------------
+# The logprob contracts' logits: the LM head's fp32 chain as it is (float32, the default), or rounded once to
+# bf16 (bfloat16), as a native F.linear returns them. Part of the logprob contracts' fingerprints: both engines
+# of a run must use the same one.
+LOGITS_DTYPES = ("float32", "bfloat16")
+
+
+def _check_logits_dtype(name: str) -> str:
+    if name not in LOGITS_DTYPES:
+        raise ValueError(f"logits dtype must be one of {LOGITS_DTYPES} (the LM head's fp32 result as it is, or "
+                         f"rounded once to bf16), got {name!r}")
+    return name
+
+
+_logits_dtype = _check_logits_dtype(os.environ.get("RL_KERNEL_LOGITS_DTYPE", "float32"))
+
+
+def logits_dtype() -> str:
+    """The logprob contracts' logit dtype in this process (RL_KERNEL_LOGITS_DTYPE, default 'float32')."""
+    return _logits_dtype
+
+
+def set_logits_dtype(name: str) -> None:
+    """Set the logit dtype ('float32' or 'bfloat16') for this process. Trainer and rollout engines of one run
+    must set the same one."""
+    global _logits_dtype
+    _logits_dtype = _check_logits_dtype(name)

@@ -57,10 +57,17 @@ class TinyModelConfig:
     head_dim: int = 32
 
 
+class LogitsDtype(StrEnum):
+    """The logprob contracts' logits (rl_kernel.set_logits_dtype), the same on every engine of a run."""
+    float32 = "float32"    # the LM head's fp32 result as it is
+    bfloat16 = "bfloat16"  # rounded once to bf16, as native F.linear returns them (less logits traffic on the GPU)
+
+
 @dataclass
 class ModelConfig:
     path: str | None = None  # HF Qwen3 checkpoint dir; null: make a tiny one under <output_dir>/model
     dtype: str = "bfloat16"
+    logits_dtype: LogitsDtype = LogitsDtype.float32
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
 
 

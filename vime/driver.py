@@ -111,8 +111,9 @@ class Driver:
         # the GEMM contract's row-parallel K groups: the widest TP of any engine, the same on both sides and
         # in this process, which checks the contracts they ran
         rk.set_canonical_tp(max(cfg.trainer.tp, cfg.rollout.tp))
+        rk.set_logits_dtype(cfg.model.logits_dtype.value)  # the logprob contracts' logits, on every engine
         env = {"VLLM_CPU_KVCACHE_SPACE": str(cfg.rollout.kv_cache_space_gib), "TOKENIZERS_PARALLELISM": "false",
-               "RL_KERNEL_CANONICAL_TP": str(rk.canonical_tp()),
+               "RL_KERNEL_CANONICAL_TP": str(rk.canonical_tp()), "RL_KERNEL_LOGITS_DTYPE": rk.logits_dtype(),
                "PYTHONUNBUFFERED": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": os.environ.get("VIME_VLLM_MP", "0")}
         preflight.check_local_resources(cfg)
         preflight.check_weight_transport(cfg)

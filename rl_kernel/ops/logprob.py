@@ -1,17 +1,19 @@
 """Logprob boundary: the fp32 log-probability of chosen tokens under softmax(hidden @ W.T / T).
 
-Strict contract (torch backend): logits in fp32 by the GEMM contract, never rounded and never held
-for all rows at once (row tiles; columns of this rank only); z = logits / temperature in fp64;
-padded vocab columns (index >= vocab_size) excluded; M = max z (exact; across ranks by a max
-all-reduce, exact in any order); S = sum of round(exp(z - M) * 2^44) in int64 (exact, so the same
-for any vocab tiling and sharding); lse = M + log(S * 2^-44) in fp64 with rl_kernel's exp/log;
-logprob = z[target] - lse rounded once to fp32. Vocab-parallel: `weight` is rank r's contiguous
+Strict contract (torch backend): logits in fp32 by the GEMM contract (rounded once to bf16 when the
+deployment's logit dtype, `rl_kernel.set_logits_dtype`, is bfloat16), never held for all rows at
+once (row tiles; columns of this rank only); z = logits / temperature in fp64; padded vocab
+columns (index >= vocab_size) excluded; M = max z (exact; across ranks by a max all-reduce, exact
+in any order); S = sum of round(exp(z - M) * 2^44) in int64 (exact, so the same for any vocab
+tiling and sharding); lse = M + log(S * 2^-44) in fp64 with rl_kernel's exp/log; logprob =
+z[target] - lse rounded once to fp32. Vocab-parallel: `weight` is rank r's contiguous
 slice [r * V_local, (r + 1) * V_local) and every rank returns the full [T] result, bit-identical to
 the unsharded one.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -19,7 +21,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from rl_kernel.backends.torch import logprob as torch_logprob
+from rl_kernel.contracts import Contract
 from rl_kernel.errors import StrictModeError
+from rl_kernel.modes import logits_dtype
 from rl_kernel.ops.spec import OpSpec
 
 KERNELS = {"torch": "rl_kernel.backends.torch.logprob", "triton": "rl_kernel.backends.triton.logprob"}
@@ -65,41 +69,69 @@ def native_log_softmax(logits: torch.Tensor, temps: torch.Tensor, vocab_start: i
 
 LOGPROBS = OpSpec("logprobs", "logprob", __name__, KERNELS, native=native_logprobs)
 _DEPENDENCY = "out[t] depends on hidden[t], the real vocab rows of weight (all ranks), targets[t], temperature[t]"
-LOGPROBS.contract(
-    "torch", 1, input_dependency=_DEPENDENCY,
-    partition="rows in tiles; vocab by rank slices; tiles and slices do not affect any bit",
-    merge_order="order-free by construction: exact max; exact int64 fixed-point sum of exp terms",
-    precision="fp32 logits (GEMM contract); fp64 z, exp, lse; 2^-44 fixed-point exp terms",
-    rounding="logprob rounded once from fp64 to fp32",
-    primitives="rl_kernel exp64/log64; IEEE fp64 div, sub, round; int64 add",
-    params=(("fixed_point_bits", torch_logprob.FIXED_POINT_BITS),),
-)
-LOGPROBS.contract(
-    "triton", 2, input_dependency=_DEPENDENCY,
-    partition="logits: one fp32 chain over D per element (the GEMM contract's one-chain form, served by "
-              "cuBLASLt without split-K or by the Triton GEMM); vocab in tiles of 64 columns from column 0 of "
-              "the full vocab (rank slices must start on a tile); rows and vocab slices: no effect on any bit",
-    merge_order="order-free: exact max per tile and per row; int64 fixed-point sums inside a tile and across "
-                "tiles and ranks",
-    precision="fp32 logits and z = logits / fp32(T); 2^-40 fixed-point exp terms; fp64 tile rescale and lse",
-    rounding="logprob = z[target] - lse rounded once from fp64 to fp32",
-    primitives="tensor-core mma with fp32 accumulation (k16 steps, ascending); hardware ex2.approx.f32; IEEE "
-               "fp32 div_rn; fp64 mul; rl_kernel log64; int64 add",
-    params=(("vocab_tile", 64), ("fixed_point_bits", 40), ("k_step", 16)),
-)
+# The deployment's logit dtype (rl_kernel.set_logits_dtype): how the GEMM contract's fp32 result enters the softmax.
+_LOGITS = {"float32": "logits: the GEMM contract's fp32 result, unrounded",
+           "bfloat16": "logits: the GEMM contract's fp32 result rounded once to bf16 (to nearest, ties to even), "
+                       "as a native bf16 F.linear returns them"}
+
+
+@functools.cache
+def torch_contract(logits: str) -> Contract:
+    """The torch backend's logprobs contract for the deployment's logit dtype."""
+    return LOGPROBS.contract(
+        "torch", 1, keep=False, input_dependency=_DEPENDENCY,
+        partition="rows in tiles; vocab by rank slices; tiles and slices do not affect any bit",
+        merge_order="order-free by construction: exact max; exact int64 fixed-point sum of exp terms",
+        precision=f"{_LOGITS[logits]}; fp64 z, exp, lse; 2^-44 fixed-point exp terms",
+        rounding="logprob rounded once from fp64 to fp32",
+        primitives="rl_kernel exp64/log64; IEEE fp64 div, sub, round; int64 add",
+        params=(("fixed_point_bits", torch_logprob.FIXED_POINT_BITS), ("logits_dtype", logits)),
+    )
+
+
+@functools.cache
+def triton_contract(logits: str) -> Contract:
+    """The Triton backend's logprobs contract for the deployment's logit dtype."""
+    return LOGPROBS.contract(
+        "triton", 2, keep=False, input_dependency=_DEPENDENCY,
+        partition="logits: one fp32 chain over D per element (the GEMM contract's one-chain form, served by "
+                  "cuBLASLt without split-K or by the Triton GEMM); vocab in tiles of 64 columns from column 0 of "
+                  "the full vocab (rank slices must start on a tile); rows and vocab slices: no effect on any bit",
+        merge_order="order-free: exact max per tile and per row; int64 fixed-point sums inside a tile and across "
+                    "tiles and ranks",
+        precision=f"{_LOGITS[logits]}; z = logits / fp32(T) in fp32; 2^-40 fixed-point exp terms; fp64 tile "
+                  "rescale and lse",
+        rounding="logprob = z[target] - lse rounded once from fp64 to fp32",
+        primitives="tensor-core mma with fp32 accumulation (k16 steps, ascending); hardware ex2.approx.f32; IEEE "
+                   "fp32 div_rn; fp64 mul; rl_kernel log64; int64 add",
+        params=(("vocab_tile", 64), ("fixed_point_bits", 40), ("k_step", 16), ("logits_dtype", logits)),
+    )
+
+
+LOGPROBS.contracts["torch"] = lambda: torch_contract(logits_dtype())
+LOGPROBS.contracts["triton"] = lambda: triton_contract(logits_dtype())
 
 LOG_SOFTMAX = OpSpec("log_softmax", "logprob", __name__, KERNELS, native=native_log_softmax)
-LOG_SOFTMAX.contract(
-    "torch", 1,
-    input_dependency="out[t, v] depends on logits[t, :] (all ranks' slices), temperature[t]",
-    partition="rows in tiles; vocab by rank slices; neither affects any bit",
-    merge_order="order-free by construction: exact max; exact int64 fixed-point sum of exp terms",
-    precision="fp32 logits in; fp64 z, exp, lse; 2^-44 fixed-point exp terms",
-    rounding="each log-probability rounded once from fp64 to fp32 (entry t equals the torch logprobs "
-             "contract's value for target t)",
-    primitives="rl_kernel exp64/log64; IEEE fp64 div, sub, round; int64 add",
-    params=(("fixed_point_bits", torch_logprob.FIXED_POINT_BITS),),
-)
+
+
+@functools.cache
+def torch_log_softmax_contract(logits: str) -> Contract:
+    """The torch backend's log_softmax contract for the deployment's logit dtype (its fp32 input is rounded as
+    the logprobs contract rounds the logits)."""
+    return LOG_SOFTMAX.contract(
+        "torch", 1, keep=False,
+        input_dependency="out[t, v] depends on logits[t, :] (all ranks' slices), temperature[t]",
+        partition="rows in tiles; vocab by rank slices; neither affects any bit",
+        merge_order="order-free by construction: exact max; exact int64 fixed-point sum of exp terms",
+        precision=f"fp32 logits in; {_LOGITS[logits]}; fp64 z, exp, lse; 2^-44 fixed-point exp terms",
+        rounding="each log-probability rounded once from fp64 to fp32 (entry t equals the torch logprobs "
+                 "contract's value for target t)",
+        primitives="rl_kernel exp64/log64; IEEE fp64 div, sub, round; int64 add",
+        params=(("fixed_point_bits", torch_logprob.FIXED_POINT_BITS), ("logits_dtype", logits)),
+    )
+
+
+LOG_SOFTMAX.contracts["torch"] = lambda: torch_log_softmax_contract(logits_dtype())
 
 
 def _temperatures(temperature: float | torch.Tensor, rows: int, device: torch.device) -> torch.Tensor:
@@ -133,9 +165,10 @@ class StrictLogprobs(torch.autograd.Function):
     given the lse and the logits slices the forward kept (`keep`, see KEEP_LOGITS; a backend may keep none)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, temps, vocab_start, vocab_size, group, kernels):
+    def forward(ctx, hidden, weight, targets, temps, vocab_start, vocab_size, group, kernels, logits):
         keep = [] if KEEP_LOGITS and any(ctx.needs_input_grad[:2]) else None
-        out, lse = kernels.forward(hidden, weight, targets, temps, vocab_start, vocab_size, group, keep=keep)
+        out, lse = kernels.forward(hidden, weight, targets, temps, vocab_start, vocab_size, group, keep=keep,
+                                   logits_dtype=logits)
         ctx.save_for_backward(hidden, weight, targets, temps, lse)
         ctx.kernels, ctx.kept = kernels, keep
         ctx.vocab_start, ctx.vocab_size, ctx.group = vocab_start, vocab_size, group
@@ -147,7 +180,7 @@ class StrictLogprobs(torch.autograd.Function):
         kept, ctx.kept = ctx.kept, None
         grad_h, grad_w = ctx.kernels.backward(grad_out, hidden, weight, targets, temps, lse, ctx.vocab_start,
                                               ctx.vocab_size, ctx.group, kept=kept)
-        return grad_h, grad_w, None, None, None, None, None, None
+        return grad_h, grad_w, None, None, None, None, None, None, None
 
 
 def logprobs(
@@ -174,7 +207,7 @@ def _strict_logprobs(hidden, weight, targets, temps, vocab_start, vocab_size, gr
         raise StrictModeError("logprobs", contract.backend, f"vocab {vocab_size} > {torch_logprob.MAX_VOCAB}: "
                               "the int64 fixed-point sum could overflow")
     return StrictLogprobs.apply(hidden, weight, targets.to(torch.int64), temps, vocab_start, vocab_size, group,
-                                 kernels)
+                                 kernels, _logits_torch_dtype(contract))
 
 
 def log_softmax(
@@ -196,4 +229,10 @@ def _strict_log_softmax(logits, temps, vocab_start, vocab_size, group):
     if logits.dtype != torch.float32:
         raise StrictModeError("log_softmax", contract.backend, f"logits must be the fp32 GEMM-contract output, "
                               f"got {logits.dtype} (use rl_kernel.linear_fp32 for the LM head)")
-    return kernels.full_log_softmax(logits, temps, vocab_start, vocab_size, group)
+    return kernels.full_log_softmax(logits, temps, vocab_start, vocab_size, group,
+                                    logits_dtype=_logits_torch_dtype(contract))
+
+
+def _logits_torch_dtype(contract: Contract) -> torch.dtype:
+    """The logit dtype `contract` was made for (its parameter, so the kernels run what the record says)."""
+    return getattr(torch, dict(contract.params)["logits_dtype"])

@@ -207,7 +207,7 @@ def logprobs(gen: torch.Generator) -> None:
     g, runs = torch.randn(t, generator=gen), []
     for kernels in (logprob, torch_logprob):
         hg, wg = h.float().requires_grad_(), w.float().requires_grad_()
-        lp = StrictLogprobs.apply(hg, wg, tg, temps, 0, real, None, kernels)
+        lp = StrictLogprobs.apply(hg, wg, tg, temps, 0, real, None, kernels, torch.float32)
         (lp * g).sum().backward()
         runs.append((lp.detach(), hg.grad, wg.grad))
     check("logprobs autograd forward == logprobs_and_lse", same(runs[0][0], logprob.logprobs_and_lse(
@@ -256,9 +256,43 @@ def logprob_slice_stats(gen: torch.Generator) -> None:
           all(same(a, b) for a, b in zip(got, ref)) and bool((got[2][:6] == 0).all()) and bool((got[2][6:] != 0).any()))
 
 
+def _row_stats(h, w, temps, tg, real, logits_dtype):
+    """The fused server's per-tile stats (m, S, target z) of all rows of h under `logits_dtype`."""
+    n_tiles = -(-w.shape[0] // logprob.VOCAB_TILE)
+    m_t, s_t, z_t = torch.empty(h.shape[0], n_tiles), torch.empty(h.shape[0], n_tiles, dtype=torch.int64), \
+        torch.zeros(h.shape[0])
+    logprob._tile_stats_of_rows(h, w, temps.float(), tg, m_t, s_t, z_t, 0, real, None, None, 256,
+                                logits_dtype=logits_dtype)
+    return m_t, s_t, z_t
+
+
+def logprob_bf16_logits(gen: torch.Generator) -> None:
+    """The bf16 logit contract: the fused server rounds its fp32 tiles in registers, the cuBLASLt server reduces
+    bf16 slices from the GEMM's epilogue; both must give the stats of the fp32 chain rounded once to bf16."""
+    t, d, v, real = 37, 128, 700, 650
+    h, w = torch.randn(t, d, generator=gen).to(F16), (torch.randn(v, d, generator=gen) * 0.3).to(F16)
+    tg = torch.randint(0, real, (t,), generator=gen)
+    temps = torch.rand(t, generator=gen, dtype=torch.float64) + 0.5
+    chain = gemm.matmul_fp32(h, w)
+    fused = _row_stats(h, w, temps, tg, real, torch.bfloat16)
+    sliced = _slice_stats(chain.to(torch.bfloat16), temps, tg, real, FAST_TEMP=True, TARGET_LOAD=True)
+    check("logprob bf16 logits: fused server (rounded in registers) == stats of bf16 slices",
+          all(same(a, b) for a, b in zip(fused, sliced)))
+    check("logprob bf16 logits == the fp32 path over the chain rounded to bf16 (the rounding is the only change)",
+          all(same(a, b) for a, b in zip(sliced, _slice_stats(chain.to(torch.bfloat16).float(), temps, tg, real,
+                                                                FAST_TEMP=True, TARGET_LOAD=True))))
+    fp32 = _row_stats(h, w, temps, tg, real, torch.float32)
+    check("logprob bf16 logits: twin, the fp32 contract's stats differ", not same(fp32[1], fused[1]))
+    out = logprob.logprobs_and_lse(h, w, tg, temps, 0, real, logits_dtype=torch.bfloat16)[0]
+    z = chain[:, :real].to(torch.bfloat16).double() / temps.float().double()[:, None]
+    ref = torch.log_softmax(z, -1).gather(1, tg[:, None]).squeeze(1)
+    check("logprob bf16 logits accuracy (against fp64 over the bf16 logits)", float((out.double() - ref).abs().max())
+          < 1e-5)
+
+
 def main() -> None:
     gen = torch.Generator().manual_seed(0)
-    for part in (elementwise, gemms, attentions, cp_attention, logprobs, logprob_slice_stats):
+    for part in (elementwise, gemms, attentions, cp_attention, logprobs, logprob_slice_stats, logprob_bf16_logits):
         part(gen)
     print(f"INTERPRETER {'FAIL: ' + ', '.join(FAILED) if FAILED else 'PASS'}")
     sys.exit(1 if FAILED else 0)

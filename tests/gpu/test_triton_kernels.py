@@ -304,6 +304,40 @@ def test_logprobs_servers_same_bits_and_backward_bf16(monkeypatch):
     assert rel_err(hg.grad, h64.grad) < 2e-2 and rel_err(wg.grad, w64.grad) < 2e-2
 
 
+def test_logprobs_bf16_logits_servers_keep_and_twin():
+    """The bf16 logit contract at Qwen3-8B's D: cuBLASLt's bf16 epilogue and the Triton server's rounding in
+    registers give the same bits, as do the training forward (slices kept for the backward) and scoring; the
+    logprobs are those of the fp32 chain rounded once to bf16; the fp32 contract's differ (twin)."""
+    gen = torch.Generator(device=DEV).manual_seed(9)
+    t, d, v, real = 1024, 4096, 32768, 32700
+    h, w = randn(t, d, gen=gen), randn(v, d, std=0.02, gen=gen)
+    tg = torch.randint(0, real, (t,), device=DEV, generator=gen)
+    temps = torch.ones(t, device=DEV, dtype=torch.float64).index_fill_(0, torch.arange(500, 530, device=DEV), 0.9)
+    bf16 = dict(logits_dtype=torch.bfloat16)
+    out = logprob.logprobs_and_lse(h, w, tg, temps, 0, real, **bf16)[0]
+    if rk.backends.triton.cublaslt_ready():
+        assert same(logprob.logprobs_and_lse(h, w, tg, temps, 0, real, server="cublaslt", **bf16)[0], out)
+        assert same(logprob.logprobs_and_lse(h, w, tg, temps, 0, real, server="triton", **bf16)[0], out), \
+            "the Triton server's bf16 rounding differs from cuBLASLt's epilogue"
+    kept = []
+    trained, _ = logprob.forward(h, w, tg, temps, 0, real, keep=kept, logits_dtype=torch.bfloat16)
+    assert same(trained, out) and all(s.dtype == torch.bfloat16 for _, s in kept)
+    z = (h.float() @ w.float().T).to(torch.bfloat16)[:, :real].double() / temps.float().double()[:, None]
+    ref = torch.log_softmax(z, -1).gather(1, tg[:, None]).squeeze(1)
+    assert float((out.double() - ref).abs().max()) < 1e-4
+    fp32 = logprob.logprobs_and_lse(h, w, tg, temps, 0, real)[0]
+    assert mismatches(fp32, out) > 0, "fp32 and bf16 logits happened to give the same logprobs"
+    hg, wg = h.clone().requires_grad_(), w.clone().requires_grad_()
+    rk.set_logits_dtype("bfloat16")
+    try:
+        with rk.mode("strict"):
+            lp = rk.logprobs(hg, wg, tg, temps, vocab_size=real)
+            lp.sum().backward()
+    finally:
+        rk.set_logits_dtype("float32")
+    assert same(lp.detach(), out) and torch.isfinite(hg.grad).all() and torch.isfinite(wg.grad).all()
+
+
 @pytest.mark.parametrize("deterministic", [True, False])
 def test_attention_backward_flash(monkeypatch, deterministic):
     """The strict attention's backward (FlashAttention-2 from the forward's out and lse) against autograd

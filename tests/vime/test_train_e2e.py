@@ -52,6 +52,16 @@ def test_strict_run_has_zero_mismatches_every_step(strict_run):
         assert r["grad_norm"] > 0  # the weights did move between step 0 and step 1
 
 
+def test_strict_run_with_bf16_logits_has_zero_mismatches_every_step(tmp_path):
+    """model.logits_dtype=bfloat16: the logprob contracts round the LM head's logits to bf16 on both engines.
+    The driver's contract gate fails the run if either engine ran its logprobs under another logit dtype (the
+    dtype is in the fingerprint), so a run that ends with equal bits ran the bf16 contracts on both sides."""
+    rows = _train(tmp_path / "bf16", "model.logits_dtype=bfloat16")
+    for r in rows:
+        assert r["strict"] is True and r["mismatch_count"] == 0 and r["max_abs_diff"] == 0.0, r
+        assert r["train_mismatch_count"] == 0, r
+
+
 def test_native_twin_shows_mismatches_every_step(tmp_path):
     rows = _train(tmp_path / "native", "rollout.mode=native", "trainer.mode=native", "wandb.mode=offline")
     for r in rows:

@@ -28,26 +28,28 @@ def _all_reduce(x: torch.Tensor, op: dist.ReduceOp, group: dist.ProcessGroup | N
     return x
 
 
-def scaled_logits(logits32: torch.Tensor, temperature: torch.Tensor, vocab_start: int, vocab_size: int) -> torch.Tensor:
-    """z = logits / temperature in fp64, -inf on padded columns (global index >= vocab_size)."""
-    z = logits32.to(torch.float64) / temperature.to(torch.float64).unsqueeze(-1)
+def scaled_logits(logits32: torch.Tensor, temperature: torch.Tensor, vocab_start: int, vocab_size: int,
+                  logits_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """z = logits / temperature in fp64, -inf on padded columns (global index >= vocab_size); the fp32 logits
+    first rounded once to `logits_dtype` (the contract's logit dtype)."""
+    z = logits32.to(logits_dtype).to(torch.float64) / temperature.to(torch.float64).unsqueeze(-1)
     column = vocab_start + torch.arange(z.shape[-1], device=z.device)
     return torch.where(column < vocab_size, z, -math.inf)
 
 
 def logprobs_and_lse(
     logits_fn, rows: int, vocab_local: int, targets: torch.Tensor, temperature: torch.Tensor,
-    vocab_start: int, vocab_size: int, group: dist.ProcessGroup | None,
+    vocab_start: int, vocab_size: int, group: dist.ProcessGroup | None, logits_dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 logprobs [T] and fp64 lse [T]. `logits_fn(a, b)` gives the fp32 logits of rows a:b of
-    this rank's vocab slice [b - a, vocab_local] under the GEMM contract."""
+    this rank's vocab slice [b - a, vocab_local] under the GEMM contract, rounded to `logits_dtype`."""
     device = targets.device
     out = torch.empty(rows, dtype=torch.float32, device=device)
     lse_out = torch.empty(rows, dtype=torch.float64, device=device)
     tile = max(1, TILE_ELEMENTS // max(1, vocab_local))
     for a in range(0, rows, tile):
         b = min(rows, a + tile)
-        z = scaled_logits(logits_fn(a, b), temperature[a:b], vocab_start, vocab_size)
+        z = scaled_logits(logits_fn(a, b), temperature[a:b], vocab_start, vocab_size, logits_dtype)
         m = _all_reduce(z.amax(-1), dist.ReduceOp.MAX, group)
         terms = torch.round(exp64(z - m.unsqueeze(-1)) * float(1 << FIXED_POINT_BITS)).to(torch.int64)
         total = _all_reduce(terms.sum(-1), dist.ReduceOp.SUM, group)  # int64: exact in any order
@@ -63,25 +65,26 @@ def logprobs_and_lse(
 
 def forward(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: torch.Tensor,
             vocab_start: int, vocab_size: int, group: dist.ProcessGroup | None, keep: list | None = None,
-            ) -> tuple[torch.Tensor, torch.Tensor]:
+            logits_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
     """The strict forward of `rl_kernel.logprobs`: (fp32 logprobs [T], fp64 lse [T]), the logits by the GEMM op
-    (`rl_kernel.linear_fp32`, row tiles). `keep` is left empty: the backward recomputes the logits."""
+    (`rl_kernel.linear_fp32`, row tiles) rounded to `logits_dtype`. `keep` is left empty: the backward
+    recomputes the logits."""
     from rl_kernel.ops.gemm import linear_fp32
 
     return logprobs_and_lse(lambda a, b: linear_fp32(hidden[a:b], weight), hidden.shape[0], weight.shape[0], targets,
-                            temperature, vocab_start, vocab_size, group)
+                            temperature, vocab_start, vocab_size, group, logits_dtype)
 
 
 def full_log_softmax(
     logits32: torch.Tensor, temperature: torch.Tensor, vocab_start: int, vocab_size: int,
-    group: dist.ProcessGroup | None,
+    group: dist.ProcessGroup | None, logits_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """fp32 log-probabilities of every column of this rank's slice (-inf on padded columns), by the
     same steps as `logprobs_and_lse`: the entry of a target equals its `logprobs` value bit for bit."""
     out = torch.empty(logits32.shape, dtype=torch.float32, device=logits32.device)
     tile = max(1, TILE_ELEMENTS // max(1, logits32.shape[-1]))
     for a in range(0, logits32.shape[0], tile):
-        z = scaled_logits(logits32[a:a + tile], temperature[a:a + tile], vocab_start, vocab_size)
+        z = scaled_logits(logits32[a:a + tile], temperature[a:a + tile], vocab_start, vocab_size, logits_dtype)
         m = _all_reduce(z.amax(-1), dist.ReduceOp.MAX, group)
         terms = torch.round(exp64(z - m.unsqueeze(-1)) * float(1 << FIXED_POINT_BITS)).to(torch.int64)
         total = _all_reduce(terms.sum(-1), dist.ReduceOp.SUM, group)

@@ -2,7 +2,9 @@
 ever holding [T, V] logits.
 
 Contract (triton v2). Logits are fp32 one-chain products of the GEMM contract (`gemm.py`: one fp32
-accumulator over D, k16 tensor-core steps in ascending order). z = logits / fp32(temperature) (IEEE
+accumulator over D, k16 tensor-core steps in ascending order), under a bf16 logit dtype
+(`rl_kernel.set_logits_dtype`) rounded once to bf16, as native F.linear returns them (cuBLASLt's bf16
+epilogue; the fused kernel rounds in registers). z = logits / fp32(temperature) (IEEE
 div); columns past the real vocab are -inf. The vocab is cut into fixed tiles of VOCAB_TILE = 64
 columns counted from column 0 of the full vocab. Per (row, tile): m_j = max z (exact) and S_j = sum
 of rint(exp2((z - m_j) log2 e) 2^40) in int64 (exp2 = hardware ex2.approx.f32). Per row: M = max_j
@@ -61,6 +63,15 @@ _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # the interpreter runs
 def _rint32(y):
     """Round-to-nearest-even of fp32 y >= 0 to an integer-valued fp32 (exact: adds of 2^23)."""
     return tl.where(y < 8388608.0, (y + 8388608.0) - 8388608.0, y)
+
+
+@triton.jit
+def _round_bf16(x):
+    """fp32 x rounded to the nearest bf16 (ties to even), as fp32: cuBLASLt's bf16 epilogue. In integer arithmetic
+    on the bits, which Triton's interpreter runs as the GPU does (its bf16 casts truncate)."""
+    bits = x.to(tl.int32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+    return bits.to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -128,12 +139,14 @@ def _fused_kernel(h_ptr, w_ptr, temp_ptr, tgt_ptr, m_ptr, s_ptr, zt_ptr, T, V, s
                   vocab_start, vocab_size, n_tiles,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
                   VT: tl.constexpr, FIXED: tl.constexpr, LOG2E: tl.constexpr, FAST_TEMP: tl.constexpr,
-                  RNI: tl.constexpr):
+                  RNI: tl.constexpr, BF16_LOGITS: tl.constexpr):
     pid_m, pid_n = _tile_ids(T, V, BLOCK_M, BLOCK_N)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     logits = _group_dot(h_ptr, w_ptr, offs_m, offs_n, T, V, stride_h, stride_w, 0, K, BLOCK_M, BLOCK_N, BLOCK_K,
                         PRECISION)
+    if BF16_LOGITS:
+        logits = _round_bf16(logits)
     _tile_stats(logits, offs_m, offs_n, offs_m < T, temp_ptr, tgt_ptr, m_ptr, s_ptr, zt_ptr, V, vocab_start,
                 vocab_size, n_tiles, BLOCK_M, BLOCK_N, VT, FIXED, LOG2E, FAST_TEMP, RNI)
 
@@ -143,7 +156,8 @@ def _stats_kernel(logits_ptr, temp_ptr, tgt_ptr, m_ptr, s_ptr, zt_ptr, T, V, col
                   vocab_start, vocab_size, n_tiles,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, VT: tl.constexpr, FIXED: tl.constexpr,
                   LOG2E: tl.constexpr, FAST_TEMP: tl.constexpr, RNI: tl.constexpr, TARGET_LOAD: tl.constexpr):
-    """The per-tile stats of a precomputed fp32 logits slice [T, cols] holding local vocab columns col0..
+    """The per-tile stats of a precomputed logits slice [T, cols] (fp32, or bf16 under a bf16 logit contract)
+    holding local vocab columns col0..
     TARGET_LOAD: the block is loaded as [rows, tiles, VT] (no reshape of a 2-D block), and the target's z is
     read from the slice (one load per row) instead of summed out of the block; + 0.0 gives the sum's +0 for a
     -0 logit."""
@@ -154,7 +168,7 @@ def _stats_kernel(logits_ptr, temp_ptr, tgt_ptr, m_ptr, s_ptr, zt_ptr, T, V, col
     if TARGET_LOAD:
         offs_c = first + tl.arange(0, BLOCK_N // VT)[:, None] * VT + tl.arange(0, VT)[None, :]
         logits = tl.load(logits_ptr + rows[:, None, None] + offs_c[None, :, :],
-                         mask=row_ok[:, None, None] & (offs_c < cols)[None, :, :], other=0.0)
+                         mask=row_ok[:, None, None] & (offs_c < cols)[None, :, :], other=0.0).to(tl.float32)
         temp = tl.load(temp_ptr + offs_m, mask=row_ok, other=1.0)
         offs_n = col0 + offs_c
         real = (offs_n < V) & (vocab_start + offs_n < vocab_size)
@@ -162,13 +176,13 @@ def _stats_kernel(logits_ptr, temp_ptr, tgt_ptr, m_ptr, s_ptr, zt_ptr, T, V, col
         local = tl.load(tgt_ptr + offs_m, mask=row_ok, other=-1) - vocab_start
         owns = row_ok & (local >= col0 + first) & (local < col0 + first + BLOCK_N) & (local < V)
         hit = owns & (local - col0 < cols) & (vocab_start + local < vocab_size)
-        z_t = tl.div_rn(tl.load(logits_ptr + rows + (local - col0), mask=hit, other=0.0), temp) + 0.0
+        z_t = tl.div_rn(tl.load(logits_ptr + rows + (local - col0), mask=hit, other=0.0).to(tl.float32), temp) + 0.0
         tl.store(zt_ptr + offs_m, z_t, mask=owns)
         _tile_sums(z, offs_m, col0 + first, row_ok, m_ptr, s_ptr, n_tiles, BLOCK_N, VT, FIXED, LOG2E, RNI)
     else:
         offs_c = first + tl.arange(0, BLOCK_N)
         logits = tl.load(logits_ptr + rows[:, None] + offs_c[None, :],
-                         mask=row_ok[:, None] & (offs_c < cols)[None, :], other=0.0)
+                         mask=row_ok[:, None] & (offs_c < cols)[None, :], other=0.0).to(tl.float32)
         _tile_stats(logits, offs_m, col0 + offs_c, row_ok, temp_ptr, tgt_ptr, m_ptr, s_ptr, zt_ptr, V, vocab_start,
                     vocab_size, n_tiles, BLOCK_M, BLOCK_N, VT, FIXED, LOG2E, FAST_TEMP, RNI)
 
@@ -203,7 +217,7 @@ def _dlogits_kernel(logits_ptr, dl_ptr, temp_ptr, lse_ptr, g_ptr, tgt_ptr, T, co
     g = tl.load(g_ptr + offs_m, mask=offs_m < T, other=0.0)
     tgt = tl.load(tgt_ptr + offs_m, mask=offs_m < T, other=-1)
     col = vocab_start + col0 + offs_c
-    z = tl.load(logits_ptr + row, mask=ok, other=0.0) / temp[:, None]
+    z = tl.load(logits_ptr + row, mask=ok, other=0.0).to(tl.float32) / temp[:, None]
     p = tl.where((col < vocab_size)[None, :], tl.math.exp2((z - lse[:, None]) * LOG2E), 0.0)
     onehot = tl.where(col[None, :] == tgt[:, None], 1.0, 0.0)
     tl.store(dl_ptr + row, ((onehot - p) * (g / temp)[:, None]).to(dl_ptr.dtype.element_ty), mask=ok)
@@ -235,34 +249,40 @@ def _slice_cols(rows: int, weight: torch.Tensor, bytes_per_element: int, share: 
     return _even_parts(weight.shape[0], most, 256)
 
 
-def _cublaslt_slices(x, w, cols, stats, keep=None):
-    """fp32 logits of vocab slices [c0, c0 + cols) by cuBLASLt, each passed to `stats(logits, c0)`; one slice
-    alive at a time unless `keep` (a list) holds them for the backward."""
+def _cublaslt_slices(x, w, cols, stats, keep=None, logits_dtype=torch.float32):
+    """Logits of vocab slices [c0, c0 + cols) by cuBLASLt in `logits_dtype` (the fp32 chain, rounded once by the
+    epilogue when that is x's dtype), each passed to `stats(logits, c0)`; one slice alive at a time unless `keep`
+    (a list) holds them for the backward."""
     with gemm.cublaslt():
         for c0 in range(0, w.shape[0], cols):
-            logits = torch.mm(x, w[c0:c0 + cols].t(), out_dtype=torch.float32)
+            if logits_dtype == x.dtype:
+                logits = torch.mm(x, w[c0:c0 + cols].t())
+            else:
+                logits = torch.mm(x, w[c0:c0 + cols].t(), out_dtype=torch.float32).to(logits_dtype)
             stats(logits, c0)
             if keep is not None:
                 keep.append((c0, logits))
             del logits  # before the next slice is allocated
 
 
-def _forward_geometry(rows: int, weight: torch.Tensor, n_tiles: int, keep: bool = False) -> tuple[int, int]:
-    """(row chunk, slice columns) of the forward: the row chunk's per-tile stats and one [chunk, columns] fp32
-    logits slice each take 1/FORWARD_PARTS of the state budget. `keep` (the slices are held for the backward
-    anyway): all rows in one chunk, slices KEPT_SLICE_FACTOR times the budget's width (fewer launches)."""
+def _forward_geometry(rows: int, weight: torch.Tensor, n_tiles: int, keep: bool = False,
+                      logit_bytes: int = 4) -> tuple[int, int]:
+    """(row chunk, slice columns) of the forward: the row chunk's per-tile stats and one [chunk, columns] logits
+    slice (`logit_bytes` per element) each take 1/FORWARD_PARTS of the state budget. `keep` (the slices are held
+    for the backward anyway): all rows in one chunk, slices KEPT_SLICE_FACTOR times the budget's width (fewer
+    launches)."""
     if keep:
-        return rows, KEPT_SLICE_FACTOR * _slice_cols(rows, weight, 4)
+        return rows, KEPT_SLICE_FACTOR * _slice_cols(rows, weight, logit_bytes)
     share = _state_budget(weight) // FORWARD_PARTS
     chunk = _even_parts(rows, max(1, min(rows, share // (n_tiles * 12))), ROW_ALIGN)
-    return chunk, _slice_cols(chunk, weight, 4, share=FORWARD_PARTS)
+    return chunk, _slice_cols(chunk, weight, logit_bytes, share=FORWARD_PARTS)
 
 
 def _tile_stats_of_rows(x, w, temps32, tgt, m_t, s_t, z_t, vocab_start, vocab_size, server, tile, cols,
-                        keep=None):
-    """Fill per-tile (m, S) and the targets' z for the rows of x under the contract (either server); the
-    cuBLASLt server's slices are `cols` wide. `keep`, a list, receives its fp32 logits slices as (first
-    column, logits)."""
+                        keep=None, logits_dtype=torch.float32):
+    """Fill per-tile (m, S) and the targets' z for the rows of x under the contract (either server) with logits
+    in `logits_dtype` (float32 or bfloat16); the cuBLASLt server's slices are `cols` wide. `keep`, a list,
+    receives its logits slices as (first column, logits)."""
     r, v_local = x.shape[0], w.shape[0]
     n_tiles = m_t.shape[1]
     fixed = float(1 << FIXED_POINT_BITS)
@@ -276,7 +296,7 @@ def _tile_stats_of_rows(x, w, temps32, tgt, m_t, s_t, z_t, vocab_start, vocab_si
             _stats_kernel[grid](logits, temps32, tgt, m_t, s_t, z_t, r, v_local, c0, logits.shape[1], logits.stride(0),
                                 vocab_start, vocab_size, n_tiles, **launch)
 
-        _cublaslt_slices(x, w, cols, stats, keep)
+        _cublaslt_slices(x, w, cols, stats, keep, logits_dtype)
         return
     x, w, precision = gemm._operands(x, w)
     cfg = dict(tile or gemm.TILE)
@@ -285,16 +305,20 @@ def _tile_stats_of_rows(x, w, temps32, tgt, m_t, s_t, z_t, vocab_start, vocab_si
     _fused_kernel[grid](x, w, temps32, tgt, m_t, s_t, z_t, r, v_local, x.stride(0), w.stride(0), x.shape[1],
                         vocab_start, vocab_size, n_tiles, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=gemm.BLOCK_K,
                         PRECISION=precision, VT=VOCAB_TILE, FIXED=fixed, LOG2E=LOG2E, FAST_TEMP=options["FAST_TEMP"],
-                        RNI=options["RNI"], **cfg, **LAUNCH)
+                        RNI=options["RNI"], BF16_LOGITS=logits_dtype == torch.bfloat16, **cfg, **LAUNCH)
 
 
-def _forward(hidden, weight, targets, temps, vocab_start, vocab_size, group, server=None, tile=None, keep=None):
-    """fp32 logprobs [T] and fp64 lse [T]. With `keep` (a list) all rows are one chunk and the fp32 logits
-    slices are kept there for the backward (when the cuBLASLt server runs)."""
+def _forward(hidden, weight, targets, temps, vocab_start, vocab_size, group, server=None, tile=None, keep=None,
+             logits_dtype=torch.float32):
+    """fp32 logprobs [T] and fp64 lse [T] with logits in `logits_dtype`. With `keep` (a list) all rows are one
+    chunk and the logits slices are kept there for the backward (when the cuBLASLt server runs)."""
+    if logits_dtype not in (torch.float32, torch.bfloat16):
+        raise StrictModeError("logprobs", "triton", f"logits dtype {logits_dtype} is outside the contract "
+                              "(float32 or bfloat16)")
     rows, v_local = hidden.shape[0], weight.shape[0]
     dev = hidden.device
     n_tiles = triton.cdiv(v_local, VOCAB_TILE)
-    chunk, cols = _forward_geometry(rows, weight, n_tiles, keep is not None)
+    chunk, cols = _forward_geometry(rows, weight, n_tiles, keep is not None, logits_dtype.itemsize)
     temps32 = temps.to(torch.float32)
     tgt = targets.to(torch.int64)
     x = hidden.contiguous()
@@ -308,7 +332,7 @@ def _forward(hidden, weight, targets, temps, vocab_start, vocab_size, group, ser
         s_t = torch.empty(r, n_tiles, dtype=torch.int64, device=dev)
         z_t = torch.zeros(r, dtype=torch.float32, device=dev)
         _tile_stats_of_rows(x[a:b], weight, temps32[a:b], tgt[a:b], m_t, s_t, z_t, vocab_start, vocab_size,
-                            server, tile, cols, keep)
+                            server, tile, cols, keep, logits_dtype)
         big_m = m_t.amax(1)  # max is exact in any order
         if world > 1:
             dist.all_reduce(big_m, op=dist.ReduceOp.MAX, group=group)
@@ -331,7 +355,8 @@ def _addmm_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
 
 def backward(grad_out, hidden, weight, targets, temps, lse, vocab_start, vocab_size, group, kept=None):
     """(grad_hidden, grad_weight) by tensor-core GEMMs over vocab slices; fp32 state under the budget.
-    `kept`: the forward's fp32 logits slices [(first column, logits)], used instead of recomputing them."""
+    `kept`: the forward's logits slices [(first column, logits)] (fp32, or bf16 under a bf16 logit contract), used
+    instead of recomputing them."""
     rows, v_local = hidden.shape[0], weight.shape[0]
     h = hidden.contiguous()
     dtype = h.dtype if h.dtype == weight.dtype and h.dtype in (torch.bfloat16, torch.float16) else torch.float32
@@ -366,18 +391,20 @@ def backward(grad_out, hidden, weight, targets, temps, lse, vocab_start, vocab_s
 
 def forward(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temps: torch.Tensor,
             vocab_start: int, vocab_size: int, group: dist.ProcessGroup | None = None, keep: list | None = None,
-            ) -> tuple[torch.Tensor, torch.Tensor]:
+            logits_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
     """The strict forward of `rl_kernel.logprobs` under the Triton contract: (fp32 logprobs [T], fp64 lse [T]).
-    temps: fp64 [T] temperatures (> 0); weight: this rank's vocab slice starting at vocab_start. `keep` (a list)
-    receives the fp32 logits slices for `backward`."""
+    temps: fp64 [T] temperatures (> 0); weight: this rank's vocab slice starting at vocab_start; logits_dtype:
+    the contract's logit dtype. `keep` (a list) receives the logits slices for `backward`."""
     _check(weight, vocab_start)
-    return _forward(hidden, weight, targets, temps, vocab_start, vocab_size, group, keep=keep)
+    return _forward(hidden, weight, targets, temps, vocab_start, vocab_size, group, keep=keep,
+                    logits_dtype=logits_dtype)
 
 
 def logprobs_and_lse(hidden, weight, targets, temps, vocab_start=0, vocab_size=None, group=None, *,
-                     server=None, tile=None):
+                     server=None, tile=None, logits_dtype=torch.float32):
     """Forward only, for tests and benchmarks: (fp32 logprobs, fp64 lse). `server` ('triton', 'cublaslt')
     and `tile` pick how the logits are computed; neither changes a bit."""
     _check(weight, vocab_start)
     vocab_size = weight.shape[0] if vocab_size is None else vocab_size
-    return _forward(hidden, weight, targets, temps, vocab_start, vocab_size, group, server, tile)
+    return _forward(hidden, weight, targets, temps, vocab_start, vocab_size, group, server, tile,
+                    logits_dtype=logits_dtype)
