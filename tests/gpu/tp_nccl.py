@@ -2,11 +2,15 @@
 
     torchrun --standalone --nproc_per_node 2 tests/gpu/tp_nccl.py [--json PATH]
 
+With fewer GPUs than ranks (one H200), the ranks share GPUs and talk over gloo instead (NCCL refuses two ranks
+on one GPU): the kernels and their bits are the same, only the transport differs; the JSON names it.
+
 Checks, with the backend in force (auto: Triton on CUDA) and Qwen3-8B shapes: row-parallel linear
 (K sharded over the ranks) equals the unsharded linear bit for bit (TP-invariance), the strict
 all-reduce gives every rank the same bits and equals the rank-order tree, and the vocab-parallel
-logprob equals the unsharded one. Native twins (F.linear on the shard + NCCL all_reduce; native
-vocab-parallel logprob) are measured and reported, not judged.
+logprob equals the unsharded one (also with several row chunks, and under the bf16 logit contract).
+Native twins (F.linear on the shard + all_reduce; native vocab-parallel logprob) are measured and
+reported, not judged.
 """
 
 from __future__ import annotations
@@ -28,8 +32,9 @@ def main() -> None:
     p.add_argument("--json", default=None)
     args = p.parse_args()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl")
+    torch.cuda.set_device(rank % torch.cuda.device_count())
+    transport = "nccl" if torch.cuda.device_count() >= world else "gloo"
+    dist.init_process_group(transport)
     group = dist.group.WORLD
     rk.set_canonical_tp(world)  # row-parallel K groups of the widest TP: then TP = world equals TP 1
     gen = torch.Generator(device="cuda").manual_seed(0)  # same inputs on every rank
@@ -62,28 +67,31 @@ def main() -> None:
     record("strict all_reduce same on every rank", gathered[0], gathered[-1])
     record("strict all_reduce run twice", a, b)
 
-    t, d, v = 64, 4096, 151936
-    h = torch.randn(t, d, generator=gen, device=dev).to(torch.bfloat16)
+    d, v = 4096, 151936
     lm = (torch.randn(v, d, generator=gen, device=dev) * 0.02).to(torch.bfloat16)
-    tg = torch.randint(0, v, (t,), generator=gen, device=dev)
     vl = v // world
-    for mode in ("strict", "native"):
-        with rk.mode(mode):
-            full = rk.logprobs(h, lm, tg, 0.9)
-            shard = rk.logprobs(h, lm[rank * vl:(rank + 1) * vl], tg, 0.9, vocab_size=v, group=group)
-        record(f"{mode} vocab-parallel logprobs == unsharded  T={t} V={v}", full, shard)
+    for t in (64, 3000):  # 3000 rows: more than one row chunk per rank
+        h = torch.randn(t, d, generator=gen, device=dev).to(torch.bfloat16)
+        tg = torch.randint(0, v, (t,), generator=gen, device=dev)
+        for mode, logits in (("strict", "float32"), ("strict", "bfloat16"), ("native", "float32")):
+            rk.set_logits_dtype(logits)
+            with rk.mode(mode):
+                full = rk.logprobs(h, lm, tg, 0.9)
+                shard = rk.logprobs(h, lm[rank * vl:(rank + 1) * vl], tg, 0.9, vocab_size=v, group=group)
+            rk.set_logits_dtype("float32")
+            record(f"{mode} vocab-parallel logprobs == unsharded  T={t} V={v} {logits} logits", full, shard)
 
     if rank == 0:
-        print(f"{'check':60s} mismatching elements (summed over ranks)")
+        print(f"{'check':72s} mismatching elements (summed over ranks)")
         for name, n in results.items():
-            print(f"{name:60s} {n}")
+            print(f"{name:72s} {n}")
         strict_ok = all(n == 0 for name, n in results.items() if name.startswith("strict"))
         print(f"TP {'PASS' if strict_ok else 'FAIL'}: strict checks {'all bitwise' if strict_ok else 'MISMATCH'}; "
               f"native mismatches: {sum(n for name, n in results.items() if name.startswith('native'))}")
         if args.json:
             with open(args.json, "w") as f:
-                json.dump({"world": world, "backend": rk.get_backend(), "results": results, "pass": strict_ok}, f,
-                          indent=1)
+                json.dump({"world": world, "transport": transport, "backend": rk.get_backend(), "results": results,
+                           "pass": strict_ok}, f, indent=1)
     dist.barrier()
     dist.destroy_process_group()
     raise SystemExit(0 if rank != 0 or all(n == 0 for k_, n in results.items() if k_.startswith("strict")) else 1)
