@@ -60,16 +60,30 @@ def _program_tile(KV_HEADS, HEAVY_FIRST: tl.constexpr):
 
 
 @triton.jit
-def _find_tile(pid, tile_start_ptr, B, LOG_B):
-    """Sequence b with tile_start[b] <= pid < tile_start[b + 1] (binary search, fixed step count)."""
+def _first_tile(start_ptr, b, ok, TOKENS_PER_TILE: tl.constexpr):
+    """Global index of sequence b's first tile (where `ok`; a large sentinel elsewhere). TOKENS_PER_TILE = 0:
+    start holds the first tiles (a cumsum of tile counts). TOKENS_PER_TILE = T > 0: start holds the first
+    tokens (cu_seqlens) and the first tile is start[b] // T + b, computed here: strictly increasing in b, and
+    sequence b gets start[b + 1] // T - start[b] // T + 1 >= ceil(q_len / T) tile slots (the spare ones run
+    no row), all below cu_seqlens[B] // T + B <= cdiv(T_q, T) + B, the launch's upper bound."""
+    first = tl.load(start_ptr + b, mask=ok, other=2**30)
+    if TOKENS_PER_TILE > 0:
+        first = first // TOKENS_PER_TILE + b
+    return first
+
+
+@triton.jit
+def _find_tile(pid, start_ptr, B, LOG_B, TOKENS_PER_TILE: tl.constexpr):
+    """(b, tile): the sequence b with first tile <= pid < the first tile of b + 1 (binary search, fixed step
+    count; first tiles as `_first_tile`) and pid's tile within it (negative for pids before sequence 0's)."""
     lo = pid * 0
     hi = lo + B
     for _ in range(0, LOG_B):
         mid = (lo + hi) // 2
-        go_right = tl.load(tile_start_ptr + mid, mask=hi - lo > 1, other=2**30) <= pid
+        go_right = _first_tile(start_ptr, mid, hi - lo > 1, TOKENS_PER_TILE) <= pid
         lo = tl.where((hi - lo > 1) & go_right, mid, lo)
         hi = tl.where((hi - lo > 1) & (~go_right), mid, hi)
-    return lo, pid - tl.load(tile_start_ptr + lo)
+    return lo, pid - _first_tile(start_ptr, lo, lo >= 0, TOKENS_PER_TILE)
 
 
 @triton.jit
@@ -198,7 +212,7 @@ def _merge(m_t, l_t, o_t, m_s, l_s, o_s):
 
 @triton.jit
 def _attn_kernel(q_ptr, k_ptr, v_ptr, k_desc, v_desc, out_ptr, pm_ptr, pl_ptr, po_ptr, nsplit_ptr, lse_ptr,
-                 q_start_ptr, ctx_len_ptr, tile_start_ptr, block_table_ptr, B, LOG_B, NUM_SPLITS, KV_HEADS,
+                 q_start_ptr, ctx_len_ptr, block_table_ptr, B, LOG_B, NUM_SPLITS, KV_HEADS,
                  stride_qt, stride_qh, stride_ot, stride_oh, stride_kt, stride_kh, stride_vt, stride_vh,
                  stride_bt, stride_lse_h, qk_scale,
                  G: tl.constexpr, D: tl.constexpr, PAGED: tl.constexpr, STORE_LSE: tl.constexpr,
@@ -206,16 +220,16 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, k_desc, v_desc, out_ptr, pm_ptr, pl_ptr, p
                  SPLIT_CHUNKS: tl.constexpr, BLOCK_M: tl.constexpr, PRECISION: tl.constexpr,
                  FLAT: tl.constexpr, HEAVY_FIRST: tl.constexpr, TMA: tl.constexpr):
     pid, kvh = _program_tile(KV_HEADS, HEAVY_FIRST)
-    b, tile = _find_tile(pid, tile_start_ptr, B, LOG_B)
-    # programs past the last tile (the grid is an upper bound) have no valid row and run no chunk
-    tile_ok = tile < tl.load(tile_start_ptr + b + 1) - tl.load(tile_start_ptr + b)
+    b, tile = _find_tile(pid, q_start_ptr, B, LOG_B, BLOCK_M // G)
     q0 = tl.load(q_start_ptr + b)
     q_len = tl.load(q_start_ptr + b + 1) - q0
+    # tile slots past a sequence's last tile (the grid and the tile spacing are upper bounds) run no row
+    tile_ok = (tile >= 0) & (tile * (BLOCK_M // G) < q_len)
     ctx_len = tl.load(ctx_len_ptr + b)
     r = tl.arange(0, BLOCK_M)
     tok = tile * (BLOCK_M // G) + r // G
     q_rows = tl.where(tile_ok, q_len, 0)  # rows of this program that hold a query
-    row_ok = tok < q_rows
+    row_ok = (tok >= 0) & (tok < q_rows)
     head = kvh * G + r % G
     qpos = ctx_len - q_len + tok
     d = tl.arange(0, D)
@@ -234,7 +248,7 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, k_desc, v_desc, out_ptr, pm_ptr, pl_ptr, p
                                  PAGED, BLOCK_SIZE, D, CHUNK, BLOCK_M, PRECISION, TMA)
         H = KV_HEADS * G
         prow = ((q0 + tok).to(tl.int64) * H + head) * NUM_SPLITS + s
-        keep = tok < tl.where(s < n_splits, q_rows, 0)
+        keep = row_ok & (tok < tl.where(s < n_splits, q_rows, 0))
         tl.store(pm_ptr + prow, m, mask=keep)
         tl.store(pl_ptr + prow, l, mask=keep)
         tl.store(po_ptr + prow[:, None] * D + d[None, :], o, mask=keep[:, None])
@@ -333,10 +347,7 @@ def _run(q, k, v, q_start, ctx_len, block_table, block_size, scale, paged, sched
     tokens = block_m // g
     q_start = q_start.to(device=q.device, dtype=torch.int32).contiguous()
     ctx_len = ctx_len.to(device=q.device, dtype=torch.int32).contiguous()
-    tiles = (q_start[1:] - q_start[:-1] + tokens - 1) // tokens
-    tile_start = torch.zeros(b + 1, dtype=torch.int32, device=q.device)
-    tile_start[1:] = torch.cumsum(tiles, 0)
-    grid_tiles = triton.cdiv(tq, tokens) + b  # upper bound on sum(ceil(q_len / tokens)); no host sync
+    grid_tiles = triton.cdiv(tq, tokens) + b  # upper bound on the tile slots (`_first_tile`); no host sync
     max_ctx = block_table.shape[1] * block_size if paged else tq
     num_splits = triton.cdiv(max_ctx, CHUNK * SPLIT_CHUNKS)
     if schedule is None:
@@ -349,13 +360,13 @@ def _run(q, k, v, q_start, ctx_len, block_table, block_size, scale, paged, sched
     po = torch.empty(pm.numel() * d if split else 1, dtype=f32, device=q.device)
     # zeros: rows of no sequence (the padding of a CUDA-graph batch) merge no split and are never read
     nsplit = torch.zeros(tq if split else 1, dtype=torch.int32, device=q.device)
-    table = block_table if paged else tile_start
+    table = block_table if paged else q_start
     heavy_first = cfg.pop("HEAVY_FIRST", False)
     k_desc, v_desc = _descriptors(k, v) if cfg.pop("TMA", False) and not paged else (None, None)
     grid = (grid_tiles * kv_heads, 1) if heavy_first else (grid_tiles, kv_heads)
     _attn_kernel[grid + (num_splits if split else 1,)](
         q, k, v, k if k_desc is None else k_desc, v if v_desc is None else v_desc, out, pm, pl, po, nsplit,
-        pm if lse is None else lse, q_start, ctx_len, tile_start, table, b,
+        pm if lse is None else lse, q_start, ctx_len, table, b,
         b.bit_length(), num_splits, kv_heads,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         table.stride(0), 0 if lse is None else lse.stride(0), float(scale) * LOG2E,
@@ -411,7 +422,7 @@ def _cp_split_kernel(q_ptr, k_ptr, v_ptr, pm_ptr, pl_ptr, po_ptr, q_row_ptr, pos
     """Task b: query rows q_row[b] + j (positions pos0[b] + j, j < tile_start-derived length) against
     the keys of split split[b] of a sequence of seq_len[b] keys, key position p at row kv_base[b] + p.
     Writes the split's exact fp32 partial (m, l, o) of each row at out_row[b] + j (`_split_partial`)."""
-    b, tile = _find_tile(tl.program_id(0), tile_start_ptr, B, LOG_B)
+    b, tile = _find_tile(tl.program_id(0), tile_start_ptr, B, LOG_B, 0)
     q_len = tl.load(pos0_ptr + B + b)  # pos0_ptr holds [pos0 (B), q_len (B)]
     tile_ok = tile < tl.load(tile_start_ptr + b + 1) - tl.load(tile_start_ptr + b)
     kvh = tl.program_id(1)
