@@ -125,6 +125,8 @@ def attentions(gen: torch.Generator) -> None:
               same(attention.varlen_attention(q, wide[:, :kv_heads], wide[:, kv_heads:2 * kv_heads], cu, scale,
                                               config=dict(attention.PREFILL, TMA=True)), pointer))
         check("attention default (TMA) == pointer loads", same(packed, pointer))
+        check("attention packed prefill (split, merged by the last split program) == fused",
+              same(attention.varlen_attention(q, k, v, cu, scale, schedule="split"), packed))
         blocks = torch.randperm(16, generator=gen)
         table = torch.stack([blocks[0:5], blocks[5:10], blocks[10:15]]).to(torch.int32)
         kc, vc = torch.randn(16, page, kv_heads, d, generator=gen).to(F16), torch.randn(16, page, kv_heads, d).to(F16)
@@ -144,6 +146,30 @@ def attentions(gen: torch.Generator) -> None:
         out = attention.paged_attention(qc, kc, vc, table[[0, 2]], torch.tensor([70, 40]),
                                         torch.tensor([0, 40, 60], dtype=torch.int32), scale)
         check("attention chunked prefill == packed rows", same(out, torch.cat([packed[30:70], packed[95:115]])))
+    finally:
+        attention.SPLIT_CHUNKS = saved
+
+
+def split_decode(gen: torch.Generator) -> None:
+    """Decode at batch 1 over 5 splits: the split schedule's one launch (the last split program of a tile and kv
+    head to arrive merges the partials) == the fused schedule bitwise, twice in a row (the arrival counters
+    reused), and it leaves every arrival counter at 0. (The interpreter runs programs one after another: the
+    arrival order is fixed here, races are not exercised.) fp32, so that a change of merge order shows."""
+    heads, kv_heads, d, page, ctx = 4, 2, 32, 16, 300
+    blocks = -(-ctx // page)
+    table = torch.randperm(blocks + 3, generator=gen)[:blocks].view(1, -1).to(torch.int32)
+    kc, vc = (torch.randn(blocks + 3, page, kv_heads, d, generator=gen) for _ in range(2))
+    args = (torch.randn(1, heads, d, generator=gen), kc, vc, table, torch.tensor([ctx]),
+            torch.tensor([0, 1], dtype=torch.int32), d ** -0.5)
+    saved = attention.SPLIT_CHUNKS
+    attention.SPLIT_CHUNKS = 1  # 5 splits of 64 keys
+    try:
+        fused = attention.paged_attention(*args, schedule="fused")
+        for run in (1, 2):
+            check(f"attention decode B=1, 5 splits, split schedule in one launch (run {run}) == fused",
+                  same(attention.paged_attention(*args, schedule="split"), fused))
+        check("attention split schedule leaves its arrival counters at 0",
+              len(attention._COUNTERS) > 0 and all(not c.any() for c in attention._COUNTERS.values()))
     finally:
         attention.SPLIT_CHUNKS = saved
 
@@ -292,7 +318,8 @@ def logprob_bf16_logits(gen: torch.Generator) -> None:
 
 def main() -> None:
     gen = torch.Generator().manual_seed(0)
-    for part in (elementwise, gemms, attentions, cp_attention, logprobs, logprob_slice_stats, logprob_bf16_logits):
+    for part in (elementwise, gemms, attentions, split_decode, cp_attention, logprobs, logprob_slice_stats,
+                 logprob_bf16_logits):
         part(gen)
     print(f"INTERPRETER {'FAIL: ' + ', '.join(FAILED) if FAILED else 'PASS'}")
     sys.exit(1 if FAILED else 0)

@@ -231,6 +231,39 @@ def test_attention_native_twin_breaks():
     assert nat > 0, "native SDPA happened to give decode == prefill here"
 
 
+
+@pytest.mark.parametrize("b", [1, 64])
+def test_attention_split_decode_one_launch(b):
+    """Decode at ctx 4096 (Qwen3-8B heads): the split schedule, whose partials the last-arriving split program of
+    each tile and kv head merges (arrival counters it resets), equals the fused schedule bitwise twice in a row
+    (the counters reused) and under CUDA-graph replay (the capture stream's counters, allocated in the capture)."""
+    gen = torch.Generator(device=DEV).manual_seed(10)
+    ctx, page = 4096, 16
+    lens = [ctx] * b
+    k, v = randn(b * ctx, 8, 128, gen=gen), randn(b * ctx, 8, 128, gen=gen)
+    kc, vc, table = _paged(k, v, lens, page, gen)
+    del k, v
+    seq_lens = torch.tensor(lens, device=DEV)
+    qsl = torch.arange(b + 1, dtype=torch.int32, device=DEV)
+    q = randn(b, 32, 128, gen=gen)
+
+    def decode(schedule):
+        return attention.paged_attention(q, kc, vc, table, seq_lens, qsl, 128 ** -0.5, schedule=schedule)
+
+    fused = decode("fused")
+    for run in range(2):
+        poison()
+        assert same(decode("split"), fused), f"split schedule differs from fused (run {run})"
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = decode("split")
+    for _ in range(2):
+        q.copy_(randn(b, 32, 128, gen=gen))
+        poison()
+        graph.replay()
+        assert same(static_out, decode("fused")), "CUDA-graph replay of the split schedule differs from fused"
+    assert all(not c.any() for c in attention._COUNTERS.values()), "an arrival counter was left nonzero"
+
 # ---- linear logprob ------------------------------------------------------------------------------------
 
 def test_logprobs_accuracy_rows_and_chunks(monkeypatch):

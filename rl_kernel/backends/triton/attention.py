@@ -16,8 +16,9 @@ A row's bits depend on its q row and its sequence's keys at positions <= its own
 past a row's position are exact identities (alpha = 1, p = 0), so packed prefill, paged decode,
 chunked prefill, page size, block-table order, batch composition and row placement do not matter.
 Two schedules give the same bits: `fused` (one program loops over all splits and merges in
-registers) and `split` (one program per split writes its fp32 partial, exactly; a second kernel
-merges them with the same operations). The fused schedule has two loop forms, nested (a loop per
+registers) and `split` (one program per split writes its fp32 partial, exactly; in the same launch
+the last split program of a tile and kv head to finish, told by an arrival counter, merges them in
+split order with the same operations). The fused schedule has two loop forms, nested (a loop per
 split) and FLAT (one loop over all chunks, merging and resetting at split boundaries), with the same
 operations in the same order. Packed prefill reads the keys of its unmasked chunks through TMA
 descriptors where k and v allow one (16-byte strides), otherwise by pointer loads: the same values.
@@ -33,10 +34,17 @@ import triton.language as tl
 from rl_kernel.backends.triton.numerics import LAUNCH
 from rl_kernel.errors import StrictModeError
 
+try:  # the current stream's handle without a Stream object (what Triton's launcher uses)
+    from torch._C import _cuda_getCurrentRawStream as _raw_stream
+except ImportError:
+    def _raw_stream(index: int) -> int:
+        return torch.cuda.current_stream(index).cuda_stream
+
 CHUNK = 64
 SPLIT_CHUNKS = 8
 BLOCK_M = 64  # the paged path's row tile (decode, chunked prefill)
 LOG2E = 1.4426950408889634
+FOLD_ROWS = tl.constexpr(16)  # rows the split schedule's merge folds at a time (`_merge_tile`)
 SPLIT_SCRATCH_BYTES = 256 << 20  # paged calls whose split partials fit use the split schedule
 # Launch configurations. A row's bits do not depend on the row tile (rows are independent, masked chunks
 # are exact identities): tests/gpu compare packed prefill (PREFILL) with paged decode (PAGED) bit for bit.
@@ -60,16 +68,30 @@ def _program_tile(KV_HEADS, HEAVY_FIRST: tl.constexpr):
 
 
 @triton.jit
-def _find_tile(pid, tile_start_ptr, B, LOG_B):
-    """Sequence b with tile_start[b] <= pid < tile_start[b + 1] (binary search, fixed step count)."""
+def _first_tile(start_ptr, b, ok, TOKENS_PER_TILE: tl.constexpr):
+    """Global index of sequence b's first tile (where `ok`; a large sentinel elsewhere). TOKENS_PER_TILE = 0:
+    start holds the first tiles (a cumsum of tile counts). TOKENS_PER_TILE = T > 0: start holds the first
+    tokens (cu_seqlens) and the first tile is start[b] // T + b, computed here: strictly increasing in b, and
+    sequence b gets start[b + 1] // T - start[b] // T + 1 >= ceil(q_len / T) tile slots (the spare ones run
+    no row), all below cu_seqlens[B] // T + B <= cdiv(T_q, T) + B, the launch's upper bound."""
+    first = tl.load(start_ptr + b, mask=ok, other=2**30)
+    if TOKENS_PER_TILE > 0:
+        first = first // TOKENS_PER_TILE + b
+    return first
+
+
+@triton.jit
+def _find_tile(pid, start_ptr, B, LOG_B, TOKENS_PER_TILE: tl.constexpr):
+    """(b, tile): the sequence b with first tile <= pid < the first tile of b + 1 (binary search, fixed step
+    count; first tiles as `_first_tile`) and pid's tile within it (negative for pids before sequence 0's)."""
     lo = pid * 0
     hi = lo + B
     for _ in range(0, LOG_B):
         mid = (lo + hi) // 2
-        go_right = tl.load(tile_start_ptr + mid, mask=hi - lo > 1, other=2**30) <= pid
+        go_right = _first_tile(start_ptr, mid, hi - lo > 1, TOKENS_PER_TILE) <= pid
         lo = tl.where((hi - lo > 1) & go_right, mid, lo)
         hi = tl.where((hi - lo > 1) & (~go_right), mid, hi)
-    return lo, pid - tl.load(tile_start_ptr + lo)
+    return lo, pid - _first_tile(start_ptr, lo, lo >= 0, TOKENS_PER_TILE)
 
 
 @triton.jit
@@ -197,26 +219,113 @@ def _merge(m_t, l_t, o_t, m_s, l_s, o_s):
 
 
 @triton.jit
-def _attn_kernel(q_ptr, k_ptr, v_ptr, k_desc, v_desc, out_ptr, pm_ptr, pl_ptr, po_ptr, nsplit_ptr, lse_ptr,
-                 q_start_ptr, ctx_len_ptr, tile_start_ptr, block_table_ptr, B, LOG_B, NUM_SPLITS, KV_HEADS,
-                 stride_qt, stride_qh, stride_ot, stride_oh, stride_kt, stride_kh, stride_vt, stride_vh,
+def _store_partial(m_ptr, l_ptr, o_ptr, STAT_STRIDE: tl.constexpr, O_STRIDE: tl.constexpr, row, m, l, o, keep,
+                   D: tl.constexpr):
+    """A split's fp32 state (m, l, o) of each row where `keep`: m, l at m_ptr, l_ptr + row * STAT_STRIDE and
+    o at o_ptr + row * O_STRIDE + [0, D)."""
+    d = tl.arange(0, D)
+    tl.store(m_ptr + row * STAT_STRIDE, m, mask=keep)
+    tl.store(l_ptr + row * STAT_STRIDE, l, mask=keep)
+    tl.store(o_ptr + row[:, None] * O_STRIDE + d[None, :], o, mask=keep[:, None])
+
+
+@triton.jit
+def _fold(m_ptr, l_ptr, o_ptr, STAT_STRIDE: tl.constexpr, O_STRIDE: tl.constexpr, row0, row_step, n, n_max,
+          D: tl.constexpr):
+    """The split schedule's merge of a vector of output rows: the partials (stored as `_store_partial`) at rows
+    row0 + s * row_step, s < n (per row; n <= n_max), folded left to right from the empty state with `_merge`,
+    then o / l (IEEE div). Steps s >= n of a row read an empty state, which `_merge` leaves out exactly.
+    Partials written by other programs of the same launch are read L2-coherent (.cg)."""
+    d = tl.arange(0, D)
+    m_t = tl.full(row0.shape, float("-inf"), tl.float32)
+    l_t = tl.zeros(row0.shape, tl.float32)
+    o_t = tl.zeros((row0.shape[0], D), tl.float32)
+    for s in range(0, n_max):
+        row = row0 + s * row_step
+        has = s < n
+        m = tl.load(m_ptr + row * STAT_STRIDE, mask=has, other=float("-inf"), cache_modifier=".cg")
+        l = tl.load(l_ptr + row * STAT_STRIDE, mask=has, other=0.0, cache_modifier=".cg")
+        o = tl.load(o_ptr + row[:, None] * O_STRIDE + d[None, :], mask=has[:, None], other=0.0, cache_modifier=".cg")
+        m_t, l_t, o_t = _merge(m_t, l_t, o_t, m, l, o)
+    return tl.div_rn(o_t, l_t[:, None])
+
+
+@triton.jit
+def _last_to_arrive(counter_ptr, arrivals):
+    """Counts this program's arrival at *counter_ptr; true in exactly one of the `arrivals` programs that count
+    there, the last, which also sets the counter back to 0 (a counter is left as found: no fill per launch).
+
+    Memory model: the barrier puts every thread's earlier stores (this program's partial) before the atomic,
+    whose release (acq_rel, gpu scope) publishes them; the last arrival's acquire sees every other arrival's
+    release, so its loads after the second barrier (all threads) see every partial of the group."""
+    tl.debug_barrier()
+    last = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu") == arrivals - 1
+    if last:
+        tl.store(counter_ptr, 0)  # every arrival is in: nothing else touches this counter in this launch
+    tl.debug_barrier()
+    return last
+
+
+@triton.jit
+def _tile_rows(tile, kvh, r, G: tl.constexpr, BLOCK_M: tl.constexpr):
+    """(token within its sequence, head) of rows r of a tile: BLOCK_M / G tokens x the G heads of kv head kvh."""
+    return tile * (BLOCK_M // G) + r // G, kvh * G + r % G
+
+
+@triton.jit
+def _partial_row(q0, tok, head, H, NUM_SPLITS):
+    """The split partial row of split 0 of (token q0 + tok, head); split s's is s rows on."""
+    return ((q0 + tok).to(tl.int64) * H + head) * NUM_SPLITS
+
+
+@triton.jit
+def _merge_tile(part_ptr, out_ptr, q0, tile, q_len, ctx_len, kvh, n_splits, H, NUM_SPLITS, G: tl.constexpr,
+                D: tl.constexpr, PART: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
+                SPLIT_CHUNKS: tl.constexpr):
+    """The split schedule's merge of a tile x kv head: each row's partials, as many as its position has splits
+    (computed here, not read from another program), folded with `_fold` and written to out. FOLD_ROWS rows at a
+    time: a small state, so the merge does not add to the register pressure of the [BLOCK_M, D] accumulators."""
+    rows = G * (tl.minimum((tile + 1) * (BLOCK_M // G), q_len) - tile * (BLOCK_M // G))
+    for r0 in range(0, rows, FOLD_ROWS):
+        r = r0 + tl.arange(0, FOLD_ROWS)
+        tok, head = _tile_rows(tile, kvh, r, G, BLOCK_M)
+        ok = r < rows
+        splits = tl.where(ok, (ctx_len - q_len + tok) // (CHUNK * SPLIT_CHUNKS) + 1, 0)
+        out = _fold(part_ptr + D, part_ptr + D + 1, part_ptr, PART, PART, _partial_row(q0, tok, head, H, NUM_SPLITS),
+                    1, splits, n_splits, D)
+        _store_rows(out_ptr, out, q0, tok, head, ok, H, D)
+
+
+@triton.jit
+def _store_rows(out_ptr, out, q0, tok, head, row_ok, H, D: tl.constexpr):
+    """Output rows (token q0 + tok, head) of the contiguous [T, H, D] out, rounded once to its dtype."""
+    d = tl.arange(0, D)
+    off = ((q0 + tok).to(tl.int64) * H + head)[:, None] * D + d[None, :]
+    tl.store(out_ptr + off, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+@triton.jit
+def _attn_kernel(q_ptr, k_ptr, v_ptr, k_desc, v_desc, out_ptr, part_ptr, counter_ptr, lse_ptr,
+                 q_start_ptr, ctx_len_ptr, block_table_ptr, B, LOG_B, NUM_SPLITS, KV_HEADS,
+                 stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                  stride_bt, stride_lse_h, qk_scale,
                  G: tl.constexpr, D: tl.constexpr, PAGED: tl.constexpr, STORE_LSE: tl.constexpr,
-                 SPLIT: tl.constexpr, BLOCK_SIZE: tl.constexpr, CHUNK: tl.constexpr,
+                 SPLIT: tl.constexpr, PART: tl.constexpr, BLOCK_SIZE: tl.constexpr, CHUNK: tl.constexpr,
                  SPLIT_CHUNKS: tl.constexpr, BLOCK_M: tl.constexpr, PRECISION: tl.constexpr,
                  FLAT: tl.constexpr, HEAVY_FIRST: tl.constexpr, TMA: tl.constexpr):
+    """Rows of tile `pid` x kv head `kvh` (`_program_tile`; tiles as `_find_tile` over q_start). out: contiguous
+    [T, H, D]. SPLIT: grid axis 2 is the split s < NUM_SPLITS; partial rows of PART floats (o, m, l) at
+    part_ptr, ((token * H + head) * NUM_SPLITS + s) * PART; counter_ptr: one zeroed int32 per (tile, kv head)."""
     pid, kvh = _program_tile(KV_HEADS, HEAVY_FIRST)
-    b, tile = _find_tile(pid, tile_start_ptr, B, LOG_B)
-    # programs past the last tile (the grid is an upper bound) have no valid row and run no chunk
-    tile_ok = tile < tl.load(tile_start_ptr + b + 1) - tl.load(tile_start_ptr + b)
+    b, tile = _find_tile(pid, q_start_ptr, B, LOG_B, BLOCK_M // G)
     q0 = tl.load(q_start_ptr + b)
     q_len = tl.load(q_start_ptr + b + 1) - q0
+    # tile slots past a sequence's last tile (the grid and the tile spacing are upper bounds) run no row
+    tile_ok = (tile >= 0) & (tile * (BLOCK_M // G) < q_len)
     ctx_len = tl.load(ctx_len_ptr + b)
-    r = tl.arange(0, BLOCK_M)
-    tok = tile * (BLOCK_M // G) + r // G
-    q_rows = tl.where(tile_ok, q_len, 0)  # rows of this program that hold a query
-    row_ok = tok < q_rows
-    head = kvh * G + r % G
+    tok, head = _tile_rows(tile, kvh, tl.arange(0, BLOCK_M), G, BLOCK_M)
+    row_ok = (tok >= 0) & (tok < q_len)  # rows of this program that hold a query (none where not tile_ok)
+    H = KV_HEADS * G
     qpos = ctx_len - q_len + tok
     d = tl.arange(0, D)
     q_off = (q0 + tok).to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :]
@@ -232,14 +341,14 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, k_desc, v_desc, out_ptr, pm_ptr, pl_ptr, p
                                  ctx_len, stride_kt, stride_kh, stride_vt, stride_vh, c0,
                                  tl.minimum(c0 + SPLIT_CHUNKS, n_chunks), c_full, qk_scale,
                                  PAGED, BLOCK_SIZE, D, CHUNK, BLOCK_M, PRECISION, TMA)
-        H = KV_HEADS * G
-        prow = ((q0 + tok).to(tl.int64) * H + head) * NUM_SPLITS + s
-        keep = tok < tl.where(s < n_splits, q_rows, 0)
-        tl.store(pm_ptr + prow, m, mask=keep)
-        tl.store(pl_ptr + prow, l, mask=keep)
-        tl.store(po_ptr + prow[:, None] * D + d[None, :], o, mask=keep[:, None])
-        if (s == 0) & (kvh == 0):
-            tl.store(nsplit_ptr + q0 + tok, qpos // (CHUNK * SPLIT_CHUNKS) + 1, mask=row_ok & (r % G == 0))
+        _store_partial(part_ptr + D, part_ptr + D + 1, part_ptr, PART, PART,
+                       _partial_row(q0, tok, head, H, NUM_SPLITS) + s, m, l, o,
+                       row_ok & (tok < tl.where(s < n_splits, q_len, 0)), D)
+        # every split program of a tile with rows counts (those past its last split too); the last one merges
+        if tile_ok:
+            if _last_to_arrive(counter_ptr + pid * KV_HEADS + kvh, NUM_SPLITS):
+                _merge_tile(part_ptr, out_ptr, q0, tile, q_len, ctx_len, kvh, n_splits, H, NUM_SPLITS,
+                            G, D, PART, BLOCK_M, CHUNK, SPLIT_CHUNKS)
     else:
         if FLAT:
             m_t, l_t, o_t = _all_splits(q, qpos, b, kvh, k_ptr, v_ptr, k_desc, v_desc, block_table_ptr, stride_bt,
@@ -256,32 +365,10 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, k_desc, v_desc, out_ptr, pm_ptr, pl_ptr, p
                                          tl.minimum(c0 + SPLIT_CHUNKS, n_chunks), c_full, qk_scale,
                                          PAGED, BLOCK_SIZE, D, CHUNK, BLOCK_M, PRECISION, TMA)
                 m_t, l_t, o_t = _merge(m_t, l_t, o_t, m, l, o)
-        out = tl.div_rn(o_t, l_t[:, None])
-        o_off = (q0 + tok).to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
-        tl.store(out_ptr + o_off, out.to(q.dtype), mask=row_ok[:, None])
+        _store_rows(out_ptr, tl.div_rn(o_t, l_t[:, None]), q0, tok, head, row_ok, H, D)
         if STORE_LSE:  # natural log-sum-exp of the scaled scores, for the backward only (no bit contract)
             lse = (m_t + tl.log2(l_t)) * 0.6931471805599453
             tl.store(lse_ptr + head * stride_lse_h + q0 + tok, lse, mask=row_ok)
-
-
-@triton.jit
-def _merge_kernel(pm_ptr, pl_ptr, po_ptr, nsplit_ptr, out_ptr, H, NUM_SPLITS, stride_ot, stride_oh,
-                  D: tl.constexpr):
-    t = tl.program_id(0)
-    h = tl.program_id(1)
-    n = tl.load(nsplit_ptr + t)
-    d = tl.arange(0, D)
-    base = (t.to(tl.int64) * H + h) * NUM_SPLITS
-    m_t = tl.full((1,), float("-inf"), tl.float32)
-    l_t = tl.zeros((1,), tl.float32)
-    o_t = tl.zeros((1, D), tl.float32)
-    for s in range(0, n):
-        m = tl.load(pm_ptr + base + s + tl.zeros((1,), tl.int32))
-        l = tl.load(pl_ptr + base + s + tl.zeros((1,), tl.int32))
-        o = tl.load(po_ptr + (base + s) * D + d)[None, :]
-        m_t, l_t, o_t = _merge(m_t, l_t, o_t, m, l, o)
-    out = tl.div_rn(o_t, l_t[:, None])
-    tl.store(out_ptr + t.to(tl.int64) * stride_ot + h * stride_oh + d[None, :], out.to(out_ptr.dtype.element_ty))
 
 
 def _check(q: torch.Tensor, kv_heads: int, block_m: int) -> tuple[int, int]:
@@ -318,53 +405,71 @@ def _descriptors(k: torch.Tensor, v: torch.Tensor):
     return tuple(TensorDescriptor(t, list(t.shape), list(t.stride()), [CHUNK, 1, t.shape[-1]]) for t in (k, v))
 
 
+def _partial_floats(d: int) -> int:
+    """Floats per split-partial row: o (d), m, l and 2 of padding, so that every row's o is 16-byte aligned."""
+    return d + 4
+
+
+# Arrival counters of the split schedule, per (device, stream): int32, zero between launches (the last arrival
+# of every (tile, kv head) resets its own counter), so a call needs no fill. Why cached rather than a zeroed
+# tensor per call: one host op and one memset less per decode step. Per stream: launches on two streams may run
+# at once and must not share counters (one stream's launches run one after the other). A buffer is never freed:
+# one allocated inside a CUDA-graph capture (the capture stream's, on its first use; the zeros are then a node of
+# the graph, harmless at replay) or replaced by a larger one may still be used by a captured graph's replays.
+# Two graphs captured on one stream share its buffer: replay them on one stream, not concurrently.
+_COUNTERS: dict[tuple, torch.Tensor] = {}
+_RETIRED_COUNTERS: list[torch.Tensor] = []
+_MIN_COUNTERS = 1 << 14  # (tiles x kv heads) of a decode batch of 1024 sequences with 8 kv heads fit
+
+
+def _arrival_counters(device: torch.device, n: int) -> torch.Tensor:
+    """At least n zeroed int32 counters for split launches on `device`'s current stream (see _COUNTERS)."""
+    key = (device, _raw_stream(device.index) if device.type == "cuda" else None)
+    counters = _COUNTERS.get(key)
+    if counters is None or counters.numel() < n:
+        if counters is not None:
+            _RETIRED_COUNTERS.append(counters)
+        counters = _COUNTERS[key] = torch.zeros(max(n, _MIN_COUNTERS), dtype=torch.int32, device=device)
+    return counters
+
+
 def _run(q, k, v, q_start, ctx_len, block_table, block_size, scale, paged, schedule, lse=None, config=None):
+    """q [T, H, d]; k, v [..., N, Hkv, d] with keys at row * stride(-3) (paged: a cache [blocks, block_size, Hkv, d]
+    with contiguous blocks, row = block * block_size + offset; packed: [T, Hkv, d]); q_start [B + 1] and ctx_len [B]
+    int; block_table [B, max_blocks] int32 (paged only). Returns a new contiguous [T, H, d] in q's dtype; rows of no
+    sequence (past q_start[B]) are left unwritten."""
     tq, heads, _ = q.shape
     kv_heads = k.shape[-2]
     cfg = dict(config or (PAGED if paged else PREFILL))
     block_m = cfg.pop("BLOCK_M")
-    flat = cfg.pop("FLAT", False)
+    flat, heavy_first, tma = cfg.pop("FLAT", False), cfg.pop("HEAVY_FIRST", False), cfg.pop("TMA", False)
     g, d = _check(q, kv_heads, block_m)
     precision = _precision(q, k)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     b = ctx_len.numel()
     if tq == 0 or b == 0:
         return out
-    tokens = block_m // g
-    q_start = q_start.to(device=q.device, dtype=torch.int32).contiguous()
-    ctx_len = ctx_len.to(device=q.device, dtype=torch.int32).contiguous()
-    tiles = (q_start[1:] - q_start[:-1] + tokens - 1) // tokens
-    tile_start = torch.zeros(b + 1, dtype=torch.int32, device=q.device)
-    tile_start[1:] = torch.cumsum(tiles, 0)
-    grid_tiles = triton.cdiv(tq, tokens) + b  # upper bound on sum(ceil(q_len / tokens)); no host sync
-    max_ctx = block_table.shape[1] * block_size if paged else tq
-    num_splits = triton.cdiv(max_ctx, CHUNK * SPLIT_CHUNKS)
-    if schedule is None:
-        scratch = tq * heads * num_splits * (d + 2) * 4
-        schedule = "split" if paged and scratch <= SPLIT_SCRATCH_BYTES else "fused"
+    dev = q.device
+    q_start = q_start.to(device=dev, dtype=torch.int32).contiguous()
+    ctx_len = ctx_len.to(device=dev, dtype=torch.int32).contiguous()
+    grid_tiles = triton.cdiv(tq, block_m // g) + b  # upper bound on the tile slots (`_first_tile`); no host sync
+    num_splits = triton.cdiv(block_table.shape[1] * block_size if paged else tq, CHUNK * SPLIT_CHUNKS)
+    if schedule is None:  # one split: the fused schedule runs the same programs without the partials' round trip
+        scratch = tq * heads * num_splits * _partial_floats(d) * 4
+        schedule = "split" if paged and num_splits > 1 and scratch <= SPLIT_SCRATCH_BYTES else "fused"
     split = schedule == "split"
-    f32 = torch.float32
-    pm = torch.empty(tq * heads * num_splits if split else 1, dtype=f32, device=q.device)
-    pl = torch.empty_like(pm)
-    po = torch.empty(pm.numel() * d if split else 1, dtype=f32, device=q.device)
-    # zeros: rows of no sequence (the padding of a CUDA-graph batch) merge no split and are never read
-    nsplit = torch.zeros(tq if split else 1, dtype=torch.int32, device=q.device)
-    table = block_table if paged else tile_start
-    heavy_first = cfg.pop("HEAVY_FIRST", False)
-    k_desc, v_desc = _descriptors(k, v) if cfg.pop("TMA", False) and not paged else (None, None)
+    part = torch.empty(tq * heads * num_splits * _partial_floats(d), dtype=torch.float32, device=dev) if split \
+        else None
+    counters = _arrival_counters(dev, grid_tiles * kv_heads) if split else None
+    k_desc, v_desc = _descriptors(k, v) if tma and not paged else (None, None)
     grid = (grid_tiles * kv_heads, 1) if heavy_first else (grid_tiles, kv_heads)
     _attn_kernel[grid + (num_splits if split else 1,)](
-        q, k, v, k if k_desc is None else k_desc, v if v_desc is None else v_desc, out, pm, pl, po, nsplit,
-        pm if lse is None else lse, q_start, ctx_len, tile_start, table, b,
-        b.bit_length(), num_splits, kv_heads,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        table.stride(0), 0 if lse is None else lse.stride(0), float(scale) * LOG2E,
-        G=g, D=d, PAGED=paged, STORE_LSE=lse is not None, SPLIT=split, BLOCK_SIZE=block_size,
-        CHUNK=CHUNK, SPLIT_CHUNKS=SPLIT_CHUNKS, BLOCK_M=block_m, PRECISION=precision, FLAT=flat,
-        HEAVY_FIRST=heavy_first, TMA=k_desc is not None, **cfg, **LAUNCH)
-    if split:
-        _merge_kernel[(tq, heads)](pm, pl, po, nsplit, out, heads, num_splits, out.stride(0), out.stride(1),
-                                   D=d, num_warps=1, **LAUNCH)
+        q, k, v, k_desc, v_desc, out, part, counters, lse, q_start, ctx_len, block_table, b, b.bit_length(),
+        num_splits, kv_heads, q.stride(0), q.stride(1), k.stride(-3), k.stride(-2), v.stride(-3), v.stride(-2),
+        block_table.stride(0) if paged else 0, 0 if lse is None else lse.stride(0), float(scale) * LOG2E,
+        G=g, D=d, PAGED=paged, STORE_LSE=lse is not None, SPLIT=split, PART=_partial_floats(d),
+        BLOCK_SIZE=block_size, CHUNK=CHUNK, SPLIT_CHUNKS=SPLIT_CHUNKS, BLOCK_M=block_m, PRECISION=precision,
+        FLAT=flat, HEAVY_FIRST=heavy_first, TMA=k_desc is not None, **cfg, **LAUNCH)
     return out
 
 
@@ -379,23 +484,22 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     cu = cu_seqlens.to(torch.int32)
     if lse is not None and (schedule or "fused") != "fused":
         raise ValueError("the log-sum-exp output needs the fused schedule")
-    return _run(q, k, v, cu, cu[1:] - cu[:-1], cu.view(1, -1), 1, scale, False, schedule or "fused", lse, config)
+    return _run(q, k, v, cu, cu[1:] - cu[:-1], None, 1, scale, False, schedule or "fused", lse, config)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
                     *, schedule: str | None = None) -> torch.Tensor:
     """Causal attention of new queries over a paged KV cache [num_blocks, block_size, Hkv, d]."""
-    nb, bs, hkv, d = k_cache.shape
+    bs = k_cache.shape[1]
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
         if cache.stride(-1) != 1 or cache.stride(0) != bs * cache.stride(1):
             raise StrictModeError("attention", "triton", f"{name} must have contiguous blocks "
                                   "(stride(0) == block_size * stride(1), unit last stride)")
     q = q if q.stride(-1) == 1 else q.contiguous()
-    k_rows = k_cache.as_strided((nb * bs, hkv, d), (k_cache.stride(1), k_cache.stride(2), 1))
-    v_rows = v_cache.as_strided((nb * bs, hkv, d), (v_cache.stride(1), v_cache.stride(2), 1))
     table = block_table.to(torch.int32)
-    return _run(q, k_rows, v_rows, query_start_loc, seq_lens, table, bs, scale, True, schedule)
+    table = table if table.stride(-1) == 1 else table.contiguous()  # the kernel reads a row's entries at unit stride
+    return _run(q, k_cache, v_cache, query_start_loc, seq_lens, table, bs, scale, True, schedule)
 
 
 
@@ -411,14 +515,12 @@ def _cp_split_kernel(q_ptr, k_ptr, v_ptr, pm_ptr, pl_ptr, po_ptr, q_row_ptr, pos
     """Task b: query rows q_row[b] + j (positions pos0[b] + j, j < tile_start-derived length) against
     the keys of split split[b] of a sequence of seq_len[b] keys, key position p at row kv_base[b] + p.
     Writes the split's exact fp32 partial (m, l, o) of each row at out_row[b] + j (`_split_partial`)."""
-    b, tile = _find_tile(tl.program_id(0), tile_start_ptr, B, LOG_B)
+    b, tile = _find_tile(tl.program_id(0), tile_start_ptr, B, LOG_B, 0)
     q_len = tl.load(pos0_ptr + B + b)  # pos0_ptr holds [pos0 (B), q_len (B)]
     tile_ok = tile < tl.load(tile_start_ptr + b + 1) - tl.load(tile_start_ptr + b)
     kvh = tl.program_id(1)
-    r = tl.arange(0, BLOCK_M)
-    tok = tile * (BLOCK_M // G) + r // G
+    tok, head = _tile_rows(tile, kvh, tl.arange(0, BLOCK_M), G, BLOCK_M)
     row_ok = tok < tl.where(tile_ok, q_len, 0)
-    head = kvh * G + r % G
     qpos = tl.load(pos0_ptr + b) + tok
     d = tl.arange(0, D)
     q_off = (tl.load(q_row_ptr + b) + tok).to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :]
@@ -434,28 +536,20 @@ def _cp_split_kernel(q_ptr, k_ptr, v_ptr, pm_ptr, pl_ptr, po_ptr, q_row_ptr, pos
                              stride_kt, stride_kh, stride_vt, stride_vh, c0, c_end, c_full, qk_scale,
                              False, 1, D, CHUNK, BLOCK_M, PRECISION, False)
     prow = (tl.load(out_row_ptr + b) + tok).to(tl.int64) * H + head
-    tl.store(pm_ptr + prow, m, mask=row_ok)
-    tl.store(pl_ptr + prow, l, mask=row_ok)
-    tl.store(po_ptr + prow[:, None] * D + d[None, :], o, mask=row_ok[:, None])
+    _store_partial(pm_ptr, pl_ptr, po_ptr, 1, D, prow, m, l, o, row_ok, D)
 
 
 @triton.jit
 def _fold_kernel(pm_ptr, pl_ptr, po_ptr, start_ptr, out_ptr, H, stride_ot, stride_oh, D: tl.constexpr):
-    """Row t: fold partials start[t] .. start[t + 1] - 1 (its splits in key order) from the empty state
-    with `_merge`, then o / l: the operations of `_merge_kernel`, partials stored [N, H(, D)]."""
+    """Row t: fold partials start[t] .. start[t + 1] - 1 (its splits in key order), stored [N, H(, D)], with
+    `_fold`: the split schedule's merge."""
     t = tl.program_id(0)
     h = tl.program_id(1)
     d = tl.arange(0, D)
-    m_t = tl.full((1,), float("-inf"), tl.float32)
-    l_t = tl.zeros((1,), tl.float32)
-    o_t = tl.zeros((1, D), tl.float32)
-    for i in range(tl.load(start_ptr + t), tl.load(start_ptr + t + 1)):
-        row = (tl.zeros((1,), tl.int64) + i) * H + h
-        m = tl.load(pm_ptr + row)
-        l = tl.load(pl_ptr + row)
-        o = tl.load(po_ptr + row[:, None] * D + d[None, :])
-        m_t, l_t, o_t = _merge(m_t, l_t, o_t, m, l, o)
-    out = tl.div_rn(o_t, l_t[:, None])
+    first = tl.load(start_ptr + t)
+    n = tl.load(start_ptr + t + 1) - first
+    row0 = (tl.zeros((1,), tl.int64) + first) * H + h
+    out = _fold(pm_ptr, pl_ptr, po_ptr, 1, D, row0, H, tl.zeros((1,), tl.int32) + n, n, D)
     tl.store(out_ptr + t.to(tl.int64) * stride_ot + h * stride_oh + d[None, :], out.to(out_ptr.dtype.element_ty))
 
 

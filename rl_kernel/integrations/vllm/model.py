@@ -103,8 +103,8 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 def _paged_attention_in_place(q, k_cache, v_cache, meta, scale: float) -> torch.Tensor:
     """rk.paged_attention on vLLM's physical cache (contiguous blocks) with vLLM's block table as it is:
     no host sync, shapes fixed by the batch's shapes (CUDA-graph safe with a capture-safe backend). Query
-    rows past query_start_loc[-1] (the tokens vLLM pads a CUDA-graph batch with) are 0. Those rows need
-    the Triton backend's split count zero-initialised first (docs/vllm.md, "Needs a kernel change")."""
+    rows past query_start_loc[-1] (the tokens vLLM pads a CUDA-graph batch with) are 0: no sequence's, the
+    Triton backend leaves them unwritten (docs/vllm.md, padding rows)."""
     seq_lens = meta.seq_lens
     out = rk.paged_attention(q, k_cache, v_cache, meta.block_table[: seq_lens.shape[0]], seq_lens,
                              meta.query_start_loc, scale)
