@@ -1,6 +1,7 @@
 """Where the strict linear-logprob forward spends its time on a GPU, and which of its settings pay.
 
-    python3 benchmarks/logprob_probe.py [out.json] [--geometries]   # benchmarks/results/logprob_probe_h200.*
+    python3 benchmarks/logprob_probe.py [out.json]                   # benchmarks/results/logprob_probe_h200.*
+    python3 benchmarks/logprob_probe.py [out.json] --geometries      # (row chunk, slice) geometries, in rounds
 
 Qwen3-8B's LM head (V 151936, D 4096) over 8192 tokens, bf16, temperature 1 and mixed temperatures, logits
 in fp32 and in bf16 (the bf16 logit contract, rl_kernel.set_logits_dtype). Each
@@ -72,23 +73,39 @@ def forward_variants(hid, w, tg, temps_by_name, inputs) -> None:
                   flush=True)
 
 
-def geometries(hid, w, tg, ones, inputs) -> None:
-    """The forward at fixed (row chunk, slice columns) instead of `_forward_geometry`'s: eager and graph time,
-    peak memory (no bit depends on it)."""
+GEOMETRIES = {torch.float32: ((1664, 7680), (2048, 5376), (2048, 4096), (1536, 8192), (1024, 12288)),
+              BF16: ((1664, 15360), (2048, 10752), (2048, 8192), (1536, 16384))}
+
+
+def geometries(hid, w, tg, ones, inputs, rounds: int = 3) -> None:
+    """The forward at fixed (row chunk, slice columns) instead of `_forward_geometry`'s, per logit dtype, timed in
+    interleaved rounds (median eager and graph time over the rounds), with peak memory and bits against the
+    default geometry's (no bit depends on it)."""
     saved, OUT["geometries"] = logprob._forward_geometry, {}
-    ref = logprob.logprobs_and_lse(hid, w, tg, ones, 0, V)[0]
-    for rows, cols in ((1664, 7680), (1024, 16896), (1024, 12288), (1152, 11264), (1536, 8192), (2048, 4096)):
-        logprob._forward_geometry = lambda *_, g=(rows, cols): g
-        try:
-            def fn():
-                return logprob.logprobs_and_lse(hid, w, tg, ones, 0, V)[0]
-            row = {"eager_ms": round(bench(fn), 3), "graph_ms": round(graph_ms(fn, rep=60), 3),
-                   "peak_over_inputs": round((inputs + extra_peak(fn)) / inputs, 3), "bits_equal": same(fn(), ref)}
-        finally:
-            logprob._forward_geometry = saved
-        OUT["geometries"][f"{rows}x{cols}"] = row
-        print(f"geometry {rows} x {cols}: eager {row['eager_ms']} ms, graph {row['graph_ms']} ms, peak "
-              f"{row['peak_over_inputs']}x, bits {'equal' if row['bits_equal'] else 'DIFFER'}", flush=True)
+    runs: dict[str, dict[str, list[float]]] = {}
+    for r in range(rounds):
+        for logits, shapes in GEOMETRIES.items():
+            ref = logprob.logprobs_and_lse(hid, w, tg, ones, 0, V, logits_dtype=logits)[0]
+            for rows, cols in shapes:
+                logprob._forward_geometry = lambda *_, g=(rows, cols): g
+                try:
+                    def fn(logits=logits):
+                        return logprob.logprobs_and_lse(hid, w, tg, ones, 0, V, logits_dtype=logits)[0]
+                    key = f"{'bf16' if logits == BF16 else 'fp32'} logits {rows}x{cols}"
+                    got = runs.setdefault(key, {"eager": [], "graph": []})
+                    got["eager"].append(bench(fn, rep=300))
+                    got["graph"].append(graph_ms(fn, rep=300))
+                    if r == 0:
+                        OUT["geometries"][key] = {"peak_over_inputs": round((inputs + extra_peak(fn)) / inputs, 3),
+                                                  "bits_equal": same(fn(), ref)}
+                finally:
+                    logprob._forward_geometry = saved
+    for key, got in runs.items():
+        row = OUT["geometries"][key] | {k: round(sorted(v)[len(v) // 2], 3) for k, v in got.items()}
+        OUT["geometries"][key] = row | {"eager_all": [round(x, 3) for x in got["eager"]]}
+        bits = "equal" if row["bits_equal"] else "DIFFER"
+        print(f"geometry {key:28s} eager {row['eager']:7.3f} ms  graph {row['graph']:7.3f} ms  (medians of {rounds} "
+              f"rounds)  peak {row['peak_over_inputs']}x  bits {bits}", flush=True)
 
 
 def gemm_and_stats(hid, w, tg, ones, logits=torch.float32) -> None:
@@ -159,11 +176,12 @@ def main() -> None:
     OUT["native_ms_first"] = round(bench(native), 3)
     OUT["native_graph_ms"] = round(graph_ms(native, rep=60), 3)
     print(f"native: eager {OUT['native_ms_first']} ms, graph {OUT['native_graph_ms']} ms", flush=True)
-    forward_variants(hid, w, tg, {"t=1": ones, "mixed t": mixed}, inputs)
-    if "--geometries" in sys.argv:
+    if "--geometries" in sys.argv:  # the geometry sweep alone
         geometries(hid, w, tg, ones, inputs)
-    gemm_and_stats(hid, w, tg, ones)
-    gemm_and_stats(hid, w, tg, ones, BF16)
+    else:
+        forward_variants(hid, w, tg, {"t=1": ones, "mixed t": mixed}, inputs)
+        gemm_and_stats(hid, w, tg, ones)
+        gemm_and_stats(hid, w, tg, ones, BF16)
     OUT["native_ms_last"] = round(bench(native), 3)
     print(f"native again {OUT['native_ms_last']} ms", flush=True)
     paths = [a for a in sys.argv[1:] if not a.startswith("--")]
