@@ -38,9 +38,26 @@ def native_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens:
     return torch.cat([_sdpa(q[a:b], k[a:b], v[a:b], scale, 0) for a, b in zip(cu[:-1], cu[1:])])
 
 
+def _sdpa_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+                 seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """One batched SDPA call for a decode batch: q [B, H, d], the one query of each sequence, at its last
+    position; every sequence's blocks gathered to the table's width, keys past its length masked."""
+    blocks = block_table.to(torch.int64).clamp(0, k_cache.shape[0] - 1)  # entries past a sequence: masked anyway
+    k = k_cache[blocks].flatten(1, 2).transpose(1, 2)  # [B, Hkv, blocks * block_size, d]
+    v = v_cache[blocks].flatten(1, 2).transpose(1, 2)
+    live = torch.arange(k.shape[2], device=q.device) < seq_lens.to(q.device).unsqueeze(1)
+    out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=live[:, None, None], scale=scale,
+                                         enable_gqa=True)
+    return out.squeeze(2)
+
+
 def native_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                  seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float) -> torch.Tensor:
-    """`paged_attention` by PyTorch SDPA over each sequence's gathered blocks (the framework form)."""
+    """`paged_attention` by PyTorch SDPA over gathered blocks (the framework form): a decode batch (one query per
+    sequence) in one batched call, other layouts one sequence at a time."""
+    b = seq_lens.numel()
+    if q.shape[0] == b and torch.equal(query_start_loc.to(torch.int64).cpu(), torch.arange(b + 1)):
+        return _sdpa_decode(q, k_cache, v_cache, block_table, seq_lens, scale)
     block_size = k_cache.shape[1]
     outs = []
     qsl = query_start_loc.tolist()

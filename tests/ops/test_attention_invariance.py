@@ -195,3 +195,20 @@ def test_threads_native(report_native):
     with rk.mode("native"):
         bad = sum(not same_bits(a, b) for a, b in _threads(torch.float32))
     report_native(f"{bad} of 2 outputs (varlen prefill, paged step) change between 1 and 2 threads")
+
+
+def test_native_paged_decode_batch_equals_one_sequence_at_a_time():
+    """The native paged form's batched decode path (one SDPA call, keys past each length masked) computes what its
+    per-sequence path computes (native: no bit promise, so within fp32 rounding)."""
+    from rl_kernel.ops.attention import _sdpa
+    g = torch.Generator().manual_seed(3)
+    lens = [70, 5, 129, 1]
+    q, k, v = qkv(g, sum(lens), torch.float32, "cpu", heads=8)
+    k_cache, v_cache, table = paged_cache(k, v, lens, 16, g)
+    last = torch.tensor(lens).cumsum(0) - 1
+    with rk.mode("native"):
+        batched = rk.paged_attention(q[last], k_cache, v_cache, table, torch.tensor(lens),
+                                     torch.arange(len(lens) + 1, dtype=torch.int32), SCALE)
+    starts = [0, *torch.tensor(lens).cumsum(0).tolist()]
+    ref = torch.cat([_sdpa(q[e - 1:e], k[a:e], v[a:e], SCALE, e - a - 1) for a, e in zip(starts[:-1], starts[1:])])
+    assert batched.shape == ref.shape and float((batched - ref).abs().max()) < 1e-5
