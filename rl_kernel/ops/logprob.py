@@ -131,7 +131,28 @@ def torch_log_softmax_contract(logits: str) -> Contract:
     )
 
 
+@functools.cache
+def triton_log_softmax_contract(logits: str) -> Contract:
+    """The Triton backend's log_softmax contract for the deployment's logit dtype: the Triton logprobs contract's
+    steps for every column (an engine samples from it; the trainer scores the chosen token with `logprobs`)."""
+    return LOG_SOFTMAX.contract(
+        "triton", 1, keep=False,
+        input_dependency="out[t, v] depends on logits[t, :] (all ranks' slices), temperature[t]",
+        partition="vocab in tiles of 64 columns from column 0 of the full vocab (rank slices must start on a tile); "
+                  "rows and ranks: no effect on any bit",
+        merge_order="order-free: exact max per tile and per row; int64 fixed-point sums inside a tile and across "
+                    "tiles and ranks",
+        precision=f"fp32 logits in; {_LOGITS[logits]}; z = logits / fp32(T) in fp32; 2^-40 fixed-point exp terms; "
+                  "fp64 tile rescale and lse",
+        rounding="each log-probability z - lse rounded once from fp64 to fp32 (entry t equals the Triton logprobs "
+                 "contract's value for target t)",
+        primitives="hardware ex2.approx.f32; IEEE fp32 div; fp64 mul; rl_kernel log64; int64 add",
+        params=(("vocab_tile", 64), ("fixed_point_bits", 40), ("logits_dtype", logits)),
+    )
+
+
 LOG_SOFTMAX.contracts["torch"] = lambda: torch_log_softmax_contract(logits_dtype())
+LOG_SOFTMAX.contracts["triton"] = lambda: triton_log_softmax_contract(logits_dtype())
 
 
 def _temperatures(temperature: float | torch.Tensor, rows: int, device: torch.device) -> torch.Tensor:

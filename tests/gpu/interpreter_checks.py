@@ -316,10 +316,36 @@ def logprob_bf16_logits(gen: torch.Generator) -> None:
           < 1e-5)
 
 
+def logprob_full_log_softmax(gen: torch.Generator) -> None:
+    """The engine's full-vocab log-probs under the Triton contract: the entry of each target equals the trainer's
+    logprob of it bit for bit, with fp32 and bf16 logits, mixed temperatures and padded vocab columns; a rank's
+    shard must start on a vocab tile."""
+    t, d, v, real = 37, 128, 700, 650
+    h, w = torch.randn(t, d, generator=gen).to(F16), (torch.randn(v, d, generator=gen) * 0.3).to(F16)
+    tg = torch.randint(0, real, (t,), generator=gen)
+    temps = (torch.rand(t, generator=gen, dtype=torch.float64) + 0.5).index_fill_(0, torch.arange(10), 1.0)
+    chain = gemm.matmul_fp32(h, w)
+    for dtype in (torch.float32, torch.bfloat16):
+        full = logprob.full_log_softmax(chain, temps, 0, real, logits_dtype=dtype)
+        scored = logprob.logprobs_and_lse(h, w, tg, temps, 0, real, logits_dtype=dtype)[0]
+        check(f"log_softmax (Triton, {dtype}) entries == logprobs of the targets",
+              same(full.gather(1, tg[:, None]).squeeze(1), scored) and bool(torch.isinf(full[:, real:]).all()))
+    from rl_kernel.ops.logprob import native_log_softmax, native_logprobs
+    native = native_log_softmax(chain, temps, 0, real, None).gather(1, tg[:, None]).squeeze(1)
+    check("log_softmax twin: native full-vocab log-probs != native logprobs of the targets (the pairing is not free)",
+          not same(native, native_logprobs(h, w, tg, temps, 0, real, None)))
+    try:
+        logprob.full_log_softmax(chain[:, 100:], temps, 100, real)
+        check("log_softmax (Triton): a shard not on a vocab tile is refused", False)
+    except Exception as e:  # noqa: BLE001 - the check is on the error's type and text
+        check("log_softmax (Triton): a shard not on a vocab tile is refused",
+              type(e).__name__ == "StrictModeError" and "log_softmax" in str(e))
+
+
 def main() -> None:
     gen = torch.Generator().manual_seed(0)
     for part in (elementwise, gemms, attentions, split_decode, cp_attention, logprobs, logprob_slice_stats,
-                 logprob_bf16_logits):
+                 logprob_bf16_logits, logprob_full_log_softmax):
         part(gen)
     print(f"INTERPRETER {'FAIL: ' + ', '.join(FAILED) if FAILED else 'PASS'}")
     sys.exit(1 if FAILED else 0)

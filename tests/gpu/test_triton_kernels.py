@@ -14,6 +14,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 pytest.importorskip("triton")
 
 from rl_kernel.backends.torch import activation as torch_act  # noqa: E402
+from rl_kernel.backends.torch import logprob as torch_logprob  # noqa: E402
 from rl_kernel.backends.torch import norm as torch_norm  # noqa: E402
 from rl_kernel.backends.torch import rope as torch_rope  # noqa: E402
 from rl_kernel.backends.torch.numerics import tree_sum  # noqa: E402
@@ -369,6 +370,34 @@ def test_logprobs_bf16_logits_servers_keep_and_twin():
     finally:
         rk.set_logits_dtype("float32")
     assert same(lp.detach(), out) and torch.isfinite(hg.grad).all() and torch.isfinite(wg.grad).all()
+
+
+@pytest.mark.parametrize("logits", ["float32", "bfloat16"])
+def test_log_softmax_pairs_with_logprobs_on_triton(logits):
+    """An engine that samples from `rk.log_softmax(rk.linear_fp32(h, lm_head))` and a trainer that scores with
+    `rk.logprobs(h, lm_head, ...)` both run the Triton backend on CUDA, and the sampled token's entry equals the
+    trainer's logprob bit for bit (Qwen3-8B's D, mixed temperatures, padded vocab). Twin: the torch backend's
+    log_softmax (what CUDA ran before it had a Triton one) over the same logits differs from the Triton logprobs."""
+    gen = torch.Generator(device=DEV).manual_seed(10)
+    t, d, v, real = 512, 4096, 32768, 32700
+    h, w = randn(t, d, gen=gen), randn(v, d, std=0.02, gen=gen)
+    tg = torch.randint(0, real, (t,), device=DEV, generator=gen)
+    temps = torch.ones(t, device=DEV, dtype=torch.float64).index_fill_(0, torch.arange(100, 300, device=DEV), 0.7)
+    rk.set_logits_dtype(logits)
+    try:
+        with rk.mode("strict"):
+            rk.evidence.reset()
+            chain = rk.linear_fp32(h, w)
+            full = rk.log_softmax(chain, temps, vocab_size=real)
+            scored = rk.logprobs(h, w, tg, temps, vocab_size=real)
+            backends = {r["op"]: r["backend"] for r in rk.evidence.snapshot()}
+    finally:
+        rk.set_logits_dtype("float32")
+    assert backends["log_softmax"] == backends["logprobs"] == "triton", backends
+    assert same(full.gather(1, tg[:, None]).squeeze(1), scored)
+    assert bool(torch.isinf(full[:, real:]).all()) and bool(torch.isfinite(full[:, :real]).all())
+    torch_full = torch_logprob.full_log_softmax(chain, temps, 0, real, None, logits_dtype=getattr(torch, logits))
+    assert mismatches(torch_full.gather(1, tg[:, None]).squeeze(1), scored) > 0
 
 
 @pytest.mark.parametrize("deterministic", [True, False])

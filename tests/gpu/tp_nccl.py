@@ -80,6 +80,19 @@ def main() -> None:
                 shard = rk.logprobs(h, lm[rank * vl:(rank + 1) * vl], tg, 0.9, vocab_size=v, group=group)
             rk.set_logits_dtype("float32")
             record(f"{mode} vocab-parallel logprobs == unsharded  T={t} V={v} {logits} logits", full, shard)
+    h = torch.randn(64, d, generator=gen, device=dev).to(torch.bfloat16)
+    cols = slice(rank * vl, (rank + 1) * vl)
+    for logits in ("float32", "bfloat16"):  # the engine's full-vocab log-probs, vocab-parallel
+        rk.set_logits_dtype(logits)
+        with rk.mode("strict"):
+            full = rk.log_softmax(rk.linear_fp32(h, lm), 0.9)
+            shard = rk.log_softmax(rk.linear_fp32(h, lm[cols]), 0.9, vocab_size=v, group=group)
+        rk.set_logits_dtype("float32")
+        record(f"strict vocab-parallel log_softmax == unsharded  T=64 V={v} {logits} logits", full[:, cols], shard)
+    with rk.mode("native"):
+        full = rk.log_softmax(rk.linear_fp32(h, lm), 0.9)
+        shard = rk.log_softmax(rk.linear_fp32(h, lm[cols]), 0.9, vocab_size=v, group=group)
+    record(f"native vocab-parallel log_softmax == unsharded  T=64 V={v}", full[:, cols], shard)
 
     if rank == 0:
         print(f"{'check':72s} mismatching elements (summed over ranks)")

@@ -15,7 +15,8 @@ from __future__ import annotations
 import os
 import sys
 
-IMPLEMENTED: frozenset[str] = frozenset({"gemm", "rms_norm", "silu_and_mul", "rope", "attention", "logprobs"})
+IMPLEMENTED: frozenset[str] = frozenset({"gemm", "rms_norm", "silu_and_mul", "rope", "attention", "logprobs",
+                                        "log_softmax"})
 CUBLASLT_WORKSPACE_KIB = "1"
 
 

@@ -223,9 +223,9 @@ def _dlogits_kernel(logits_ptr, dl_ptr, temp_ptr, lse_ptr, g_ptr, tgt_ptr, T, co
     tl.store(dl_ptr + row, ((onehot - p) * (g / temp)[:, None]).to(dl_ptr.dtype.element_ty), mask=ok)
 
 
-def _check(weight: torch.Tensor, vocab_start: int) -> None:
+def _check(vocab_start: int, op: str = "logprobs") -> None:
     if vocab_start % VOCAB_TILE:
-        raise StrictModeError("logprobs", "triton", f"this rank's vocab slice starts at {vocab_start}, not a multiple "
+        raise StrictModeError(op, "triton", f"this rank's vocab slice starts at {vocab_start}, not a multiple "
                               f"of the contract's vocab tile {VOCAB_TILE}: pad the vocab so V/tp % {VOCAB_TILE} == 0")
 
 
@@ -332,18 +332,60 @@ def _forward(hidden, weight, targets, temps, vocab_start, vocab_size, group, ser
         s_t = torch.empty(b - a, n_tiles, dtype=torch.int64, device=dev)
         _tile_stats_of_rows(x[a:b], weight, temps32[a:b], tgt[a:b], m_t, s_t, z_t[a:b], vocab_start, vocab_size,
                             server, tile, cols, keep, logits_dtype)
-        torch.amax(m_t, 1, out=big_m[a:b])  # max is exact in any order
-        if world > 1:
-            dist.all_reduce(big_m[a:b], op=dist.ReduceOp.MAX, group=group)
-        _total_kernel[(b - a,)](m_t, s_t, big_m[a:b], total[a:b], n_tiles, LOG2E=LOG2E, BLOCK=1024, num_warps=4,
-                                **LAUNCH)
+        _row_max_and_total(m_t, s_t, big_m[a:b], total[a:b], group)
         del m_t, s_t  # before the next chunk's stats are allocated
     if world > 1:
-        dist.all_reduce(total, group=group)  # int64: exact in any order
         dist.all_reduce(z_t, group=group)  # one owner per row: x + 0 + ... + 0 is exact
-    # once for all rows: log64 is some 40 small elementwise kernels, worth 0.1 ms of GPU time per call
-    lse = big_m.to(torch.float64) + log64(total.to(torch.float64) * (1.0 / (1 << FIXED_POINT_BITS)))
+    lse = _lse(big_m, total, group)
     return (z_t.to(torch.float64) - lse).to(torch.float32), lse
+
+
+def _row_max_and_total(m_t, s_t, big_m, total, group) -> None:
+    """Per row of a chunk's tile stats: M = max of the tile maxima (over the ranks too: exact in any order) into
+    big_m, and this rank's int64 total of its tiles' sums rescaled to M into total."""
+    torch.amax(m_t, 1, out=big_m)
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(big_m, op=dist.ReduceOp.MAX, group=group)
+    _total_kernel[(m_t.shape[0],)](m_t, s_t, big_m, total, m_t.shape[1], LOG2E=LOG2E, BLOCK=1024, num_warps=4,
+                                   **LAUNCH)
+
+
+def _lse(big_m: torch.Tensor, total: torch.Tensor, group) -> torch.Tensor:
+    """fp64 lse = M + log(total 2^-40) of all rows, the totals summed over the ranks first (int64: exact in any
+    order). Once for all rows: log64 is some 40 small elementwise kernels, worth 0.1 ms of GPU time per call."""
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(total, group=group)
+    return big_m.to(torch.float64) + log64(total.to(torch.float64) * (1.0 / (1 << FIXED_POINT_BITS)))
+
+
+def full_log_softmax(logits32: torch.Tensor, temps: torch.Tensor, vocab_start: int, vocab_size: int,
+                     group: dist.ProcessGroup | None = None, logits_dtype: torch.dtype = torch.float32,
+                     ) -> torch.Tensor:
+    """fp32 log-probabilities of every column of this rank's fp32 logits [T, V_local] (the GEMM contract's one
+    chain, e.g. `rl_kernel.linear_fp32` of the LM head; -inf on padded columns) under the Triton logprobs
+    contract: the entry of a target equals `forward`'s logprob of it bit for bit. temps: fp64 [T] (> 0)."""
+    _check(vocab_start, "log_softmax")
+    rows, v_local = logits32.shape
+    logits = logits32.to(logits_dtype).contiguous()  # the contract's rounding of the chain (none for float32)
+    temps32 = temps.to(torch.float32)
+    n_tiles = triton.cdiv(v_local, VOCAB_TILE)
+    m_t = torch.empty(rows, n_tiles, dtype=torch.float32, device=logits.device)
+    s_t = torch.empty(rows, n_tiles, dtype=torch.int64, device=logits.device)
+    unused_z = torch.zeros(rows, dtype=torch.float32, device=logits.device)
+    no_target = torch.full((rows,), -1, dtype=torch.int64, device=logits.device)
+    options = dict(STATS_OPTIONS, RNI=STATS_OPTIONS["RNI"] and not _INTERPRETED)
+    launch = dict(STATS_TILE, VT=VOCAB_TILE, FIXED=float(1 << FIXED_POINT_BITS), LOG2E=LOG2E, **options, **LAUNCH)
+    grid = (triton.cdiv(rows, launch["BLOCK_M"]), triton.cdiv(v_local, launch["BLOCK_N"]))
+    _stats_kernel[grid](logits, temps32, no_target, m_t, s_t, unused_z, rows, v_local, 0, v_local, logits.stride(0),
+                        vocab_start, vocab_size, n_tiles, **launch)
+    big_m = torch.empty(rows, dtype=torch.float32, device=logits.device)
+    total = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    _row_max_and_total(m_t, s_t, big_m, total, group)
+    lse = _lse(big_m, total, group)
+    z = logits.to(torch.float32) / temps32.unsqueeze(-1) + 0.0  # IEEE div, as the kernels' div_rn; -0 -> +0 as there
+    column = vocab_start + torch.arange(v_local, device=logits.device)
+    out = (z.to(torch.float64) - lse.unsqueeze(-1)).to(torch.float32)
+    return out.masked_fill(column >= vocab_size, float("-inf"))
 
 
 def _addmm_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
@@ -393,7 +435,7 @@ def forward(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, t
     """The strict forward of `rl_kernel.logprobs` under the Triton contract: (fp32 logprobs [T], fp64 lse [T]).
     temps: fp64 [T] temperatures (> 0); weight: this rank's vocab slice starting at vocab_start; logits_dtype:
     the contract's logit dtype. `keep` (a list) receives the logits slices for `backward`."""
-    _check(weight, vocab_start)
+    _check(vocab_start)
     return _forward(hidden, weight, targets, temps, vocab_start, vocab_size, group, keep=keep,
                     logits_dtype=logits_dtype)
 
@@ -402,7 +444,7 @@ def logprobs_and_lse(hidden, weight, targets, temps, vocab_start=0, vocab_size=N
                      server=None, tile=None, logits_dtype=torch.float32):
     """Forward only, for tests and benchmarks: (fp32 logprobs, fp64 lse). `server` ('triton', 'cublaslt')
     and `tile` pick how the logits are computed; neither changes a bit."""
-    _check(weight, vocab_start)
+    _check(vocab_start)
     vocab_size = weight.shape[0] if vocab_size is None else vocab_size
     return _forward(hidden, weight, targets, temps, vocab_start, vocab_size, group, server, tile,
                     logits_dtype=logits_dtype)
