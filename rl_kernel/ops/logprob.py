@@ -69,6 +69,9 @@ def native_log_softmax(logits: torch.Tensor, temps: torch.Tensor, vocab_start: i
 
 LOGPROBS = OpSpec("logprobs", "logprob", __name__, KERNELS, native=native_logprobs)
 _DEPENDENCY = "out[t] depends on hidden[t], the real vocab rows of weight (all ranks), targets[t], temperature[t]"
+_FULL_DEPENDENCY = "out[t, v] depends on logits[t, :] (all ranks' slices), temperature[t]"
+_TRITON_MERGE = ("order-free: exact max per tile and per row; int64 fixed-point sums inside a tile and across tiles "
+                 "and ranks")
 # The deployment's logit dtype (rl_kernel.set_logits_dtype): how the GEMM contract's fp32 result enters the softmax.
 _LOGITS = {"float32": "logits: the GEMM contract's fp32 result, unrounded",
            "bfloat16": "logits: the GEMM contract's fp32 result rounded once to bf16 (to nearest, ties to even), "
@@ -97,8 +100,7 @@ def triton_contract(logits: str) -> Contract:
         partition="logits: one fp32 chain over D per element (the GEMM contract's one-chain form, served by "
                   "cuBLASLt without split-K or by the Triton GEMM); vocab in tiles of 64 columns from column 0 of "
                   "the full vocab (rank slices must start on a tile); rows and vocab slices: no effect on any bit",
-        merge_order="order-free: exact max per tile and per row; int64 fixed-point sums inside a tile and across "
-                    "tiles and ranks",
+        merge_order=_TRITON_MERGE,
         precision=f"{_LOGITS[logits]}; z = logits / fp32(T) in fp32; 2^-40 fixed-point exp terms; fp64 tile "
                   "rescale and lse",
         rounding="logprob = z[target] - lse rounded once from fp64 to fp32",
@@ -120,7 +122,7 @@ def torch_log_softmax_contract(logits: str) -> Contract:
     the logprobs contract rounds the logits)."""
     return LOG_SOFTMAX.contract(
         "torch", 1, keep=False,
-        input_dependency="out[t, v] depends on logits[t, :] (all ranks' slices), temperature[t]",
+        input_dependency=_FULL_DEPENDENCY,
         partition="rows in tiles; vocab by rank slices; neither affects any bit",
         merge_order="order-free by construction: exact max; exact int64 fixed-point sum of exp terms",
         precision=f"fp32 logits in; {_LOGITS[logits]}; fp64 z, exp, lse; 2^-44 fixed-point exp terms",
@@ -137,11 +139,10 @@ def triton_log_softmax_contract(logits: str) -> Contract:
     steps for every column (an engine samples from it; the trainer scores the chosen token with `logprobs`)."""
     return LOG_SOFTMAX.contract(
         "triton", 1, keep=False,
-        input_dependency="out[t, v] depends on logits[t, :] (all ranks' slices), temperature[t]",
+        input_dependency=_FULL_DEPENDENCY,
         partition="vocab in tiles of 64 columns from column 0 of the full vocab (rank slices must start on a tile); "
                   "rows and ranks: no effect on any bit",
-        merge_order="order-free: exact max per tile and per row; int64 fixed-point sums inside a tile and across "
-                    "tiles and ranks",
+        merge_order=_TRITON_MERGE,
         precision=f"fp32 logits in; {_LOGITS[logits]}; z = logits / fp32(T) in fp32; 2^-40 fixed-point exp terms; "
                   "fp64 tile rescale and lse",
         rounding="each log-probability z - lse rounded once from fp64 to fp32 (entry t equals the Triton logprobs "
