@@ -11,29 +11,24 @@ the folded outputs are checked against CP1 bit for bit. The collectives are not 
 from __future__ import annotations
 
 import json
-import statistics
 import sys
-import time
+from pathlib import Path
 
 import torch
 
-import rl_kernel as rk
-from rl_kernel.bits import bit_mismatches
-from rl_kernel.integrations.megatron import cp as cpm
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import rl_kernel as rk  # noqa: E402
+from rl_kernel.bits import bit_mismatches  # noqa: E402
+from rl_kernel.integrations.megatron import cp as cpm  # noqa: E402
+from tests.gpu.gpu_path import timed  # noqa: E402  (the CP rows of gpu_path.py are timed the same way)
 
 DEV, BF16 = "cuda", torch.bfloat16
 
 
-def timed(fn, reps: int = 7) -> float:
-    fn()
-    out = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        out.append(time.perf_counter() - t0)
-    return round(statistics.median(out) * 1e3, 3)
+def ms(fn) -> float:
+    """`timed`'s median (CUDA-synchronised wall time) over 7 calls, in ms to 3 places; callers warm `fn` first."""
+    return round(timed(fn, reps=7), 3)
 
 
 def main() -> None:
@@ -48,10 +43,10 @@ def main() -> None:
     res: dict = {"tokens": t}
     with rk.mode("strict"):
         ref = rk.attention_varlen(q, k, v, cu.to(DEV), scale)
-        res["cp1_ms"] = timed(lambda: rk.attention_varlen(q, k, v, cu.to(DEV), scale))
+        res["cp1_ms"] = ms(lambda: rk.attention_varlen(q, k, v, cu.to(DEV), scale))
         parts = [cpm.triton_rank_partials(q, k[i.to(DEV)], v[i.to(DEV)], layout, r, scale) for r, i in enumerate(idx)]
         for r, i in enumerate(idx):
-            res[f"rank{r}_partials_ms"] = timed(lambda r=r, i=i: cpm.triton_rank_partials(
+            res[f"rank{r}_partials_ms"] = ms(lambda r=r, i=i: cpm.triton_rank_partials(
                 q, k[i.to(DEV)], v[i.to(DEV)], layout, r, scale))
             res[f"rank{r}_partial_rows"] = int(parts[r][0].shape[0])
         for r, i in enumerate(idx):  # what rank r receives: every rank's partials of its queries
@@ -59,7 +54,7 @@ def main() -> None:
             payload, meta = torch.cat([p for p, _ in mine]), torch.cat([m for _, m in mine])
             res[f"rank{r}_received_mb"] = round(payload.numel() * 4 / 1e6, 1)
             out = cpm.triton_fold(payload, meta, layout.positions[i], BF16)
-            res[f"rank{r}_fold_ms"] = timed(lambda p=payload, m=meta, i=i: cpm.triton_fold(p, m, layout.positions[i],
+            res[f"rank{r}_fold_ms"] = ms(lambda p=payload, m=meta, i=i: cpm.triton_fold(p, m, layout.positions[i],
                                                                                             BF16))
             res[f"rank{r}_vs_cp1_mismatch"] = bit_mismatches(out, ref[i.to(DEV)])
         prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
