@@ -21,8 +21,9 @@ MAX_VOCAB = 1 << (62 - FIXED_POINT_BITS)  # the int64 sum of MAX_VOCAB terms <= 
 TILE_ELEMENTS = 1 << 22
 
 
-def _all_reduce(x: torch.Tensor, op: dist.ReduceOp, group: dist.ProcessGroup | None) -> torch.Tensor:
-    # Exact reductions only (max; int64 sum; a sum with a single non-zero term): order cannot matter.
+def exact_all_reduce(x: torch.Tensor, op: dist.ReduceOp, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """x reduced in place over `group` (nothing without one, or alone). For exact reductions only (max; int64 sum;
+    a sum with a single non-zero term), whose result no order can change."""
     if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(x, op=op, group=group)
     return x
@@ -50,13 +51,13 @@ def logprobs_and_lse(
     for a in range(0, rows, tile):
         b = min(rows, a + tile)
         z = scaled_logits(logits_fn(a, b), temperature[a:b], vocab_start, vocab_size, logits_dtype)
-        m = _all_reduce(z.amax(-1), dist.ReduceOp.MAX, group)
+        m = exact_all_reduce(z.amax(-1), dist.ReduceOp.MAX, group)
         terms = torch.round(exp64(z - m.unsqueeze(-1)) * float(1 << FIXED_POINT_BITS)).to(torch.int64)
-        total = _all_reduce(terms.sum(-1), dist.ReduceOp.SUM, group)  # int64: exact in any order
+        total = exact_all_reduce(terms.sum(-1), dist.ReduceOp.SUM, group)  # int64: exact in any order
         local = targets[a:b] - vocab_start
         owned = (local >= 0) & (local < vocab_local)
         z_t = torch.where(owned, z.gather(-1, local.clamp(0, vocab_local - 1).unsqueeze(-1)).squeeze(-1), 0.0)
-        z_t = _all_reduce(z_t, dist.ReduceOp.SUM, group)  # one owner: x + 0 + ... + 0 is exact
+        z_t = exact_all_reduce(z_t, dist.ReduceOp.SUM, group)  # one owner: x + 0 + ... + 0 is exact
         lse = m + log64(total.to(torch.float64) * (1.0 / (1 << FIXED_POINT_BITS)))
         out[a:b] = (z_t - lse).to(torch.float32)
         lse_out[a:b] = lse
@@ -85,9 +86,9 @@ def full_log_softmax(
     tile = max(1, TILE_ELEMENTS // max(1, logits32.shape[-1]))
     for a in range(0, logits32.shape[0], tile):
         z = scaled_logits(logits32[a:a + tile], temperature[a:a + tile], vocab_start, vocab_size, logits_dtype)
-        m = _all_reduce(z.amax(-1), dist.ReduceOp.MAX, group)
+        m = exact_all_reduce(z.amax(-1), dist.ReduceOp.MAX, group)
         terms = torch.round(exp64(z - m.unsqueeze(-1)) * float(1 << FIXED_POINT_BITS)).to(torch.int64)
-        total = _all_reduce(terms.sum(-1), dist.ReduceOp.SUM, group)
+        total = exact_all_reduce(terms.sum(-1), dist.ReduceOp.SUM, group)
         lse = m + log64(total.to(torch.float64) * (1.0 / (1 << FIXED_POINT_BITS)))
         out[a:a + tile] = (z - lse.unsqueeze(-1)).to(torch.float32)
     return out

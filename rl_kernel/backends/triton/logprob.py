@@ -33,6 +33,7 @@ import torch.distributed as dist
 import triton
 import triton.language as tl
 
+from rl_kernel.backends.torch.logprob import exact_all_reduce
 from rl_kernel.backends.torch.numerics import log64
 from rl_kernel.backends.triton import gemm
 from rl_kernel.backends.triton.gemm import _group_dot, _tile_ids
@@ -325,7 +326,6 @@ def _forward(hidden, weight, targets, temps, vocab_start, vocab_size, group, ser
     big_m = torch.empty(rows, dtype=torch.float32, device=dev)
     total = torch.empty(rows, dtype=torch.int64, device=dev)
     z_t = torch.zeros(rows, dtype=torch.float32, device=dev)
-    world = dist.get_world_size(group) if group is not None else 1
     for a in range(0, rows, chunk):
         b = min(rows, a + chunk)
         m_t = torch.empty(b - a, n_tiles, dtype=torch.float32, device=dev)
@@ -334,8 +334,7 @@ def _forward(hidden, weight, targets, temps, vocab_start, vocab_size, group, ser
                             server, tile, cols, keep, logits_dtype)
         _row_max_and_total(m_t, s_t, big_m[a:b], total[a:b], group)
         del m_t, s_t  # before the next chunk's stats are allocated
-    if world > 1:
-        dist.all_reduce(z_t, group=group)  # one owner per row: x + 0 + ... + 0 is exact
+    exact_all_reduce(z_t, dist.ReduceOp.SUM, group)  # one owner per row: x + 0 + ... + 0 is exact
     lse = _lse(big_m, total, group)
     return (z_t.to(torch.float64) - lse).to(torch.float32), lse
 
@@ -343,9 +342,7 @@ def _forward(hidden, weight, targets, temps, vocab_start, vocab_size, group, ser
 def _row_max_and_total(m_t, s_t, big_m, total, group) -> None:
     """Per row of a chunk's tile stats: M = max of the tile maxima (over the ranks too: exact in any order) into
     big_m, and this rank's int64 total of its tiles' sums rescaled to M into total."""
-    torch.amax(m_t, 1, out=big_m)
-    if group is not None and dist.get_world_size(group) > 1:
-        dist.all_reduce(big_m, op=dist.ReduceOp.MAX, group=group)
+    exact_all_reduce(torch.amax(m_t, 1, out=big_m), dist.ReduceOp.MAX, group)
     _total_kernel[(m_t.shape[0],)](m_t, s_t, big_m, total, m_t.shape[1], LOG2E=LOG2E, BLOCK=1024, num_warps=4,
                                    **LAUNCH)
 
@@ -353,8 +350,7 @@ def _row_max_and_total(m_t, s_t, big_m, total, group) -> None:
 def _lse(big_m: torch.Tensor, total: torch.Tensor, group) -> torch.Tensor:
     """fp64 lse = M + log(total 2^-40) of all rows, the totals summed over the ranks first (int64: exact in any
     order). Once for all rows: log64 is some 40 small elementwise kernels, worth 0.1 ms of GPU time per call."""
-    if group is not None and dist.get_world_size(group) > 1:
-        dist.all_reduce(total, group=group)
+    exact_all_reduce(total, dist.ReduceOp.SUM, group)
     return big_m.to(torch.float64) + log64(total.to(torch.float64) * (1.0 / (1 << FIXED_POINT_BITS)))
 
 
