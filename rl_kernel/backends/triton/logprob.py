@@ -279,6 +279,13 @@ def _forward_geometry(rows: int, weight: torch.Tensor, n_tiles: int, keep: bool 
     return chunk, _slice_cols(chunk, weight, logit_bytes, share=FORWARD_PARTS)
 
 
+def _stats_launch() -> dict:
+    """The contract's constants and the stats pass's settings (STATS_TILE, STATS_OPTIONS; no inline PTX under the
+    interpreter) as the stats kernels take them."""
+    options = dict(STATS_OPTIONS, RNI=STATS_OPTIONS["RNI"] and not _INTERPRETED)
+    return dict(STATS_TILE, VT=VOCAB_TILE, FIXED=float(1 << FIXED_POINT_BITS), LOG2E=LOG2E, **options, **LAUNCH)
+
+
 def _tile_stats_of_rows(x, w, temps32, tgt, m_t, s_t, z_t, vocab_start, vocab_size, server, tile, cols,
                         keep=None, logits_dtype=torch.float32):
     """Fill per-tile (m, S) and the targets' z for the rows of x under the contract (either server) with logits
@@ -286,10 +293,8 @@ def _tile_stats_of_rows(x, w, temps32, tgt, m_t, s_t, z_t, vocab_start, vocab_si
     receives its logits slices as (first column, logits)."""
     r, v_local = x.shape[0], w.shape[0]
     n_tiles = m_t.shape[1]
-    fixed = float(1 << FIXED_POINT_BITS)
-    options = dict(STATS_OPTIONS, RNI=STATS_OPTIONS["RNI"] and not _INTERPRETED)
+    launch = _stats_launch()
     if tile is None and gemm.use_cublaslt(x, w, server):
-        launch = dict(STATS_TILE, VT=VOCAB_TILE, FIXED=fixed, LOG2E=LOG2E, **options, **LAUNCH)
         bm, bn = launch["BLOCK_M"], launch["BLOCK_N"]
 
         def stats(logits, c0):  # once per slice: kept lean, the host time of a launch is the slice's overhead
@@ -305,8 +310,9 @@ def _tile_stats_of_rows(x, w, temps32, tgt, m_t, s_t, z_t, vocab_start, vocab_si
     grid = (triton.cdiv(r, bm) * triton.cdiv(v_local, bn),)
     _fused_kernel[grid](x, w, temps32, tgt, m_t, s_t, z_t, r, v_local, x.stride(0), w.stride(0), x.shape[1],
                         vocab_start, vocab_size, n_tiles, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=gemm.BLOCK_K,
-                        PRECISION=precision, VT=VOCAB_TILE, FIXED=fixed, LOG2E=LOG2E, FAST_TEMP=options["FAST_TEMP"],
-                        RNI=options["RNI"], BF16_LOGITS=logits_dtype == torch.bfloat16, **cfg, **LAUNCH)
+                        PRECISION=precision, VT=VOCAB_TILE, FIXED=launch["FIXED"], LOG2E=LOG2E,
+                        FAST_TEMP=launch["FAST_TEMP"], RNI=launch["RNI"], BF16_LOGITS=logits_dtype == torch.bfloat16,
+                        **cfg, **LAUNCH)
 
 
 def _forward(hidden, weight, targets, temps, vocab_start, vocab_size, group, server=None, tile=None, keep=None,
@@ -369,8 +375,7 @@ def full_log_softmax(logits32: torch.Tensor, temps: torch.Tensor, vocab_start: i
     s_t = torch.empty(rows, n_tiles, dtype=torch.int64, device=logits.device)
     unused_z = torch.zeros(rows, dtype=torch.float32, device=logits.device)
     no_target = torch.full((rows,), -1, dtype=torch.int64, device=logits.device)
-    options = dict(STATS_OPTIONS, RNI=STATS_OPTIONS["RNI"] and not _INTERPRETED)
-    launch = dict(STATS_TILE, VT=VOCAB_TILE, FIXED=float(1 << FIXED_POINT_BITS), LOG2E=LOG2E, **options, **LAUNCH)
+    launch = _stats_launch()
     grid = (triton.cdiv(rows, launch["BLOCK_M"]), triton.cdiv(v_local, launch["BLOCK_N"]))
     _stats_kernel[grid](logits, temps32, no_target, m_t, s_t, unused_z, rows, v_local, 0, v_local, logits.stride(0),
                         vocab_start, vocab_size, n_tiles, **launch)
