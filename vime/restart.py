@@ -56,16 +56,14 @@ def _alive(actor) -> bool:
 
 
 def load_current_weights(driver, engine: int) -> None:
-    """Push the trainer's current weights and version into rollout engine `engine` only."""
+    """Bring restarted rollout engine `engine` to the trainer's current weights and version, over the run's
+    configured transport (the same `sync_weights` as a step's sync; only the engines behind are loaded)."""
     from vime.driver import BUCKET_BYTES, call
+    from vime.weights.sync import push_transport, sync_weights
 
-    version, name = driver.timeline.trainer_version, f"rollout engine {engine}"
-    buckets = call([r.export_buckets.remote(BUCKET_BYTES) for r in driver.trainer], "export weights",
-                   [f"trainer rank {r}" for r in range(len(driver.trainer))])[0]
-    for bucket in buckets:
-        call([driver.engines[engine].load_weights.remote(bucket, version)], "load weights", [name])
-    ack = call([driver.engines[engine].set_version.remote(version)], "acknowledge weights", [name])[0]
-    driver.timeline.acknowledged(engine, ack)
+    cfg = driver.cfg
+    sync_weights(driver.trainer, driver.engines, driver.timeline.trainer_version, BUCKET_BYTES, driver.timeline,
+                 call, push_transport(cfg.weights.transport, cfg.rollout.engine))
 
 
 def restart_engine(driver, engine: int, cause: str, who: str | None = None) -> None:

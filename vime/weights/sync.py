@@ -45,16 +45,19 @@ def sync_weights(trainer_ranks: list, engines: list, version: int, bucket_bytes:
     packed-buffer size). Returns sync stats (seconds, bytes, GB/s)."""
     t0 = time.perf_counter()
     ranks = [f"trainer rank {i}" for i in range(len(trainer_ranks))]
-    if transport == "object_store":
+    # only the engines that do not serve `version` yet: every engine after a step, all of them at a resume,
+    # the one restarted engine after a restart (the one weight path of steps, resume and restart alike)
+    behind = [i for i in range(len(engines)) if timeline.engine_versions[i] != version]
+    nbytes, nbuckets = 0, 0
+    if behind and transport == "object_store":
         exports = call([r.export_to_store.remote(bucket_bytes) for r in trainer_ranks], "export weights", ranks)
         ref, nbytes, nbuckets = exports[0]["buckets"][0], exports[0]["bytes"], exports[0]["count"]
-        call([e.load_buckets.remote(ref, version) for e in engines], "load weights",
-             [f"rollout engine {i}" for i in range(len(engines))])
+        call([engines[i].load_buckets.remote(ref, version) for i in behind], "load weights",
+             [f"rollout engine {i}" for i in behind])
         del ref, exports  # the trainer's copy in the store can go
-    else:  # to the engines that do not serve `version` yet (a restarted engine was loaded with it)
-        behind = [e for i, e in enumerate(engines) if timeline.engine_versions[i] != version]
-        pushed = call([r.push_weights.remote(behind, version, transport, DEFAULT_BUCKET_BYTES)
-                       for r in trainer_ranks], "push weights", ranks)[0] if behind else {"bytes": 0, "buckets": 0}
+    elif behind:
+        pushed = call([r.push_weights.remote([engines[i] for i in behind], version, transport, DEFAULT_BUCKET_BYTES)
+                       for r in trainer_ranks], "push weights", ranks)[0]
         nbytes, nbuckets = pushed["bytes"], pushed["buckets"]
     acks = call([e.set_version.remote(version) for e in engines], "acknowledge weights",
                 [f"rollout engine {i}" for i in range(len(engines))])
