@@ -35,12 +35,17 @@ def _tokenizer(vocab_size: int):
 def make_tiny_qwen3(
     path: str | Path, *, seed: int = 0, vocab_size: int = 512, hidden_size: int = 128,
     intermediate_size: int = 256, num_layers: int = 2, num_heads: int = 4, num_kv_heads: int = 2,
-    head_dim: int = 32, dtype: str = "bfloat16",
+    head_dim: int = 32, dtype: str = "bfloat16", device: str = "cpu", init_std: float = 0.1,
 ) -> Path:
     """Write a randomly initialised (seeded) Qwen3ForCausalLM checkpoint and its tokenizer to `path`.
 
     Untied LM head, rope theta 1e6, 4096 max positions; weights stored in `dtype` ("bfloat16",
-    "float32" or "float16"). The same arguments give the same bytes. Returns `path`.
+    "float32" or "float16"); linear and embedding weights drawn with standard deviation `init_std`. The same
+    arguments give the same bytes. Returns `path`.
+    `device="cpu"` initialises the weights as transformers does; another device (a GPU: seconds for
+    billions of parameters, where transformers' CPU init takes minutes) draws them there from one seeded
+    generator with the same distributions (linear and embedding weights normal(0, init_std), norm weights
+    uniform [0.5, 1.5]), so its bytes depend on that device's generator.
     """
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
@@ -53,10 +58,14 @@ def make_tiny_qwen3(
         vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
         num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
         head_dim=head_dim, max_position_embeddings=4096, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
-        rms_norm_eps=1e-6, tie_word_embeddings=False, initializer_range=0.1,
+        rms_norm_eps=1e-6, tie_word_embeddings=False, initializer_range=init_std,
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
         architectures=["Qwen3ForCausalLM"],
     )
+    if torch.device(device).type != "cpu":
+        _save_random_on(torch.device(device), config, seed, getattr(torch, dtype), path)
+        tokenizer.save_pretrained(path)
+        return path
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = Qwen3ForCausalLM(config)
@@ -70,3 +79,23 @@ def make_tiny_qwen3(
     model.to(getattr(torch, dtype)).save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
     return path
+
+
+def _save_random_on(device: torch.device, config, seed: int, dtype: torch.dtype, path: Path) -> None:
+    """config.json + model.safetensors of a Qwen3ForCausalLM with weights drawn on `device` (see make_tiny_qwen3)."""
+    from safetensors.torch import save_file
+    from transformers import Qwen3ForCausalLM
+
+    with torch.device("meta"):
+        names = {n: tuple(p.shape) for n, p in Qwen3ForCausalLM(config).named_parameters()}
+    gen = torch.Generator(device=device).manual_seed(seed)
+    tensors = {}
+    for name, shape in names.items():
+        if name.endswith("norm.weight"):
+            t = torch.rand(shape, generator=gen, device=device) + 0.5
+        else:
+            t = torch.randn(shape, generator=gen, device=device) * config.initializer_range
+        tensors[name] = t.to(dtype).cpu()
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    config.dtype = dtype
+    config.save_pretrained(path)
