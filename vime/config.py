@@ -108,6 +108,10 @@ class RolloutConfig:
     gpu_memory_utilization: float = 0.3
     kv_cache_space_gib: int = 1    # VLLM_CPU_KVCACHE_SPACE on CPU
     enforce_eager: bool = True
+    # vLLM on CUDA: release the GPU while the trainer works (vLLM's sleep mode), woken for the weight push.
+    # 0: never; 1: weights offloaded to host memory and KV cache discarded; 2: both discarded (the push
+    # reloads every weight)
+    sleep_level: int = 0
     block_size: int = 16           # reference engine: page size
     num_blocks: int = 256          # reference engine: KV pages per engine
 
@@ -287,6 +291,11 @@ def validate(cfg: VimeConfig) -> VimeConfig:
     _require(a.prompts_per_step * a.group_size <= r.max_num_seqs * r.num_engines,
              f"{a.prompts_per_step * a.group_size} samples per step > rollout.max_num_seqs x num_engines",
              "raise rollout.max_num_seqs or lower algo.prompts_per_step / group_size")
+    _require(r.sleep_level in (0, 1, 2), f"rollout.sleep_level={r.sleep_level}",
+             "use 0 (never sleep), 1 (offload weights, drop the KV cache) or 2 (drop both)")
+    _require(r.sleep_level == 0 or (cfg.device == "cuda" and r.engine == RolloutBackend.vllm),
+             f"rollout.sleep_level={r.sleep_level} with device={cfg.device}, rollout.engine={r.engine.value}",
+             "sleep mode is vLLM's, on CUDA: set rollout.sleep_level=0")
     if cfg.device == "cpu":
         _require(r.engine != RolloutBackend.vllm or r.tp <= 2, f"rollout.tp={r.tp} on CPU",
                  "this CPU build runs at most TP2 per engine")

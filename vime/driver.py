@@ -73,7 +73,8 @@ def make_model(cfg: VimeConfig, output_dir: Path) -> str:
     t = cfg.model.tiny
     path = make_tiny_qwen3(output_dir / "model", seed=t.seed, vocab_size=t.vocab_size, hidden_size=t.hidden_size,
                            intermediate_size=t.intermediate_size, num_layers=t.num_layers, num_heads=t.num_heads,
-                           num_kv_heads=t.num_kv_heads, head_dim=t.head_dim, dtype=cfg.model.dtype)
+                           num_kv_heads=t.num_kv_heads, head_dim=t.head_dim, dtype=cfg.model.dtype,
+                           device=cfg.device)
     log.info("made a tiny Qwen3 checkpoint at %s", path)
     return str(path)
 
@@ -107,6 +108,9 @@ class Driver:
         self.vocab_size = model_vocab_size(self.model_path)
         self.prompts = PromptSet(cfg.data, self.tokenizer, self.vocab_size)
         preflight.check_lengths(cfg, [p.token_ids for p in self.prompts.prompts])
+        if cfg.device == "cuda" and torch.cuda.is_available():
+            preflight.check_gpu_memory(cfg, read_config_json(self.model_path),
+                                       torch.cuda.get_device_properties(0).total_memory)
         resume_from = checkpoint.resume_point(cfg, self.output_dir)
         # the GEMM contract's row-parallel K groups: the widest TP of any engine, the same on both sides and
         # in this process, which checks the contracts they ran
@@ -149,8 +153,12 @@ class Driver:
         init = f"file://{self.rendezvous}" if self.rendezvous else \
             "tcp://{}:{}".format(*call([self.trainer[0].address.remote()], "rendezvous", ["trainer rank 0"])[0])
         with tqdm(total=2, desc="starting engines", leave=False, disable=None) as bar:
-            tinfo_refs = [t.start.remote(init) for t in self.trainer]  # trainer and rollout start together
+            # trainer and rollout start together, except vLLM sharing the trainer's GPUs: vLLM sizes its KV
+            # cache from the memory it measures while it starts, so the trainer loads after it
+            after_rollout = cfg.device == "cuda" and cfg.rollout.engine == "vllm" and cfg.weights.colocate
+            tinfo_refs = [] if after_rollout else [t.start.remote(init) for t in self.trainer]
             infos = self._call(self.engines, "info", "start")
+            tinfo_refs = tinfo_refs or [t.start.remote(init) for t in self.trainer]
             bar.update()
             tinfo = call(tinfo_refs, "start", [f"trainer rank {r}" for r in range(n_ranks)])
             bar.update()
@@ -204,6 +212,8 @@ class Driver:
         # the training forward itself (on-policy, the same weights); `trainer.scoring_pass` adds the
         # separate no-grad scoring forward and compares that instead.
         separate = cfg.trainer.scoring_pass
+        if cfg.rollout.sleep_level:  # colocated vLLM gives the GPU back to the trainer until the weight push
+            self._call(self.engines, "sleep", "sleep")
         scored = self._call(self.trainer, "score", "score", samples, trainer=True)[0] if separate else None
         t2 = time.perf_counter()
         stats = self._call(self.trainer, "train_step", "train step", samples, not separate, trainer=True)[0]
@@ -221,6 +231,8 @@ class Driver:
                                      [sc.logprobs for sc in scored], [sc.positions for sc in scored],
                                      [sc.token_ids for sc in scored])
         transport = push_transport(cfg.weights.transport, cfg.rollout.engine)
+        if cfg.rollout.sleep_level:
+            self._call(self.engines, "wake_up", "wake up")
         sync = restart.sync(self, lambda: sync_weights(self.trainer, self.engines, self.timeline.trainer_version,
                                                        BUCKET_BYTES, self.timeline, call, transport))
         rewards = torch.tensor([s.reward for s in samples])

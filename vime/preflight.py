@@ -113,3 +113,41 @@ def check_safetensors(file: Path) -> None:
     if 8 + n + end > size:
         raise DataError(f"{file} is truncated: its tensors need {8 + n + end} bytes, the file has {size}; {fix}")
 
+
+
+TRAINER_BYTES_PER_PARAM = 18  # bf16 weights, fp32 gradients, fp32 main weights, two fp32 Adam moments
+
+
+def qwen3_parameters(config: dict) -> int:
+    """Parameters of a Qwen3 dense checkpoint from its HF config.json."""
+    d_model, layers = config["hidden_size"], config["num_hidden_layers"]
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    head_dim = config.get("head_dim") or d_model // heads
+    per_layer = (d_model * (heads + 2 * kv_heads) * head_dim + heads * head_dim * d_model
+                 + 3 * d_model * config["intermediate_size"] + 2 * d_model + 2 * head_dim)
+    embeddings = config["vocab_size"] * d_model * (1 if config.get("tie_word_embeddings") else 2)
+    return embeddings + layers * per_layer + d_model
+
+
+def check_gpu_memory(cfg: VimeConfig, config: dict, gpu_bytes: int) -> None:
+    """A trainer rank's state (18 B per parameter of its TP x CP share) plus, with colocated vLLM engines, the
+    `rollout.gpu_memory_utilization` share vLLM claims must fit one GPU of `gpu_bytes`; fail before any engine
+    starts, naming how many layers would fit."""
+    ranks = cfg.trainer.tp * cfg.trainer.cp
+    vllm_share = cfg.rollout.gpu_memory_utilization if (
+        cfg.rollout.engine == RolloutBackend.vllm and cfg.weights.colocate) else 0.0
+    room = gpu_bytes * (1 - vllm_share)
+    need = TRAINER_BYTES_PER_PARAM * qwen3_parameters(config) / ranks
+    if need <= room:
+        return
+    no_layers = qwen3_parameters(config | {"num_hidden_layers": 0})
+    per_layer = qwen3_parameters(config | {"num_hidden_layers": 1}) - no_layers
+    base = TRAINER_BYTES_PER_PARAM * no_layers / ranks
+    fit = max(0, int((room - base) // (TRAINER_BYTES_PER_PARAM * per_layer / ranks)))
+    raise ConfigError(
+        f"the trainer's state for {config['num_hidden_layers']} layers ({need / 1e9:.0f} GB per rank: "
+        f"{TRAINER_BYTES_PER_PARAM} B per parameter) does not fit the {room / 1e9:.0f} GB a GPU of "
+        f"{gpu_bytes / 1e9:.0f} GB leaves" + (f" beside vLLM's share (rollout.gpu_memory_utilization={vllm_share})"
+                                              if vllm_share else "")
+        + f"; use at most {fit} layers (model.tiny.num_layers={fit}), more trainer ranks (trainer.tp), or a smaller "
+        "rollout.gpu_memory_utilization")

@@ -158,5 +158,15 @@ class RolloutWorker:
         """All buckets of `version` are in: serve it from now on. Returns the version the engine reports."""
         return self.engine.set_version(version)
 
+    @_engine_call
+    def sleep(self) -> None:
+        """Release the GPU while the trainer works (vLLM's sleep mode, `rollout.sleep_level`)."""
+        self.engine.sleep()
+
+    @_engine_call
+    def wake_up(self) -> None:
+        """Take the GPU back before the weight push."""
+        self.engine.wake_up()
+
     def shutdown(self) -> None:
         self.engine.shutdown()

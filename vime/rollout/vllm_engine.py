@@ -154,6 +154,8 @@ class VllmRollout:
         self.cuda, self.transport = torch.device(device).type == "cuda", str(transport)
         if self.cuda:  # vLLM's own `ipc` / `nccl` engine: weights come as pushes of trainer rank 0 (`receive_weights`)
             make_kwargs = functools.partial(make_kwargs, device="cuda", transport=self.transport)
+            engine_kwargs |= {"enable_sleep_mode": cfg.sleep_level > 0, "block_size": cfg.block_size}
+        self.sleep_level = cfg.sleep_level
         self.model_path, self.dtype = model_path, dtype
         self.engine_id, self._temp_files, self._closing = engine_id, [], False
         self._death: tuple[int, int | None, int] | None = None  # (TP rank, exit code, pid) of a dead worker
@@ -278,6 +280,15 @@ class VllmRollout:
             raise WeightSyncError(f"vLLM workers hold weight versions {workers}, expected {version}")
         self.version = int(self.llm.get_weight_version())
         return self.version
+
+    def sleep(self) -> None:
+        """vLLM's sleep mode at `rollout.sleep_level`: the KV cache discarded (its prefix cache reset) and the
+        weights offloaded to host memory (level 1) or discarded (level 2, the next push reloads them all)."""
+        self.llm.sleep(level=self.sleep_level)
+
+    def wake_up(self) -> None:
+        """Map the GPU memory back (weights restored from host memory at level 1) before the weight push."""
+        self.llm.wake_up()
 
     def evidence(self, reset: bool = False) -> list[dict]:
         if not self.strict:
