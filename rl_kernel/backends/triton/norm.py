@@ -14,6 +14,7 @@ import triton.language as tl
 from rl_kernel.backends.triton.numerics import LAUNCH, tree_sum
 
 BLOCK_T = 8
+SMALL_T = 2048  # up to this many rows: one row per program
 
 
 @triton.jit
@@ -47,9 +48,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     t, d = x2.shape
     y = torch.empty((t, d), dtype=x.dtype, device=x.device)
     if t:
-        _rms_norm_kernel[(triton.cdiv(t, BLOCK_T),)](
+        # a row's bits depend on that row only, so the rows per program are free: one per program for the few
+        # rows of a decode batch (8 per program would leave most of the GPU idle there)
+        block_t = BLOCK_T if t > SMALL_T else 1
+        _rms_norm_kernel[(triton.cdiv(t, block_t),)](
             x2, weight.contiguous(), y, t, d, x2.stride(0), y.stride(0), eps,
-            BLOCK_T=BLOCK_T, BLOCK_D=min(1024, triton.next_power_of_2(d)), num_warps=4, **LAUNCH)
+            BLOCK_T=block_t, BLOCK_D=min(1024, triton.next_power_of_2(d)), num_warps=4, **LAUNCH)
     return y.reshape(x.shape)
 
 

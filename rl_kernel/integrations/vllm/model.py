@@ -100,6 +100,31 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         cache[blocks, offsets] = torch.where(real.view(-1, 1, 1), values, anchor)
 
 
+def _vllm_cache_writer():
+    """vLLM's own KV-cache write for its FlashAttention layout (`reshape_and_cache_flash`, a copy: the bits of k
+    and v land unchanged, padding slots -1 skipped, one kernel), or None where this vLLM build has none (CPU)."""
+    import importlib
+
+    for module in ("vllm.v1.attention.backends.fa_utils", "vllm._custom_ops"):
+        try:
+            writer = importlib.import_module(module).reshape_and_cache_flash
+        except (ImportError, AttributeError):
+            continue
+        if writer is not None:
+            return writer
+    return None
+
+
+def write_kv_flash(writer, attn, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   slot_mapping: torch.Tensor) -> None:
+    """`write_kv` through vLLM's FlashAttention cache write: the same bytes in the cache, one kernel instead of
+    about twenty (capture-safe like vLLM's own). Only an unquantized cache of k's dtype keeps k and v's bits."""
+    if k_cache.dtype != k.dtype:
+        raise ValueError(f"rl_kernel's strict vLLM model writes K/V bit for bit: the KV cache must be {k.dtype} "
+                         f"(kv_cache_dtype='auto'), got {k_cache.dtype}")
+    writer(k, v, k_cache, v_cache, slot_mapping, "auto", attn._k_scale, attn._v_scale)
+
+
 def _paged_attention_in_place(q, k_cache, v_cache, meta, scale: float) -> torch.Tensor:
     """rk.paged_attention on vLLM's physical cache (contiguous blocks) with vLLM's block table as it is:
     no host sync, shapes fixed by the batch's shapes (CUDA-graph safe with a capture-safe backend). Query
@@ -170,6 +195,7 @@ class RLKernelQwen3ForCausalLM(nn.Module):
             Attention(s.heads, self.shape.head_dim, self.model.scale, num_kv_heads=s.kv_heads,
                       cache_config=vllm_config.cache_config, prefix=f"{prefix}model.layers.{i}.self_attn.attn")
             for i in range(self.shape.num_layers))
+        self._flash_writer = _vllm_cache_writer() if vllm_config.device_config.device_type == "cuda" else None
 
     def _attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Paged attention over vLLM's KV cache of `layer` (the new tokens' k, v written first)."""
@@ -179,9 +205,13 @@ class RLKernelQwen3ForCausalLM(nn.Module):
         meta, attn, kv_cache, slot_mapping = get_attention_context(self.attn[layer].layer_name)
         if meta is not None:  # None only in vLLM's warm-up / profiling runs
             n = meta.num_actual_tokens  # a Python int (padded count in a CUDA-graph batch)
-            k_cache, v_cache = kv_cache_views(kv_cache, attn.get_attn_backend().get_name(), self.shape.head_dim)
+            backend = attn.get_attn_backend().get_name()
+            k_cache, v_cache = kv_cache_views(kv_cache, backend, self.shape.head_dim)
             slots = meta.slot_mapping if slot_mapping is None else slot_mapping
-            write_kv(k[:n], v[:n], k_cache, v_cache, slots[:n])
+            if backend == "FLASH_ATTN" and self._flash_writer is not None:
+                write_kv_flash(self._flash_writer, attn, k[:n], v[:n], k_cache, v_cache, slots[:n])
+            else:
+                write_kv(k[:n], v[:n], k_cache, v_cache, slots[:n])
             out[:n] = paged_attention(q[:n], k_cache, v_cache, meta, self.model.scale)
         return out
 
