@@ -2,6 +2,7 @@
 # `python -m vime.train` on the H200 machine: ONE command, about 6 minutes, at most GPU_TRAIN_BUDGET_S (480 s).
 #
 #   bash scripts/gpu_train.sh [Hydra overrides for every run, e.g. steps=8 model.tiny.num_layers=2]
+#   GPU_TRAIN_PRESET=h200_vllm bash scripts/gpu_train.sh    # vLLM rollout (needs the GPU bundle: gpu_vllm.sh)
 #
 # Needs .whl/ beside the repository (`bash scripts/gpu_wheels.sh` on a machine with internet); installs it into
 # /tmp/site. Makes the Qwen3-8B-layer-shaped random checkpoint of `+experiment=h200_8b_layers` once
@@ -19,6 +20,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}
 PY=${PYTHON:-python3}
+PRESET=${GPU_TRAIN_PRESET:-h200_8b_layers}
 MODEL_ROOT=${GPU_TRAIN_MODEL:-/tmp/gpu_train_model}
 START=$(date +%s)
 DEADLINE=$((START + ${GPU_TRAIN_BUDGET_S:-480}))
@@ -77,21 +79,22 @@ if [ "$NGPU" -lt 1 ] && [[ " $* " != *" device=cpu "* ]]; then
 fi
 
 # The preset's checkpoint, made once for every run (a stamp of its shapes decides whether to remake it).
-MODEL=$(timeout 300 $PY -W ignore - "$MODEL_ROOT" "$@" <<'EOF' 2>> "$LOG" | tail -1
+MODEL=$(timeout 300 $PY -W ignore - "$MODEL_ROOT" "$PRESET" "$@" <<'EOF' 2>> "$LOG" | tail -1
 import json, sys, time
 from pathlib import Path
 from hydra import compose, initialize_config_dir
 from vime.config import register_configs, to_object, validate
 from vime.driver import make_model
 import dataclasses
-root, overrides = Path(sys.argv[1]), sys.argv[2:]
+root, preset, overrides = Path(sys.argv[1]), sys.argv[2], sys.argv[3:]
 register_configs()
 with initialize_config_dir(config_dir=str(Path("configs").resolve()), version_base="1.3"):
-    cfg = validate(to_object(compose("config", ["+experiment=h200_8b_layers", *overrides, f"output_dir={root}"])))
+    cfg = validate(to_object(compose("config", [f"+experiment={preset}", *overrides, f"output_dir={root}"])))
 if cfg.model.path:
     print(cfg.model.path)
     sys.exit(0)
-stamp = json.dumps(dataclasses.asdict(cfg.model.tiny) | {"dtype": cfg.model.dtype}, sort_keys=True)
+stamp = json.dumps(dataclasses.asdict(cfg.model.tiny) | {"dtype": cfg.model.dtype, "device": cfg.device},
+                   sort_keys=True)
 model = root / "model"
 made = (root / "stamp.json").read_text() if (root / "stamp.json").is_file() else None
 if made != stamp or not (model / "config.json").is_file():
@@ -114,9 +117,9 @@ run() {
   if [ "$left" -lt 60 ]; then echo "$name SKIP 0 no time left" >> "$STATUS"; say "== $name: SKIP (no time left)"; return; fi
   local limit=$(( left < RUN_MAX ? left : RUN_MAX ))
   rm -rf "${OUT:?}/$name" "$OUT/$name.console.log" "$OUT/$name.metrics.jsonl"
-  say "== $name (timeout ${limit}s): python -m vime.train +experiment=h200_8b_layers $* model.path=$MODEL output_dir=$OUT/$name"
+  say "== $name (timeout ${limit}s): python -m vime.train +experiment=$PRESET $* model.path=$MODEL output_dir=$OUT/$name"
   t0=$(date +%s)
-  timeout -k 20 "$limit" $PY -m vime.train +experiment=h200_8b_layers "$@" model.path="$MODEL" \
+  timeout -k 20 "$limit" $PY -m vime.train +experiment="$PRESET" "$@" model.path="$MODEL" \
     output_dir="$OUT/$name" > "$OUT/$name.console.log" 2>&1
   rc=$?
   case $rc in 0) status=PASS;; 124|137) status=TIMEOUT;; *) status="FAIL($rc)";; esac
@@ -146,10 +149,11 @@ else
 fi
 
 # The combined JSON and the verdict.
-$PY -W ignore - "$OUT" "$STATUS" "$START" "$*" "${RUNS[@]}" <<'EOF' 2>&1 | tee -a "$LOG"
+$PY -W ignore - "$OUT" "$STATUS" "$START" "$PRESET" "$*" "${RUNS[@]}" <<'EOF' 2>&1 | tee -a "$LOG"
 import json, statistics, sys, time
 from pathlib import Path
-out, status_file, start, args, runs = Path(sys.argv[1]), Path(sys.argv[2]), float(sys.argv[3]), sys.argv[4], sys.argv[5:]
+out, status_file, start, preset, args = Path(sys.argv[1]), Path(sys.argv[2]), float(sys.argv[3]), sys.argv[4], sys.argv[5]
+runs = sys.argv[6:]
 status = {}
 for line in status_file.read_text().splitlines():
     name, st, secs, *_ = line.split(" ") + [""]
@@ -157,7 +161,7 @@ for line in status_file.read_text().splitlines():
 TIMES = ("rollout_s", "score_s", "train_s", "sync_s", "step_s", "sync_gbps")
 KEEP = ("step", "version", "tokens", "mismatch_count", "max_abs_diff", "mean_abs_diff", "train_mismatch_count",
         "reward_mean", "loss", "grad_norm", "clip_frac", "ratio_mean", "sync_bytes", "sync_buckets", *TIMES)
-result = {"script": "scripts/gpu_train.sh", "preset": "h200_8b_layers", "overrides": args, "runs": {}}
+result = {"script": "scripts/gpu_train.sh", "preset": preset, "overrides": args, "runs": {}}
 try:
     import megatron.core, ray, torch, transformers, triton  # noqa: E401
     result["versions"] = {"torch": torch.__version__, "triton": triton.__version__, "ray": ray.__version__,

@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# vLLM on a GPU machine that has torch but no vLLM and no internet: one command per transfer of the GPU bundle.
+#
+#   bash scripts/gpu_vllm.sh STAGE...      (in the repository root there; results under $OUT)
+#
+# First it stages whatever bundle parts this transfer carried (scripts/gpu_stage.sh: checksums, then unpack once
+# all are there); while parts are missing it stops there (exit 0, the missing parts named). Then each STAGE runs
+# under its own time limit with its log in $OUT/<stage>.log, so one failing stage does not hide the others:
+#   tests    GPU tests of the strict vLLM path and the Triton kernels (tests/gpu, less the CPU interpreter checks
+#            and the `faults` runs; TESTS_K replaces that selection), pytest's junit XML
+#   train    python -m vime.train +experiment=h200_vllm, strict then native (scripts/gpu_train.sh), 5 steps each
+#   faults   vime.train on vLLM (small shapes): an engine killed mid-run is restarted and reloaded over IPC; a
+#            stopped run resumed from its checkpoint over IPC (tests/gpu/test_vllm_train_gpu.py)
+#   bench    strict vs native vLLM decode and prefill at Qwen3-8B shapes (benchmarks/vllm_throughput.py)
+#   profile  where strict decode time goes against native (benchmarks/vllm_decode_profile.py)
+# Variables: GPU_LAYERS (train, default 4), BENCH_LAYERS (36), PROFILE_LAYERS (8); each stage's time limit in
+# seconds: TESTS_S (220), TRAIN_S (330), FAULTS_S (200), BENCH_S (480), PROFILE_S (200).
+# Every file of $OUT ends up in $OUT/results.tar.gz (one file back from a device call), stages.txt beside it.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/out}
+PY=${PYTHON:-python3}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false RAY_USAGE_STATS_ENABLED=0 VLLM_NO_USAGE_STATS=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # never NVLink multicast
+
+bash scripts/gpu_stage.sh
+case $? in
+  0) . .bundle/env.sh ;;
+  3) echo "gpu_vllm: bundle parts staged; carry the next part"; exit 0 ;;
+  *) echo "gpu_vllm: staging the bundle failed (above)"; exit 2 ;;
+esac
+$PY -c 'import torch, vllm, ray, megatron.core, hydra; print(f"vllm {vllm.__version__} torch {torch.__version__}'\
+' ray {ray.__version__} megatron-core {megatron.core.__version__}; {torch.cuda.get_device_name(0)}")' \
+  || { echo "gpu_vllm: the bundle does not import (above)"; exit 2; }
+
+stage() {  # stage NAME LIMIT_S COMMAND...: run under LIMIT_S seconds, log to $OUT/NAME.log, report the verdict
+  local name=$1 limit=$2; shift 2
+  local t0 rc
+  t0=$(date +%s)
+  echo "== $name (limit ${limit}s): $*"
+  timeout -k 15 "$limit" "$@" > "$OUT/$name.log" 2>&1
+  rc=$?
+  $PY -m ray.scripts.scripts stop --force > /dev/null 2>&1 || true
+  echo "== $name: exit $rc in $(( $(date +%s) - t0 ))s"
+  tail -n "${TAIL:-25}" "$OUT/$name.log" | cut -c1-300
+  echo "$name $rc $(( $(date +%s) - t0 ))" >> "$OUT/stages.txt"
+}
+
+for s in "$@"; do
+  case $s in
+    tests) stage tests "${TESTS_S:-220}" $PY -m pytest tests/gpu -q -p no:cacheprovider -rA --durations=15 \
+             -k "${TESTS_K:-not interpreter and not vllm_train_gpu}" --junitxml="$OUT/gpu_tests.xml" ;;
+    train) stage train "${TRAIN_S:-330}" env GPU_TRAIN_SKIP_INSTALL=1 GPU_TRAIN_PRESET=h200_vllm OUT="$OUT/train" \
+             GPU_TRAIN_BUDGET_S=$(( ${TRAIN_S:-330} - 20 )) bash scripts/gpu_train.sh "model.tiny.num_layers=${GPU_LAYERS:-4}" ;;
+    faults) stage faults "${FAULTS_S:-200}" $PY -m pytest tests/gpu/test_vllm_train_gpu.py -q -p no:cacheprovider -rA ;;
+    bench) stage bench "${BENCH_S:-480}" $PY benchmarks/vllm_throughput.py --device cuda --layers "${BENCH_LAYERS:-36}" \
+             --out "$OUT/vllm_rollout_h200.json" ;;
+    profile) stage profile "${PROFILE_S:-200}" $PY benchmarks/vllm_decode_profile.py --layers "${PROFILE_LAYERS:-8}" \
+               --out "$OUT/vllm_decode_profile_h200.json" ;;
+    *) echo "gpu_vllm: unknown stage $s (tests, train, faults, bench, profile)"; exit 2 ;;
+  esac
+done
+grep -h "during inference" "$OUT"/*.log 2>/dev/null | sort | uniq -c | head -20 > "$OUT/jit_during_inference.txt"
+echo "vLLM JIT monitor warnings during inference: $(wc -l < "$OUT/jit_during_inference.txt") distinct"
+cat "$OUT/stages.txt"
+(cd "$OUT" && tar czf /tmp/results.tar.gz --exclude=results.tar.gz . && find . -mindepth 1 -not -name stages.txt -delete \
+  && mv /tmp/results.tar.gz .)
