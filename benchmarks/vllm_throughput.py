@@ -11,6 +11,21 @@ of `generate`. Every returned logprob is then compared (fp32 bits) with the refe
 teacher-forcing logprob of prompt + generated tokens. Prints a table and writes JSON to
 benchmarks/results/vllm_throughput_tp{tp}.json. Exit status 1 when strict shows a mismatch or
 native shows none.
+
+On a GPU (`--device cuda`: `run_cuda`), the decode and prefill speed of strict against native vLLM at Qwen3-8B
+shapes, both with CUDA graphs (strict: FULL_DECODE_ONLY; native: vLLM's default torch.compile + FULL_AND_PIECEWISE):
+
+    python benchmarks/vllm_throughput.py --device cuda [--layers 36] [--new-tokens 64] [--modes strict,native]
+
+One engine per mode in this process, one after the other, over a random Qwen3 with Qwen3-8B layer shapes written
+on the GPU. For every (context, batch) of the grid: distinct prompts of `context` tokens, prefilled once (untimed,
+every decode shape of the batch warmed up: vLLM's JIT monitor must stay quiet), then two passes, each two timed
+`generate` calls over the now cached prompts, of 1 and 1 + N new tokens; decode tok/s = batch x N / (t(1 + N) -
+t(1)). Prefill: time to first token of a fresh 4k-token prompt, twice. Both passes reported; GPU clocks, power
+and throttle reasons read before and after each mode. Parity: 4 sequences of every (context, batch) of the last
+pass re-scored by rl_kernel teacher forcing (fp32 bits; strict must show 0, native differs). Last, per engine,
+the time of a whole-state weight push over CUDA IPC into vLLM's `ipc` weight-transfer engine (`--pushes` of
+them). Writes benchmarks/results/vllm_rollout_h200.json.
 """
 
 from __future__ import annotations
@@ -83,13 +98,188 @@ def run(mode: str, path: Path, args, reference: Qwen3Reference) -> dict:
             "mismatches": agreement.mismatch_count, "max_abs_diff": agreement.max_abs_diff}
 
 
+QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_heads=32, num_kv_heads=8,
+                head_dim=128)
+CUDA_GRID = [(512, b) for b in (1, 16, 64, 256)] + [(4096, b) for b in (1, 16, 64)]  # (context, batch)
+PARITY_SEQS = 4
+
+
+def gpu_state() -> dict:
+    """SM clock, power draw and limit, active throttle reasons (nvidia-smi), or why they could not be read."""
+    import subprocess
+
+    fields = "clocks.sm,clocks.max.sm,power.draw,power.limit,temperature.gpu,clocks_throttle_reasons.active"
+    try:
+        out = subprocess.run(["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=20).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return {"error": str(e)}
+    return dict(zip(fields.split(","), (v.strip() for v in out.split(","))))
+
+
+def grid_prompts(context: int, batch: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed * 100_003 + context * 1009 + batch)
+    return torch.randint(10, 150_000, (batch, context), generator=g).tolist()
+
+
+def _timed_generate(llm, prompts: list[list[int]], params) -> tuple[float, list]:
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return time.perf_counter() - t0, outputs
+
+
+def cuda_mode(mode: str, path: Path, args) -> dict:
+    """One engine of `mode`: start time, per-pass decode tok/s over the grid, TTFT of a fresh 4k prompt, and the
+    parity sample of the last pass."""
+    from vllm import LLM
+
+    engine = dict(dtype="bfloat16", seed=0, max_model_len=4096 + args.new_tokens + 16, max_num_seqs=256,
+                  max_num_batched_tokens=8192, enable_prefix_caching=True, gpu_memory_utilization=0.62)
+    make_kwargs, make_params = ((strict_llm_kwargs, strict_sampling_params) if mode == "strict"
+                                else (native_llm_kwargs, native_sampling_params))
+
+    def params(n: int, batch: int) -> list:
+        return [make_params(temperature=1.0, max_tokens=n, seed=i, ignore_eos=True) for i in range(batch)]
+
+    result: dict = {"mode": mode, "gpu_before": gpu_state()}
+    t0 = time.perf_counter()
+    llm = LLM(**make_kwargs(path, device="cuda", **engine))
+    result["engine_start_s"] = round(time.perf_counter() - t0, 1)
+    try:
+        passes: list[list[dict]] = [[], []]
+        samples = []
+        for context, batch in CUDA_GRID:
+            prompts = grid_prompts(context, batch, 0)
+            # warm-up: the prompts prefilled (and cached), every decode shape of this batch run
+            llm.generate([{"prompt_token_ids": p} for p in prompts], params(1, batch), use_tqdm=False)
+            llm.generate([{"prompt_token_ids": p} for p in prompts], params(1 + 4, batch), use_tqdm=False)
+            for rows in passes:
+                t_one, _ = _timed_generate(llm, prompts, params(1, batch))
+                t_all, outputs = _timed_generate(llm, prompts, params(1 + args.new_tokens, batch))
+                rows.append({"context": context, "batch": batch, "t_first_s": round(t_one, 4),
+                             "t_all_s": round(t_all, 4),
+                             "decode_tok_s": round(batch * args.new_tokens / (t_all - t_one), 1)})
+            for p, o in list(zip(prompts, outputs))[:PARITY_SEQS]:
+                c = o.outputs[0]
+                samples.append({"context": context, "batch": batch, "prompt": p, "tokens": list(c.token_ids),
+                                "logprobs": [step[t].logprob for step, t in zip(c.logprobs, c.token_ids)]})
+        llm.generate([{"prompt_token_ids": p} for p in grid_prompts(4096, 1, 99)], params(1, 1), use_tqdm=False)
+        ttfts = [_timed_generate(llm, grid_prompts(4096, 1, 1000 + i), params(1, 1))[0] for i in (1, 2)]  # uncached
+        result["passes"] = [{"pass": i + 1, "decode": rows, "ttft_4k_s": round(t, 4)}
+                            for i, (rows, t) in enumerate(zip(passes, ttfts))]
+        result["samples"] = samples
+        result["weight_push"] = push_timing(llm, path, args.pushes)
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+    result["gpu_after"] = gpu_state()
+    return result
+
+
+def push_timing(llm, path: Path, pushes: int) -> list[dict]:
+    """Seconds to push the whole model state (new random bf16 tensors of the checkpoint's names and shapes) into the
+    running engine over CUDA IPC: rl_kernel's packed 1 GiB buckets into vLLM's own `ipc` weight-transfer engine,
+    from the push's start to the engine's acknowledgement of the new version (prefix cache reset included)."""
+    from rl_kernel.integrations.vllm.ipc import VllmIPCReceiver
+    from rl_kernel.models.qwen3 import read_config
+    from rl_kernel.models.weight_transfer import WeightSender, expected_weights
+
+    expected = expected_weights(read_config(path), "bfloat16")
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    tensors = {name: (torch.randn(m.shape, generator=gen, device="cuda") * 0.02).to(torch.bfloat16)
+               for name, m in expected.items()}
+    receiver = VllmIPCReceiver(llm, expected, version=0)
+    acks: list = []
+    sender = WeightSender("ipc", lambda msg: acks.append(receiver.handle(msg)), lambda: acks[-1])
+    rows = []
+    for version in range(1, pushes + 1):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        ack = sender.push(tensors.items(), version)
+        seconds = time.perf_counter() - t0
+        rows.append({"version": version, "seconds": round(seconds, 4), "bytes": ack["bytes"],
+                     "buckets": ack["buckets"], "gb_per_s": round(ack["bytes"] / seconds / 1e9, 1)})
+    del tensors
+    torch.cuda.empty_cache()
+    return rows
+
+
+def cuda_parity(path: Path, results: list[dict]) -> None:
+    """Teacher-force every mode's parity sample with rl_kernel's reference; mismatches per (context, batch)."""
+    reference = Qwen3Reference.from_pretrained(path, device="cuda")
+    for r in results:
+        per: dict[tuple[int, int], list[int]] = {}
+        for s in r.pop("samples"):
+            want = reference.sequence_logprobs([s["prompt"] + s["tokens"]], [len(s["prompt"])], 1.0)[0].float().cpu()
+            got = torch.tensor(s["logprobs"], dtype=torch.float32)
+            agreement = compare([got], [want])
+            tally = per.setdefault((s["context"], s["batch"]), [0, 0])
+            tally[0] += agreement.mismatch_count
+            tally[1] += got.numel()
+        r["parity"] = [{"context": c, "batch": b, "mismatches": m, "tokens": n} for (c, b), (m, n) in per.items()]
+    del reference
+    torch.cuda.empty_cache()
+
+
+def run_cuda(args) -> int:
+    modes = args.modes.split(",")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = make_tiny_qwen3(Path(tmp) / "qwen3_8b_shapes", num_layers=args.layers, device="cuda",
+                               init_std=0.02, **QWEN3_8B)
+        results = [cuda_mode(m, path, args) for m in modes]
+        cuda_parity(path, results)
+    by_mode = {r["mode"]: r for r in results}
+    print(f"\nvLLM on {torch.cuda.get_device_name(0)}: Qwen3-8B shapes, {args.layers} layers, {args.new_tokens} "
+          "new tokens per decode measurement, CUDA graphs on both; decode tok/s, pass 1 / pass 2")
+    header = f"{'context':>7} {'batch':>5} " + " ".join(f"{m:>19}" for m in modes)
+    print(header + ("   strict/native" if {"strict", "native"} <= set(modes) else ""))
+    for i, (context, batch) in enumerate(CUDA_GRID):
+        cells = [by_mode[m]["passes"] for m in modes]
+        line = f"{context:>7} {batch:>5} " + " ".join(
+            f"{p[0]['decode'][i]['decode_tok_s']:>9.0f} / {p[1]['decode'][i]['decode_tok_s']:>7.0f}" for p in cells)
+        if {"strict", "native"} <= set(modes):
+            s, n = (max(q["decode"][i]["decode_tok_s"] for q in by_mode[m]["passes"]) for m in ("strict", "native"))
+            line += f"   {s / n:>6.3f}"
+        print(line)
+    for m in modes:
+        r = by_mode[m]
+        bad = sum(x["mismatches"] for x in r["parity"])
+        total = sum(x["tokens"] for x in r["parity"])
+        print(f"{m:>7}: engine start {r['engine_start_s']} s; TTFT 4k prompt "
+              f"{' / '.join(str(p['ttft_4k_s']) for p in r['passes'])} s; parity {bad} / {total} tokens differ; "
+              f"GPU before {r['gpu_before']}, after {r['gpu_after']}")
+        print(f"{m:>7}: weight push over CUDA IPC into vLLM ({r['weight_push'][0]['bytes'] / 1e9:.2f} GB): "
+              + ", ".join(f"{x['seconds']} s ({x['gb_per_s']} GB/s)" for x in r["weight_push"]))
+    out = args.out or Path(__file__).resolve().parent / "results" / "vllm_rollout_h200.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    import vllm
+
+    out.write_text(json.dumps({"device": torch.cuda.get_device_name(0), "vllm": vllm.__version__,
+                               "torch": torch.__version__, "layers": args.layers, "new_tokens": args.new_tokens,
+                               "grid": CUDA_GRID, "results": results}, indent=1))
+    print(f"wrote {out}")
+    strict_ok = "strict" not in by_mode or all(x["mismatches"] == 0 for x in by_mode["strict"]["parity"])
+    native_differs = "native" not in by_mode or any(x["mismatches"] for x in by_mode["native"]["parity"])
+    return 0 if strict_ok and native_differs else 1
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--layers", type=int, default=36, help="cuda: Qwen3-8B-shaped layers")
+    parser.add_argument("--new-tokens", type=int, default=64, help="cuda: decode steps per timed measurement")
+    parser.add_argument("--modes", default="strict,native", help="cuda: engines to run, in order")
+    parser.add_argument("--pushes", type=int, default=3, help="cuda: timed whole-state weight pushes per engine")
     args = parser.parse_args()
+    if args.device == "cuda":
+        return run_cuda(args)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     if args.tp > 1:
         cpus = sorted(os.sched_getaffinity(0))
