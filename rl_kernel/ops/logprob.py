@@ -157,13 +157,15 @@ LOG_SOFTMAX.contracts["triton"] = lambda: triton_log_softmax_contract(logits_dty
 
 
 def _temperatures(temperature: float | torch.Tensor, rows: int, device: torch.device) -> torch.Tensor:
-    t = torch.as_tensor(temperature, dtype=torch.float64, device=device)
+    """fp64 temperatures [rows] on `device`, checked > 0 where they are given: a number or a host tensor on the
+    host (no wait for the device; a pinned one is copied asynchronously), a device tensor on the device."""
+    t = torch.as_tensor(temperature, dtype=torch.float64)
     t = t.expand(rows) if t.dim() == 0 else t
     if t.shape != (rows,):
         raise ValueError(f"temperature must be a scalar or have shape [{rows}], got {tuple(t.shape)}")
     if not bool((t > 0).all()):
         raise ValueError("temperature must be > 0 (greedy sampling has no logprob under T=0)")
-    return t
+    return t.to(device, non_blocking=t.is_pinned())
 
 
 def _vocab_layout(vocab_local: int, vocab_size: int | None, group) -> tuple[int, int, int]:

@@ -81,6 +81,10 @@ class StrictLogprobsProcessor(LogitsProcessor):
 
     def __init__(self, vllm_config, device: torch.device, is_pin_memory: bool) -> None:
         self.temperatures: dict[int, float] = {}
+        self.pin = is_pin_memory
+        # the batch's temperatures as a host tensor (pinned: copied to the GPU without a wait), per distinct batch:
+        # an RL batch keeps one for every step, so no decode step waits for the device
+        self._batch_temps: dict[tuple[float, ...], torch.Tensor] = {}
         # batch row -> (forced token ids, the request's running output token list)
         self.forced: dict[int, tuple[list[int], list[int]]] = {}
 
@@ -113,8 +117,7 @@ class StrictLogprobsProcessor(LogitsProcessor):
         missing = [i for i in range(logits.shape[0]) if i not in self.temperatures]
         if missing:
             raise rk.StrictModeError("logprobs", "vllm", f"batch rows {missing} have no strict temperature")
-        temps = torch.tensor([self.temperatures[i] for i in range(logits.shape[0])], dtype=torch.float64)
-        logprobs = rk.log_softmax(logits, temps)
+        logprobs = rk.log_softmax(logits, self._temps(tuple(self.temperatures[i] for i in range(logits.shape[0]))))
         for row, (tokens, output_ids) in self.forced.items():
             j = len(output_ids)  # tokens generated so far: the next one is tokens[j]
             if row < logprobs.shape[0] and j < len(tokens):
@@ -122,3 +125,12 @@ class StrictLogprobsProcessor(LogitsProcessor):
                 logprobs[row].fill_(float("-inf"))
                 logprobs[row, tokens[j]] = keep
         return logprobs
+
+    def _temps(self, values: tuple[float, ...]) -> torch.Tensor:
+        temps = self._batch_temps.get(values)
+        if temps is None:
+            if len(self._batch_temps) >= 64:
+                self._batch_temps.clear()
+            temps = torch.tensor(values, dtype=torch.float64)
+            temps = self._batch_temps[values] = temps.pin_memory() if self.pin else temps
+        return temps
