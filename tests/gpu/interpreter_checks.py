@@ -342,10 +342,143 @@ def logprob_full_log_softmax(gen: torch.Generator) -> None:
               type(e).__name__ == "StrictModeError" and "log_softmax" in str(e))
 
 
+# ---- 64-bit addressing: rows past 2^31 elements, without 2^31 elements of memory -----------------------------
+
+FAR_STRIDE = (1 << 30) + 4096  # an int32 row stride (< 2^31) whose row 2 lies past 2^31 elements
+FAR_SLOT = 4096  # each far view's rows occupy columns [slot * FAR_SLOT, (slot + 1) * FAR_SLOT) of every far row
+
+
+def _far(base: torch.Tensor, slot: int, *shape: int) -> torch.Tensor:
+    """A view [rows, *inner] of `base` whose row r starts at element r * FAR_STRIDE + slot * FAR_SLOT."""
+    inner = torch.empty(shape[1:], device="meta").stride() if len(shape) > 1 else ()
+    return base.as_strided(shape, (FAR_STRIDE, *inner), slot * FAR_SLOT)
+
+
+def _far_copy(base: torch.Tensor, slot: int, src: torch.Tensor) -> torch.Tensor:
+    view = _far(base, slot, *src.shape)
+    view.copy_(src)
+    return view
+
+
+def far_offsets(gen: torch.Generator) -> None:
+    """Each kernel launched on 3-row views whose row stride is an int32 (just over 2^30) but whose row 2 lies past
+    2^31 elements of one fp16 storage: an address computed in int32 wraps there (the launch reads or writes far
+    outside the tensor: a crash or wrong bits). The storage is 4 GB of address space of which only the rows
+    written are backed by memory. Each result is compared bit for bit with the same kernel on contiguous copies."""
+    from rl_kernel.backends.triton.numerics import LAUNCH
+    base = torch.empty(2 * FAR_STRIDE + 16 * FAR_SLOT, dtype=F16)
+    for r in range(3):
+        base[r * FAR_STRIDE:r * FAR_STRIDE + 16 * FAR_SLOT].fill_(float("nan"))  # unwritten outputs show as NaN
+    s = FAR_STRIDE
+
+    x = _far_copy(base, 0, (torch.randn(3, 600, generator=gen) * 4).to(F16))
+    out = _far(base, 1, 3, 300)
+    activation._silu_and_mul_kernel[(3, 1)](x, out, 3, 300, s, s, BLOCK=1024, num_warps=4, **LAUNCH)
+    check("far rows: silu_and_mul", same(out.clone(), activation.silu_and_mul(x.contiguous())))
+    g = _far_copy(base, 2, torch.randn(3, 300, generator=gen).to(F16))
+    dx = _far(base, 3, 3, 600)
+    activation._silu_and_mul_backward_kernel[(3, 1)](x, g, dx, 300, s, s, s, BLOCK=1024, num_warps=4)
+    check("far rows: silu_and_mul backward",
+          same(dx.clone(), activation.silu_and_mul_backward(x.contiguous(), g.contiguous())))
+
+    x = _far_copy(base, 4, (torch.randn(3, 200, generator=gen) * 3).to(F16))
+    w = torch.randn(200, generator=gen).to(F16)
+    y = _far(base, 5, 3, 200)
+    norm._rms_norm_kernel[(1,)](x, w, y, 3, 200, s, s, 1e-6, BLOCK_T=8, BLOCK_D=256, num_warps=4, **LAUNCH)
+    check("far rows: rms_norm", same(y.clone(), norm.rms_norm(x.contiguous(), w, 1e-6)))
+    dy = _far_copy(base, 6, torch.randn(3, 200, generator=gen).to(F16))
+    dx, dw = _far(base, 7, 3, 200), torch.empty(1, 200)
+    norm._rms_norm_backward_kernel[(1,)](x, w, dy, dx, dw, 3, 200, 1e-6, s, s, s, BLOCK_T=4, BLOCK_D=256, num_warps=4)
+    check("far rows: rms_norm backward dx",
+          same(dx.clone(), norm.rms_norm_backward(x.contiguous(), w, dy.contiguous(), 1e-6)[0]))
+
+    x = _far_copy(base, 8, torch.randn(3, 3, 32, generator=gen).to(F16))
+    out = _far(base, 9, 3, 3, 32)
+    cos, sin = torch_rope.cos_sin(torch.arange(3) * 1000, 32, 1e6)
+    rope._rope_kernel[(3, 1)](x, cos, sin, out, 3, s, 32, s, 32, cos.stride(0), HALF=16, D=32, BLOCK_H=4,
+                              BLOCK_HALF=16, BLOCK_D=1, num_warps=4, **LAUNCH)
+    check("far rows: rope", same(out.clone(), rope.rotate(x.contiguous(), cos, sin, 32)))
+
+    x = _far_copy(base, 10, torch.randn(3, 256, generator=gen).to(F16))
+    w = _far_copy(base, 11, torch.randn(3, 256, generator=gen).to(F16))  # weight rows (N) past 2^31 too
+    out = _far(base, 12, 3, 3)
+    gemm._fused_kernel[(1,)](x, w, out, out, 3, 3, s, s, s, 128, HAS_BIAS=False, GROUPS=2, LEAVES=2, BLOCK_M=16,
+                             BLOCK_N=16, BLOCK_K=64, PRECISION="tf32", num_warps=4, **LAUNCH)
+    check("far rows: gemm (2 K groups)",
+          same(out.clone(), gemm.linear(x.contiguous(), w.contiguous(), None, F16, k_group=128)))
+
+    v, real = 300, 290
+    logits = _far_copy(base, 13, (torch.randn(3, v, generator=gen) * 3).to(F16))
+    temps, tg = torch.tensor([1.0, 0.7, 1.3]), torch.tensor([5, 289, 100])
+    n_tiles = -(-v // logprob.VOCAB_TILE)
+    launch = logprob._stats_launch()
+
+    def stats(lg):
+        m_t, s_t, z_t = torch.empty(3, n_tiles), torch.empty(3, n_tiles, dtype=torch.int64), torch.zeros(3)
+        logprob._stats_kernel[(1, -(-v // launch["BLOCK_N"]))](lg, temps, tg, m_t, s_t, z_t, 3, v, 0, v, lg.stride(0),
+                                                              0, real, n_tiles, **launch)
+        return m_t, s_t, z_t
+    check("far rows: logprob stats", all(same(a, b) for a, b in zip(stats(logits), stats(logits.contiguous()))))
+
+    def dlogits(lg, dl):
+        logprob._dlogits_kernel[(1, 2)](lg, dl, temps, torch.tensor([9.0, 8.5, 9.5]), torch.tensor([1.0, -2.0, 0.5]),
+                                        tg, 3, v, 0, lg.stride(0), 0, real, LOG2E=logprob.LOG2E, BLOCK_M=32,
+                                        BLOCK_N=256, num_warps=4)
+        return dl.clone()
+    check("far rows: logprob dlogits",
+          same(dlogits(logits, _far(base, 14, 3, v)), dlogits(logits.contiguous(), torch.empty(3, v, dtype=F16))))
+    far_paged_attention(base, gen)
+
+
+def far_paged_attention(base: torch.Tensor, gen: torch.Generator) -> None:
+    """Paged decode and chunked prefill whose sequences sit in the last blocks of k, v caches laid over all of
+    `base` (block x block stride past 2^31 elements; k and v interleaved per token row, as one [.., 2, Hkv, d]
+    cache), against the same sequences in a small cache."""
+    heads, kv_heads, d, page = 4, 2, 32, 16
+    row = 2 * kv_heads * d
+    num_blocks = (base.numel() - row) // (page * row)
+    big_k = base.as_strided((num_blocks, page, kv_heads, d), (page * row, row, d, 1), 0)
+    big_v = base.as_strided((num_blocks, page, kv_heads, d), (page * row, row, d, 1), kv_heads * d)
+    lens = [40, 3, 70]
+    blocks = [-(-n // page) for n in lens]
+    used = sum(blocks)
+    local = torch.randperm(used, generator=gen).to(torch.int32)
+    small_table = torch.zeros(len(lens), max(blocks), dtype=torch.int32)
+    first = 0
+    for b, nb in enumerate(blocks):
+        small_table[b, :nb] = local[first:first + nb]
+        first += nb
+    big_table = num_blocks - 1 - small_table
+    check("far cache: its used blocks start past 2^31 elements",
+          int(big_table.min()) * page * row > 2**31 and big_k.stride(0) * num_blocks <= base.numel())
+    small_k = torch.randn(used + 1, page, kv_heads, d, generator=gen).to(F16)
+    small_v = torch.randn(used + 1, page, kv_heads, d, generator=gen).to(F16)
+    k = torch.randn(sum(lens), kv_heads, d, generator=gen).to(F16)
+    v = torch.randn(sum(lens), kv_heads, d, generator=gen).to(F16)
+    start = 0
+    for b, n in enumerate(lens):
+        pos = torch.arange(n)
+        for table, kc, vc in ((small_table, small_k, small_v), (big_table, big_k, big_v)):
+            slots = table[b, pos // page].long() * page + pos % page
+            kc.view(-1, kv_heads, d)[slots] = k[start:start + n]
+            vc.view(-1, kv_heads, d)[slots] = v[start:start + n]
+        start += n
+    seq_lens = torch.tensor(lens)
+    for name, q_lens, schedules in (("decode", [1, 1, 1], ("fused", "split")), ("chunked prefill", [10, 3, 20],
+                                                                                ("fused",))):
+        qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+        q = torch.randn(sum(q_lens), heads, d, generator=gen).to(F16)
+        for schedule in schedules:
+            far = attention.paged_attention(q, big_k, big_v, big_table, seq_lens, qsl, d ** -0.5, schedule=schedule)
+            near = attention.paged_attention(q, small_k, small_v, small_table, seq_lens, qsl, d ** -0.5,
+                                             schedule=schedule)
+            check(f"far cache: paged {name} ({schedule})", same(far, near))
+
+
 def main() -> None:
     gen = torch.Generator().manual_seed(0)
     for part in (elementwise, gemms, attentions, split_decode, cp_attention, logprobs, logprob_slice_stats,
-                 logprob_bf16_logits, logprob_full_log_softmax):
+                 logprob_bf16_logits, logprob_full_log_softmax, far_offsets):
         part(gen)
     print(f"INTERPRETER {'FAIL: ' + ', '.join(FAILED) if FAILED else 'PASS'}")
     sys.exit(1 if FAILED else 0)

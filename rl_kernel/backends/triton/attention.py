@@ -108,16 +108,18 @@ def _load_kv(k_ptr, v_ptr, k_desc, v_desc, block_table_ptr, b, stride_bt, kv_bas
     d = tl.arange(0, D)
     kv_ok = kpos < ctx_len
     if PAGED:
-        blk = tl.load(block_table_ptr + b * stride_bt + kpos // BLOCK_SIZE, mask=kv_ok, other=0)
+        blk = tl.load(block_table_ptr + b.to(tl.int64) * stride_bt + kpos // BLOCK_SIZE, mask=kv_ok, other=0)
         row = blk.to(tl.int64) * BLOCK_SIZE + kpos % BLOCK_SIZE
     else:
         row = (kv_base + kpos).to(tl.int64)
+    k_off = row[:, None] * stride_kt + kvh.to(tl.int64) * stride_kh + d[None, :]
+    v_off = row[:, None] * stride_vt + kvh.to(tl.int64) * stride_vh + d[None, :]
     if MASKED:
-        k = tl.load(k_ptr + row[:, None] * stride_kt + kvh * stride_kh + d[None, :], mask=kv_ok[:, None], other=0.0)
-        v = tl.load(v_ptr + row[:, None] * stride_vt + kvh * stride_vh + d[None, :], mask=kv_ok[:, None], other=0.0)
+        k = tl.load(k_ptr + k_off, mask=kv_ok[:, None], other=0.0)
+        v = tl.load(v_ptr + v_off, mask=kv_ok[:, None], other=0.0)
     else:
-        k = tl.load(k_ptr + row[:, None] * stride_kt + kvh * stride_kh + d[None, :])
-        v = tl.load(v_ptr + row[:, None] * stride_vt + kvh * stride_vh + d[None, :])
+        k = tl.load(k_ptr + k_off)
+        v = tl.load(v_ptr + v_off)
     return kpos, k, v
 
 
@@ -328,7 +330,7 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, k_desc, v_desc, out_ptr, part_ptr, counter
     H = KV_HEADS * G
     qpos = ctx_len - q_len + tok
     d = tl.arange(0, D)
-    q_off = (q0 + tok).to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :]
+    q_off = (q0 + tok).to(tl.int64)[:, None] * stride_qt + head.to(tl.int64)[:, None] * stride_qh + d[None, :]
     q = tl.load(q_ptr + q_off, mask=row_ok[:, None], other=0.0)
     last_pos = ctx_len - q_len + tl.minimum((tile + 1) * (BLOCK_M // G), q_len) - 1
     c_full = (ctx_len - q_len + tile * (BLOCK_M // G) + 1) // CHUNK  # chunks every row of the tile sees whole
@@ -368,7 +370,7 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, k_desc, v_desc, out_ptr, part_ptr, counter
         _store_rows(out_ptr, tl.div_rn(o_t, l_t[:, None]), q0, tok, head, row_ok, H, D)
         if STORE_LSE:  # natural log-sum-exp of the scaled scores, for the backward only (no bit contract)
             lse = (m_t + tl.log2(l_t)) * 0.6931471805599453
-            tl.store(lse_ptr + head * stride_lse_h + q0 + tok, lse, mask=row_ok)
+            tl.store(lse_ptr + head.to(tl.int64) * stride_lse_h + q0 + tok, lse, mask=row_ok)
 
 
 def _check(q: torch.Tensor, kv_heads: int, block_m: int) -> tuple[int, int]:
@@ -523,7 +525,8 @@ def _cp_split_kernel(q_ptr, k_ptr, v_ptr, pm_ptr, pl_ptr, po_ptr, q_row_ptr, pos
     row_ok = tok < tl.where(tile_ok, q_len, 0)
     qpos = tl.load(pos0_ptr + b) + tok
     d = tl.arange(0, D)
-    q_off = (tl.load(q_row_ptr + b) + tok).to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :]
+    q_off = ((tl.load(q_row_ptr + b) + tok).to(tl.int64)[:, None] * stride_qt + head.to(tl.int64)[:, None] * stride_qh
+             + d[None, :])
     q = tl.load(q_ptr + q_off, mask=row_ok[:, None], other=0.0)
     c0 = tl.load(split_ptr + b) * SPLIT_CHUNKS
     kv_base = tl.load(kv_base_ptr + b)
@@ -550,7 +553,8 @@ def _fold_kernel(pm_ptr, pl_ptr, po_ptr, start_ptr, out_ptr, H, stride_ot, strid
     n = tl.load(start_ptr + t + 1) - first
     row0 = (tl.zeros((1,), tl.int64) + first) * H + h
     out = _fold(pm_ptr, pl_ptr, po_ptr, 1, D, row0, H, tl.zeros((1,), tl.int32) + n, n, D)
-    tl.store(out_ptr + t.to(tl.int64) * stride_ot + h * stride_oh + d[None, :], out.to(out_ptr.dtype.element_ty))
+    tl.store(out_ptr + t.to(tl.int64) * stride_ot + h.to(tl.int64) * stride_oh + d[None, :],
+             out.to(out_ptr.dtype.element_ty))
 
 
 def split_partials(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_row: torch.Tensor, pos0: torch.Tensor,

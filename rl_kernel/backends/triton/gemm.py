@@ -122,11 +122,14 @@ def _group_dot(x_ptr, w_ptr, offs_m, offs_n, M, N, stride_xm, stride_wn, k_start
     offs_k = tl.arange(0, BLOCK_K)
     m_ok = offs_m[:, None] < M
     n_ok = offs_n[None, :] < N
+    # row bases in int64 once (M x K passes 2^31 at 175k tokens of K = 12288); the K offsets stay int32
+    x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
+    w_rows = w_ptr + offs_n.to(tl.int64)[None, :] * stride_wn
     for k0 in range(0, k_len, BLOCK_K):
         k_ok = (k0 + offs_k) < k_len
         kk = k_start + k0 + offs_k
-        a = tl.load(x_ptr + offs_m[:, None] * stride_xm + kk[None, :], mask=m_ok & k_ok[None, :], other=0.0)
-        b = tl.load(w_ptr + offs_n[None, :] * stride_wn + kk[:, None], mask=n_ok & k_ok[:, None], other=0.0)
+        a = tl.load(x_rows + kk[None, :], mask=m_ok & k_ok[None, :], other=0.0)
+        b = tl.load(w_rows + kk[:, None], mask=n_ok & k_ok[:, None], other=0.0)
         acc = tl.dot(a, b, acc, input_precision=PRECISION)
     return acc
 
@@ -192,7 +195,8 @@ def _fused_kernel(x_ptr, w_ptr, out_ptr, bias_ptr, M, N, stride_xm, stride_wn, s
     if HAS_BIAS:
         acc = acc + tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-    tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=mask)
 
 
 @triton.jit
@@ -205,15 +209,16 @@ def _split_kernel(x_ptr, w_ptr, part_ptr, M, N, stride_xm, stride_wn, k_group,
     acc = _group_dot(x_ptr, w_ptr, offs_m, offs_n, M, N, stride_xm, stride_wn, g * k_group, k_group,
                      BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-    tl.store(part_ptr + g * M * N + offs_m[:, None] * N + offs_n[None, :], acc, mask=mask)
+    rows = g.to(tl.int64) * M + offs_m  # partials [groups, M, N]: int64 before the products with N
+    tl.store(part_ptr + rows[:, None] * N + offs_n[None, :], acc, mask=mask)
 
 
 @triton.jit
 def _tree_kernel(part_ptr, out_ptr, bias_ptr, numel, N, HAS_BIAS: tl.constexpr, GROUPS: tl.constexpr,
                  LEAVES: tl.constexpr, LOG2_LEAVES: tl.constexpr, BLOCK: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # numel = M x N may pass 2^31
     mask = offs < numel
-    p = tl.load(part_ptr + offs[None, :] + tl.arange(0, LEAVES)[:, None] * numel,
+    p = tl.load(part_ptr + offs[None, :] + tl.arange(0, LEAVES).to(tl.int64)[:, None] * numel,
                 mask=mask[None, :] & (tl.arange(0, LEAVES)[:, None] < GROUPS), other=0.0)
     acc = tree_sum(tl.trans(p), LOG2_LEAVES)
     if HAS_BIAS:

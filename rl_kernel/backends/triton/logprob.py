@@ -52,6 +52,7 @@ MIN_STATE_BYTES = 1 << 25
 STATS_TILE = {"BLOCK_M": 16, "BLOCK_N": 256, "num_warps": 4}
 KEPT_SLICE_FACTOR = 4
 ROW_ALIGN = 128  # row chunks are whole multiples of the GEMM's row tiles where the budget allows
+LOG_SOFTMAX_TAIL_ELEMENTS = 1 << 26  # log_softmax's last elementwise pass, rows at a time: fp64 temporaries <= 0.5 GB
 # How the stats pass computes the contract's numbers (none moves a bit; tests/gpu compare each off): skip the
 # division at temperature 1, round to int64 in one cvt.rni, read the target's logit instead of summing it out.
 # H200: the stats pass over 8192 x 151936 logits takes 1.73 ms of GPU time, 2.64 with all three off
@@ -383,10 +384,15 @@ def full_log_softmax(logits32: torch.Tensor, temps: torch.Tensor, vocab_start: i
     total = torch.empty(rows, dtype=torch.int64, device=logits.device)
     _row_max_and_total(m_t, s_t, big_m, total, group)
     lse = _lse(big_m, total, group)
-    z = logits.to(torch.float32) / temps32.unsqueeze(-1) + 0.0  # IEEE div, as the kernels' div_rn; -0 -> +0 as there
-    column = vocab_start + torch.arange(v_local, device=logits.device)
-    out = (z.to(torch.float64) - lse.unsqueeze(-1)).to(torch.float32)
-    return out.masked_fill(column >= vocab_size, float("-inf"))
+    padded = vocab_start + torch.arange(v_local, device=logits.device) >= vocab_size
+    out = torch.empty(rows, v_local, dtype=torch.float32, device=logits.device)
+    step = max(1, LOG_SOFTMAX_TAIL_ELEMENTS // max(v_local, 1))
+    for a in range(0, rows, step):  # elementwise, so row blocks move no bit; they bound the fp64 temporaries
+        b = min(rows, a + step)
+        # IEEE div, as the kernels' div_rn; + 0.0 turns -0 into +0 as there
+        z = logits[a:b].to(torch.float32) / temps32[a:b].unsqueeze(-1) + 0.0
+        out[a:b] = (z.to(torch.float64) - lse[a:b].unsqueeze(-1)).to(torch.float32).masked_fill(padded, float("-inf"))
+    return out
 
 
 def _addmm_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:

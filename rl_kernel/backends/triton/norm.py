@@ -22,22 +22,24 @@ def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, T, D, stride_x, stride_y, eps,
                      BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     row_ok = rows < T
+    x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_x  # T x D passes 2^31 (int64 once, outside the loops)
+    y_rows = y_ptr + rows.to(tl.int64)[:, None] * stride_y
     cols = tl.arange(0, 64)
     acc = tl.zeros((BLOCK_T,), tl.float32)
     for d0 in range(0, D, 64):
         mask = row_ok[:, None] & ((d0 + cols) < D)[None, :]
-        x = tl.load(x_ptr + rows[:, None] * stride_x + d0 + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        x = tl.load(x_rows + d0 + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         block = tree_sum(x * x, 6)
         acc = tl.where(d0 == 0, block, acc + block)
     r = tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(acc, D.to(tl.float32)) + eps))
     for d0 in range(0, D, BLOCK_D):
         c = d0 + tl.arange(0, BLOCK_D)
         mask = row_ok[:, None] & (c < D)[None, :]
-        x = tl.load(x_ptr + rows[:, None] * stride_x + c[None, :], mask=mask, other=0.0)
+        x = tl.load(x_rows + c[None, :], mask=mask, other=0.0)
         w = tl.load(w_ptr + c, mask=c < D, other=0.0).to(tl.float32)
         normed = (x.to(tl.float32) * r[:, None]).to(x.dtype)
         y = (normed.to(tl.float32) * w[None, :]).to(x.dtype)
-        tl.store(y_ptr + rows[:, None] * stride_y + c[None, :], y, mask=mask)
+        tl.store(y_rows + c[None, :], y, mask=mask)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -78,7 +80,7 @@ def _rms_norm_backward_kernel(x_ptr, w_ptr, dy_ptr, dx_ptr, dw_ptr, T, D, eps, s
         dx = rstd[:, None] * (gxhat - xhat * (tl.sum(gxhat * xhat, 1) / D)[:, None])
         tl.store(dx_ptr + r64 * stride_dx + c[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
         dw += tl.sum(dy * xhat, 0)
-    tl.store(dw_ptr + pid * D + c, dw, mask=c_ok)
+    tl.store(dw_ptr + pid.to(tl.int64) * D + c, dw, mask=c_ok)
 
 
 def rms_norm_backward(x: torch.Tensor, weight: torch.Tensor, grad_y: torch.Tensor, eps: float

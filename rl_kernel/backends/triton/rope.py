@@ -18,15 +18,15 @@ from rl_kernel.backends.triton.numerics import LAUNCH
 def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, H, stride_xt, stride_xh, stride_ot, stride_oh, stride_c,
                  HALF: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
                  BLOCK_D: tl.constexpr):
-    t = tl.program_id(0)
+    t = tl.program_id(0).to(tl.int64)  # T x H x d passes 2^31 at 524k tokens of 32 x 128 query heads
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = heads < H
     i = tl.arange(0, BLOCK_HALF)
     i_ok = i < HALF
     c = tl.load(cos_ptr + t * stride_c + i, mask=i_ok, other=0.0)[None, :]
     s = tl.load(sin_ptr + t * stride_c + i, mask=i_ok, other=0.0)[None, :]
-    base = x_ptr + t * stride_xt + heads[:, None] * stride_xh
-    obase = out_ptr + t * stride_ot + heads[:, None] * stride_oh
+    base = x_ptr + (t * stride_xt + heads.to(tl.int64)[:, None] * stride_xh)
+    obase = out_ptr + (t * stride_ot + heads.to(tl.int64)[:, None] * stride_oh)
     mask = h_ok[:, None] & i_ok[None, :]
     x1 = tl.load(base + i[None, :], mask=mask, other=0.0)
     x2 = tl.load(base + HALF + i[None, :], mask=mask, other=0.0)
