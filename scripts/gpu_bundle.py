@@ -320,6 +320,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--xz", default="9e", help="xz preset (default 9e)")
     ap.add_argument("--xz-dict-mib", type=int, default=256,
                     help="xz dictionary in MiB (default 256: matches across Ray's binaries; unpacking needs as much)")
+    ap.add_argument("--xz-threads", type=int, default=1,
+                    help="xz threads (default 1: one block, smallest; more: faster, a little larger)")
     args = ap.parse_args(argv)
     repo = Path(__file__).resolve().parent.parent
 
@@ -362,10 +364,10 @@ def main(argv: list[str] | None = None) -> int:
         extra = {"target": {"python": args.python, "platform": args.platform, "torch": args.torch},
                  "stripped": removed, "expects_on_image": from_image,
                  "left_out": {k: v for k, v in sorted(LEFT_OUT.items())}}
-        say(f"compressing (tar | xz -{args.xz}, dictionary {args.xz_dict_mib} MiB, one thread); "
+        say(f"compressing (tar | xz -{args.xz}, dictionary {args.xz_dict_mib} MiB, {args.xz_threads} thread(s)); "
             f"parts of at most {part / MIB:.2f} MiB")
         manifest = vime_bundle.pack(site, args.out, part, versions, extra, level=args.xz, work=Path(tmp),
-                                    dict_mib=args.xz_dict_mib)
+                                    dict_mib=args.xz_dict_mib, threads=args.xz_threads)
 
     whole = manifest["archive"]["size"]
     say(f"archive {whole / MIB:.1f} MiB, sha256 {manifest['archive']['sha256']}")

@@ -30,6 +30,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from rl_kernel.integrations.vllm.compat import SUPPORTED_VLLM, check_vllm_version, has_nccl_trainer_engine
+from rl_kernel.integrations.vllm.compat import finish_weight_update as _finish_with_version
 from rl_kernel.integrations.vllm.sampling import FORCED_TOKENS_KEY, TEMPERATURE_KEY
 from rl_kernel.modes import full_modes
 
@@ -41,7 +43,8 @@ SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM",)
 MODES_KEY = "rl_kernel_modes"  # additional_config entry: {boundary: mode} for every boundary
 
 __all__ = [
-    "ARCH", "FORCED_TOKENS_KEY", "MODES_KEY", "TEMPERATURE_KEY", "WEIGHT_TRANSFER_BACKEND", "finish_weight_update",
+    "ARCH", "FORCED_TOKENS_KEY", "MODES_KEY", "SUPPORTED_VLLM", "TEMPERATURE_KEY", "WEIGHT_TRANSFER_BACKEND",
+    "finish_weight_update",
     "forced_sampling_params", "native_llm_kwargs", "native_sampling_params", "push_weights", "register",
     "reset_evidence", "send_weights", "set_worker_modes", "strict_llm_kwargs", "strict_sampling_params",
     "worker_evidence", "worker_weight_versions",
@@ -49,7 +52,9 @@ __all__ = [
 
 
 def register() -> None:
-    """vLLM general-plugin entry point: safe to call repeatedly, in any vLLM process."""
+    """vLLM general-plugin entry point: safe to call repeatedly, in any vLLM process. Refuses (one line) a vLLM
+    outside `compat.SUPPORTED_VLLM`."""
+    check_vllm_version()
     from vllm import ModelRegistry
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
@@ -77,7 +82,10 @@ STRICT_CUDAGRAPH_MODE = "FULL_DECODE_ONLY"
 
 def _device_kwargs(device: str, transport: str | None) -> dict[str, Any]:
     """What depends on the target device: on CPU eager execution and `rl_kernel_cpu` (transport None);
-    on CUDA vLLM's own `ipc` (default) or `nccl` weight-transfer engine, and no forced eager execution."""
+    on CUDA vLLM's own `ipc` (default) or `nccl` weight-transfer engine, and no forced eager execution.
+    Refuses (one line, before any engine starts) a vLLM outside `SUPPORTED_VLLM`, and `nccl` on a vLLM
+    whose nccl engine lacks the trainer-side class rl_kernel's push drives."""
+    check_vllm_version()
     kind = str(device).split(":")[0]
     if kind == "cpu":
         if transport is not None:
@@ -89,6 +97,9 @@ def _device_kwargs(device: str, transport: str | None) -> dict[str, Any]:
     transport = transport or "ipc"
     if transport not in CUDA_WEIGHT_TRANSPORTS:
         raise ValueError(f"on CUDA the weight transport is one of {CUDA_WEIGHT_TRANSPORTS}, got {transport!r}")
+    if transport == "nccl" and not has_nccl_trainer_engine():
+        raise ValueError("this vLLM's nccl weight-transfer engine has no NCCLTrainerWeightTransferEngine (vLLM 0.26 "
+                         "drives it through static functions), which rl_kernel's nccl push needs: use transport='ipc'")
     return {"weight_transfer_config": {"backend": transport}}
 
 
@@ -228,7 +239,7 @@ def finish_weight_update(llm, version: int) -> None:
     """Close the update session: workers finish loading (a native model post-processes the layers
     still pending) and commit `version`, vLLM's engine weight version becomes `str(version)`, and the
     prefix cache is reset (its blocks hold K/V computed with the old weights)."""
-    llm.finish_weight_update(weight_version=str(version))
+    _finish_with_version(llm, str(version))
     if not llm.reset_prefix_cache():
         raise RuntimeError("weights updated, but vLLM could not reset its prefix cache (requests still running?); "
                            "update weights between generate calls")

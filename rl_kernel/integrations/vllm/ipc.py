@@ -1,7 +1,7 @@
 """rl_kernel's `ipc` weight push (`rl_kernel.models.weight_transfer`) into a vLLM engine on CUDA, through
 vLLM's own `ipc` weight-transfer engine (packed mode) and its weight-update API.
 
-Written against vllm 0.32 (`vllm/distributed/weight_transfer/ipc_engine.py`, `vllm/entrypoints/rl/offline.py`)
+Written against vllm 0.32 and 0.26 (`vllm/distributed/weight_transfer/ipc_engine.py`; their differences: compat)
 and tested only with a stand-in `llm` object: no machine here runs vLLM on a GPU (docs/vllm.md, "CUDA path:
 written, not run").
 """
@@ -9,6 +9,7 @@ written, not run").
 from __future__ import annotations
 
 from rl_kernel.integrations.vllm import finish_weight_update
+from rl_kernel.integrations.vllm.compat import ipc_init_info, ipc_update_info
 from rl_kernel.models.weight_transfer import ALIGN, TensorMeta, WeightReceiver
 
 
@@ -26,8 +27,9 @@ class VllmIPCReceiver(WeightReceiver):
     def __init__(self, llm, expected: dict[str, TensorMeta], *, version: int = 0):
         super().__init__(load=None, device="cpu", expected=expected, version=version)  # type: ignore[arg-type]
         self.llm = llm
-        # vLLM's ipc engine reads `packed` from its init info (default False): rl_kernel pushes packed buckets
-        llm.init_weight_transfer_engine({"init_info": {"packed": True}})
+        # rl_kernel pushes packed buckets: vLLM's ipc engine reads `packed` from its init info (0.32) or from
+        # each update (0.26), default False (compat)
+        llm.init_weight_transfer_engine({"init_info": ipc_init_info(packed=True)})
 
     def handle(self, msg: dict) -> dict | None:
         ack = super().handle(msg)
@@ -45,6 +47,6 @@ class VllmIPCReceiver(WeightReceiver):
         if padded:
             raise ValueError(f"vLLM's packed IPC reader takes tensors back to back, but {len(padded)} tensor(s) of "
                              f"bucket {msg.get('bucket')} are padded to {ALIGN} bytes, e.g. {padded[:3]}")
-        self.llm.update_weights({"update_info": {
-            "names": [m.name for m in metas], "dtype_names": [m.dtype_name for m in metas],
-            "shapes": [list(m.shape) for m in metas], "ipc_handles": msg["ipc_handle"], "tensor_sizes": sizes}})
+        self.llm.update_weights({"update_info": ipc_update_info(
+            [m.name for m in metas], [m.dtype_name for m in metas], [list(m.shape) for m in metas],
+            msg["ipc_handle"], sizes)})

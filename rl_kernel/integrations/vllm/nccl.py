@@ -25,6 +25,7 @@ from dataclasses import asdict
 import torch
 
 from rl_kernel.integrations.vllm import finish_weight_update
+from rl_kernel.integrations.vllm.compat import get_weight_version
 from rl_kernel.models.weight_transfer import (
     TensorMeta,
     WeightReceiver,
@@ -34,11 +35,12 @@ from rl_kernel.models.weight_transfer import (
     metas_of,
 )
 from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
-from vllm.distributed.weight_transfer.nccl_engine import (
-    NCCLTrainerInitInfo,
-    NCCLTrainerWeightTransferEngine,
-    NCCLWeightTransferUpdateInfo,
-)
+from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferUpdateInfo
+
+try:
+    from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo, NCCLTrainerWeightTransferEngine
+except ImportError:  # vLLM 0.26: a trainer side of static functions this push does not drive (compat)
+    NCCLTrainerInitInfo = NCCLTrainerWeightTransferEngine = None
 from vllm.distributed.weight_transfer.packed_tensor import DEFAULT_PACKED_BUFFER_SIZE_BYTES
 
 Send = Callable[[list[dict]], list]  # msgs[i] to engine i; returns the engines' replies, in order
@@ -140,6 +142,9 @@ class VllmNCCLSender:
                  buffer_bytes: int = DEFAULT_PACKED_BUFFER_SIZE_BYTES, trainer_init: Callable | None = None):
         self._send, self.engines, self.host = send, engines, host
         self.dtype, self.buffer_bytes = _dtype(dtype), buffer_bytes
+        if trainer_init is None and NCCLTrainerWeightTransferEngine is None:
+            raise ValueError("this vLLM's nccl weight-transfer engine has no NCCLTrainerWeightTransferEngine "
+                             "(vLLM 0.26), which this push drives: use the ipc transport")
         self._trainer_init = trainer_init or NCCLTrainerWeightTransferEngine.trainer_init
         self.client: EngineClient | None = None
         self.engine = None  # vLLM's trainer engine, once the group is formed
@@ -227,7 +232,7 @@ class VllmNCCLReceiver(WeightReceiver):
             raise WeightVersionError(f"version {version}: vLLM was sent {got}, not the {len(self._offered)} tensors "
                                      "checked at start")
         finish_weight_update(self.llm, version)
-        served = self.llm.get_weight_version()
+        served = get_weight_version(self.llm)
         if served != str(version):
             raise WeightVersionError(f"vLLM serves weight version {served!r} after the push of version {version}")
         self.version, self._pending = version, None
