@@ -65,6 +65,10 @@ def elementwise(gen: torch.Generator) -> None:
         r = 1.0 / (blocked_sum(x32 * x32) / 200 + 1e-6).double().sqrt().float()
         ref = ((x32 * r[:, None]).to(dtype).float() * w.float()).to(dtype)
         check(f"rms_norm {dtype} == torch contract", same(norm.rms_norm(x, w, 1e-6), ref))
+        # past SMALL_T rows the kernel takes BLOCK_T rows a program: each row's bits as with one row a program
+        many = torch.cat([x, (torch.randn(norm.SMALL_T, 200, generator=gen) * 3).to(dtype)])
+        check(f"rms_norm {dtype} rows per program move no bit",
+              same(norm.rms_norm(many, w, 1e-6)[: x.shape[0]], norm.rms_norm(x, w, 1e-6)))
         x = (torch.randn(7, 600, generator=gen) * 4).to(dtype)
         check(f"silu_and_mul {dtype} == torch backend", same(activation.silu_and_mul(x), torch_act.silu_and_mul(x)))
         x = torch.randn(9, 3, 32, generator=gen).to(dtype)

@@ -137,7 +137,9 @@ def _update_over_ipc(llm, model_path, reference, prompts, params) -> dict:
     reference.load_hf_weights(new)
     tokens, logprobs = _tokens_and_logprobs(llm.generate([{"prompt_token_ids": p} for p in prompts], params,
                                                          use_tqdm=False))
-    return {"ack": pushed, "served": llm.get_weight_version(), "tokens": tokens, "logprobs": logprobs,
+    from rl_kernel.integrations.vllm.compat import get_weight_version
+
+    return {"ack": pushed, "served": get_weight_version(llm), "tokens": tokens, "logprobs": logprobs,
             "want": _teacher_forcing(reference, prompts, tokens)}
 
 

@@ -332,8 +332,8 @@ def test_model_attention_writes_then_reads_the_flash_attn_cache(monkeypatch):
     slots = torch.randperm(BLOCKS * BLOCK_SIZE, generator=g)[: q.shape[0]]
     meta.slot_mapping = slots
     monkeypatch.setattr(vllm_attention, "get_attention_context", lambda name: (meta, _Layer(), layer, None))
-    model = SimpleNamespace(attn=[_Layer()], shape=SimpleNamespace(head_dim=HEAD_DIM),
-                            model=SimpleNamespace(scale=SCALE))  # what _attention reads of the model
+    model = SimpleNamespace(attn=[_Layer()], shape=SimpleNamespace(head_dim=HEAD_DIM),  # what _attention reads
+                            model=SimpleNamespace(scale=SCALE), _flash_writer=None)  # no vLLM CUDA op on CPU
     with rk.mode("strict"):
         out = RLKernelQwen3ForCausalLM._attention(model, 0, q, k, v)
         expected = _paged_attention_compact(q, k_cache, v_cache, meta, SCALE)

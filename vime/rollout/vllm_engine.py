@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from rl_kernel.integrations.vllm import compat
 from vime.config import RolloutConfig
 from vime.errors import EngineDiedError, WeightSyncError
 
@@ -117,8 +118,10 @@ def _reseed_worker(worker, seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def _versions(output, n: int) -> list[int]:
-    spans = getattr(output, "weight_versions", None)
+def _versions(output, n: int, served: str) -> list[int]:
+    """Each of the completion's `n` tokens' weight version (`served`: the engine's version when `generate` began,
+    for vLLMs whose completions carry no spans)."""
+    spans = compat.weight_version_spans(output, served)
     if not spans:
         raise WeightSyncError("vLLM returned no weight-version spans for a completion: cannot attribute its tokens "
                               "to a weight version")
@@ -168,7 +171,7 @@ class VllmRollout:
         self.top_k, self.top_p = -1, 1.0  # set from the sampling parameters of each `generate`
         self._updating: int | None = None  # version of the open weight-update session
         self._receiver = None  # CUDA: the push's receiver (rl_kernel.integrations.vllm.ipc / .nccl), made on first use
-        self.llm.update_weight_version("0")
+        compat.update_weight_version(self.llm, "0")
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float,
                  stop_token_ids: list[int], seed: int) -> list[tuple[list[int], list[float], list[int]]]:
@@ -182,6 +185,7 @@ class VllmRollout:
         params = [make(temperature=temperature, max_tokens=max_new_tokens, logprobs=0,
                        stop_token_ids=list(stop_token_ids)) for _ in prompts]
         self.top_k, self.top_p = int(params[0].top_k), float(params[0].top_p)  # recorded on every sample
+        served = compat.get_weight_version(self.llm)
         outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         results = []
         for out in outs:
@@ -191,7 +195,7 @@ class VllmRollout:
                 raise RuntimeError(f"vLLM returned {0 if c.logprobs is None else len(c.logprobs)} logprob entries for "
                                    f"{len(ids)} tokens (request logprobs=0)")
             logprobs = [float(c.logprobs[j][t].logprob) for j, t in enumerate(ids)]
-            results.append((ids, logprobs, _versions(c, len(ids))))
+            results.append((ids, logprobs, _versions(c, len(ids), served)))
         return results
 
     def set_modes(self, modes: dict[str, str]) -> None:
@@ -261,7 +265,7 @@ class VllmRollout:
         """All buckets of `version` are in: finish the update session and serve `version` from now on."""
         if self.cuda:  # the push's `finish` has finished vLLM's update session
             pushed = None if self._receiver is None else self._receiver.version
-            served = int(self.llm.get_weight_version())
+            served = int(compat.get_weight_version(self.llm))
             if pushed != version or served != version:
                 raise WeightSyncError(f"asked to serve weight version {version}; the last {self.transport} push was "
                                       f"version {pushed} and vLLM serves {served}")
@@ -274,11 +278,11 @@ class VllmRollout:
             self.rkv.finish_weight_update(self.llm, version)
             self._updating = None
         else:
-            self.llm.update_weight_version(str(version))
+            compat.update_weight_version(self.llm, str(version))
         workers = self.rkv.worker_weight_versions(self.llm)
         if any(v != version for v in workers):
             raise WeightSyncError(f"vLLM workers hold weight versions {workers}, expected {version}")
-        self.version = int(self.llm.get_weight_version())
+        self.version = int(compat.get_weight_version(self.llm))
         return self.version
 
     def sleep(self) -> None:
