@@ -226,6 +226,9 @@ def cuda_parity(path: Path, results: list[dict]) -> None:
 
 def run_cuda(args) -> int:
     modes = args.modes.split(",")
+    # the engines run vLLM's default multiprocess core; the timed weight push sends CUDA IPC handles to it, which
+    # vLLM's msgpack passes only as pickles (this benchmark's own handles, on this machine)
+    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     with tempfile.TemporaryDirectory() as tmp:
         path = make_tiny_qwen3(Path(tmp) / "qwen3_8b_shapes", num_layers=args.layers, device="cuda",
                                init_std=0.02, **QWEN3_8B)

@@ -23,6 +23,7 @@ PY=${PYTHON:-python3}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false RAY_USAGE_STATS_ENABLED=0 VLLM_NO_USAGE_STATS=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # never NVLink multicast
+export VLLM_USE_FLASHINFER_SAMPLER=0  # FlashInfer is not in the bundle
 
 bash scripts/gpu_stage.sh
 case $? in

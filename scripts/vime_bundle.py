@@ -276,7 +276,8 @@ def _plugin_dist_info(site: Path, repo: Path) -> None:
 
 
 def _env_line(repo: Path, site: Path) -> str:
-    return f'export PYTHONPATH={repo}:{site}${{PYTHONPATH:+:$PYTHONPATH}}'
+    # FlashInfer is not in the bundle: vLLM's sampler must not reach for it (its import is unguarded there)
+    return f'export PYTHONPATH={repo}:{site}${{PYTHONPATH:+:$PYTHONPATH}} VLLM_USE_FLASHINFER_SAMPLER=0'
 
 
 def stage(incoming: Path, store: Path, site: Path, repo: Path, env_file: Path | None,

@@ -58,10 +58,20 @@ def reference(model_path):
 
 
 def _llm(**kwargs):
+    """An engine whose core runs in this process, as vime's rollout actors run it: calls such as the IPC weight
+    update reach the worker without vLLM's msgpack (which refuses CUDA IPC handles between processes)."""
     vllm = pytest.importorskip("vllm")
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    return vllm.LLM(**kwargs)
+    saved = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    try:
+        return vllm.LLM(**kwargs)
+    finally:
+        if saved is None:
+            os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING")
+        else:
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = saved
 
 
 def _close(llm) -> None:

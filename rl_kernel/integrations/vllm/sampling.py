@@ -62,6 +62,15 @@ def _rejections(params) -> list[str]:
     return problems
 
 
+def _warm_up(device: torch.device, vocab_size: int) -> None:
+    """Compile the strict log-softmax's kernels for the batch shapes Triton specialises on (one row, a multiple of
+    16, neither) while the engine starts, not during the first sampling step (vLLM's warm-up never runs a
+    logits processor)."""
+    with rk.mode("strict", "logprob"):
+        for rows in (1, 2, 16):
+            rk.log_softmax(torch.zeros(rows, vocab_size, dtype=torch.float32, device=device), 1.0)
+
+
 try:
     from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
 except ImportError:  # vLLM not installed: the helpers in this package still import
@@ -85,6 +94,8 @@ class StrictLogprobsProcessor(LogitsProcessor):
         # the batch's temperatures as a host tensor (pinned: copied to the GPU without a wait), per distinct batch:
         # an RL batch keeps one for every step, so no decode step waits for the device
         self._batch_temps: dict[tuple[float, ...], torch.Tensor] = {}
+        if torch.device(device).type == "cuda":
+            _warm_up(torch.device(device), vllm_config.model_config.get_vocab_size())
         # batch row -> (forced token ids, the request's running output token list)
         self.forced: dict[int, tuple[list[int], list[int]]] = {}
 
