@@ -92,7 +92,7 @@ def restart_engine(driver, engine: int, cause: str, who: str | None = None) -> N
         ray.kill(driver.engines[engine], no_restart=True)
     except Exception:  # noqa: BLE001 - it is dead already; kill only frees its name and bundle
         pass
-    replace_on_capacity(driver, engine, cause)
+    replace_on_capacity(driver, engine)
     driver.engines[engine] = driver.new_engine(engine)
     info = call([driver.engines[engine].info.remote()], "restart", [f"rollout engine {engine}"])[0]
     driver.timeline.engine_versions[engine] = info["version"]
@@ -102,7 +102,7 @@ def restart_engine(driver, engine: int, cause: str, who: str | None = None) -> N
                 driver.timeline.trainer_version)
 
 
-def replace_on_capacity(driver, engine: int, cause: str) -> None:
+def replace_on_capacity(driver, engine: int) -> None:
     """Wait until rollout engine `engine`'s bundle is placed on an alive node (at once unless its node was
     lost) and give the engine the weight path of that node; EngineDiedError when no node takes it within
     `ray.restart_wait_s` (the run then stops with the resume command)."""
@@ -117,10 +117,10 @@ def replace_on_capacity(driver, engine: int, cause: str) -> None:
     if node is None:
         mark = role_resources(cfg)["rollout"]
         bundle = pg.bundle_specs[engine]
-        first = (cause.splitlines() or [""])[0][:200]
+        fate = "is gone" if before not in placement.alive_nodes() else "has no room for it"
         raise EngineDiedError(
-            f"rollout engine {engine} died (its node {placement.node_address(before)} is gone: {first}) and no "
-            f"alive node took its bundle {bundle} within ray.restart_wait_s={cfg.ray.restart_wait_s:g} s"
+            f"rollout engine {engine} died, its node {placement.node_address(before)} {fate}, and no alive node "
+            f"took its bundle {bundle} within ray.restart_wait_s={cfg.ray.restart_wait_s:g} s"
             + (f" (a node must declare '{mark}')" if mark else "") + "; add capacity to the cluster and resume")
     if node != before:
         driver.engine_nodes[engine] = node

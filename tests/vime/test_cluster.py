@@ -427,7 +427,8 @@ def test_a_lost_rollout_node_without_capacity_left_stops_the_run_and_resume_fini
     proc = _train(out, opt_cluster.address, "steps=4", "checkpoint.every=1", "ray.restart_wait_s=10")
     text = _lose_after_step(proc, out, opt_cluster, "B", 0)
     assert proc.returncode == 1, text[-6000:]
-    assert "rollout engine 0 died (its node 127.0.0.3 is gone" in text and "no alive node took its bundle" in text \
+    assert "EngineDiedError: rollout engine 0 died, its node 127.0.0.3 is gone, and no alive node took its bundle " \
+        "{'CPU': 1.0, 'vime_rollout': 0.001} within ray.restart_wait_s=10 s" in text \
         and "(a node must declare 'vime_rollout'); add capacity to the cluster and resume" in text, text[-6000:]
     assert f"with: python -m vime.train resume={out}" in text and "Traceback" not in text, text[-6000:]
     opt_cluster.nodes["B2"] = add_node(opt_cluster.cluster, num_cpus=1, resources={"vime_rollout": 1},
