@@ -180,7 +180,7 @@ def restore(driver, path: Path) -> dict[str, Any]:
     """Load checkpoint `path` into a started driver: trainer model + optimizer + RNG, the weight
     version, rollout engines synced to it, the driver's RNG. Returns the saved driver state."""
     from vime.driver import BUCKET_BYTES, call
-    from vime.weights.sync import push_transport, sync_weights
+    from vime.weights.sync import sync_weights
 
     state = load_state(path)
     versions = driver._call(driver.trainer, "load_checkpoint", "load checkpoint", str(path), trainer=True)
@@ -189,9 +189,9 @@ def restore(driver, path: Path) -> dict[str, Any]:
                               f"{state['version']}")
     driver.timeline.trainer_version = state["version"]
     driver.timeline.step = state["next_step"]
-    cfg = driver.cfg  # over the configured transport: a vLLM engine on CUDA takes no object-store weights
+    # over each engine's weight path, as a step's sync: a vLLM engine on CUDA takes no object-store weights
     sync_weights(driver.trainer, driver.engines, state["version"], BUCKET_BYTES, driver.timeline, call,
-                 push_transport(cfg.weights.transport, cfg.rollout.engine))
+                 driver.weight_paths, driver.cfg.rollout.engine)
     set_rng_state(state["rng"])
     log.info("resumed from %s: weight version %d, next step %d", path, state["version"], state["next_step"])
     if state["next_step"] >= driver.cfg.steps and driver.cfg.checkpoint.export_hf and \

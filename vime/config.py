@@ -141,6 +141,11 @@ class RayConfig:
     num_gpus: int = 0
     cpus_per_actor: float = 1.0
     gpus_per_actor: float = 0.0
+    # Across nodes (`ray.address`): a custom node resource marking the nodes each role may run on
+    # (`ray start --resources='{"vime_trainer": 1}'`); null: any node. configs/placement/*.yaml set them.
+    trainer_resource: str | None = None
+    rollout_resource: str | None = None    # colocated engines (weights.colocate) take the trainer's nodes
+    restart_wait_s: float = 60.0   # how long a lost engine waits for capacity to be restarted on before the run stops
 
 
 @dataclass
@@ -296,6 +301,14 @@ def validate(cfg: VimeConfig) -> VimeConfig:
     _require(r.sleep_level == 0 or (cfg.device == "cuda" and r.engine == RolloutBackend.vllm),
              f"rollout.sleep_level={r.sleep_level} with device={cfg.device}, rollout.engine={r.engine.value}",
              "sleep mode is vLLM's, on CUDA: set rollout.sleep_level=0")
+    marked = [k for k in ("trainer_resource", "rollout_resource") if getattr(cfg.ray, k)]
+    _require(not marked or cfg.ray.address, f"ray.{marked[0] if marked else ''} without ray.address",
+             "node resources mark the nodes of a running cluster: set ray.address (auto after `ray start`), or "
+             "unset them for a local run")
+    _require(not (cfg.weights.colocate and cfg.ray.rollout_resource not in (None, cfg.ray.trainer_resource)),
+             f"weights.colocate=true with ray.rollout_resource={cfg.ray.rollout_resource}",
+             "colocated engines run on the trainer's nodes: unset ray.rollout_resource (or set weights.colocate=false)")
+    _require(cfg.ray.restart_wait_s > 0, f"ray.restart_wait_s={cfg.ray.restart_wait_s}", "use a time > 0 (seconds)")
     if cfg.device == "cpu":
         _require(r.engine != RolloutBackend.vllm or r.tp <= 2, f"rollout.tp={r.tp} on CPU",
                  "this CPU build runs at most TP2 per engine")

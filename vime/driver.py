@@ -23,13 +23,13 @@ from vime.config import Mode, VimeConfig, as_dict, side_modes
 from vime.data.dataset import PromptSet, load_tokenizer, model_vocab_size
 from vime.engines import Sample
 from vime.errors import ComparabilityError, EngineDiedError, TrainingError, VimeError
-from vime.layout import check_layout, ray_node_gpus, read_config_json
+from vime.layout import check_layout, ray_node_gpus, ray_node_resources, read_config_json, role_resources
 from vime.metrics_log import MetricsLogger
 from vime.rollout.actor import RolloutWorker
 from vime.timeline import Timeline
 from vime.trainer.actor import TrainerWorker
 from vime.trainer.grpo import group_advantages
-from vime.weights.sync import push_transport, sync_weights
+from vime.weights.sync import sync_weights
 
 log = logging.getLogger("vime")
 BUCKET_BYTES = 64 << 20
@@ -125,16 +125,21 @@ class Driver:
         if not cfg.verbose:  # engine and framework output goes to <output_dir>/engines.log, not the console
             env["VIME_ENGINE_LOG"] = str((self.output_dir / "engines.log").resolve())
         placement.start_ray(cfg.ray, env, log_to_driver=cfg.verbose, log_file=env.get("VIME_ENGINE_LOG"))
-        check_layout(cfg, ray_node_gpus(ray.nodes()), read_config_json(self.model_path))  # before any engine
+        nodes = ray.nodes()
+        check_layout(cfg, ray_node_gpus(nodes), read_config_json(self.model_path),  # before any engine
+                     ray_node_resources(nodes))
         faults.install_signal_handlers()  # after ray.init: its core worker sets its own SIGTERM handler
         if cfg.ray.address:
             preflight.check_resources(cfg, ray.available_resources(), f"the cluster at {cfg.ray.address} has "
                                       f"{ray.available_resources()}")
         gpus = cfg.ray.gpus_per_actor if cfg.device == "cuda" else 0.0
         n_ranks = cfg.trainer.tp * cfg.trainer.cp
-        trainer_pg = placement.make_group("trainer", [placement.bundle(cfg.ray, gpus)] * n_ranks)
-        rollout_pg = placement.make_group("rollout", [placement.bundle(cfg.ray, gpus * cfg.rollout.tp)]
-                                          * cfg.rollout.num_engines)
+        marks = role_resources(cfg)  # the nodes each role may run on (any, on one node)
+        trainer_pg = placement.make_group("trainer", [placement.bundle(cfg.ray, gpus, marks["trainer"])] * n_ranks)
+        self.rollout_pg = rollout_pg = placement.make_group(
+            "rollout", [placement.bundle(cfg.ray, gpus * cfg.rollout.tp, marks["rollout"])] * cfg.rollout.num_engines)
+        # each engine's weight path by its node (vime.layout.engine_transports); a restart may move it
+        self.trainer_node, self.engine_nodes, self.weight_paths = placement.weight_paths(cfg, trainer_pg, rollout_pg)
         Rollout = ray.remote(RolloutWorker)
         Trainer = ray.remote(TrainerWorker)
         self.new_engine = lambda i: Rollout.options(  # noqa: E731 - also used to replace a dead engine
@@ -142,7 +147,7 @@ class Driver:
             scheduling_strategy=placement.in_group(rollout_pg, i),
             name=f"rollout-{i}" + (f"-restart{self.engine_restarts}" if self.engine_restarts else "")
         ).remote(i, cfg.rollout, self.model_path, cfg.model.dtype, cfg.device, self.rollout_modes, cfg.seed,
-                 str(cfg.weights.transport))
+                 str(self.weight_paths[i]))
         self.engines = [self.new_engine(i) for i in range(cfg.rollout.num_engines)]
         self.trainer = [Trainer.options(num_cpus=cfg.ray.cpus_per_actor, num_gpus=gpus,
                                         scheduling_strategy=placement.in_group(trainer_pg, r), name=f"trainer-{r}")
@@ -150,8 +155,8 @@ class Driver:
                                 self.trainer_modes, cfg.seed, cfg.algo.kl_coef, cfg.algo.clip_eps)
                         for r in range(n_ranks)]
         self.rendezvous = placement.rendezvous_file(cfg.ray)
-        init = f"file://{self.rendezvous}" if self.rendezvous else \
-            "tcp://{}:{}".format(*call([self.trainer[0].address.remote()], "rendezvous", ["trainer rank 0"])[0])
+        init = f"file://{self.rendezvous}" if self.rendezvous else placement.tcp_url(
+            *call([self.trainer[0].address.remote()], "rendezvous", ["trainer rank 0"])[0])
         with tqdm(total=2, desc="starting engines", leave=False, disable=None) as bar:
             # trainer and rollout start together, except vLLM sharing the trainer's GPUs: vLLM sizes its KV
             # cache from the memory it measures while it starts, so the trainer loads after it
@@ -230,11 +235,11 @@ class Driver:
         result = consistency.compare([consistency.rollout_tensor(s.logprobs) for s in samples],
                                      [sc.logprobs for sc in scored], [sc.positions for sc in scored],
                                      [sc.token_ids for sc in scored])
-        transport = push_transport(cfg.weights.transport, cfg.rollout.engine)
         if cfg.rollout.sleep_level:
             self._call(self.engines, "wake_up", "wake up")
         sync = restart.sync(self, lambda: sync_weights(self.trainer, self.engines, self.timeline.trainer_version,
-                                                       BUCKET_BYTES, self.timeline, call, transport))
+                                                       BUCKET_BYTES, self.timeline, call, self.weight_paths,
+                                                       cfg.rollout.engine))
         rewards = torch.tensor([s.reward for s in samples])
         tied = report.tied_groups(rewards.tolist(), cfg.algo.group_size)
         warning = report.no_signal_warning(step, rewards.tolist(), cfg.algo.group_size)

@@ -1,4 +1,4 @@
-"""The run's GPU layout, checked against the cluster before any engine starts.
+"""The run's layout, checked against the cluster before any engine starts, and each engine's weight path.
 
 `check_layout(cfg, node_gpus, model)` places the trainer (Megatron TP x CP ranks, one GPU each, a TP group
 inside one node) and the rollout engines (`num_engines` x TP GPUs, each engine inside one node) on a
@@ -7,6 +7,18 @@ every TP divides the model's attention heads, KV heads and MLP width; the GPUs e
 transport fits the placement (`ipc`: engines colocated on the trainer's GPUs, CUDA IPC inside a node;
 `nccl`: engines on GPUs of their own; `object_store`: Ray's object store, the CPU transport). It
 returns the placement; a layout that cannot run raises ConfigError naming what to change.
+
+Roles across nodes (`ray.trainer_resource`, `ray.rollout_resource`): a custom node resource that marks
+the nodes a role may run on (`ray start --resources='{"vime_rollout": 1}'`). `check_roles` refuses a
+cluster whose marked nodes cannot hold the role (naming the resource and the numbers), on CPU and GPU,
+before any engine starts; `check_layout` places GPU roles on their marked nodes only.
+
+Weight path by locality (`weights.transport=auto`, the default; `engine_transports`): an engine on trainer
+rank 0's node takes the fast local path, one on another node a network transport. On CPU: `object_store`
+(Ray's shared-memory object store of the node: nothing crosses a network) locally, `gloo` (rl_kernel's
+weight-push group: rank 0 broadcasts packed buckets over TCP between the nodes' addresses) remotely. On
+GPUs: `ipc` for engines colocated on the trainer's GPUs, else `nccl`. Locality is decided by Ray node id,
+never by whether a path happens to reach (nodes simulated on one host share /dev/shm).
 """
 
 from __future__ import annotations
@@ -22,15 +34,21 @@ if TYPE_CHECKING:
 
 
 class Transport(StrEnum):
+    auto = "auto"                  # per engine, by locality (`engine_transports`)
     object_store = "object_store"  # Ray's object store (CPU runs; the trainer's rank 0 exports buckets)
     ipc = "ipc"                    # CUDA IPC handles (vLLM `ipc` / rl_kernel.models.weight_transfer): colocated
     nccl = "nccl"                  # NCCL broadcast from the trainer's rank 0 (vLLM `nccl`): separate GPUs
+    gloo = "gloo"                  # rl_kernel's push group on CPU (gloo broadcast over TCP): engines on other nodes
+
+
+CPU_TRANSPORTS = (Transport.auto, Transport.object_store, Transport.gloo)
+ROLE_MARK = 0.001  # what one bundle asks of its role's node resource: a node declaring 1 holds any number
 
 
 @dataclass
 class WeightsConfig:
-    transport: Transport = Transport.object_store
-    colocate: bool = False         # rollout engines on the trainer's GPUs (time-shared; needs transport=ipc)
+    transport: Transport = Transport.auto
+    colocate: bool = False         # rollout engines on the trainer's nodes; on GPUs on its GPUs (time-shared, CUDA IPC)
     bucket_bytes: int = 1 << 30    # packed bucket size (vLLM's default packed buffer: 1 GiB)
 
 
@@ -48,6 +66,11 @@ def ray_node_gpus(nodes: list[dict[str, Any]]) -> list[int]:
     return [int(n.get("Resources", {}).get("GPU", 0)) for n in nodes if n.get("Alive", True)]
 
 
+def ray_node_resources(nodes: list[dict[str, Any]]) -> list[dict[str, float]]:
+    """Total resources per alive node from `ray.nodes()`, in the order of `ray_node_gpus`."""
+    return [dict(n.get("Resources", {})) for n in nodes if n.get("Alive", True)]
+
+
 def _fail(what: str, fix: str) -> None:
     raise ConfigError(f"{what}: {fix}")
 
@@ -62,21 +85,70 @@ def check_model_tp(model: dict[str, Any], tp: int, side: str) -> None:
                   f"choose a {side}.tp that divides {key}")
 
 
-def check_layout(cfg: VimeConfig, node_gpus: list[int], model: dict[str, Any]) -> Placement:
-    """Place the run on the cluster (`node_gpus`: GPUs per node) or raise ConfigError; `model` is the HF
-    config.json of the checkpoint (head counts)."""
+def role_resources(cfg: VimeConfig) -> dict[str, str | None]:
+    """The node resource that marks each role's nodes (None: any node). Colocated engines share the
+    trainer's nodes, so they take the trainer's."""
+    trainer = cfg.ray.trainer_resource
+    return {"trainer": trainer, "rollout": trainer if cfg.weights.colocate else cfg.ray.rollout_resource}
+
+
+def role_needs(cfg: VimeConfig) -> dict[str, tuple[int, dict[str, float]]]:
+    """Actors and the resources of one actor's bundle, per role."""
+    gpus = cfg.ray.gpus_per_actor if cfg.device == "cuda" else 0.0
+    one = lambda g: {"CPU": cfg.ray.cpus_per_actor} | ({"GPU": g} if g else {})  # noqa: E731
+    return {"trainer": (cfg.trainer.tp * cfg.trainer.cp, one(gpus)),
+            "rollout": (cfg.rollout.num_engines, one(gpus * cfg.rollout.tp))}
+
+
+def check_roles(cfg: VimeConfig, nodes: list[dict[str, float]]) -> None:
+    """Every role whose nodes are marked (`ray.trainer_resource` / `ray.rollout_resource`) finds alive nodes
+    that declare the resource and hold its actors' CPUs and GPUs (totals, and one bundle inside one node),
+    else a ConfigError naming what is missing. Roles marked alike share those nodes: their sum must fit.
+    `nodes`: each alive node's total resources (`ray_node_resources`)."""
+    marks, needs = role_resources(cfg), role_needs(cfg)
+    for mark in dict.fromkeys(m for m in marks.values() if m):
+        roles = [role for role, m in marks.items() if m == mark]
+        who = " and ".join(roles)
+        flag = f"ray start --resources='{{\"{mark}\": 1}}'"
+        marked = [n for n in nodes if n.get(mark, 0) > 0]
+        if not marked:
+            _fail(f"no alive node of the cluster declares the resource '{mark}' that the {who} actors need",
+                  f"start the {who} nodes with {flag}, or unset ray.{roles[0]}_resource")
+        for key in ("CPU", "GPU"):
+            want = sum(needs[role][0] * needs[role][1].get(key, 0.0) for role in roles)
+            have = sum(n.get(key, 0.0) for n in marked)
+            if want > have:
+                _fail(f"the {who} actors need {want:g} {key}s on the nodes that declare '{mark}', which have "
+                      f"{have:g} ({len(marked)} node(s))", f"add such nodes ({flag}) or lower the layout")
+            for role in roles:
+                per = needs[role][1].get(key, 0.0)
+                if per > max(n.get(key, 0.0) for n in marked):
+                    _fail(f"one {role} actor needs {per:g} {key}s on one node that declares '{mark}'; the largest "
+                          f"has {max(n.get(key, 0.0) for n in marked):g}",
+                          "lower ray.cpus_per_actor / ray.gpus_per_actor or the TP degree")
+
+
+def check_layout(cfg: VimeConfig, node_gpus: list[int], model: dict[str, Any],
+                 node_resources: list[dict[str, float]] | None = None) -> Placement:
+    """Place the run on the cluster (`node_gpus`: GPUs per node; `node_resources`: each node's resources,
+    for the role marks, see `check_roles`) or raise ConfigError; `model` is the HF config.json of the
+    checkpoint (head counts)."""
     t, r, w = cfg.trainer, cfg.rollout, cfg.weights
     for side, tp in (("trainer", t.tp), ("rollout", r.tp)):
         check_model_tp(model, tp, side)
+    if node_resources is not None:
+        check_roles(cfg, node_resources)
     transport = Transport(w.transport)
-    if cfg.device == "cpu":
-        if transport != Transport.object_store or w.colocate:
-            _fail(f"weights.transport={transport.value}, colocate={w.colocate} on CPU",
-                  "use weights.transport=object_store, colocate=false (IPC and NCCL move CUDA memory)")
+    if cfg.device == "cpu":  # colocate: the engines on the trainer's nodes (no GPU to share)
+        if transport not in CPU_TRANSPORTS:
+            _fail(f"weights.transport={transport.value} on CPU",
+                  "use weights.transport=auto (object_store on the trainer's node, gloo to other nodes), "
+                  "object_store or gloo (IPC and NCCL move CUDA memory)")
         return Placement([], [], 0)
-    if transport == Transport.object_store:
-        _fail("weights.transport=object_store on GPUs", "use ipc (colocated engines) or nccl (separate GPUs)")
-    if (transport == Transport.ipc) != w.colocate:
+    if transport in (Transport.object_store, Transport.gloo):
+        _fail(f"weights.transport={transport.value} on GPUs",
+              "use auto, ipc (colocated engines) or nccl (separate GPUs)")
+    if transport != Transport.auto and (transport == Transport.ipc) != w.colocate:
         _fail(f"weights.transport={transport.value} with colocate={w.colocate}",
               "CUDA IPC serves engines colocated on the trainer's GPUs (colocate=true); separate GPUs use nccl")
     if not node_gpus or sum(node_gpus) == 0:
@@ -84,15 +156,19 @@ def check_layout(cfg: VimeConfig, node_gpus: list[int], model: dict[str, Any]) -
     need_t, need_r = t.tp * t.cp, r.num_engines * r.tp
     free = list(node_gpus)
     used = [0] * len(node_gpus)
+    marks = role_resources(cfg)
+    allowed = {role: [node_resources is None or not mark or node_resources[i].get(mark, 0) > 0
+                      for i in range(len(node_gpus))] for role, mark in marks.items()}
 
-    def take(n: int, what: str, fix: str) -> list[tuple[int, int]]:
+    def take(n: int, what: str, fix: str, role: str = "trainer") -> list[tuple[int, int]]:
         for node, left in enumerate(free):
-            if left >= n:
+            if left >= n and allowed[role][node]:
                 free[node] -= n
                 got = [(node, used[node] + i) for i in range(n)]
                 used[node] += n
                 return got
-        _fail(f"{what} finds no node with {n} free GPUs (GPUs per node {node_gpus}, free {free})", fix)
+        where = f" marked '{marks[role]}'" if node_resources is not None and marks[role] else ""
+        _fail(f"{what} finds no node{where} with {n} free GPUs (GPUs per node {node_gpus}, free {free})", fix)
         raise AssertionError  # unreachable
 
     fix_t = "lower trainer.tp / trainer.cp or add GPUs"
@@ -109,7 +185,7 @@ def check_layout(cfg: VimeConfig, node_gpus: list[int], model: dict[str, Any]) -
                       "an engine's TP group (and CUDA IPC) stays inside one node: lower rollout.tp")
         return Placement(trainer, engines, need_t)
     fix_r = "lower rollout.num_engines / rollout.tp, or add GPUs"
-    engines = [take(r.tp, f"rollout engine {i} (TP{r.tp})", fix_r) for i in range(r.num_engines)]
+    engines = [take(r.tp, f"rollout engine {i} (TP{r.tp})", fix_r, "rollout") for i in range(r.num_engines)]
     return Placement(trainer, engines, need_t + need_r)
 
 
@@ -118,3 +194,17 @@ def read_config_json(model_path: str) -> dict[str, Any]:
     import json
     from pathlib import Path
     return json.loads((Path(model_path) / "config.json").read_text())
+
+
+def engine_transports(cfg: VimeConfig, trainer_node: str, engine_nodes: list[str]) -> list[Transport]:
+    """The weight path of each engine, from the Ray node ids of trainer rank 0 and of the engines (module
+    docstring): `weights.transport` itself when it is not `auto`. CUDA IPC cannot reach an engine on
+    another node than the trainer rank whose GPU it shares: an explicit `ipc` is checked by `check_layout`
+    (colocated engines cover exactly the trainer's GPUs, node by node)."""
+    w = cfg.weights
+    transport = Transport(w.transport)
+    if transport != Transport.auto:
+        return [transport] * len(engine_nodes)
+    if cfg.device == "cuda":
+        return [Transport.ipc if w.colocate else Transport.nccl] * len(engine_nodes)
+    return [Transport.object_store if node == trainer_node else Transport.gloo for node in engine_nodes]

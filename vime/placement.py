@@ -2,6 +2,14 @@
 
 Trainer ranks (TP x CP) pack into one group (a TP group stays within a node); each rollout engine
 gets one bundle sized for its TP degree (on GPUs: `tp` GPUs; vLLM places its TP workers itself).
+Across nodes a role's bundles also ask for its node resource (`ray.trainer_resource` /
+`ray.rollout_resource`, vime.layout), so they land only on the nodes that declare it; the nodes the
+bundles landed on decide each engine's weight path (`weight_paths`).
+
+Addresses: a local run binds loopback only (`loopback_node`, `single_node_env`, a FileStore rendezvous).
+A multi-node run (`ray.address`) binds the trainer's TCPStore and the weight-push group's store to the
+node's own address (`listen_socket`, `tcp_store`: never all interfaces, as torch's own store server
+does) and puts gloo's / NCCL's sockets on the interface that holds that address (`bind_node_interface`).
 """
 
 from __future__ import annotations
@@ -9,7 +17,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import socket
 import sys
+import time
 from collections.abc import Iterator
 
 import ray
@@ -18,6 +28,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from vime.config import RayConfig
 from vime.errors import ConfigError
+from vime.layout import ROLE_MARK
 
 log = logging.getLogger("vime")
 START_ATTEMPTS = 3  # local Ray start-ups tried before giving up
@@ -151,10 +162,14 @@ def rendezvous_file(cfg: RayConfig) -> str | None:
     return f"/tmp/vime_rdzv_{os.getpid()}_{uuid.uuid4().hex[:8]}"
 
 
-def bundle(cfg: RayConfig, gpus: float) -> dict[str, float]:
+def bundle(cfg: RayConfig, gpus: float, role_resource: str | None = None) -> dict[str, float]:
+    """One actor's bundle: its CPUs and GPUs, and a mark of its role's node resource when one is set
+    (a node that declares 1 unit holds any number of such bundles; CPUs and GPUs do the counting)."""
     b = {"CPU": cfg.cpus_per_actor}
     if gpus:
         b["GPU"] = gpus
+    if role_resource:
+        b[role_resource] = ROLE_MARK
     return b
 
 
@@ -172,3 +187,126 @@ def make_group(name: str, bundles: list[dict[str, float]], timeout_s: float = 12
 
 def in_group(pg: PlacementGroup, index: int) -> PlacementGroupSchedulingStrategy:
     return PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=index)
+
+
+# ---- nodes -----------------------------------------------------------------------------------------
+
+
+def alive_nodes() -> dict[str, str]:
+    """{node id: node address} of the cluster's alive nodes."""
+    return {n["NodeID"]: n.get("NodeManagerAddress", "?") for n in ray.nodes() if n.get("Alive")}
+
+
+def node_address(node_id: str | None) -> str:
+    """The address of node `node_id`, alive or not (the id itself when Ray does not know it)."""
+    return next((n.get("NodeManagerAddress", "?") for n in ray.nodes() if n["NodeID"] == node_id), str(node_id))
+
+
+def bundle_nodes(pg: PlacementGroup) -> list[str | None]:
+    """The node id that holds each bundle of `pg` (None: not placed)."""
+    placed = ray.util.placement_group_table(pg).get("bundles_to_node_id", {})
+    return [placed.get(i) for i in range(len(pg.bundle_specs))]
+
+
+def wait_bundle_node(pg: PlacementGroup, index: int, timeout_s: float) -> str | None:
+    """The alive node that holds bundle `index` of `pg`, waiting up to `timeout_s` for Ray to place it again
+    after its node was lost (Ray reschedules a lost node's bundles where capacity remains); None when no
+    node took it in that time."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = deadline - time.monotonic()
+        if pg.wait(timeout_seconds=max(1, min(5, int(left)))):
+            node = bundle_nodes(pg)[index]
+            if node in alive_nodes():
+                return node
+        if left <= 0:
+            return None
+        time.sleep(0.5)
+
+
+def node_interface(ip: str) -> str | None:
+    """The network interface that holds `ip` (or whose subnet does: 127.0.0.2 is on `lo`), else None."""
+    import ipaddress
+
+    import psutil
+
+    want = ipaddress.ip_address(ip.split("%")[0])
+    inside = None
+    for name, addrs in psutil.net_if_addrs().items():
+        for a in addrs:
+            if a.family not in (socket.AF_INET, socket.AF_INET6) or not a.netmask:
+                continue
+            try:
+                iface = ipaddress.ip_interface(f"{a.address.split('%')[0]}/{a.netmask}")
+            except ValueError:
+                continue
+            if iface.ip == want:
+                return name
+            if inside is None and want in iface.network:
+                inside = name
+    return inside
+
+
+def bind_node_interface() -> str | None:
+    """In an actor of a multi-node run: gloo's and NCCL's sockets on the interface of this node's Ray
+    address (GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME), unless already set (a local run sets `lo`; a user's
+    own choice wins). Returns the interface gloo uses."""
+    if "GLOO_SOCKET_IFNAME" not in os.environ:
+        iface = node_interface(ray.util.get_node_ip_address())
+        if iface is None:
+            log.warning("no interface holds this node's address %s: gloo picks one from the host name",
+                        ray.util.get_node_ip_address())
+            return None
+        os.environ["GLOO_SOCKET_IFNAME"] = iface
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", iface)
+    return os.environ["GLOO_SOCKET_IFNAME"]
+
+
+def listen_socket(host: str) -> socket.socket:
+    """A TCP socket listening on `host` only, on a free port (`.getsockname()[1]`)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    s = socket.socket(family, socket.SOCK_STREAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind((host, 0))
+    s.listen(128)
+    return s
+
+
+def tcp_store(host: str, port: int, world: int, listen: socket.socket | None = None, timeout_s: float = 600.0):
+    """A torch TCPStore at `host:port` for `world` members: its server, on `listen` (from `listen_socket`,
+    handed over to the store: torch's own server would listen on every interface), or a client (None)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    return dist.TCPStore(host, port, world, is_master=listen is not None,
+                         timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False,
+                         master_listen_fd=listen.detach() if listen is not None else None)
+
+
+def trainer_store(init_method: str, rank: int, world: int, listen: socket.socket | None):
+    """The trainer world's store for `init_method`: None for `file://` (torch's FileStore rendezvous),
+    else the TCPStore at `tcp://host:port`, served by rank 0 from its `listen` socket."""
+    if not init_method.startswith("tcp://"):
+        return None
+    host, port = init_method.removeprefix("tcp://").rsplit(":", 1)
+    return tcp_store(host.strip("[]"), int(port), world, listen if rank == 0 else None)
+
+
+def tcp_url(host: str, port: int) -> str:
+    """`tcp://host:port` (an IPv6 host in brackets)."""
+    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+
+
+def weight_paths(cfg, trainer_pg: PlacementGroup, rollout_pg: PlacementGroup) -> tuple[str | None, list, list]:
+    """(trainer rank 0's node, each engine's node, each engine's weight path), from the nodes Ray placed the
+    bundles on (vime.layout.engine_transports); logged for a run on a cluster (`ray.address`)."""
+    from vime.layout import engine_transports
+
+    trainer_node, engine_nodes = bundle_nodes(trainer_pg)[0], bundle_nodes(rollout_pg)
+    paths = engine_transports(cfg, trainer_node, engine_nodes)
+    if cfg.ray.address:
+        log.info("placement: trainer rank 0 on node %s; %s", node_address(trainer_node),
+                 "; ".join(f"rollout engine {i} on node {node_address(n)} (weights over {p})"
+                           for i, (n, p) in enumerate(zip(engine_nodes, paths))))
+    return trainer_node, engine_nodes, paths

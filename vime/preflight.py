@@ -63,7 +63,7 @@ def check_weight_transport(cfg: VimeConfig) -> None:
     nccl trainer engine driven from trainer rank 0 (rl_kernel.integrations.vllm.nccl). Which GPUs each serves
     (`ipc`: engines colocated on the trainer's; `nccl`: GPUs of their own) is `vime.layout`'s check."""
     if cfg.device == "cuda" and RolloutBackend(cfg.rollout.engine) == RolloutBackend.vllm \
-            and cfg.weights.transport not in ("ipc", "nccl"):
+            and cfg.weights.transport not in ("auto", "ipc", "nccl"):
         raise ConfigError(f"rollout.engine=vllm with weights.transport={cfg.weights.transport} on GPUs: a vLLM engine "
                           "on CUDA takes weights only as a push of trainer rank 0; use weights.transport=ipc with "
                           "weights.colocate=true, or nccl with weights.colocate=false")

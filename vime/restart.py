@@ -10,6 +10,13 @@ counts as dead too: its actor reports "rollout engine i, TP rank r died" (`TPWor
 shutting the engine down and removing its temporary files), and the actor is replaced the same way.
 A trainer rank that dies ends the run (the message says how
 to resume from the last checkpoint): its state is not recoverable without one.
+
+Across nodes: when a rollout node is lost (its raylet dies), its engines die with it and Ray places their
+placement-group bundles again on a node that still has capacity (one that declares the rollout role's
+resource). Each engine is restarted there once its bundle is placed, and its weight path follows its new
+node (vime.layout.engine_transports). When no node takes the bundle within `ray.restart_wait_s`, the run
+stops cleanly (the message names the engine, the lost node and what it needs) with the resume command. A
+lost trainer node ends the run like a dead trainer rank.
 """
 
 from __future__ import annotations
@@ -59,11 +66,10 @@ def load_current_weights(driver, engine: int) -> None:
     """Bring restarted rollout engine `engine` to the trainer's current weights and version, over the run's
     configured transport (the same `sync_weights` as a step's sync; only the engines behind are loaded)."""
     from vime.driver import BUCKET_BYTES, call
-    from vime.weights.sync import push_transport, sync_weights
+    from vime.weights.sync import sync_weights
 
-    cfg = driver.cfg
     sync_weights(driver.trainer, driver.engines, driver.timeline.trainer_version, BUCKET_BYTES, driver.timeline,
-                 call, push_transport(cfg.weights.transport, cfg.rollout.engine))
+                 call, driver.weight_paths, driver.cfg.rollout.engine)
 
 
 def restart_engine(driver, engine: int, cause: str, who: str | None = None) -> None:
@@ -83,6 +89,7 @@ def restart_engine(driver, engine: int, cause: str, who: str | None = None) -> N
         ray.kill(driver.engines[engine], no_restart=True)
     except Exception:  # noqa: BLE001 - it is dead already; kill only frees its name and bundle
         pass
+    replace_on_capacity(driver, engine)
     driver.engines[engine] = driver.new_engine(engine)
     info = call([driver.engines[engine].info.remote()], "restart", [f"rollout engine {engine}"])[0]
     driver.timeline.engine_versions[engine] = info["version"]
@@ -90,6 +97,33 @@ def restart_engine(driver, engine: int, cause: str, who: str | None = None) -> N
         load_current_weights(driver, engine)
     log.warning("rollout engine %d is back (pid %s), serving weight version %d", engine, info["pid"],
                 driver.timeline.trainer_version)
+
+
+def replace_on_capacity(driver, engine: int) -> None:
+    """Wait until rollout engine `engine`'s bundle is placed on an alive node (at once unless its node was
+    lost) and give the engine the weight path of that node; EngineDiedError when no node takes it within
+    `ray.restart_wait_s` (the run then stops with the resume command)."""
+    from vime import placement
+    from vime.layout import engine_transports, role_resources
+
+    pg = getattr(driver, "rollout_pg", None)
+    if pg is None:  # an engine set up without a placement group (tests of the restart path)
+        return
+    cfg, before = driver.cfg, driver.engine_nodes[engine]
+    node = placement.wait_bundle_node(pg, engine, cfg.ray.restart_wait_s)
+    if node is None:
+        mark = role_resources(cfg)["rollout"]
+        bundle = pg.bundle_specs[engine]
+        fate = "is gone" if before not in placement.alive_nodes() else "has no room for it"
+        raise EngineDiedError(
+            f"rollout engine {engine} died, its node {placement.node_address(before)} {fate}, and no alive node "
+            f"took its bundle {bundle} within ray.restart_wait_s={cfg.ray.restart_wait_s:g} s"
+            + (f" (a node must declare '{mark}')" if mark else "") + "; add capacity to the cluster and resume")
+    if node != before:
+        driver.engine_nodes[engine] = node
+        driver.weight_paths[engine] = engine_transports(cfg, driver.trainer_node, [node])[0]
+        log.warning("rollout engine %d moves to node %s (weights over %s)", engine, placement.node_address(node),
+                    driver.weight_paths[engine])
 
 
 def generate(driver, submit, engines: int) -> tuple[list, list[dict]]:

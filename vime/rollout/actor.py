@@ -72,7 +72,8 @@ class RolloutWorker:
 
     def __init__(self, engine_id: int, cfg: RolloutConfig, model_path: str, dtype: str, device: str,
                  modes: dict[str, str], seed: int, transport: str = "ipc"):
-        """`transport` (`weights.transport`): how a vLLM engine on CUDA takes weights, `ipc` or `nccl`."""
+        """`transport` (this engine's weight path, vime.layout.engine_transports): how a vLLM engine on CUDA
+        takes weights, `ipc` or `nccl`; `gloo` on CPU: rl_kernel's push group, received here (GroupReceiver)."""
         redirect_output()
         apply_modes(modes)
         self.engine_id, self.cfg, self.modes, self.seed = engine_id, cfg, modes, seed
@@ -85,6 +86,10 @@ class RolloutWorker:
             from vime.rollout.reference import ReferenceRollout
             self.engine = ReferenceRollout(cfg, model_path, dtype, device)
         self._evidence: list[dict] = []
+        self._group_receiver = None  # vLLM on CPU over `gloo`: the push is received by the actor
+        if str(transport) == "gloo" and RolloutBackend(cfg.engine) == RolloutBackend.vllm:
+            from vime.weights.sync import GroupReceiver
+            self._group_receiver = GroupReceiver(self.engine, model_path, dtype)
 
     @_engine_call
     def info(self) -> dict:
@@ -144,13 +149,20 @@ class RolloutWorker:
 
     @_engine_call
     def join_weight_group(self, host: str, port: int, rank: int, world: int) -> None:
-        """Join the trainer's NCCL weight-push group (rank `rank` of `world`, store at host:port)."""
+        """Join the trainer's NCCL weight-push group (rank `rank` of `world`, store at host:port; gloo on CPU)."""
+        if self._group_receiver is not None:
+            return self._group_receiver.join(host, port, rank, world)
+        from vime import placement
+
+        placement.bind_node_interface()
         self.engine.join_weight_group(host, port, rank, world)
 
     @_engine_call
     def receive_weights(self, msg: dict) -> dict | int | None:
         """One control message of an `ipc` / `nccl` weight push; returns the acknowledgement after `finish` (a
         vLLM engine on `nccl`: also its transfer-group ranks, asked with `ranks`)."""
+        if self._group_receiver is not None:
+            return self._group_receiver.handle(msg)
         return self.engine.receive_weights(msg)
 
     @_engine_call

@@ -38,23 +38,31 @@ class TrainerWorker:
         self._push = None  # rank 0's EnginePush (ipc / nccl weight transports), made on the first push
 
     def address(self) -> tuple[str, int]:
-        """(this node's IP, a free port on it): rank 0's answer is the rendezvous of the trainer's world."""
-        import socket
-
+        """(this node's Ray address, a port listening on that address only, kept for `start`): rank 0's
+        answer is the rendezvous of the trainer's world across nodes."""
         import ray
 
-        with socket.socket() as s:
-            s.bind(("", 0))
-            return ray.util.get_node_ip_address(), s.getsockname()[1]
+        from vime import placement
+
+        host = ray.util.get_node_ip_address()
+        self._listen = placement.listen_socket(host)
+        return host, self._listen.getsockname()[1]
 
     def start(self, init_method: str) -> dict:
         """Join the trainer's torch.distributed world at `init_method` (`file://...` on one node,
-        `tcp://host:port` across nodes) and load the policy; returns `info()`."""
+        `tcp://host:port` across nodes: rank 0 serves the store from the socket `address` bound, and every
+        rank's gloo / NCCL sockets use the interface of its node's address) and load the policy; returns
+        `info()`."""
+        from vime import placement
+
         model_path, dtype, device = self._args
+        store = placement.trainer_store(init_method, self.rank, self.world_size, getattr(self, "_listen", None))
+        if store is not None:
+            placement.bind_node_interface()
         if TrainerBackend(self.cfg.engine) == TrainerBackend.megatron:
             from vime.trainer.megatron_engine import MegatronTrainer
             self.engine = MegatronTrainer(self.cfg, model_path, dtype, device, self.loss, self.rank,
-                                          self.world_size, init_method)
+                                          self.world_size, init_method, store=store)
         else:
             from vime.trainer.reference import ReferenceTrainer
             self.engine = ReferenceTrainer(self.cfg, model_path, dtype, device, self.loss)

@@ -18,7 +18,8 @@ from vime.trainer import grpo
 
 class MegatronTrainer:
     def __init__(self, cfg: TrainerConfig, model_path: str, dtype: str, device: str, loss: grpo.LossConfig,
-                 rank: int, world_size: int, init_method: str):
+                 rank: int, world_size: int, init_method: str, store=None):
+        """`init_method` (or `store`, a torch Store that replaces it) is the trainer world's rendezvous."""
         import megatron.core
 
         from rl_kernel.integrations.megatron import MegatronPolicy
@@ -27,7 +28,7 @@ class MegatronTrainer:
             torch.cuda.set_device(0)  # Ray gives each trainer actor its own GPU (CUDA_VISIBLE_DEVICES)
         if not dist.is_initialized():
             dist.init_process_group("nccl" if device == "cuda" else "gloo", rank=rank, world_size=world_size,
-                                    init_method=init_method,
+                                    init_method=None if store is not None else init_method, store=store,
                                     timeout=datetime.timedelta(minutes=10))
         modes = side_modes(cfg.mode, cfg.boundary_modes)
         mode = Mode(cfg.mode).value if not cfg.boundary_modes else modes

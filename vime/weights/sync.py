@@ -31,41 +31,95 @@ VLLM_NCCL = "vllm_nccl"  # `nccl` into vLLM engines: vLLM's own rendezvous and w
 
 
 def push_transport(transport: str, rollout_engine: str) -> str:
-    """What trainer rank 0 speaks for `weights.transport` into `rollout.engine`'s actors: vLLM engines take
-    `nccl` as vLLM's own rendezvous and wire (VLLM_NCCL); every other pair is `transport` itself."""
+    """What trainer rank 0 speaks for an engine's weight path (`vime.layout.Transport`) into `rollout.engine`'s
+    actors: vLLM engines take `nccl` as vLLM's own rendezvous and wire (VLLM_NCCL); `gloo` is rl_kernel's push
+    group, which is gloo on CPU (`nccl` to `EnginePush`); every other pair is `transport` itself."""
     vllm = RolloutBackend(rollout_engine) == RolloutBackend.vllm
+    if str(transport) == "gloo":
+        return "nccl"
     return VLLM_NCCL if vllm and str(transport) == "nccl" else str(transport)
 
 
 def sync_weights(trainer_ranks: list, engines: list, version: int, bucket_bytes: int, timeline: Timeline,
-                 call, transport: str = "object_store") -> dict[str, float]:
-    """Push the trainer's weights (version `version`) to `engines` over `transport` (`object_store`, `ipc`,
-    `nccl` or VLLM_NCCL: see `push_transport`); `call(refs, what, names)` is the driver's error-reporting
-    ray.get. `bucket_bytes` sizes the object store's buckets; the GPU transports pack 1 GiB buckets (vLLM's
-    packed-buffer size). Returns sync stats (seconds, bytes, GB/s)."""
+                 call, transport: str | list[str] = "object_store", rollout_engine: str | None = None) -> dict:
+    """Push the trainer's weights (version `version`) to `engines`, each over its weight path: `transport` is
+    one path for every engine or a list with one per engine (`object_store`, `ipc`, `nccl`, `gloo`, or
+    VLLM_NCCL: see `push_transport`, applied when `rollout_engine` is given). Engines that share a path
+    share one export or push (the object store's engines all load the one exported copy; a push goes to the
+    engines of its path that do not serve `version` yet). `call(refs, what, names)` is the driver's
+    error-reporting ray.get. `bucket_bytes` sizes the object store's buckets; the pushes pack 1 GiB buckets
+    (vLLM's packed-buffer size). Returns sync stats (seconds, bytes, GB/s) and `sync_transports`, the path
+    each engine was served by."""
     t0 = time.perf_counter()
+    paths = [str(transport)] * len(engines) if isinstance(transport, str) else [str(t) for t in transport]
+    if len(paths) != len(engines):
+        raise ValueError(f"{len(paths)} weight paths for {len(engines)} engines")
     ranks = [f"trainer rank {i}" for i in range(len(trainer_ranks))]
-    # only the engines that do not serve `version` yet: every engine after a step, all of them at a resume,
-    # the one restarted engine after a restart (the one weight path of steps, resume and restart alike)
-    behind = [i for i in range(len(engines)) if timeline.engine_versions[i] != version]
-    nbytes, nbuckets = 0, 0
-    if behind and transport == "object_store":
-        exports = call([r.export_to_store.remote(bucket_bytes) for r in trainer_ranks], "export weights", ranks)
-        ref, nbytes, nbuckets = exports[0]["buckets"][0], exports[0]["bytes"], exports[0]["count"]
-        call([engines[i].load_buckets.remote(ref, version) for i in behind], "load weights",
-             [f"rollout engine {i}" for i in behind])
-        del ref, exports  # the trainer's copy in the store can go
-    elif behind:
-        pushed = call([r.push_weights.remote([engines[i] for i in behind], version, transport, DEFAULT_BUCKET_BYTES)
-                       for r in trainer_ranks], "push weights", ranks)[0]
-        nbytes, nbuckets = pushed["bytes"], pushed["buckets"]
-    acks = call([e.set_version.remote(version) for e in engines], "acknowledge weights",
-                [f"rollout engine {i}" for i in range(len(engines))])
+    names = [f"rollout engine {i}" for i in range(len(engines))]
+    nbytes = nbuckets = 0
+    for path in dict.fromkeys(paths):  # each path once, in the engines' order
+        # only the engines that do not serve `version` yet: every engine after a step, all of them at a resume,
+        # the one restarted engine after a restart (the one weight path of steps, resume and restart alike)
+        idx = [i for i, p in enumerate(paths) if p == path and timeline.engine_versions[i] != version]
+        if not idx:
+            continue
+        if path == "object_store":
+            exports = call([r.export_to_store.remote(bucket_bytes) for r in trainer_ranks], "export weights", ranks)
+            ref, nbytes, nbuckets = exports[0]["buckets"][0], exports[0]["bytes"], exports[0]["count"]
+            call([engines[i].load_buckets.remote(ref, version) for i in idx], "load weights", [names[i] for i in idx])
+            del ref, exports  # the trainer's copy in the store can go
+            continue
+        behind = [engines[i] for i in idx]
+        wire = push_transport(path, rollout_engine) if rollout_engine is not None else path
+        pushed = call([r.push_weights.remote(behind, version, wire, DEFAULT_BUCKET_BYTES) for r in trainer_ranks],
+                      "push weights", ranks)[0]
+        nbytes, nbuckets = max(nbytes, pushed["bytes"]), max(nbuckets, pushed["buckets"])
+    acks = call([e.set_version.remote(version) for e in engines], "acknowledge weights", names)
     for i, v in enumerate(acks):
         timeline.acknowledged(i, v)
     seconds = time.perf_counter() - t0
     return {"sync_s": seconds, "sync_bytes": float(nbytes), "sync_buckets": float(nbuckets),
-            "sync_gbps": nbytes / seconds / 1e9 if seconds > 0 else 0.0}  # GB (1e9 bytes) of weights per second
+            "sync_gbps": nbytes / seconds / 1e9 if seconds > 0 else 0.0,  # GB (1e9 bytes) of weights per second
+            "sync_transports": paths}
+
+
+class GroupReceiver:
+    """An engine's side of rl_kernel's push group (`gloo` on CPU) for an engine that loads weights as buckets
+    of full HF-named tensors (`update_weights(bucket, version)`: vLLM on CPU, whose own weight-transfer
+    engines move CUDA memory). Each bucket broadcast by trainer rank 0 is checked (names, shapes, dtypes,
+    growing versions: rl_kernel.models.weight_transfer.WeightReceiver) and handed to the engine; the driver's
+    `set_version` then ends the engine's update session as after an object-store sync."""
+
+    def __init__(self, engine, model_path: str, dtype: str):
+        self.engine, self.model_path, self.dtype = engine, model_path, dtype
+        self._group = self._store = self._receiver = None
+        self._version: int | None = None
+
+    def join(self, host: str, port: int, rank: int, world: int) -> None:
+        from rl_kernel.models.weight_transfer import open_weight_group
+        from vime import placement
+
+        placement.bind_node_interface()
+        self._store = placement.tcp_store(host, port, world, timeout_s=300.0)
+        self._group = open_weight_group(self._store, rank, world, torch.device("cpu"))
+
+    def handle(self, msg: dict) -> dict | None:
+        from rl_kernel.models.qwen3 import read_config
+        from rl_kernel.models.weight_transfer import WeightReceiver, expected_weights
+
+        if self._group is None:
+            raise WeightSyncError("a weight push arrived before the engine joined the trainer's push group")
+        if msg.get("op") == "start":  # from the version the engine serves now (it may have loaded others since)
+            self._receiver = WeightReceiver(self._load, torch.device("cpu"), version=int(self.engine.version),
+                                            expected=expected_weights(read_config(self.model_path), self.dtype),
+                                            group=self._group, src=0)
+            self._version = msg.get("version")
+        if self._receiver is None:
+            raise WeightSyncError(f"weight-push message {msg.get('op')!r} without a start")
+        return self._receiver.handle(msg)
+
+    def _load(self, pairs) -> None:
+        self.engine.update_weights({name: t.clone() for name, t in pairs}, self._version)
 
 
 class EnginePush:
@@ -175,13 +229,17 @@ class EnginePush:
     def _nccl_group(self, engines: list):
         import ray
 
-        from rl_kernel.models.weight_transfer import open_weight_group, weight_store
+        from rl_kernel.models.weight_transfer import open_weight_group
+        from vime import placement
 
         members = tuple(e._actor_id.hex() for e in engines)
         if members != self._members:
             host, world = ray.util.get_node_ip_address(), len(engines) + 1
-            store = weight_store(host, world)
-            joins = [e.join_weight_group.remote(host, store.port, i + 1, world) for i, e in enumerate(engines)]
+            listen = placement.listen_socket(host)  # the group's store on this node's address only
+            port = listen.getsockname()[1]
+            store = placement.tcp_store(host, port, world, listen, timeout_s=300.0)
+            placement.bind_node_interface()
+            joins = [e.join_weight_group.remote(host, port, i + 1, world) for i, e in enumerate(engines)]
             self._group = open_weight_group(store, 0, world, self.device)
             self._group_store = store  # lives as long as the group
             ray.get(joins)
