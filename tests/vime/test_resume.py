@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -47,6 +49,13 @@ def _start(out: Path, *overrides: str) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
+def _printed_python() -> str:
+    """The interpreter a command printed by a run started from REPO names: this one, runnable as printed."""
+    rel = os.path.relpath(sys.executable, REPO)
+    return "python" if shutil.which("python") == sys.executable else (rel if not rel.startswith("..") else
+                                                                       sys.executable)
+
+
 def _stop_after_first_checkpoint(out: Path) -> tuple[int, str]:
     """Start a 2-step run saving every step; SIGTERM it once step 0's checkpoint is complete."""
     proc = _start(out, "steps=2", "checkpoint.every=1")
@@ -73,7 +82,8 @@ def test_stopped_then_resumed_run_is_identical_in_bits(strict_run, tmp_path):
     log_size = (out / "train.log").stat().st_size
     again = subprocess.run(train_cmd("steps=2", f"output_dir={out}"), cwd=REPO, env=os.environ | TRAIN_ENV,
                            capture_output=True, text=True, timeout=120)
-    assert again.returncode == 1 and f"continue that run with `python -m vime.train resume={out}`" in again.stderr
+    assert again.returncode == 1 and f"continue that run with `{_printed_python()} -m vime.train resume={out}`" \
+        in again.stderr, again.stderr
     assert (out / "train.log").stat().st_size == log_size  # refused before Hydra wrote anything
 
     resumed = subprocess.run(train_cmd(f"resume={out}"), cwd=REPO, env=os.environ | TRAIN_ENV,
@@ -141,7 +151,7 @@ def test_a_killed_rollout_engine_is_restarted_and_a_killed_trainer_ends_the_run_
     assert proc.returncode == 1, text[-6000:]
     assert "rollout engine 0 died; restarting it on weight version 1 (restart 1 of at most 3)" in text
     assert "EngineDiedError: trainer rank 0 died during" in text and "Traceback" not in text, text[-6000:]
-    assert f"with: python -m vime.train resume={out}" in text
+    assert f"with: {_printed_python()} -m vime.train resume={out}" in text
     assert wandb_exit_codes(out) == [1]  # the failed run's exit code
     rows, base_rows = _rows(out), _rows(base)
     assert [r["engine_restarts"] for r in rows] == [0, 1]
