@@ -47,6 +47,7 @@ class StrictRun(NamedTuple):
     listeners: dict[Listener, str]  # every listening socket its process tree had, sampled while it ran: cmdline
     temp_seen: set[str]  # what its run temporary directory (/tmp/vime_tmp_<pid>) held, sampled while it ran
     pids: set[int]  # every process of its tree, sampled while it ran
+    pid: int  # its driver's pid
 
 
 def _sample_listeners(pid: int, listeners: dict[Listener, str], done: threading.Event,
@@ -96,7 +97,7 @@ def strict_run(tmp_path_factory) -> StrictRun:
             proc.kill()
             proc.communicate()
     return StrictRun(out, subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr), listeners,
-                     temp_seen, pids)
+                     temp_seen, pids, proc.pid)
 
 
 def alive(pids: set[int]) -> list[str]:

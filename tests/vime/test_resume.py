@@ -247,6 +247,14 @@ class _Watched:
             assert time.monotonic() < deadline, f"no {text!r} in:\n{''.join(self.lines)[-4000:]}"
             time.sleep(0.2)
 
+    def wait_for_engines(self, timeout: float = 420) -> None:
+        """Until the rollout engine's actor process exists (the engines are starting)."""
+        self.wait_for("ray: ", timeout)
+        deadline = time.monotonic() + timeout
+        while not _actor_pids(self.proc.pid, "RolloutWorker") and self.proc.poll() is None:
+            assert time.monotonic() < deadline, "no rollout engine started"
+            time.sleep(0.2)
+
     def finish(self, timeout: float = 180) -> str:
         self.proc.wait(timeout=timeout)
         self._done.set()
@@ -271,7 +279,7 @@ def test_ctrl_c_during_start_up_says_nothing_was_trained_and_leaves_nothing(tmp_
 
     out = tmp_path / "stopped"
     run = _Watched(out)
-    run.wait_for("ray: ")  # Ray is up: the engines are starting
+    run.wait_for_engines()
     run.proc.send_signal(signal.SIGINT)
     text = run.finish()
     assert run.proc.returncode == 130, text[-4000:]
@@ -280,7 +288,7 @@ def test_ctrl_c_during_start_up_says_nothing_was_trained_and_leaves_nothing(tmp_
     assert not _gone_within(run.pids, 10) and not run_files_left(run.proc.pid)
 
     again = _Watched(out)  # the same output_dir: the stopped start is no run, it is reused
-    again.wait_for("ray: ")
+    again.wait_for_engines()
     assert "held a start that never completed a step" in "".join(again.lines)
     again.proc.send_signal(signal.SIGINT)
     again.wait_for("nothing was trained", timeout=60)

@@ -60,7 +60,7 @@ def test_a_finished_run_leaves_no_process_or_temporary_file(strict_run):
     start engines to run no step)."""
     assert strict_run.proc.returncode == 0, strict_run.proc.stderr[-4000:]
     assert any(name.startswith("pymp-") for name in strict_run.temp_seen), strict_run.temp_seen
-    assert not run_files_left(strict_run.proc.pid)
+    assert not run_files_left(strict_run.pid)
     assert not alive(strict_run.pids)
     console = strict_run.proc.stdout + strict_run.proc.stderr
     assert "run complete     all 2 steps done; to train further: " in console
