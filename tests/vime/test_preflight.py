@@ -1,4 +1,4 @@
-"""Issue 13 without engines: config holes, unreadable checkpoints, output-dir safety, resume config
+"""Bad input without engines: config holes, unreadable checkpoints, output-dir safety, resume config
 rules and the stop signal. Each bad input must give one line that names the value or file and the fix,
 before any engine (or any directory) is made."""
 

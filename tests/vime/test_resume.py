@@ -1,4 +1,4 @@
-"""Nothing is lost (issue 13), end to end with the real components (Ray, vLLM, Megatron, Hydra, W&B).
+"""Nothing is lost, end to end with the real components (Ray, vLLM, Megatron, Hydra, W&B).
 
 One run is stopped with SIGTERM after its first checkpoint, then resumed with `resume=<dir>`. The
 stop is clean (exit 143, no traceback, the resume command printed); starting a new run in that dir
