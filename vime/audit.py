@@ -355,4 +355,7 @@ def main(dcfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    from vime.rundir import check_override_keys
+
+    check_override_keys(sys.argv[1:])  # a mistyped key: one line, before Hydra composes anything
     sys.exit(main())

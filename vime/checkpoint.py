@@ -165,7 +165,10 @@ def after_step(driver, step: int, rows: list[dict]) -> bool:
 
 
 def resume_command(output_dir: Path) -> str:
-    return f"python -m vime.train resume={Path(output_dir).resolve()}"
+    """The command that continues the run in `output_dir`, runnable as printed (`report.python_command`)."""
+    from vime.report import python_command
+
+    return f"{python_command()} -m vime.train resume={Path(output_dir).resolve()}"
 
 
 def load_state(path: Path) -> dict[str, Any]:

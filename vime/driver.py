@@ -45,10 +45,7 @@ def call(refs: list, what: str, names: list[str]) -> list:
         try:
             results[ref] = ray.get(ref)
         except ray.exceptions.RayActorError as e:
-            lines = [line for line in str(e).splitlines() if line.strip()] or [""]
-            cause = f" ... {lines[-1].strip()}" if len(lines) > 1 else ""  # a creation task's own error comes last
-            raise EngineDiedError(f"{name} died during '{what}': {e.__class__.__name__}: {lines[0]}{cause} "
-                                  "(see its log under the Ray session dir, /tmp/ray/session_latest/logs)") from e
+            raise EngineDiedError(report.actor_died_message(name, what, e)) from e
         except ray.exceptions.RayTaskError as e:
             cause = e.cause
             if isinstance(cause, VimeError | ValueError):
@@ -122,8 +119,11 @@ class Driver:
         preflight.check_local_resources(cfg)
         preflight.check_weight_transport(cfg)
         env |= placement.single_node_env(cfg.ray)
+        if not cfg.ray.address:  # what the actors leave in their TMPDIR is removed with the run
+            env |= faults.actor_temp_env()
         if not cfg.verbose:  # engine and framework output goes to <output_dir>/engines.log, not the console
             env["VIME_ENGINE_LOG"] = str((self.output_dir / "engines.log").resolve())
+        report.route_engine_output(Path(env["VIME_ENGINE_LOG"]) if "VIME_ENGINE_LOG" in env else None)
         placement.start_ray(cfg.ray, env, log_to_driver=cfg.verbose, log_file=env.get("VIME_ENGINE_LOG"))
         nodes = ray.nodes()
         check_layout(cfg, ray_node_gpus(nodes), read_config_json(self.model_path),  # before any engine
@@ -282,7 +282,7 @@ class Driver:
         if not rows or self.logger is None:
             return None
         plot = self.logger.plot(compare, task=str(self.cfg.data.task))
-        for line in report.summary_lines(rows, self.output_dir, plot, self.model_path, compare):
+        for line in report.summary_lines(rows, self.output_dir, plot, self.model_path, compare, self.cfg.steps):
             log.info(line)
         return plot
 
@@ -291,8 +291,10 @@ class Driver:
         if self.engines and ray.is_initialized():  # (ray.get would start a Ray just to stop nothing)
             try:  # all engines at once; a stopped or failed run does not wait long for a busy or dead one
                 ray.get([e.shutdown.remote() for e in self.engines], timeout=60 if exit_code == 0 else 20)
+            except ray.exceptions.RayActorError:
+                pass  # an engine that died: its death is reported already
             except Exception as exc:  # noqa: BLE001 - best effort at exit; the run's outcome is already decided
-                log.warning("engine shutdown: %s", (str(exc).splitlines() or [""])[0])
+                log.warning("engine shutdown: %s", report.death_cause(str(exc)))
         if self.logger is not None:
             self.logger.close(exit_code)
         if ray.is_initialized():
@@ -300,6 +302,7 @@ class Driver:
         if getattr(self, "rendezvous", None) and os.path.exists(self.rendezvous):
             os.unlink(self.rendezvous)
         faults.sweep_stale()
+        faults.remove_own_temp_files()
 
 
 def result_worst(row: dict) -> str:

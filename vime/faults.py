@@ -3,12 +3,15 @@
 SIGINT and SIGTERM raise `Stopped` in the driver's main thread (wherever it waits, Ray included);
 `train.py` then flushes what the run has (metrics are written per step; the plot is drawn; the
 summary and the resume command are printed), shuts the engines down, hands W&B the exit code and
-exits 128 + signal (130 for SIGINT, 143 for SIGTERM) without a traceback. A second signal during
-that clean-up exits at once with the same code.
+exits 128 + signal (130 for SIGINT, 143 for SIGTERM) without a traceback. A stop before the first
+step says what was starting and that nothing was trained. A second signal during that clean-up
+exits at once with the same code, after killing the processes the run started (Ray's, the
+engines') and removing its temporary files, so nothing of the run is left running.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
@@ -34,6 +37,11 @@ class Stopped(KeyboardInterrupt):  # noqa: N818 - a control-flow signal like Key
 
 def _exit_now(signum: int, frame) -> None:
     del frame
+    with contextlib.suppress(Exception):  # best effort: exiting now is what was asked
+        n = kill_descendants()
+        remove_own_temp_files()
+        os.write(2, f"{signal.Signals(signum).name} again: exiting now; killed the run's {n} remaining "
+                    "process(es)\n".encode())
     os._exit(128 + signum)
 
 
@@ -73,7 +81,11 @@ def report_stop(driver, reason: str) -> None:
     and how to continue (from its last checkpoint)."""
     from vime import checkpoint
 
-    if driver.logger is None:  # it failed while setting up: no step ran, nothing to report or continue
+    if driver.logger is None:  # it stopped while setting up: no step ran
+        if reason != "failed":
+            log.warning("%s during start-up (%s): no step ran, nothing was trained; stopping what started. Run "
+                        "the same command again to start over (output_dir=%s is reused)", reason.split(":")[0],
+                        starting_what(driver), driver.output_dir)
         return
     rows = list(driver.logger.rows)
     plot = None
@@ -89,6 +101,27 @@ def report_stop(driver, reason: str) -> None:
         log.warning("continue from %s with: %s", last.name, checkpoint.resume_command(driver.output_dir))
     else:
         log.warning("no checkpoint was saved yet: rerun with a new output_dir to start again")
+
+
+def starting_what(driver) -> str:
+    """What a driver stopped before its first step was doing, in words."""
+    if driver.engines or driver.trainer:
+        return "the engines were starting"
+    import ray
+
+    return "Ray was starting" if ray.is_initialized() else "the model and data were being prepared"
+
+
+def kill_descendants() -> int:
+    """SIGKILL every process this one started, and theirs (Ray's GCS, raylet and agents, the actors, the
+    engines' workers), all listed before the first is killed (an orphan's parent changes). Returns how many."""
+    import psutil
+
+    procs = psutil.Process().children(recursive=True)
+    for p in procs:
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+    return len(procs)
 
 
 # ---- processes a worker forks --------------------------------------------------------------------
@@ -123,6 +156,41 @@ STALE_PATTERNS = {"/tmp/vllm_dist_*": 6 * 3600.0, "/dev/shm/rl_kernel_weights_*"
                   "/dev/shm/vime_weights_*": 600.0, "/dev/shm/psm_*": 600.0,
                   "/dev/shm/vllm_dist_*": 600.0}  # vLLM's CPU all-reduce segments (TP > 1), mapped while in use
 RENDEZVOUS_PATTERN = "/tmp/vime_rdzv_*"
+# A run's own temporary directory (`vime_tmp_<driver pid>`): TMPDIR of its actors, so what they and the
+# libraries in them leave (multiprocessing's pymp-*, W&B's and vLLM's temporary files) goes with it.
+RUN_TEMP_PATTERN = "/tmp/vime_tmp_*"
+
+
+def run_temp_dir() -> str:
+    """This run's temporary directory (made on first use), removed at exit (`remove_own_temp_files`), or by
+    the next run's `sweep_stale` when this process was killed."""
+    path = Path(f"/tmp/vime_tmp_{os.getpid()}")
+    path.mkdir(mode=0o700, exist_ok=True)
+    return str(path)
+
+
+def actor_temp_env() -> dict[str, str]:
+    """Environment of the run's actors: TMPDIR in the run's temporary directory, and torch's compile cache
+    where it would be without that (so it is kept between runs)."""
+    import getpass
+    import tempfile
+
+    inductor = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or os.path.join(tempfile.gettempdir(),
+                                                                         f"torchinductor_{getpass.getuser()}")
+    return {"TMPDIR": run_temp_dir(), "TORCHINDUCTOR_CACHE_DIR": inductor}
+
+
+def remove_own_temp_files() -> list[str]:
+    """Remove this process's rendezvous files and its run temporary directory; returns what was removed."""
+    import glob
+    import shutil
+
+    removed = []
+    for path in glob.glob(f"/tmp/vime_rdzv_{os.getpid()}_*") + glob.glob(f"/tmp/vime_tmp_{os.getpid()}"):
+        with contextlib.suppress(OSError):
+            shutil.rmtree(path) if os.path.isdir(path) else os.unlink(path)
+            removed.append(path)
+    return removed
 
 
 def _in_use() -> set[str]:
@@ -149,7 +217,8 @@ def _pid_alive(pid: int) -> bool:
 
 
 def _orphaned_rendezvous(pattern: str) -> list[str]:
-    """vime rendezvous files (`vime_rdzv_<driver pid>_<id>`) whose driver process is gone."""
+    """vime rendezvous files (`vime_rdzv_<driver pid>_<id>`) and run temporary directories
+    (`vime_tmp_<driver pid>`) whose driver process is gone."""
     import glob
 
     found = []
@@ -160,11 +229,13 @@ def _orphaned_rendezvous(pattern: str) -> list[str]:
     return found
 
 
-def sweep_stale(patterns: dict[str, float] | None = None, rendezvous: str = RENDEZVOUS_PATTERN) -> list[str]:
+def sweep_stale(patterns: dict[str, float] | None = None, rendezvous: str = RENDEZVOUS_PATTERN,
+                run_temp: str = RUN_TEMP_PATTERN) -> list[str]:
     """Remove temporary files of earlier runs: files matching a pattern of `patterns` (pattern -> minimum
     age in seconds) that no process holds open or mapped and that are older than that, and vime
-    rendezvous files whose driver is gone. Returns what was removed."""
+    rendezvous files and run temporary directories whose driver is gone. Returns what was removed."""
     import glob
+    import shutil
     import time
 
     patterns = STALE_PATTERNS if patterns is None else patterns
@@ -179,9 +250,9 @@ def sweep_stale(patterns: dict[str, float] | None = None, rendezvous: str = REND
                     removed.append(path)
             except OSError:
                 continue
-    for path in _orphaned_rendezvous(rendezvous):
+    for path in _orphaned_rendezvous(rendezvous) + _orphaned_rendezvous(run_temp):
         try:
-            os.unlink(path)
+            shutil.rmtree(path) if os.path.isdir(path) and not os.path.islink(path) else os.unlink(path)
             removed.append(path)
         except OSError:
             continue

@@ -54,7 +54,8 @@ def start_ray(cfg: RayConfig, env: dict[str, str], log_to_driver: bool = True, l
                     ray.init(address=cfg.address, runtime_env=runtime_env, log_to_driver=log_to_driver)
                 else:
                     loopback_node(cfg.bind_address)
-                    # address="local": a new local Ray even where `ray start` left a cluster on this host
+                    # "local": a Ray of its own, also where `ray start` left a cluster on this host (which a
+                    # plain ray.init() would join, and then refuses num_cpus)
                     ray.init(address="local", num_cpus=cfg.num_cpus, num_gpus=cfg.num_gpus, include_dashboard=False,
                              runtime_env=runtime_env, log_to_driver=log_to_driver, configure_logging=False,
                              _node_ip_address=cfg.bind_address,  # every Ray listener: loopback by default

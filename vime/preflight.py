@@ -17,12 +17,37 @@ SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM",)
 def check_lengths(cfg: VimeConfig, prompts: list[list[int]]) -> None:
     """Every prompt plus `algo.max_new_tokens` must fit `rollout.max_model_len` (vLLM would cap the
     response without a word)."""
+    check_context(cfg)
     longest = max((len(p) for p in prompts), default=0)
     need = longest + cfg.algo.max_new_tokens
     if need > cfg.rollout.max_model_len:
         raise ConfigError(f"algo.max_new_tokens={cfg.algo.max_new_tokens} + the longest prompt ({longest} tokens) = "
                           f"{need} > rollout.max_model_len={cfg.rollout.max_model_len}; lower algo.max_new_tokens "
                           f"to at most {cfg.rollout.max_model_len - longest} or raise rollout.max_model_len")
+
+
+def model_max_positions(cfg: VimeConfig) -> tuple[int | None, str]:
+    """(the checkpoint's `max_position_embeddings`, where it was read); None when `model.path` has no
+    readable config.json (`check_checkpoint` names that problem)."""
+    if not cfg.model.path:
+        from rl_kernel.models.tiny import MAX_POSITION_EMBEDDINGS
+
+        return MAX_POSITION_EMBEDDINGS, "the tiny model vime makes (model.path unset)"
+    config = Path(cfg.model.path) / "config.json"
+    try:
+        value = json.loads(config.read_text()).get("max_position_embeddings")
+    except (OSError, ValueError):
+        return None, str(config)
+    return (int(value) if isinstance(value, int) else None), str(config)
+
+
+def check_context(cfg: VimeConfig) -> None:
+    """`rollout.max_model_len` must not exceed the model's context (`max_position_embeddings`): vLLM
+    refuses it only once its engine is up."""
+    limit, where = model_max_positions(cfg)
+    if limit is not None and cfg.rollout.max_model_len > limit:
+        raise ConfigError(f"rollout.max_model_len={cfg.rollout.max_model_len} > the model's context "
+                          f"(max_position_embeddings={limit} in {where}); set rollout.max_model_len <= {limit}")
 
 
 def required_resources(cfg: VimeConfig) -> dict[str, float]:

@@ -3,7 +3,13 @@ completions and the no-learning-signal warning (pure functions over the per-step
 
 from __future__ import annotations
 
+import logging
 import math
+import os
+import re
+import shutil
+import sys
+import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -184,6 +190,106 @@ def _worst_token(runs) -> str:
     return "   |   ".join(parts)
 
 
+ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+
+class ConsoleFormatter(logging.Formatter):
+    """The console's log lines: `HH:MM:SS message`, the level named only from WARNING up, colour codes
+    removed (train.log keeps Hydra's full format). Hydra's job_logging uses it (configs/config.yaml)."""
+
+    def __init__(self) -> None:
+        super().__init__("%(asctime)s %(message)s", datefmt="%H:%M:%S")
+
+    def format(self, record: logging.LogRecord) -> str:
+        line = super().format(record)
+        if record.levelno >= logging.WARNING:
+            stamp, _, rest = line.partition(" ")
+            line = f"{stamp} {record.levelname.lower()}: {rest}"
+        return ANSI.sub("", line)
+
+
+# Where the run's engine output goes (`<output_dir>/engines.log`; None with `verbose=true`: the console).
+ENGINE_LOG: list[Path | None] = [None]
+_ERROR_LINE = re.compile(r"^\s*([A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit|Died)\b.*)$")
+_WHY = re.compile(r"(killed by [^.]*|exits? with [^.]*|exit detail: [^.]*|OOM[^.]*|out of memory[^.]*)", re.I)
+
+
+def route_engine_output(path: Path | None) -> None:
+    """Record where the run's engine output goes (`path`: engines.log; None: the console, `verbose=true`),
+    and send Ray's error notices there too: Ray prints each one on the driver's console as a raw
+    `(raylet) ...` line with colour codes, whatever `log_to_driver` says, though vime reports the same
+    event in one line of its own (a labelled workaround: the printer Ray's error listener calls is
+    replaced)."""
+    ENGINE_LOG[0] = path
+    if path is None:
+        return
+    import ray._private.worker as ray_worker
+
+    original = getattr(ray_worker, "_vime_print_to_stdstream", ray_worker.print_to_stdstream)
+
+    def printer(data: dict, ignore_prefix: bool) -> None:
+        if data.get("pid") not in ("raylet", "autoscaler") or ENGINE_LOG[0] is None:
+            return original(data, ignore_prefix)
+        with open(ENGINE_LOG[0], "a") as f:
+            f.writelines(f"({data.get('pid')}) {ANSI.sub('', line)}\n" for line in data.get("lines", []))
+
+    ray_worker._vime_print_to_stdstream = original
+    ray_worker.print_to_stdstream = printer
+
+
+def engine_log_hint() -> str:
+    """Where a dead actor's own output is: the run's engines.log, or (verbose) this Ray session's log dir."""
+    if ENGINE_LOG[0] is not None:
+        return str(ENGINE_LOG[0])
+    try:
+        import ray
+
+        return ray._private.worker._global_node.get_logs_dir_path()
+    except Exception:  # noqa: BLE001 - no Ray node in this process
+        return "the Ray session's logs"
+
+
+def death_cause(text: str, limit: int = 300) -> str:
+    """The cause in Ray's report of a dead actor, in one line of at most `limit` characters: the actor's
+    own last error (a failed `__init__`: the last exception of the traceback Ray attaches, with the
+    indented lines that continue its message), or why its process ended; colour codes and Ray's
+    boilerplate removed."""
+    lines = [ANSI.sub("", line).rstrip() for line in text.splitlines()]
+    last = max((i for i, line in enumerate(lines) if _ERROR_LINE.match(line) and not line.startswith(" ")),
+               default=None)
+    if last is not None:
+        head = _ERROR_LINE.match(lines[last]).group(1)
+        name, sep, rest = head.partition(":")
+        parts = [f"{name.rsplit('.', 1)[-1]}{sep}{rest}"]
+        for line in lines[last + 1:]:
+            if not line.startswith((" ", "\t")) or "For further information visit" in line:
+                break
+            parts.append(line.strip())
+        cause = " ".join(p for p in parts if p)
+    else:
+        why = _WHY.search(ANSI.sub("", text))
+        cause = f"its process ended ({why.group(1).strip()})" if why else \
+            (next((line.strip() for line in lines if line.strip()), "") or "its process ended")
+    return cause if len(cause) <= limit else cause[:limit - 3] + "..."
+
+
+def actor_died_message(name: str, what: str, error: BaseException) -> str:
+    """One line for an actor that died: who, during what, the cause first, the log path last."""
+    return f"{name} died during '{what}': {death_cause(str(error))} (its log: {engine_log_hint()})"
+
+
+def python_command() -> str:
+    """How to run this interpreter in a command printed for the user: `python` when that is what the
+    shell finds on PATH, else this interpreter's path (relative to the working directory when under it:
+    `.venv/bin/python` for the project's environment), so the printed command works as printed."""
+    exe = os.path.abspath(sys.executable)
+    found = shutil.which("python")
+    if found and os.path.abspath(found) == exe:
+        return "python"
+    rel = os.path.relpath(exe)
+    return rel if not rel.startswith("..") else exe
+
+
 # ---- the end-of-run summary ----------------------------------------------------------------------
 
 # The per-step table of the summary: (row key, header, format); sync_bytes shown in GB.
@@ -214,10 +320,14 @@ def step_table(rows: Sequence[dict], max_rows: int = 12) -> list[str]:
 
 
 
+SUMMARY_WIDTH = 110  # the summary's lines fit 120 columns with the console's `HH:MM:SS ` prefix
+
+
 def summary_lines(rows: Sequence[dict], output_dir: Path, plot: Path | None, model_path: str | None,
-                  compare: Sequence[dict] | None = None) -> list[str]:
+                  compare: Sequence[dict] | None = None, steps: int | None = None) -> list[str]:
     """The closing block: steps, tokens compared, mismatches and what 0 means, reward first -> last,
-    time per step, where the outputs are."""
+    time per step, engine restarts, where the outputs are, and what to do next: a run that did all its
+    `steps` is complete (extend it with more `steps`); one stopped early continues from its checkpoint."""
     if not rows:
         return ["no step ran"]
     tokens = sum(int(r.get("tokens", 0)) for r in rows)
@@ -240,11 +350,14 @@ def summary_lines(rows: Sequence[dict], output_dir: Path, plot: Path | None, mod
         f"  tokens compared  {tokens} (every active response token, every step)",
         f"  mismatches       {mism} in total, {sum(1 for r in rows if r.get('mismatch_count'))} steps with any; "
         f"max |diff| {worst:.3e}",
-        f"                   {meaning}",
+        *textwrap.wrap(meaning, width=SUMMARY_WIDTH, initial_indent=" " * 19, subsequent_indent=" " * 19),
         f"  reward           {rows[0]['reward_mean']:.3f} -> {rows[-1]['reward_mean']:.3f} (mean of first {k} "
         f"steps {head:.3f}, last {k} steps {tail:.3f})",
         f"  time per step    median {step_s[len(step_s) // 2]:.2f} s (min {step_s[0]:.2f}, max {step_s[-1]:.2f})",
     ]
+    restarts = int(rows[-1].get("engine_restarts", 0) or 0)
+    if restarts:
+        lines.append(f"  engine restarts  {restarts} (dead rollout engines restarted, their share of the step redone)")
     lines += ["  per step (seconds; sync in GB of weights and GB/s):", *step_table(rows, max_rows=4)]
     if compare:
         cm = sum(int(r.get("mismatch_count", 0)) for r in compare)
@@ -256,6 +369,11 @@ def summary_lines(rows: Sequence[dict], output_dir: Path, plot: Path | None, mod
     from vime import checkpoint  # the run's own checkpoints, when it saved any
 
     last = checkpoint.latest(output_dir) if Path(output_dir).is_dir() else None
-    if last is not None:
+    done = int(rows[-1]["step"]) + 1
+    if last is not None and steps is not None and done >= steps:
+        lines.append(f"  checkpoint       {last}")
+        lines.append(f"  run complete     all {steps} steps done; to train further: "
+                     f"{checkpoint.resume_command(output_dir)} steps={done + done}")
+    elif last is not None:
         lines.append(f"  checkpoint       {last} (continue with: {checkpoint.resume_command(output_dir)})")
     return lines

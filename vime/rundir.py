@@ -1,7 +1,15 @@
 """The run directory, settled before Hydra creates it (a Hydra callback, `hydra.callbacks.run_dir`).
 
-- A new run never writes into a directory that already holds something: it is refused with a
-  message that offers `resume=<dir>` (when that run has a checkpoint) or a new `output_dir`.
+- A new run never writes into a directory that holds a run (at least one logged step, or a
+  checkpoint): it is refused with a message that offers `resume=<dir>` (when that run has a
+  checkpoint) or a new `output_dir`. A directory that holds only what a start that failed before
+  its first step left (`.hydra/`, `train.log`, `model/`, ...) is no run: it is cleaned and reused,
+  so the retry after fixing a bad value is the same command. A directory with files vime did not
+  write is refused.
+- An override of a key the schema does not have (`stpes=3`) is answered with one line naming the
+  nearest valid key, before Hydra composes anything (`check_override_keys`).
+- `resume=` of a run that has done all its steps is refused with how to extend it (`steps=N`),
+  before any engine starts.
 - `resume=<dir>` runs the config that run recorded (`checkpoints/config.yaml`) in that same
   directory; only the keys in `RESUMABLE` may be given again (e.g. more `steps`). Hydra writes this
   invocation's own `.hydra/` files under `.hydra/resume-<time>/`; train.log continues.
@@ -11,6 +19,10 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
+import difflib
+import shutil
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -19,24 +31,104 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 from omegaconf.errors import OmegaConfBaseException
 
-from vime import checkpoint
-from vime.config import to_object, validate
+from vime import checkpoint, preflight
+from vime.config import VimeConfig, to_object, validate
 from vime.errors import ConfigError, VimeError
 
 RESUMABLE = ("steps", "checkpoint.stop_after", "checkpoint.every", "checkpoint.export_hf", "checkpoint.final",
              "verbose", "wandb.mode")
 
 
+# What a run writes in its output_dir. A directory holding only these, with no logged step and no
+# checkpoint, is what a start that failed (or was stopped) before its first step left behind.
+RUN_ENTRIES = frozenset({".hydra", "train.log", "engines.log", "model", "wandb", "metrics.jsonl", "checkpoints",
+                         "consistency.png", "hf_model", "native", "audit.json", "audit.png"})
+
+
+def logged_steps(output_dir: Path) -> int:
+    """Steps the run in `output_dir` logged (lines of its metrics.jsonl, its native twin's included)."""
+    n = 0
+    for metrics in (output_dir / "metrics.jsonl", output_dir / "native" / "metrics.jsonl"):
+        if metrics.is_file():
+            n += sum(1 for line in metrics.read_text().splitlines() if line.strip())
+    return n
+
+
 def refuse_existing(output_dir: Path) -> None:
-    """SystemExit when `output_dir` exists and is not empty."""
+    """SystemExit when `output_dir` holds a run (a logged step or a checkpoint) or files vime did not
+    write; a directory left by a start that never completed a step is emptied for reuse (one line on
+    stderr says so)."""
     if not output_dir.is_dir() or not any(output_dir.iterdir()):
         return
-    held = ", ".join(sorted(p.name for p in output_dir.iterdir())[:6])
+    entries = sorted(p.name for p in output_dir.iterdir())
+    held = ", ".join(entries[:6])
     if (output_dir / checkpoint.CHECKPOINTS / checkpoint.LATEST).is_file():
-        offer = f"continue that run with `{checkpoint.resume_command(output_dir)}`, or pass a new output_dir=..."
-    else:
-        offer = "it has no checkpoint to resume from: pass a new output_dir=... (or remove that directory)"
-    raise SystemExit(f"output_dir={output_dir} already holds a run ({held}); vime never overwrites one: {offer}")
+        raise SystemExit(f"output_dir={output_dir} already holds a run ({held}); vime never overwrites one: continue "
+                         f"that run with `{checkpoint.resume_command(output_dir)}`, or pass a new output_dir=...")
+    steps = logged_steps(output_dir)
+    if steps:
+        raise SystemExit(f"output_dir={output_dir} already holds a run of {steps} logged step(s) ({held}) and no "
+                         "checkpoint to resume from; vime never overwrites a run: pass a new output_dir=...")
+    foreign = [e for e in entries if e not in RUN_ENTRIES]
+    if foreign:
+        raise SystemExit(f"output_dir={output_dir} holds files vime did not write ({', '.join(foreign[:6])}); "
+                         "pass an empty or new output_dir=...")
+    for entry in entries:
+        path = output_dir / entry
+        shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
+    print(f"output_dir={output_dir} held a start that never completed a step ({held}): cleaned, starting there",
+          file=sys.stderr)
+
+
+# ---- override keys ---------------------------------------------------------------------------------------
+
+
+def schema_keys(schema: type = VimeConfig, prefix: str = "") -> tuple[set[str], set[str]]:
+    """(every dotted key of the schema, the dict-valued keys whose sub-keys are free)."""
+    keys, free = set(), set()
+    for f in dataclasses.fields(schema):
+        name = f"{prefix}{f.name}"
+        keys.add(name)
+        sub = f.default_factory if f.default_factory is not dataclasses.MISSING else None
+        if dataclasses.is_dataclass(sub):
+            more, more_free = schema_keys(sub, f"{name}.")
+            keys |= more
+            free |= more_free
+        elif sub is dict:
+            free.add(name)
+    return keys, free
+
+
+def _config_groups() -> set[str]:
+    """Hydra config groups under configs/ (`+experiment=...`)."""
+    configs = Path(__file__).resolve().parent.parent / "configs"
+    return {p.name for p in configs.iterdir() if p.is_dir()} if configs.is_dir() else set()
+
+
+def unknown_override(override: str, keys: set[str], free: set[str], groups: set[str]) -> str | None:
+    """The one-line error for a command-line override whose key the schema lacks, else None."""
+    if override.startswith("-") or "=" not in override:
+        return None
+    key = override.split("=", 1)[0].lstrip("+~").split("@", 1)[0]
+    if not key or key.startswith("hydra") or "/" in key or key in groups or key in keys:
+        return None
+    if any(key.startswith(f"{k}.") for k in free):
+        return None
+    near = difflib.get_close_matches(key, sorted(keys), n=1, cutoff=0.75)
+    hint = f" (did you mean {near[0]}?)" if near else ""
+    return (f"config error: unknown config key {key}{hint}; `python -m vime.train --cfg job` lists every key "
+            "(vime/config.py documents them)")
+
+
+def check_override_keys(argv: list[str]) -> None:
+    """SystemExit with one line when an override names a key the schema does not have (Hydra would answer
+    a plain `stpes=3` with a suggestion to add it as `+stpes=3`, which is then refused anyway)."""
+    keys, free = schema_keys()
+    groups = _config_groups()
+    for arg in argv:
+        error = unknown_override(arg, keys, free, groups)
+        if error:
+            raise SystemExit(error)
 
 
 def _key(override: str) -> str:
@@ -60,15 +152,30 @@ def apply_resume(config: DictConfig, overrides: list[str]) -> None:
         OmegaConf.update(config, key, value, merge=False)
     config.resume = str(run)
     config.output_dir = str(run)
+    refuse_complete(run, int(config.steps), bool(config.checkpoint.export_hf))
     config.hydra.output_subdir = f".hydra/resume-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
+def refuse_complete(run: Path, steps: int, export_hf: bool) -> None:
+    """ConfigError when the run in `run` has done all `steps` (and its export), so `resume=` would start
+    engines to run no step: say it is complete and how to extend it."""
+    last = checkpoint.latest(run)
+    if last is None:
+        return  # `checkpoint.resume_point` says there is nothing to resume
+    done = int(checkpoint.load_state(last)["next_step"])
+    exported = not export_hf or (run / checkpoint.HF_DIR / "model.safetensors").is_file()
+    if done >= steps and exported:
+        raise ConfigError(f"resume={run}: that run is complete ({done} steps done, steps={steps}); to train it "
+                          f"further give more steps: {checkpoint.resume_command(run)} steps={done + max(done, 1)}")
+
+
 def check(config: DictConfig) -> None:
-    """The job config (the composed config without `hydra`) passes the schema and `validate`."""
+    """The job config (the composed config without `hydra`) passes the schema, `validate` and the
+    checks that need no engine (`preflight.check_context`)."""
     job = copy.deepcopy(config)
     with read_write(job), open_dict(job):
         del job["hydra"]
-    validate(to_object(job))
+    preflight.check_context(validate(to_object(job)))
 
 
 def prepare(config: DictConfig) -> None:

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig
+from tqdm.contrib.logging import logging_redirect_tqdm
 
-from vime import faults
+from vime import faults, rundir
 from vime.config import config_or_exit, register_configs
-from vime.driver import Driver
 from vime.errors import ConfigError, VimeError
 
 log = logging.getLogger("vime")
@@ -29,32 +29,39 @@ register_configs()
 @hydra.main(version_base="1.3", config_path="../configs", config_name="config")
 def main(dcfg: DictConfig) -> None:
     cfg = config_or_exit(dcfg)
+    from vime.driver import Driver  # Ray, vLLM's and Megatron's imports: only once the config is good
     if not cfg.verbose:  # errors are reported once, by the driver, naming the engine or rank
         os.environ.setdefault("RAY_IGNORE_UNHANDLED_ERRORS", "1")
     code = 0
     driver = None
     faults.install_signal_handlers()
-    try:
-        compare = run_compare(cfg)  # `compare=native`: the native twin first (its own dir), then this run
-        driver = Driver(cfg, Path(cfg.output_dir))
-        driver.run()
-        driver.finish(compare)
-    except KeyboardInterrupt:  # faults.Stopped, or Ray's re-raise of it from a blocking call
-        signum = faults.stop_signal()
-        code = 128 + signum
-        if driver is not None:
-            faults.report_stop(driver, f"{signal.Signals(signum).name}: stopped")
-    except VimeError as e:
-        code = 1
-        log.error("%s: %s", type(e).__name__, e)
-        if cfg.verbose and e.__cause__ is not None:  # the actor's own traceback, as Ray reported it
-            log.error("".join(traceback.format_exception(e.__cause__)))
-        if driver is not None:
-            faults.report_stop(driver, "failed")
-    finally:
-        faults.ignore_signals()
-        if driver is not None:
-            driver.shutdown(code)
+    # console lines go through tqdm.write: a progress bar on a terminal is cleared before each line, not left
+    # behind between the per-step rows
+    with logging_redirect_tqdm(loggers=[logging.getLogger()]):
+        try:
+            compare = run_compare(cfg)  # `compare=native`: the native twin first (its own dir), then this run
+            driver = Driver(cfg, Path(cfg.output_dir))
+            driver.run()
+            driver.finish(compare)
+        except KeyboardInterrupt:  # faults.Stopped, or Ray's re-raise of it from a blocking call
+            signum = faults.stop_signal()
+            code = 128 + signum
+            if driver is not None:
+                faults.report_stop(driver, f"{signal.Signals(signum).name}: stopped")
+            else:
+                log.warning("%s during start-up: no step ran, nothing was trained", signal.Signals(signum).name)
+        except VimeError as e:
+            code = 1
+            log.error("%s: %s", type(e).__name__, e)
+            if cfg.verbose and e.__cause__ is not None:  # the actor's own traceback, as Ray reported it
+                log.error("".join(traceback.format_exception(e.__cause__)))
+            if driver is not None:
+                faults.report_stop(driver, "failed")
+        finally:
+            faults.ignore_signals()
+            if driver is not None:
+                driver.shutdown(code)
+            faults.remove_own_temp_files()
     if code:
         raise SystemExit(code)
 
@@ -71,6 +78,8 @@ def run_compare(cfg) -> list[dict] | None:
             raise ConfigError(f"compare={cfg.compare}: no metrics.jsonl there; pass compare=native or a run's "
                               "output_dir")
         return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    from vime.driver import Driver
+
     twin = copy.deepcopy(cfg)
     twin.rollout.mode = twin.trainer.mode = "native"
     twin.rollout.boundary_modes, twin.trainer.boundary_modes = {}, {}
@@ -85,4 +94,5 @@ def run_compare(cfg) -> list[dict] | None:
 
 
 if __name__ == "__main__":
+    rundir.check_override_keys(sys.argv[1:])  # a mistyped key: one line, before Hydra composes anything
     sys.exit(main())

@@ -32,6 +32,9 @@ def _tokenizer(vocab_size: int):
                                    bos_token="<bos>", eos_token="<eos>")
 
 
+MAX_POSITION_EMBEDDINGS = 4096  # the context of every tiny checkpoint
+
+
 def make_tiny_qwen3(
     path: str | Path, *, seed: int = 0, vocab_size: int = 512, hidden_size: int = 128,
     intermediate_size: int = 256, num_layers: int = 2, num_heads: int = 4, num_kv_heads: int = 2,
@@ -57,7 +60,8 @@ def make_tiny_qwen3(
     config = Qwen3Config(
         vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
         num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
-        head_dim=head_dim, max_position_embeddings=4096, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+        head_dim=head_dim, max_position_embeddings=MAX_POSITION_EMBEDDINGS,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6},
         rms_norm_eps=1e-6, tie_word_embeddings=False, initializer_range=init_std,
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
         architectures=["Qwen3ForCausalLM"],

@@ -45,13 +45,24 @@ class StrictRun(NamedTuple):
     out: Path  # its output_dir
     proc: subprocess.CompletedProcess  # the finished process (stdout and stderr captured apart)
     listeners: dict[Listener, str]  # every listening socket its process tree had, sampled while it ran: cmdline
+    temp_seen: set[str]  # what its run temporary directory (/tmp/vime_tmp_<pid>) held, sampled while it ran
+    pids: set[int]  # every process of its tree, sampled while it ran
+    pid: int  # its driver's pid
 
 
-def _sample_listeners(pid: int, listeners: dict[Listener, str], done: threading.Event) -> None:
-    """Every 0.5 s until `done`: each listening inet socket of process `pid` and its descendants."""
+def _sample_listeners(pid: int, listeners: dict[Listener, str], done: threading.Event,
+                      temp_seen: set[str] | None = None, pids: set[int] | None = None) -> None:
+    """Every 0.5 s until `done`: each listening inet socket of process `pid` and its descendants (and, when
+    given, the names in its run temporary directory and the pids of its tree)."""
     import psutil
 
     while not done.is_set():
+        if temp_seen is not None:
+            with contextlib.suppress(OSError):
+                temp_seen.update(os.listdir(f"/tmp/vime_tmp_{pid}"))
+        if pids is not None:
+            with contextlib.suppress(psutil.Error):
+                pids.update(p.pid for p in psutil.Process(pid).children(recursive=True))
         with contextlib.suppress(psutil.Error):
             root = psutil.Process(pid)
             for p in [root, *root.children(recursive=True)]:
@@ -69,10 +80,13 @@ def strict_run(tmp_path_factory) -> StrictRun:
     resume tests (its uninterrupted twin) and the loopback check, so the suite runs it once."""
     out = tmp_path_factory.mktemp("strict") / "run"
     listeners: dict[Listener, str] = {}
+    temp_seen: set[str] = set()
+    pids: set[int] = set()
     proc = subprocess.Popen(train_cmd("steps=2", f"output_dir={out}"), cwd=REPO, env=os.environ | TRAIN_ENV,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     done = threading.Event()
-    sampler = threading.Thread(target=_sample_listeners, args=(proc.pid, listeners, done), daemon=True)
+    sampler = threading.Thread(target=_sample_listeners, args=(proc.pid, listeners, done, temp_seen, pids),
+                               daemon=True)
     sampler.start()
     try:
         stdout, stderr = proc.communicate(timeout=420)
@@ -82,7 +96,28 @@ def strict_run(tmp_path_factory) -> StrictRun:
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
-    return StrictRun(out, subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr), listeners)
+    return StrictRun(out, subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr), listeners,
+                     temp_seen, pids, proc.pid)
+
+
+def alive(pids: set[int]) -> list[str]:
+    """Those of `pids` still running (not zombies), as 'pid name'."""
+    import psutil
+
+    left = []
+    for pid in pids:
+        with contextlib.suppress(psutil.Error):
+            p = psutil.Process(pid)
+            if p.status() != psutil.STATUS_ZOMBIE:
+                left.append(f"{pid} {' '.join(p.cmdline())[:80]}")
+    return left
+
+
+def run_files_left(pid: int) -> list[str]:
+    """The rendezvous files and the run temporary directory of the driver `pid` that still exist."""
+    import glob
+
+    return glob.glob(f"/tmp/vime_rdzv_{pid}_*") + glob.glob(f"/tmp/vime_tmp_{pid}")
 
 
 def wandb_exit_codes(out: Path) -> list[int | None]:

@@ -1,4 +1,4 @@
-"""Issue 13 without engines: config holes, unreadable checkpoints, output-dir safety, resume config
+"""Bad input without engines: config holes, unreadable checkpoints, output-dir safety, resume config
 rules and the stop signal. Each bad input must give one line that names the value or file and the fix,
 before any engine (or any directory) is made."""
 
@@ -51,6 +51,38 @@ def test_response_longer_than_max_model_len_is_rejected(compose_cfg):
     preflight.check_lengths(validate(to_object(compose_cfg("algo.max_new_tokens=244"))), [[2] * 12])
 
 
+def test_a_context_longer_than_the_model_is_refused_before_any_directory(tmp_path, compose_cfg):
+    out = tmp_path / "run"
+    proc = _cli("rollout.max_model_len=8192", f"output_dir={out}")
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "config error: rollout.max_model_len=8192 > the model's context (max_position_embeddings=4096 in the tiny "
+        "model vime makes (model.path unset)); set rollout.max_model_len <= 4096")
+    assert not out.exists()
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"max_position_embeddings": 512}))
+    with pytest.raises(ConfigError, match=rf"max_position_embeddings=512 in {model / 'config.json'}"):
+        preflight.check_context(validate(to_object(compose_cfg(f"model.path={model}", "rollout.max_model_len=1024"))))
+    preflight.check_context(validate(to_object(compose_cfg(f"model.path={model}", "rollout.max_model_len=512"))))
+
+
+def test_a_mistyped_key_is_answered_in_one_line_with_the_nearest_key(tmp_path):
+    proc = _cli("stpes=3", f"output_dir={tmp_path / 'run'}")
+    assert proc.returncode == 1 and "+stpes" not in proc.stderr and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        "config error: unknown config key stpes (did you mean steps?); `python -m vime.train --cfg job` lists every "
+        "key (vime/config.py documents them)"]
+    keys, free = rundir.schema_keys()
+    groups = {"experiment"}
+    assert "trainer.lr" in keys and "rollout.boundary_modes" in free
+    for good in ("steps=3", "trainer.lr=0.1", "+rollout.boundary_modes.attention=native", "+experiment=qwen3_8b_grpo",
+                 "hydra.verbose=true", "hydra/job_logging=disabled", "--cfg", "resume=/x"):
+        assert rundir.unknown_override(good, keys, free, groups) is None, good
+    assert "(did you mean trainer.lr?)" in rundir.unknown_override("trainer.lrr=1", keys, free, groups)
+    assert "unknown config key algo.nope" in rundir.unknown_override("+algo.nope=1", keys, free, groups)
+
+
 def test_ray_resources_are_checked_with_numbers(compose_cfg):
     cfg = validate(to_object(compose_cfg("ray.num_cpus=1")))
     with pytest.raises(ConfigError, match=r"needs 2 CPUs \(has 1\) for 2 actors .* ray.num_cpus=1"):
@@ -89,15 +121,47 @@ def test_existing_run_is_never_overwritten(tmp_path):
     out = tmp_path / "run"
     out.mkdir()
     (out / "train.log").write_text("the first run\n")
+    (out / "metrics.jsonl").write_text('{"step": 0}\n')
     proc = _cli(f"output_dir={out}")
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
-    assert f"output_dir={out} already holds a run (train.log)" in proc.stderr
-    assert sorted(p.name for p in out.iterdir()) == ["train.log"]
+    assert f"output_dir={out} already holds a run of 1 logged step(s) (metrics.jsonl, train.log)" in proc.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["metrics.jsonl", "train.log"]
     assert (out / "train.log").read_text() == "the first run\n"
     (out / "checkpoints").mkdir()
     (out / "checkpoints" / "latest").write_text("step_000000")
-    with pytest.raises(SystemExit, match=rf"continue that run with `python -m vime.train resume={out}`"):
+    with pytest.raises(SystemExit, match=rf"continue that run with `.*python -m vime.train resume={out}`"):
         rundir.refuse_existing(out)
+
+
+def test_a_directory_vime_did_not_write_is_refused(tmp_path):
+    (tmp_path / "notes.txt").write_text("mine")
+    (tmp_path / "train.log").write_text("")
+    with pytest.raises(SystemExit, match=r"holds files vime did not write \(notes.txt\)"):
+        rundir.refuse_existing(tmp_path)
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+
+
+def test_a_start_that_failed_before_its_first_step_is_cleaned_for_the_retry(tmp_path, capsys):
+    out = tmp_path / "run"
+    for d in (".hydra", "model", "wandb/offline-run-1", "checkpoints"):
+        (out / d).mkdir(parents=True)
+    for f in ("train.log", "engines.log", "metrics.jsonl", ".hydra/config.yaml", "checkpoints/config.yaml"):
+        (out / f).write_text("")
+    rundir.refuse_existing(out)
+    assert not any(out.iterdir())
+    assert "held a start that never completed a step" in capsys.readouterr().err
+
+
+def test_the_retry_after_a_failed_start_runs_in_the_same_output_dir(tmp_path):
+    """A bad model.path fails after Hydra made the run dir (.hydra/, train.log); the retry with the same
+    output_dir is not refused: it gets as far as the first time (here: the same bad path)."""
+    out = tmp_path / "run"
+    first = _cli(f"model.path={tmp_path / 'nope'}", f"output_dir={out}")
+    assert first.returncode == 1 and "no config.json" in first.stdout + first.stderr
+    assert (out / "train.log").is_file()
+    again = _cli(f"model.path={tmp_path / 'nope'}", f"output_dir={out}")
+    assert again.returncode == 1 and "no config.json" in again.stdout + again.stderr, again.stderr
+    assert "already holds a run" not in again.stderr and "held a start that never completed a step" in again.stderr
 
 
 def test_resume_runs_the_recorded_config_and_refuses_changes(compose_cfg, tmp_path):
@@ -119,6 +183,31 @@ def test_resume_runs_the_recorded_config_and_refuses_changes(compose_cfg, tmp_pa
         cfg = compose(config_name="config", overrides=[f"resume={tmp_path / 'none'}"], return_hydra_config=True)
         with pytest.raises(checkpoint.CheckpointError, match=r"no .*config.yaml"):
             rundir.prepare(cfg)
+
+
+def test_resume_of_a_complete_run_says_so_and_how_to_extend_it(compose_cfg, tmp_path):
+    import torch
+    from hydra import compose, initialize_config_dir
+
+    from tests.vime.conftest import CONFIGS
+
+    checkpoint.save_config(tmp_path, as_dict(validate(to_object(compose_cfg("steps=4", f"output_dir={tmp_path}")))))
+    last = checkpoint.step_dir(tmp_path, 3)
+    last.mkdir(parents=True)
+    torch.save({"next_step": 4}, last / checkpoint.STATE)
+    (tmp_path / "checkpoints" / "latest").write_text(last.name)
+    (tmp_path / "hf_model").mkdir()
+    (tmp_path / "hf_model" / "model.safetensors").write_bytes(b"")
+    with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=[f"resume={tmp_path}"], return_hydra_config=True)
+        with pytest.raises(ConfigError, match=rf"resume={tmp_path}: that run is complete \(4 steps done, steps=4\); "
+                                              rf"to train it further give more steps: .*python -m vime.train "
+                                              rf"resume={tmp_path.resolve()} steps=8"):
+            rundir.prepare(cfg)
+        rundir.prepare(compose(config_name="config", overrides=[f"resume={tmp_path}", "steps=6"],
+                               return_hydra_config=True))
+        (tmp_path / "hf_model" / "model.safetensors").unlink()  # stopped between the last checkpoint and the export
+        rundir.prepare(compose(config_name="config", overrides=[f"resume={tmp_path}"], return_hydra_config=True))
 
 
 def test_checkpoint_schedule():
@@ -153,11 +242,18 @@ def test_stale_temporary_files_are_swept_and_live_ones_kept(tmp_path):
     orphan, live = tmp_path / f"vime_rdzv_{int(dead.stdout)}_ab", tmp_path / f"vime_rdzv_{os.getpid()}_cd"
     orphan.write_text("")
     live.write_text("")
+    # a killed run's own temporary directory (its actors' TMPDIR: pymp-*, W&B's and vLLM's files), and a live one's
+    orphan_tmp, live_tmp = tmp_path / f"vime_tmp_{int(dead.stdout)}", tmp_path / f"vime_tmp_{os.getpid()}"
+    for d in (orphan_tmp / "pymp-x1", orphan_tmp / "tmpq1wandb-media", live_tmp / "pymp-y2"):
+        d.mkdir(parents=True)
+    (orphan_tmp / "vllm_dist_0123").write_text("")
     with held.open() as keep_open:
-        removed = faults.sweep_stale({str(tmp_path / "vllm_dist_*"): 120.0}, str(tmp_path / "vime_rdzv_*"))
+        removed = faults.sweep_stale({str(tmp_path / "vllm_dist_*"): 120.0}, str(tmp_path / "vime_rdzv_*"),
+                                     str(tmp_path / "vime_tmp_*"))
         assert keep_open.readable()
-    assert sorted(removed) == sorted([str(stale), str(orphan)])
+    assert sorted(removed) == sorted([str(stale), str(orphan), str(orphan_tmp)])
     assert not stale.exists() and fresh.exists() and held.exists() and live.exists()
+    assert not orphan_tmp.exists() and (live_tmp / "pymp-y2").is_dir()
 
 
 def test_vllm_on_gpus_takes_ipc_and_nccl(compose_cfg):

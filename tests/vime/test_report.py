@@ -4,6 +4,7 @@ end-of-run summary, the figure, the copy task, and the audit's verdict / ladder 
 from __future__ import annotations
 
 import json
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -67,6 +68,100 @@ def test_summary_has_a_per_step_table_of_phase_timings_and_sync_rate(tmp_path):
     long = report.step_table(_rows(30), max_rows=4)  # first and last steps of a long run; missing values as '-'
     assert len(long) == 6 and long[3].strip() == "..." and long[-1].split()[0] == "29" and "-" in long[1].split()
     assert report.wandb_row({"sync_gbps": 2.5}) == {"weights/sync_gbps": 2.5}
+
+
+def _checkpointed(out, step: int):
+    from vime import checkpoint
+
+    path = checkpoint.step_dir(out, step)
+    path.mkdir(parents=True)
+    (path / checkpoint.STATE).write_bytes(b"x")
+    (out / "checkpoints" / "latest").write_text(path.name)
+    return path
+
+
+def test_summary_of_a_complete_run_says_so_and_how_to_extend_it(tmp_path):
+    _checkpointed(tmp_path, 9)
+    lines = report.summary_lines(_rows(10), tmp_path, None, "/m", steps=10)
+    text = "\n".join(lines)
+    assert "run complete     all 10 steps done; to train further: " in text
+    assert f"-m vime.train resume={tmp_path.resolve()} steps=20" in text and "continue with" not in text
+    stopped = "\n".join(report.summary_lines(_rows(10), tmp_path, None, "/m", steps=40))  # checkpoint.stop_after
+    assert f"(continue with: {report.python_command()} -m vime.train resume={tmp_path.resolve()})" in stopped
+    assert "run complete" not in stopped
+
+
+def test_summary_counts_engine_restarts_and_fits_the_console(tmp_path):
+    rows = [r | {"engine_restarts": 1 if r["step"] >= 3 else 0} for r in _rows(6)]
+    lines = report.summary_lines(rows, tmp_path, None, "/m", steps=6)
+    assert any(line.startswith("  engine restarts  1 ") for line in lines)
+    assert not any("engine restarts" in line for line in report.summary_lines(_rows(6), tmp_path, None, "/m"))
+    native = report.summary_lines(_rows(4, mismatch=128, strict=False), tmp_path, None, "/m")
+    fixed = [line for line in lines + native if str(tmp_path) not in line]  # the outputs' paths are the user's
+    assert max(len(line) for line in fixed) + len("12:00:00 ") <= 120, max(fixed, key=len)
+
+
+def test_console_lines_are_short_and_carry_no_colour_codes():
+    import logging
+
+    fmt = report.ConsoleFormatter()
+    info = logging.LogRecord("vime", logging.INFO, __file__, 1, "step \x1b[36mrow\x1b[39m", None, None)
+    warn = logging.LogRecord("vime", logging.WARNING, __file__, 1, "rollout engine 0 died", None, None)
+    assert re.fullmatch(r"\d\d:\d\d:\d\d step row", fmt.format(info))
+    assert re.fullmatch(r"\d\d:\d\d:\d\d warning: rollout engine 0 died", fmt.format(warn))
+
+
+RAY_INIT_FAILURE = "\n".join([
+    "The actor died because of an error raised in its creation task, \x1b[36mray::rollout-0:RolloutWorker.__init__()"
+    "\x1b[39m (pid=20149, ip=127.0.0.1, actor_id=73d2, repr=<vime.rollout.actor.RolloutWorker object at 0x7f2d>)",
+    '  File "/x/vllm/engine/arg_utils.py", line 1955, in create_model_config',
+    "    return ModelConfig(",
+    "           ^^^^^^^^^^^^",
+    "TypeError: cannot pickle 'ArgsKwargs' object",
+    '  File "/x/pydantic/_internal/_dataclasses.py", line 121, in __init__',
+    "    s.__pydantic_validator__.validate_python(ArgsKwargs(args, kwargs), self_instance=s)",
+    "pydantic_core._pydantic_core.ValidationError: 1 validation error for ModelConfig",
+    "  Value error, User-specified max_model_len (8192) is greater than the derived max_model_len "
+    "(max_position_embeddings=4096.0 or model_max_length=None in model's config.json). To allow overriding this "
+    "maximum, set the env var VLLM_ALLOW_LONG_MAX_MODEL_LEN=1. [type=value_error]",
+    "    For further information visit https://errors.pydantic.dev/2.14/v/value_error"])
+RAY_PROCESS_DEATH = "\n".join([
+    "The actor died unexpectedly before finishing this task.", "\tclass_name: RolloutWorker", "\tactor_id: 8f3a",
+    "\tpid: 4242", "\tname: rollout-0",
+    "The actor is dead because its worker process has died. Worker exit type: SYSTEM_ERROR Worker exit detail: "
+    "Worker unexpectedly exits with a connection error code 2. End of LOG stream is reached. The process may have "
+    "been killed by SIGKILL by the OOM killer or by a user; check the raylet logs for more details."])
+
+
+def test_an_actor_death_is_one_line_with_its_own_cause_first_and_the_log_last(tmp_path):
+    cause = report.death_cause(RAY_INIT_FAILURE)
+    assert cause.startswith("ValidationError: 1 validation error for ModelConfig Value error, User-specified "
+                            "max_model_len (8192) is greater than the derived max_model_len")
+    assert len(cause) <= 300 and "\x1b" not in cause and "errors.pydantic.dev" not in cause
+    assert report.death_cause(RAY_PROCESS_DEATH) == ("its process ended (exit detail: Worker unexpectedly exits "
+                                                     "with a connection error code 2)")
+    report.ENGINE_LOG[0] = tmp_path / "engines.log"
+    try:
+        msg = report.actor_died_message("rollout engine 0", "start", RuntimeError(RAY_INIT_FAILURE))
+    finally:
+        report.ENGINE_LOG[0] = None
+    assert msg.startswith("rollout engine 0 died during 'start': ValidationError: ")
+    assert msg.endswith(f"(its log: {tmp_path / 'engines.log'})") and "\n" not in msg
+
+
+def test_the_printed_python_command_runs_as_printed(monkeypatch, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")  # a shell where the project's environment is not activated
+    monkeypatch.chdir(tmp_path)
+    cmd = report.python_command()
+    assert cmd == os.path.abspath(sys.executable) or cmd == "python"
+    proc = subprocess.run(f"{cmd} -c 'import vime.train'", shell=True, cwd=tmp_path, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    monkeypatch.chdir(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(sys.executable)))))
+    assert not report.python_command().startswith("/") or report.python_command() == os.path.abspath(sys.executable)
 
 
 @pytest.mark.parametrize("compare", [False, True])

@@ -1,4 +1,4 @@
-"""Nothing is lost (issue 13), end to end with the real components (Ray, vLLM, Megatron, Hydra, W&B).
+"""Nothing is lost, end to end with the real components (Ray, vLLM, Megatron, Hydra, W&B).
 
 One run is stopped with SIGTERM after its first checkpoint, then resumed with `resume=<dir>`. The
 stop is clean (exit 143, no traceback, the resume command printed); starting a new run in that dir
@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -47,6 +49,13 @@ def _start(out: Path, *overrides: str) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
+def _printed_python() -> str:
+    """The interpreter a command printed by a run started from REPO names: this one, runnable as printed."""
+    rel = os.path.relpath(sys.executable, REPO)
+    return "python" if shutil.which("python") == sys.executable else (rel if not rel.startswith("..") else
+                                                                       sys.executable)
+
+
 def _stop_after_first_checkpoint(out: Path) -> tuple[int, str]:
     """Start a 2-step run saving every step; SIGTERM it once step 0's checkpoint is complete."""
     proc = _start(out, "steps=2", "checkpoint.every=1")
@@ -73,7 +82,8 @@ def test_stopped_then_resumed_run_is_identical_in_bits(strict_run, tmp_path):
     log_size = (out / "train.log").stat().st_size
     again = subprocess.run(train_cmd("steps=2", f"output_dir={out}"), cwd=REPO, env=os.environ | TRAIN_ENV,
                            capture_output=True, text=True, timeout=120)
-    assert again.returncode == 1 and f"continue that run with `python -m vime.train resume={out}`" in again.stderr
+    assert again.returncode == 1 and f"continue that run with `{_printed_python()} -m vime.train resume={out}`" \
+        in again.stderr, again.stderr
     assert (out / "train.log").stat().st_size == log_size  # refused before Hydra wrote anything
 
     resumed = subprocess.run(train_cmd(f"resume={out}"), cwd=REPO, env=os.environ | TRAIN_ENV,
@@ -141,7 +151,7 @@ def test_a_killed_rollout_engine_is_restarted_and_a_killed_trainer_ends_the_run_
     assert proc.returncode == 1, text[-6000:]
     assert "rollout engine 0 died; restarting it on weight version 1 (restart 1 of at most 3)" in text
     assert "EngineDiedError: trainer rank 0 died during" in text and "Traceback" not in text, text[-6000:]
-    assert f"with: python -m vime.train resume={out}" in text
+    assert f"with: {_printed_python()} -m vime.train resume={out}" in text
     assert wandb_exit_codes(out) == [1]  # the failed run's exit code
     rows, base_rows = _rows(out), _rows(base)
     assert [r["engine_restarts"] for r in rows] == [0, 1]
@@ -201,3 +211,105 @@ def test_a_killed_vllm_tp_worker_restarts_its_engine(tmp_path):
     while left() and time.monotonic() < deadline:
         time.sleep(0.5)
     assert not left(), left()
+
+
+class _Watched:
+    """A `python -m vime.train` run whose console lines are read as they come and whose process tree is
+    sampled every 0.2 s (so what it started is known after it is gone)."""
+
+    def __init__(self, out: Path, *overrides: str):
+        import threading
+
+        self.proc = _start(out, *overrides)
+        self.lines: list[str] = []
+        self.pids: set[int] = set()
+        self._done = threading.Event()
+        threading.Thread(target=self._read, daemon=True).start()
+        threading.Thread(target=self._sample, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line)
+
+    def _sample(self) -> None:
+        import psutil
+
+        while not self._done.is_set() and self.proc.poll() is None:
+            try:
+                self.pids.update(p.pid for p in psutil.Process(self.proc.pid).children(recursive=True))
+            except psutil.Error:
+                pass
+            self._done.wait(0.2)
+
+    def wait_for(self, text: str, timeout: float = 420) -> None:
+        deadline = time.monotonic() + timeout
+        while not any(text in line for line in self.lines) and self.proc.poll() is None:
+            assert time.monotonic() < deadline, f"no {text!r} in:\n{''.join(self.lines)[-4000:]}"
+            time.sleep(0.2)
+
+    def wait_for_engines(self, timeout: float = 420) -> None:
+        """Until the rollout engine's actor process exists (the engines are starting)."""
+        self.wait_for("ray: ", timeout)
+        deadline = time.monotonic() + timeout
+        while not _actor_pids(self.proc.pid, "RolloutWorker") and self.proc.poll() is None:
+            assert time.monotonic() < deadline, "no rollout engine started"
+            time.sleep(0.2)
+
+    def finish(self, timeout: float = 180) -> str:
+        self.proc.wait(timeout=timeout)
+        self._done.set()
+        time.sleep(0.5)  # the reader drains the pipe
+        return "".join(self.lines)
+
+
+def _gone_within(pids: set[int], seconds: float) -> list[str]:
+    from tests.vime.conftest import alive
+
+    deadline = time.monotonic() + seconds
+    while alive(pids) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return alive(pids)
+
+
+def test_ctrl_c_during_start_up_says_nothing_was_trained_and_leaves_nothing(tmp_path):
+    """SIGINT while the engines start: one line says what was starting and that nothing was trained; exit 130;
+    no process of the run and none of its temporary files are left. Then a double Ctrl-C: the second signal
+    ends the clean-up at once, and still leaves no process (Ray's agents included) and no file behind."""
+    from tests.vime.conftest import run_files_left
+
+    out = tmp_path / "stopped"
+    run = _Watched(out)
+    run.wait_for_engines()
+    run.proc.send_signal(signal.SIGINT)
+    text = run.finish()
+    assert run.proc.returncode == 130, text[-4000:]
+    assert "warning: SIGINT during start-up (the engines were starting): no step ran, nothing was trained" in text
+    assert "Traceback" not in text and "\x1b[" not in text, text[-4000:]
+    assert not _gone_within(run.pids, 10) and not run_files_left(run.proc.pid)
+
+    again = _Watched(out)  # the same output_dir: the stopped start is no run, it is reused
+    again.wait_for_engines()
+    assert "held a start that never completed a step" in "".join(again.lines)
+    again.proc.send_signal(signal.SIGINT)
+    again.wait_for("nothing was trained", timeout=60)
+    again.proc.send_signal(signal.SIGINT)
+    text = again.finish(timeout=30)
+    assert again.proc.returncode == 130, text[-4000:]
+    assert "SIGINT again: exiting now; killed the run's" in text
+    assert not _gone_within(again.pids, 5) and not run_files_left(again.proc.pid)
+
+
+def test_an_engine_that_dies_at_start_is_named_with_its_own_error_and_its_log(tmp_path):
+    """vLLM refuses `max_num_batched_tokens` < `max_num_seqs` inside the engine's constructor: the run ends
+    (exit 1) with one line naming the engine, vLLM's own error first and `<output_dir>/engines.log` last; no
+    raw `(raylet)` line, no colour codes, no pointer to a shared Ray session directory."""
+    out = tmp_path / "dead"
+    proc = subprocess.run(train_cmd("rollout.max_num_batched_tokens=64", f"output_dir={out}"), cwd=REPO,
+                          env=os.environ | TRAIN_ENV, capture_output=True, text=True, timeout=420)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 1, text[-4000:]
+    died = [line for line in text.splitlines() if "rollout engine 0 died during 'start'" in line]
+    assert len(died) == 1, text[-4000:]
+    assert "max_num_batched_tokens (64) must be greater than or equal to max_num_seqs (128)" in died[0]
+    assert died[0].endswith(f"(its log: {out.resolve() / 'engines.log'})") and len(died[0]) < 500, died[0]
+    assert "(raylet)" not in text and "\x1b[" not in text and "session_latest" not in text, text[-4000:]

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.vime.conftest import wandb_exit_codes
+from tests.vime.conftest import alive, run_files_left, wandb_exit_codes
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.megatron]
@@ -50,6 +50,22 @@ def test_strict_run_has_zero_mismatches_every_step(strict_run):
         assert r["train_mismatch_count"] == 0, r  # Megatron's train-mode forward vs the rollout, independently
         assert set(r["contracts"].values()) <= {"same", "paired"} and r["contracts"]["gemm"] == "same"
         assert r["grad_norm"] > 0  # the weights did move between step 0 and step 1
+
+
+def test_a_finished_run_leaves_no_process_or_temporary_file(strict_run):
+    """What the run's actors and the libraries in them write to their TMPDIR (multiprocessing's pymp-*
+    sockets when a checkpoint is written, W&B's tmp*wandb-* directories, vLLM's vllm_dist_* files) lands in
+    the run's own /tmp/vime_tmp_<pid>, which is gone at exit with the rendezvous file; no process of the run's
+    tree outlives it; and the summary says the run is complete and how to extend it (no resume= hint that would
+    start engines to run no step)."""
+    assert strict_run.proc.returncode == 0, strict_run.proc.stderr[-4000:]
+    assert any(name.startswith("pymp-") for name in strict_run.temp_seen), strict_run.temp_seen
+    assert not run_files_left(strict_run.pid)
+    assert not alive(strict_run.pids)
+    console = strict_run.proc.stdout + strict_run.proc.stderr
+    assert "run complete     all 2 steps done; to train further: " in console
+    assert f"-m vime.train resume={strict_run.out.resolve()} steps=4" in console and "continue with" not in console
+    assert "\x1b[" not in console and "(raylet)" not in console
 
 
 def test_strict_run_with_bf16_logits_has_zero_mismatches_every_step(tmp_path):
