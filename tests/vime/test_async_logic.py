@@ -123,3 +123,12 @@ def test_kept_versions_default_covers_the_bound(compose_cfg):
     cfg = validate(to_object(compose_cfg("algo.max_staleness=1", "algo.correction=tis", "rollout.partial=true",
                                          "trainer.kept_versions=4")))
     assert kept_versions(cfg) == 4
+
+
+def test_the_h200_preset_takes_the_async_loop(compose_cfg):
+    cfg = validate(to_object(compose_cfg("+experiment=h200_8b_layers", "output_dir=/tmp/x", "algo.max_staleness=1",
+                                         "algo.correction=tis")))
+    assert cfg.device == "cuda" and cfg.algo.max_staleness == 1 and kept_versions(cfg) == 2
+    with pytest.raises(ConfigError, match="weights.transport=object_store"):
+        validate(to_object(compose_cfg("+experiment=h200_8b_layers", "output_dir=/tmp/x", "algo.max_staleness=1",
+                                       "algo.correction=tis", "rollout.partial=true")))

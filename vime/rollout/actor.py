@@ -169,6 +169,7 @@ class RolloutWorker:
             if self._staged is not None:
                 raise RuntimeError(f"weight version {version} staged while version {self._staged[1]} is not loaded")
             self._staged = (buckets, version)
+            self._cv.notify_all()  # a rollout waiting for this version (rollout.partial_wait)
             if not self._generating:
                 self._apply_staged()
             elif not self._cv.wait_for(lambda: self._staged is None, timeout=600):
