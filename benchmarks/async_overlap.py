@@ -30,6 +30,10 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def run(out: Path, staleness: int, steps: int, extra: list[str]) -> tuple[list[dict], float]:
+    """(rows, wall seconds) of one run; a finished run already in `out` (--workdir) is read, not run again."""
+    done = out / "wall_s.txt"
+    if done.is_file():
+        return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()], float(done.read_text())
     overrides = [f"steps={steps}", f"output_dir={out}", f"algo.max_staleness={staleness}", "checkpoint.final=false",
                  "checkpoint.export_hf=false", *extra]
     if staleness:
@@ -39,6 +43,7 @@ def run(out: Path, staleness: int, steps: int, extra: list[str]) -> tuple[list[d
     subprocess.run([sys.executable, "-m", "vime.train", *overrides], cwd=REPO, env=env, check=True,
                    stdout=subprocess.DEVNULL)
     wall = time.perf_counter() - t0
+    done.write_text(f"{wall}\n")
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()], wall
 
 
@@ -96,12 +101,14 @@ def main() -> None:
     ap.add_argument("--staleness", type=int, nargs="+", default=[0, 1])
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks/results/async_overlap_cpu.json")
     ap.add_argument("--figure", type=Path, default=None)
+    ap.add_argument("--workdir", type=Path, default=None, help="keep the runs here (default: a temporary dir)")
     ap.add_argument("overrides", nargs="*", help="vime.train overrides for every run (after --)")
     args = ap.parse_args()
     runs, table = {}, {}
     with tempfile.TemporaryDirectory(prefix="vime_async_") as tmp:
+        work = args.workdir or Path(tmp)
         for n in args.staleness:
-            rows, wall = run(Path(tmp) / f"n{n}", n, args.steps, args.overrides)
+            rows, wall = run(work / f"n{n}", n, args.steps, args.overrides)
             runs[n], table[n] = rows, summary(rows, wall)
     base = table[min(table)]["tokens_per_s"]
     print(f"{'max_staleness':>13} {'tok/s':>8} {'x sync':>7} {'step_s':>7} {'rollout_s':>9} {'train_s':>8} "

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import random
 import time
 
@@ -84,8 +85,7 @@ def checked_samples(samples: list[Sample], version: int, share: float, rng: rand
     candidates = [i for i, s in enumerate(samples) if sample_kind(s, version) != "fresh"]
     if share >= 1.0 or not candidates:
         return candidates
-    k = max(1, -(-int(share * len(candidates) * 1_000_000) // 1_000_000))
-    return sorted(rng.sample(candidates, min(k, len(candidates))))
+    return sorted(rng.sample(candidates, min(len(candidates), max(1, math.ceil(share * len(candidates))))))
 
 
 def check_behaviour_comparable(samples: list[Sample], scored: list[Scored]) -> None:

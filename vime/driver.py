@@ -3,7 +3,8 @@
 One step: check every engine serves the trainer's version v -> rollout (GRPO groups stay on one
 engine) -> rewards -> group-normalised advantages -> trainer teacher-forcing logprobs -> comparability
 gate -> consistency metrics on every active token -> GRPO optimizer step (v -> v+1) -> weight sync
--> engines acknowledge v+1 -> metrics (JSONL, W&B, console).
+-> engines acknowledge v+1 -> metrics (JSONL, W&B, console). With `algo.max_staleness` >= 1 the steps run
+asynchronously instead (`vime.async_loop`).
 """
 
 from __future__ import annotations

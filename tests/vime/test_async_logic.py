@@ -132,3 +132,12 @@ def test_the_h200_preset_takes_the_async_loop(compose_cfg):
     with pytest.raises(ConfigError, match="weights.transport=object_store"):
         validate(to_object(compose_cfg("+experiment=h200_8b_layers", "output_dir=/tmp/x", "algo.max_staleness=1",
                                        "algo.correction=tis", "rollout.partial=true")))
+
+
+def test_offpolicy_metrics_have_their_wandb_group():
+    from vime import report
+
+    out = report.wandb_row({"staleness_mean": 0.5, "lag_share_0": 0.5, "lag_share_3": 0.25, "is_ratio_max": 1.5,
+                            "lag0_ratio_off": 0, "behaviour_check_rate": 1.0})
+    assert out == {"offpolicy/staleness_mean": 0.5, "offpolicy/lag_share_0": 0.5, "offpolicy/lag_share_3": 0.25,
+                   "offpolicy/is_ratio_max": 1.5, "offpolicy/lag0_ratio_off": 0, "offpolicy/behaviour_check_rate": 1.0}
