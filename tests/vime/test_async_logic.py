@@ -141,3 +141,17 @@ def test_offpolicy_metrics_have_their_wandb_group():
                             "lag0_ratio_off": 0, "behaviour_check_rate": 1.0})
     assert out == {"offpolicy/staleness_mean": 0.5, "offpolicy/lag_share_0": 0.5, "offpolicy/lag_share_3": 0.25,
                    "offpolicy/is_ratio_max": 1.5, "offpolicy/lag0_ratio_off": 0, "offpolicy/behaviour_check_rate": 1.0}
+
+
+def test_the_behaviour_gate_refuses_a_re_score_under_other_versions():
+    from vime.async_loop import check_behaviour_comparable
+    from vime.engines import Scored
+
+    s = _sample(0, [3, 4])
+    good = Scored(token_ids=[3, 4], positions=[2, 3], logprobs=torch.zeros(2), version=4, temperature=1.0,
+                  vocab_size=0, versions=[3, 4])
+    check_behaviour_comparable([s], [good])
+    for bad, message in [({"versions": [4, 4]}, "re-scored under versions"), ({"positions": [1, 2]}, "positions"),
+                         ({"token_ids": [3, 5]}, "other token ids"), ({"temperature": 0.5}, "temperature")]:
+        with pytest.raises(ComparabilityError, match=message):
+            check_behaviour_comparable([s], [Scored(**{**good.__dict__, **bad})])
