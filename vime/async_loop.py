@@ -213,6 +213,9 @@ class AsyncLoop:
         result, verdict = self._consistency(samples, fresh, checked, behaviour, trained, version)
         sync = self._sync()
         rewards = torch.tensor([s.reward for s in samples])
+        warning = report.no_signal_warning(step, rewards.tolist(), cfg.algo.group_size)
+        if warning:
+            log.warning(warning)
         checked_tokens = sum(len(samples[i].response_ids) for i in checked)
         stale_tokens = sum(len(s.response_ids) for s, k in zip(samples, kinds) if k != "fresh")
         row = {"step": step, "version": version, "next_version": d.timeline.trainer_version,
