@@ -38,6 +38,24 @@ class TrainerBackend(StrEnum):
     reference = "reference"  # FALLBACK: Qwen3Reference + a plain torch optimizer
 
 
+class StaleSamples(StrEnum):
+    """What the asynchronous loop does with a GRPO group that has a token more than `algo.max_staleness`
+    weight versions behind the trainer (the whole group goes: its advantages are normalised together)."""
+    drop = "drop"        # not trained on; counted
+    requeue = "requeue"  # its prompt is sampled again with the next rollout; counted
+
+
+# Off-policy corrections of the asynchronous loop (vime/trainer/grpo.py, `behaviour_weight`): the weight
+# w = pi_prox / pi_behaviour of each token, where pi_prox is the trainer's current weights and pi_behaviour
+# the rollout's recorded logprob (reproduced in bits by the trainer under the version that produced it).
+CORRECTIONS = {
+    "none": "no correction: the PPO ratio is taken against the rollout logprobs (synchronous loop only)",
+    "decoupled": "decoupled PPO: the loss is weighted by w; tokens with w > algo.is_cap are masked",
+    "tis": "truncated importance sampling: the loss is weighted by min(w, algo.is_cap)",
+    "icepop": "IcePop: the loss is weighted by w where algo.icepop_low <= w <= algo.icepop_high, else masked",
+}
+
+
 class Task(StrEnum):
     copy = "copy"              # "g=" -> "g": the embedded default, learnable by a tiny model in minutes
     arithmetic = "arithmetic"
@@ -92,6 +110,16 @@ class AlgoConfig:
     clip_eps: float = 0.2
     kl_coef: float = 0.0       # k3 KL to the initial policy; 0 disables the reference forward
     adv_eps: float = 1e-6      # advantages = (r - mean) / (std + adv_eps) within a group
+    # Asynchronous RL (vime/async_loop.py). 0: the synchronous on-policy loop. N >= 1: the rollouts of the
+    # next N steps run while the trainer trains and syncs; a token may be up to N weight versions old.
+    max_staleness: int = 0
+    stale_samples: StaleSamples = StaleSamples.drop  # a group older than max_staleness: drop or requeue it
+    correction: str = "none"   # none | decoupled | tis | icepop (CORRECTIONS); async needs one other than none
+    is_cap: float = 2.0        # tis: w truncated at is_cap; decoupled: tokens with w > is_cap masked
+    icepop_low: float = 0.5    # icepop: tokens with w outside [icepop_low, icepop_high] masked
+    icepop_high: float = 2.0
+    behaviour_check: float = 1.0  # share of stale samples whose behaviour logprobs the trainer reproduces
+                                  # (1.0: every token of every step; less: a seeded sample, rate logged)
 
 
 @dataclass
@@ -113,6 +141,13 @@ class RolloutConfig:
     # reloads every weight)
     sleep_level: int = 0
     block_size: int = 16           # reference engine: page size
+    # In-flight weight updates (algo.max_staleness >= 1): a weight push lands between engine steps without
+    # waiting for running requests, which go on under the new version over their KV cache of the old one
+    # (their tokens carry mixed versions); prefix caching is off.
+    partial: bool = False
+    partial_wait: int = 0          # k >= 1 (with partial): every rollout after the first waits, once each of its
+                                   # requests has k tokens, for the next version: mixed versions at a fixed token,
+                                   # reproducible runs (tests, studies); 0: an update lands whenever it arrives
     num_blocks: int = 256          # reference engine: KV pages per engine
 
 
@@ -131,6 +166,9 @@ class TrainerConfig:
     # same logprobs). true: also run the separate no-grad scoring forward first and compare that one
     # (it checks the trainer's inference path too, for one more forward per step).
     scoring_pass: bool = False
+    # Weight versions kept in host memory (algo.max_staleness >= 1) to reproduce the behaviour logprobs of
+    # stale tokens; 0: max_staleness + 1, the fewest that cover every allowed lag.
+    kept_versions: int = 0
 
 
 @dataclass
@@ -309,10 +347,53 @@ def validate(cfg: VimeConfig) -> VimeConfig:
              f"weights.colocate=true with ray.rollout_resource={cfg.ray.rollout_resource}",
              "colocated engines run on the trainer's nodes: unset ray.rollout_resource (or set weights.colocate=false)")
     _require(cfg.ray.restart_wait_s > 0, f"ray.restart_wait_s={cfg.ray.restart_wait_s}", "use a time > 0 (seconds)")
+    _validate_async(cfg)
     if cfg.device == "cpu":
         _require(r.engine != RolloutBackend.vllm or r.tp <= 2, f"rollout.tp={r.tp} on CPU",
                  "this CPU build runs at most TP2 per engine")
     return cfg
+
+
+def _validate_async(cfg: VimeConfig) -> None:
+    """The asynchronous loop's settings (algo.max_staleness, correction, rollout.partial, kept versions)."""
+    a, n = cfg.algo, cfg.algo.max_staleness
+    _require(n >= 0, f"algo.max_staleness={n}", "staleness counts weight versions: use 0 (synchronous) or N >= 1")
+    _require(a.correction in CORRECTIONS, f"algo.correction={a.correction!r} does not exist",
+             f"use one of {', '.join(CORRECTIONS)}")
+    _require(n == 0 or a.correction != "none", f"algo.max_staleness={n} with algo.correction=none (asynchronous "
+             "training without an off-policy correction)", "set algo.correction=decoupled, tis or icepop")
+    _require(not cfg.rollout.partial or n >= 1, "rollout.partial=true with algo.max_staleness=0",
+             "in-flight weight updates make tokens stale: set algo.max_staleness >= 1, or rollout.partial=false")
+    wait = cfg.rollout.partial_wait
+    _require(wait == 0 or (cfg.rollout.partial and 1 <= wait < a.max_new_tokens),
+             f"rollout.partial_wait={cfg.rollout.partial_wait}", "use it with rollout.partial=true, below "
+             "algo.max_new_tokens (the token count at which a rollout waits for the next version)")
+    _require(not cfg.rollout.partial or str(cfg.weights.transport) == "object_store",
+             f"rollout.partial=true with weights.transport={cfg.weights.transport}",
+             "in-flight updates are staged from Ray's object store: use weights.transport=object_store")
+    _require(a.is_cap >= 1.0 and math.isfinite(a.is_cap), f"algo.is_cap={a.is_cap}", "use a finite cap >= 1")
+    _require(0 < a.icepop_low <= 1.0 <= a.icepop_high and math.isfinite(a.icepop_high),
+             f"algo.icepop_low={a.icepop_low}, algo.icepop_high={a.icepop_high}",
+             "use 0 < icepop_low <= 1 <= icepop_high (a finite band around 1)")
+    _require(0 < a.behaviour_check <= 1.0, f"algo.behaviour_check={a.behaviour_check}",
+             "use a share in (0, 1]; 1.0 checks every token")
+    kept = cfg.trainer.kept_versions
+    _require(kept >= 0, f"trainer.kept_versions={kept}", "use 0 (max_staleness + 1) or a count >= 1")
+    _require(kept == 0 or kept >= n + 1, f"trainer.kept_versions={kept} cannot cover algo.max_staleness={n} (a "
+             f"token {n} versions old needs its version kept beside the current one)",
+             f"keep at least {n + 1} versions or lower algo.max_staleness")
+    if n >= 1:
+        _require(not cfg.trainer.scoring_pass, "trainer.scoring_pass=true with algo.max_staleness >= 1",
+                 "the asynchronous loop checks stale tokens by re-scoring them under their own versions: "
+                 "drop trainer.scoring_pass")
+        _require(not cfg.resume, f"resume= of a run with algo.max_staleness={n}",
+                 "the rollouts in flight at the checkpoint are not saved: resume only synchronous runs")
+
+
+def kept_versions(cfg: VimeConfig) -> int:
+    """How many weight versions the trainer keeps (0 in the synchronous loop, which needs none)."""
+    n = cfg.algo.max_staleness
+    return 0 if n == 0 else (cfg.trainer.kept_versions or n + 1)
 
 
 def as_dict(cfg: VimeConfig) -> dict[str, Any]:

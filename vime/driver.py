@@ -3,7 +3,8 @@
 One step: check every engine serves the trainer's version v -> rollout (GRPO groups stay on one
 engine) -> rewards -> group-normalised advantages -> trainer teacher-forcing logprobs -> comparability
 gate -> consistency metrics on every active token -> GRPO optimizer step (v -> v+1) -> weight sync
--> engines acknowledge v+1 -> metrics (JSONL, W&B, console).
+-> engines acknowledge v+1 -> metrics (JSONL, W&B, console). With `algo.max_staleness` >= 1 the steps run
+asynchronously instead (`vime.async_loop`).
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from tqdm import tqdm
 
 import rl_kernel as rk
 from vime import checkpoint, consistency, faults, placement, preflight, report, restart
-from vime.config import Mode, VimeConfig, as_dict, side_modes
+from vime.async_loop import AsyncLoop, lag_metrics
+from vime.config import Mode, VimeConfig, as_dict, kept_versions, side_modes
 from vime.data.dataset import PromptSet, load_tokenizer, model_vocab_size
 from vime.engines import Sample
 from vime.errors import ComparabilityError, EngineDiedError, TrainingError, VimeError
@@ -140,7 +142,9 @@ class Driver:
             "rollout", [placement.bundle(cfg.ray, gpus * cfg.rollout.tp, marks["rollout"])] * cfg.rollout.num_engines)
         # each engine's weight path by its node (vime.layout.engine_transports); a restart may move it
         self.trainer_node, self.engine_nodes, self.weight_paths = placement.weight_paths(cfg, trainer_pg, rollout_pg)
-        Rollout = ray.remote(RolloutWorker)
+        # in-flight weight updates (rollout.partial) arrive in their own concurrency group, beside a rollout
+        Rollout = ray.remote(concurrency_groups={"weights": 1})(RolloutWorker) if cfg.rollout.partial else \
+            ray.remote(RolloutWorker)
         Trainer = ray.remote(TrainerWorker)
         self.new_engine = lambda i: Rollout.options(  # noqa: E731 - also used to replace a dead engine
             num_cpus=cfg.ray.cpus_per_actor, num_gpus=gpus * cfg.rollout.tp,
@@ -152,7 +156,8 @@ class Driver:
         self.trainer = [Trainer.options(num_cpus=cfg.ray.cpus_per_actor, num_gpus=gpus,
                                         scheduling_strategy=placement.in_group(trainer_pg, r), name=f"trainer-{r}")
                         .remote(r, n_ranks, cfg.trainer, self.model_path, cfg.model.dtype, cfg.device,
-                                self.trainer_modes, cfg.seed, cfg.algo.kl_coef, cfg.algo.clip_eps)
+                                self.trainer_modes, cfg.seed, cfg.algo.kl_coef, cfg.algo.clip_eps,
+                                correction_fields(cfg), kept_versions(cfg))
                         for r in range(n_ranks)]
         self.rendezvous = placement.rendezvous_file(cfg.ray)
         init = f"file://{self.rendezvous}" if self.rendezvous else placement.tcp_url(
@@ -251,7 +256,7 @@ class Driver:
                "correct_frac": float((rewards == 1.0).float().mean()),
                "samples": report.completion_lines(samples, self.tokenizer.decode, 4, start=step),
                "response_len_mean": sum(len(s.response_ids) for s in samples) / len(samples),
-               **result.metrics(), **stats, **sync,
+               **result.metrics(), **stats, **sync, **lag_metrics(samples, version, 0),
                "rollout_s": t1 - t0, "score_s": t2 - t1, "train_s": t3 - t2, "step_s": time.perf_counter() - t0,
                "contracts": verdict, "strict": self.strict, "engine_restarts": self.engine_restarts, **self.labels}
         self.timeline.finish_step({k: row[k] for k in ("mismatch_count", "max_abs_diff", "tokens")})
@@ -263,13 +268,18 @@ class Driver:
                  self.cfg.steps, self.cfg.algo.prompts_per_step, self.cfg.algo.group_size,
                  _modes_str(self.rollout_modes), _modes_str(self.trainer_modes))
         rows = list(self.resumed["rows"]) if self.resumed else []
+        loop = AsyncLoop(self) if self.cfg.algo.max_staleness else None  # else: the synchronous loop
         for step in tqdm(range(self.timeline.step, self.cfg.steps), desc="steps", disable=None):
-            row = self.step(step)
+            row = loop.step(step) if loop is not None else self.step(step)
             self.logger.log(row)
             rows.append(row)
             if self.cfg.fail_on_mismatch and self.strict and row["mismatch_count"]:
                 raise ComparabilityError(f"strict run, step {step}: {row['mismatch_count']} of {row['tokens']} tokens "
                                          f"differ in bits (worst {result_worst(row)})")
+            if self.cfg.fail_on_mismatch and self.strict and row.get("lag0_ratio_off"):
+                raise ComparabilityError(f"strict run, step {step}: the importance ratio of "
+                                         f"{row['lag0_ratio_off']:.0f} token(s) produced by the current weights is "
+                                         "not exactly 1.0")
             if checkpoint.after_step(self, step, rows):
                 break
         self.rows = rows
@@ -303,6 +313,12 @@ class Driver:
             os.unlink(self.rendezvous)
         faults.sweep_stale()
         faults.remove_own_temp_files()
+
+
+def correction_fields(cfg: VimeConfig) -> dict:
+    """The trainer's off-policy correction settings (vime.trainer.grpo.LossConfig fields)."""
+    a = cfg.algo
+    return {"correction": a.correction, "is_cap": a.is_cap, "icepop_low": a.icepop_low, "icepop_high": a.icepop_high}
 
 
 def result_worst(row: dict) -> str:

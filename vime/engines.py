@@ -43,6 +43,8 @@ class Scored:
     version: int                # weight version of the trainer's weights
     temperature: float
     vocab_size: int
+    versions: list[int] = dataclasses.field(default_factory=list)  # per token, when re-scored under behaviour
+                                                                   # versions (vime/async_loop.py)
 
 
 def one_temperature(samples: list[Sample]) -> float:
@@ -100,3 +102,5 @@ class Trainer(Protocol):
     def load(self, path: Path) -> None: ...
 
     def export_hf(self, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]: ...
+
+    def load_scoring_weights(self, hf: dict[str, torch.Tensor]) -> None: ...

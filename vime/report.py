@@ -23,6 +23,9 @@ WANDB_GROUPS = {
     "train": ("loss", "pg_loss", "clip_frac", "ratio_mean", "kl", "grad_norm"),
     "timing": ("rollout_s", "score_s", "train_s", "sync_s", "step_s"),
     "weights": ("version", "next_version", "sync_bytes", "sync_buckets", "sync_gbps"),
+    "offpolicy": ("staleness_mean", "staleness_max", "rollout_staleness_max", "is_ratio_mean", "is_ratio_max",
+                  "is_clip_frac", "lag0_ratio_off", "stale_groups", "requeued_groups", "mixed_samples",
+                  "stale_samples", "behaviour_checked_tokens", "behaviour_check_rate"),
 }
 GROUP_OF = {key: group for group, keys in WANDB_GROUPS.items() for key in keys}
 SUMMARY_KEYS = ("mismatch_count", "max_abs_diff")  # also written to the W&B run summary, ungrouped
@@ -32,8 +35,9 @@ def wandb_row(row: dict) -> dict[str, float]:
     """The numeric metrics of a row under their W&B group (`consistency/mismatch_count`, ...)."""
     out = {}
     for k, v in row.items():
-        if k in GROUP_OF and isinstance(v, int | float) and not isinstance(v, bool):
-            out[f"{GROUP_OF[k]}/{k}"] = v
+        group = "offpolicy" if k.startswith("lag_share_") else GROUP_OF.get(k)
+        if group and isinstance(v, int | float) and not isinstance(v, bool):
+            out[f"{group}/{k}"] = v
     return out
 
 

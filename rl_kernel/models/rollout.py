@@ -34,6 +34,7 @@ class Completion:
     token_ids: list[int]  # generated tokens (prompt excluded)
     logprobs: torch.Tensor  # fp32 [len(token_ids)]: log p(token | prefix) at the request's temperature
     finish_step: int = -1
+    versions: list[int] = field(default_factory=list)  # weight version that sampled each token
 
 
 @dataclass
@@ -45,6 +46,7 @@ class _Seq:
     blocks: list[int] = field(default_factory=list)
     computed: int = 0  # tokens whose KV is in the cache
     logprobs: list[torch.Tensor] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
     done: bool = False
     finish_step: int = -1
 
@@ -80,9 +82,16 @@ class RolloutEngine:
     def _blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
 
-    def generate(self, requests: list[Request], seed: int = 0) -> list[Completion]:
+    def generate(self, requests: list[Request], seed: int = 0, between_steps=None) -> list[Completion]:
         """Run all `requests` to completion; returns their completions in request order. Request i
-        samples with a generator seeded from (seed, i), so its tokens do not depend on the batch."""
+        samples with a generator seeded from (seed, i), so its tokens do not depend on the batch.
+
+        `between_steps(mid_prefill: bool, sampled: int) -> int`, when given, runs before every scheduler
+        step (an in-flight weight update may land there: running requests keep their KV cache) and returns
+        the weight version the step runs under, which every token the step samples records; `mid_prefill`
+        says some running request has part of its prompt computed (an update then would split its
+        prompt's K/V over two versions, which no token records), `sampled` is the fewest tokens any
+        unfinished request has sampled. Without it every token records 0."""
         vocab = self.model.config.vocab_size
         for i, r in enumerate(requests):
             if not r.prompt_ids or r.max_new_tokens < 1 or r.temperature <= 0:
@@ -97,8 +106,11 @@ class RolloutEngine:
         waiting = sorted(seqs, key=lambda s: (s.req.arrival_step, s.index))
         running: list[_Seq] = []
         reserved, step = 0, 0  # blocks promised to running requests (admission never over-commits)
-        self.trace = []
+        self.trace, self.version = [], 0
         while waiting or running:
+            if between_steps is not None:
+                self.version = int(between_steps(any(0 < s.computed < len(s.req.prompt_ids) for s in running),
+                                                 min(s.generated for s in waiting + running)))
             while waiting and waiting[0].req.arrival_step <= step:
                 need = self._blocks_for(waiting[0].kv_capacity)
                 if reserved + need > self.num_blocks:
@@ -112,7 +124,8 @@ class RolloutEngine:
                 self.free.extend(s.blocks)
                 s.blocks = []
             step += 1
-        return [Completion(s.tokens[len(s.req.prompt_ids):], torch.stack(s.logprobs), s.finish_step) for s in seqs]
+        return [Completion(s.tokens[len(s.req.prompt_ids):], torch.stack(s.logprobs), s.finish_step, s.versions)
+                for s in seqs]
 
     def _schedule(self, running: list[_Seq]) -> list[tuple[_Seq, int]]:
         batch, budget = [], self.budget
@@ -167,5 +180,64 @@ class RolloutEngine:
         for s, t, lp in zip(seqs, tokens.tolist(), lps):
             s.tokens.append(t)
             s.logprobs.append(lp)
+            s.versions.append(self.version)
             if s.generated >= s.req.max_new_tokens or t in s.req.stop_token_ids:
                 s.done, s.finish_step = True, step
+
+
+def version_segments(prompt_len: int, versions: list[int]) -> list[tuple[int, int, int]]:
+    """(first position, end position, weight version) runs of the positions a generation fed through the
+    model, for a response whose token j was sampled under `versions[j]`: the forward that produced token j
+    fed position prompt_len - 1 + j, and the prompt's other positions were prefilled with the first token's
+    forward. The last response token is never fed."""
+    if prompt_len < 1 or not versions:
+        raise ValueError("need a non-empty prompt and at least one response token")
+    per_position = [versions[0]] * prompt_len + list(versions[1:])
+    runs, start = [], 0
+    for p in range(1, len(per_position) + 1):
+        if p == len(per_position) or per_position[p] != per_position[start]:
+            runs.append((start, p, per_position[start]))
+            start = p
+    return runs
+
+
+def mixed_version_logprobs(model: Qwen3Reference, prompt_ids: list[int], response_ids: list[int],
+                           versions: list[int], temperature: float, load_version, block_size: int = 16
+                           ) -> torch.Tensor:
+    """fp32 logprobs of a response whose tokens were produced under different weight versions (a weight
+    update landed while the request ran, keeping its KV cache), as a paged engine produced them: the
+    positions are fed in runs of one version (`version_segments`), `load_version(v)` puts version v's
+    weights into `model` before each run, and every run attends over one paged KV cache that holds the
+    K/V earlier runs computed under their own versions. Token j's logprob comes from the run of
+    `versions[j]`. The strict ops make the bits independent of how positions are split into runs, so a
+    single-version response gives the teacher-forcing bits."""
+    if len(response_ids) != len(versions):
+        raise ValueError(f"{len(response_ids)} response tokens but {len(versions)} versions")
+    dev, c = model.device, model.config
+    tokens = list(prompt_ids) + list(response_ids)
+    fed = len(tokens) - 1
+    blocks = -(-fed // block_size)
+    shape = (blocks, block_size, model.kv_heads, c.head_dim)
+    k_cache = [torch.zeros(shape, dtype=model.dtype, device=dev) for _ in range(c.num_layers)]
+    v_cache = [torch.zeros(shape, dtype=model.dtype, device=dev) for _ in range(c.num_layers)]
+    table = torch.arange(blocks, device=dev).unsqueeze(0)
+    out: list[torch.Tensor] = []
+    for start, end, version in version_segments(len(prompt_ids), versions):
+        load_version(version)
+        pos = torch.arange(start, end, device=dev)
+        qsl = torch.tensor([0, end - start], device=dev)
+        seq_lens = torch.tensor([end], device=dev)
+
+        def attention(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos=pos, qsl=qsl,
+                      seq_lens=seq_lens) -> torch.Tensor:
+            rk.write_kv_cache(k, v, k_cache[i], v_cache[i], pos)  # block j holds positions j*bs..: slot = position
+            return rk.paged_attention(q, k_cache[i], v_cache[i], table, seq_lens, qsl, model.scale)
+
+        with torch.no_grad():
+            hidden = model.forward(torch.tensor(tokens[start:end], device=dev), pos, attention)
+            first = max(start, len(prompt_ids) - 1)  # the positions whose next token is a response token
+            if first < end:
+                targets = torch.tensor(tokens[first + 1:end + 1], device=dev)
+                temps = torch.full((end - first,), float(temperature), dtype=torch.float64, device=dev)
+                out.append(model.logprobs(hidden[first - start:], targets, temps).to(torch.float32))
+    return torch.cat(out)

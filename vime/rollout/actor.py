@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 
 import torch
 
@@ -90,6 +91,11 @@ class RolloutWorker:
         if str(transport) == "gloo" and RolloutBackend(cfg.engine) == RolloutBackend.vllm:
             from vime.weights.sync import GroupReceiver
             self._group_receiver = GroupReceiver(self.engine, model_path, dtype)
+        # in-flight weight updates (rollout.partial): a version staged by `stage_weights` (the actor's
+        # "weights" concurrency group) lands between two engine steps of a running `generate`
+        self._cv = threading.Condition()
+        self._staged: tuple[list, int] | None = None
+        self._generating = False
 
     @_engine_call
     def info(self) -> dict:
@@ -98,12 +104,19 @@ class RolloutWorker:
 
     @_engine_call
     def generate(self, groups: list[tuple[int, list[int]]], group_size: int, max_new_tokens: int,
-                 temperature: float, stop_token_ids: list[int], step: int) -> list[Sample]:
-        """`groups`: (group index, prompt ids); each prompt is sampled `group_size` times on this engine."""
+                 temperature: float, stop_token_ids: list[int], step: int, wait_version: int = 0,
+                 with_evidence: bool = False) -> list[Sample] | tuple[list[Sample], list[dict]]:
+        """`groups`: (group index, prompt ids); each prompt is sampled `group_size` times on this engine.
+        `wait_version` (rollout.partial_wait): the version this rollout waits for in flight (0: none);
+        `with_evidence`: also return this rollout's rl_kernel evidence (the asynchronous loop queues the
+        next rollout before it asks, so a later `evidence()` would be the next one's)."""
         prompts = [ids for _, ids in groups for _ in range(group_size)]
         seed = (self.seed * 1_000_003 + step) * 4099 + self.engine_id
         self.engine.evidence(reset=True)
-        outs = self.engine.generate(prompts, max_new_tokens, temperature, stop_token_ids, seed)
+        if self.cfg.partial:
+            outs = self._generate_partial(prompts, max_new_tokens, temperature, stop_token_ids, seed, wait_version)
+        else:
+            outs = self.engine.generate(prompts, max_new_tokens, temperature, stop_token_ids, seed)
         self._evidence = self.engine.evidence(reset=True)
         samples = []
         for (g, ids), (tokens, logprobs, versions) in zip([gp for gp in groups for _ in range(group_size)], outs):
@@ -111,7 +124,63 @@ class RolloutWorker:
                                   versions=list(versions), engine=self.engine_id, temperature=temperature,
                                   top_k=self.engine.top_k, top_p=self.engine.top_p, vocab_size=self.engine.vocab_size,
                                   finish_reason="stop" if tokens and tokens[-1] in stop_token_ids else "length"))
-        return samples
+        return (samples, self._evidence) if with_evidence else samples
+
+    def _generate_partial(self, prompts, max_new_tokens, temperature, stop_token_ids, seed, wait_version):
+        """`generate` with in-flight weight updates: before every engine step a staged version is loaded
+        (unless a prompt is half prefilled); with `rollout.partial_wait` = k and a `wait_version`, the
+        rollout waits, once every request has k tokens, until that version is staged or served."""
+        waited = not self.cfg.partial_wait or wait_version <= 0
+
+        def between_steps(mid_prefill: bool, sampled: int) -> int:
+            nonlocal waited
+            with self._cv:
+                if not waited and sampled >= self.cfg.partial_wait and not mid_prefill:
+                    arrived = lambda: self.engine.version >= wait_version or (  # noqa: E731
+                        self._staged is not None and self._staged[1] >= wait_version)
+                    if not self._cv.wait_for(arrived, timeout=600):
+                        raise TimeoutError(f"rollout engine {self.engine_id}: weight version {wait_version} did not "
+                                           "arrive within 600 s (rollout.partial_wait)")
+                    waited = True
+                if self._staged is not None and not mid_prefill:
+                    self._apply_staged()
+                return self.engine.version
+
+        with self._cv:
+            self._generating = True
+        try:
+            return self.engine.generate(prompts, max_new_tokens, temperature, stop_token_ids, seed,
+                                        between_steps=between_steps)
+        finally:
+            with self._cv:
+                self._generating = False
+                if self._staged is not None:  # arrived after the last engine step
+                    self._apply_staged()
+
+    def _apply_staged(self) -> None:
+        """Load the staged version into the engine and serve it (the caller holds `_cv`)."""
+        buckets, version = self._staged
+        for bucket in buckets:
+            self.engine.update_weights(bucket, version)
+        self.engine.set_version(version)
+        self._staged = None
+        self._cv.notify_all()
+
+    def stage_weights(self, buckets: list[dict[str, torch.Tensor]], version: int) -> int:
+        """In-flight weight update (rollout.partial; runs in the actor's "weights" concurrency group, beside a
+        running `generate`): the buckets of `version` land at the next step boundary of the running rollout,
+        or now when none runs. Returns the version the engine serves once they are in."""
+        with self._cv:
+            if self._staged is not None:
+                raise RuntimeError(f"weight version {version} staged while version {self._staged[1]} is not loaded")
+            self._staged = (buckets, version)
+            self._cv.notify_all()  # a rollout waiting for this version (rollout.partial_wait)
+            if not self._generating:
+                self._apply_staged()
+            elif not self._cv.wait_for(lambda: self._staged is None, timeout=600):
+                raise TimeoutError(f"rollout engine {self.engine_id}: weight version {version} did not land within "
+                                   "600 s")
+            return self.engine.version
 
     @_engine_call
     def set_modes(self, modes: dict[str, str]) -> dict[str, str]:

@@ -26,14 +26,20 @@ class ReferenceRollout:
         self._group = self._receiver = None  # the weight-push group (nccl) and receiver, from the first push
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float,
-                 stop_token_ids: list[int], seed: int) -> list[tuple[list[int], list[float], list[int]]]:
+                 stop_token_ids: list[int], seed: int, between_steps=None
+                 ) -> list[tuple[list[int], list[float], list[int]]]:
         """Returns (response token ids, fp32 logprobs as floats, weight version per token) per prompt;
-        request i samples from a generator seeded by (seed, i)."""
+        request i samples from a generator seeded by (seed, i). `between_steps` (in-flight weight updates):
+        `RolloutEngine.generate`'s hook, which may load a new version between engine steps."""
         engine = RolloutEngine(self.model, self.cfg.num_blocks, self.cfg.block_size, self.cfg.max_num_batched_tokens,
                                block_seed=seed)
         requests = [Request(p, max_new_tokens, temperature, stop_token_ids=tuple(stop_token_ids)) for p in prompts]
-        out = engine.generate(requests, seed=seed)
-        return [(c.token_ids, c.logprobs.to(torch.float32).tolist(), [self.version] * len(c.token_ids)) for c in out]
+        if between_steps is None:
+            out = engine.generate(requests, seed=seed)
+            return [(c.token_ids, c.logprobs.to(torch.float32).tolist(), [self.version] * len(c.token_ids))
+                    for c in out]
+        out = engine.generate(requests, seed=seed, between_steps=between_steps)
+        return [(c.token_ids, c.logprobs.to(torch.float32).tolist(), list(c.versions)) for c in out]
 
     def set_modes(self, modes: dict[str, str]) -> None:
         """Nothing to do: this engine runs in the actor's process, whose rl_kernel modes are set."""

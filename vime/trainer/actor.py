@@ -8,6 +8,7 @@ and reports the rl_kernel evidence of its last scoring forward.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
@@ -24,13 +25,20 @@ class TrainerWorker:
     """Wrapped with `ray.remote` by the driver; plain class so it is testable in-process."""
 
     def __init__(self, rank: int, world_size: int, cfg: TrainerConfig, model_path: str, dtype: str, device: str,
-                 modes: dict[str, str], seed: int, kl_coef: float, clip_eps: float):
+                 modes: dict[str, str], seed: int, kl_coef: float, clip_eps: float, correction: dict | None = None,
+                 kept_versions: int = 0):
+        """`correction`: LossConfig's off-policy correction fields (correction, is_cap, icepop_low/high);
+        `kept_versions`: how many weight versions to keep in host memory for `score_behaviour` (0: none)."""
         redirect_output()
         faults.forked_children_die_with_this_process()
         apply_modes(modes)
         self.rank, self.world_size, self.cfg, self.modes = rank, world_size, cfg, modes
         self._args = (model_path, dtype, device)
-        self.loss = LossConfig(clip_low=clip_eps, clip_high=clip_eps, kl_coef=kl_coef)  # fixed for the run
+        self.loss = LossConfig(clip_low=clip_eps, clip_high=clip_eps, kl_coef=kl_coef,  # fixed for the run
+                               **(correction or {}))
+        self.kept_versions = kept_versions
+        self.kept: dict[int, dict[str, torch.Tensor]] = {}  # version -> HF-named weights (host memory)
+        self._paged = None  # a Qwen3Reference for mixed-version re-scoring, made on first use
         torch.manual_seed(seed)
         self.engine: Trainer | None = None
         self.version = 0
@@ -66,7 +74,68 @@ class TrainerWorker:
         else:
             from vime.trainer.reference import ReferenceTrainer
             self.engine = ReferenceTrainer(self.cfg, model_path, dtype, device, self.loss)
+        self._keep()
         return self.info()
+
+    # ---- behaviour versions (the asynchronous loop) ---------------------------------------------------
+
+    def _keep(self) -> None:
+        """Keep this version's weights (HF-named, host memory; collective) and drop versions beyond the
+        last `kept_versions`."""
+        if not self.kept_versions:
+            return
+        self.kept[self.version] = self.engine.export_hf(device="cpu")
+        for v in [v for v in self.kept if v <= self.version - self.kept_versions]:
+            del self.kept[v]
+
+    def _weights_of(self, version: int) -> dict[str, torch.Tensor]:
+        if version not in self.kept:
+            from vime.errors import WeightSyncError
+
+            raise WeightSyncError(f"a sample needs weight version {version}, but the trainer keeps only versions "
+                                  f"{sorted(self.kept)} (trainer.kept_versions={self.kept_versions}): raise "
+                                  "trainer.kept_versions or lower algo.max_staleness")
+        return self.kept[version]
+
+    def score_behaviour(self, samples: list[Sample]) -> list[Scored]:
+        """Every token's logprob under the weight version(s) that produced it (collective): samples of one
+        version by this trainer's own forward with that version's weights swapped in (the current ones
+        are put back, bit for bit, after), mixed-version samples by rl_kernel's paged forward over one KV
+        cache, each run of positions under its own version (`mixed_version_logprobs`). Returns one `Scored`
+        per sample, with the versions it scored under."""
+        temperature = one_temperature(samples)
+        out: list[Scored | None] = [None] * len(samples)
+        whole = {}
+        for i, s in enumerate(samples):
+            if len(set(s.versions)) == 1:
+                whole.setdefault(s.versions[0], []).append(i)
+        try:
+            for version, idx in sorted(whole.items()):
+                self.engine.load_scoring_weights(self._weights_of(version))
+                part = [samples[i] for i in idx]
+                logprobs, positions = self.engine.score([s.prompt_ids + s.response_ids for s in part],
+                                                        [len(s.prompt_ids) for s in part], temperature)
+                for i, sc in zip(idx, self._scored(part, logprobs, positions, temperature)):
+                    out[i] = dataclasses.replace(sc, version=version, versions=list(samples[i].versions))
+        finally:
+            if whole:
+                self.engine.load_scoring_weights(self._weights_of(self.version))
+        mixed = [i for i, s in enumerate(samples) if len(set(s.versions)) > 1]
+        for i in mixed:
+            s = samples[i]
+            lp = self._paged_scorer().score(s, self._weights_of)
+            n = len(s.prompt_ids)
+            out[i] = Scored(token_ids=list(s.response_ids), positions=list(range(n, n + len(s.response_ids))),
+                            logprobs=lp, version=max(s.versions), temperature=temperature,
+                            vocab_size=self.engine.vocab_size, versions=list(s.versions))
+        return out if self.rank == 0 else []
+
+    def _paged_scorer(self):
+        if self._paged is None:
+            from vime.trainer.behaviour import PagedScorer
+
+            self._paged = PagedScorer(*self._args)
+        return self._paged
 
     def info(self) -> dict:
         return {"rank": self.rank, "label": self.engine.label, "vocab_size": self.engine.vocab_size,
@@ -99,12 +168,13 @@ class TrainerWorker:
         self.modes = dict(modes)
         return self.modes
 
-    def train_step(self, samples: list[Sample], score: bool = False) -> dict:
+    def train_step(self, samples: list[Sample], score: bool = False, fresh: list[bool] | None = None) -> dict:
         """One GRPO optimizer step on `samples` (old logprobs = the rollout's); version v -> v+1. The
         trainer's train-mode logprobs are also compared with the rollout's: a second, independent
         measurement, reported as train_mismatch_count / train_max_abs_diff / train_mean_abs_diff.
         With `score`, the step's training forward is also its scoring forward: the result holds
-        "scored" (what `score` returns, at version v) and `evidence()` is that forward's."""
+        "scored" (what `score` returns, at version v) and `evidence()` is that forward's. `fresh` marks the
+        samples produced entirely by version v (None: all; the lag-0 ratio check covers those)."""
         import rl_kernel as rk
 
         temperature = one_temperature(samples)
@@ -112,13 +182,14 @@ class TrainerWorker:
         stats = self.engine.train_step(TrainBatch(
             [s.prompt_ids + s.response_ids for s in samples], [len(s.prompt_ids) for s in samples],
             [s.advantage for s in samples], [torch.tensor(s.logprobs, dtype=torch.float32) for s in samples],
-            temperature=temperature, keep_logprobs=score))
+            temperature=temperature, keep_logprobs=score, fresh=fresh))
         # the packer takes response token j of sequence i at position prompt_lens[i] + j
         scored = self._scored(samples, stats.pop("logprobs"), [list(range(len(s.prompt_ids), len(s.prompt_ids)
                               + len(s.response_ids))) for s in samples], temperature) if score else None
         if score:
             self._evidence = rk.evidence.snapshot()
         self.version += 1
+        self._keep()
         measured = ("mismatch_count", "max_abs_diff", "mean_abs_diff")
         out = {k: v for k, v in stats.items() if k not in (*measured, "tokens")}
         return out | {f"train_{k}": stats[k] for k in measured} | {"version": self.version} | \

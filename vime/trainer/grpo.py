@@ -12,6 +12,17 @@ The loss is sum(mask * (pg + kl_coef * kl)) / normalizer, where the normalizer d
 number of active tokens; the step passes the batch's total so micro-batches add up to the batch mean.
 `clip_frac` is the standard (PPO / verl) one: the fraction of active tokens whose clipped branch is
 active, i.e. where -A * clip(ratio) > -A * ratio (the clipped term wins the max and has no gradient).
+
+Off-policy corrections (the asynchronous loop; `LossConfig.correction`): the behaviour policy mu is the
+rollout (its recorded logprobs, reproduced in bits by the trainer under the weight versions that produced
+them), the proximal policy is the trainer's current weights (the step's own forward, detached), and the
+importance weight of a token is w = exp(logp_prox - logp_mu): pure staleness, no numerical noise. The
+PPO ratio is then taken against the proximal policy and the token's term is multiplied by a function of
+w: `decoupled` w, masked above `is_cap` (decoupled PPO as in AReaL); `tis` min(w, is_cap) (truncated
+importance sampling); `icepop` w inside [icepop_low, icepop_high], else 0 (IcePop). `none` is the
+synchronous loss above. Every mode reports w's mean and max over active tokens and the share of tokens
+the correction changed (`is_clip_frac`), and counts the tokens of samples produced entirely by the
+current weights whose w is not exactly 1.0 (`lag0_ratio_off`; 0 whenever the bits agree).
 """
 
 from __future__ import annotations
@@ -39,41 +50,83 @@ def group_advantages(rewards: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return torch.where(tied, 0.0, adv).to(torch.float32)
 
 
+CORRECTION_NAMES = ("none", "decoupled", "tis", "icepop")
+
+
 @dataclass(frozen=True)
 class LossConfig:
     clip_low: float = 0.2
     clip_high: float = 0.2
     kl_coef: float = 0.0
+    correction: str = "none"   # CORRECTION_NAMES: see the module docstring
+    is_cap: float = 2.0
+    icepop_low: float = 0.5
+    icepop_high: float = 2.0
 
     def __post_init__(self) -> None:
         if self.clip_low < 0 or self.clip_high < 0 or self.kl_coef < 0:
             raise ValueError(f"clip_low, clip_high and kl_coef must be >= 0, got {self}")
+        if self.correction not in CORRECTION_NAMES:
+            raise ValueError(f"correction {self.correction!r} does not exist; use one of {', '.join(CORRECTION_NAMES)}")
+
+
+def behaviour_weight(w: torch.Tensor, config: LossConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the loss weight of each token, where the correction changed w) for importance weights
+    w = pi_prox / pi_behaviour [N] (detached), under `config.correction` (not `none`)."""
+    if config.correction == "tis":
+        altered = w > config.is_cap
+        return torch.clamp(w, max=config.is_cap), altered
+    if config.correction == "decoupled":
+        altered = w > config.is_cap
+    elif config.correction == "icepop":
+        altered = (w < config.icepop_low) | (w > config.icepop_high)
+    else:
+        raise ValueError(f"no behaviour weight for correction {config.correction!r}")
+    return torch.where(altered, torch.zeros_like(w), w), altered
 
 
 def policy_loss(
     logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
     config: LossConfig = LossConfig(), ref_logprobs: torch.Tensor | None = None,
-    normalizer: float | None = None,
+    normalizer: float | None = None, fresh: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """(loss, metrics) of the clipped policy-gradient objective; all inputs [N] per token, fp32.
+    `old_logprobs` are the behaviour (rollout) logprobs; `fresh` marks the tokens of samples produced
+    entirely by the weights `logprobs` are computed with (their w must be exactly 1.0).
 
     metrics (detached sums over active tokens, to be divided by the token count by the caller):
-    pg_sum, kl_sum (when kl_coef > 0), clipped (tokens whose clipped branch is active), ratio_sum, tokens."""
+    pg_sum, kl_sum (when kl_coef > 0), clipped (tokens whose clipped branch is active), ratio_sum, tokens,
+    is_ratio_sum / is_ratio_max (w = pi_prox / pi_behaviour), is_clipped (tokens the correction changed),
+    lag0_ratio_off / lag0_tokens (fresh tokens whose w is not exactly 1.0 / all fresh tokens)."""
     shapes = {t.shape for t in (logprobs, old_logprobs, advantages, mask)}
     if len(shapes) != 1 or logprobs.dim() != 1:
         raise ValueError(f"logprobs, old_logprobs, advantages and mask must all be [N]; got {shapes}")
     if config.kl_coef > 0 and ref_logprobs is None:
         raise ValueError("kl_coef > 0 needs ref_logprobs (the reference policy's logprobs)")
     mask = mask.to(logprobs.dtype)
+    behaviour = old_logprobs.to(logprobs.dtype)
+    is_ratio = torch.exp(logprobs.detach() - behaviour)  # pi_prox / pi_behaviour
+    weight = None
+    if config.correction != "none":
+        weight, altered = behaviour_weight(is_ratio, config)
+        old_logprobs = logprobs.detach()  # the PPO ratio against the proximal policy
     log_ratio = logprobs - old_logprobs.to(logprobs.dtype)
     ratio = torch.exp(log_ratio)
     adv = advantages.to(logprobs.dtype)
     unclipped = -adv * ratio
     clipped = -adv * ratio.clamp(1.0 - config.clip_low, 1.0 + config.clip_high)
     per_token = torch.maximum(unclipped, clipped)
+    if weight is not None:
+        per_token = per_token * weight
+    active = mask.bool()
+    fresh_active = active if fresh is None else active & fresh.to(active.device).bool()
     metrics = {"pg_sum": (per_token * mask).sum().detach(),
                "clipped": ((clipped > unclipped).to(mask.dtype) * mask).sum().detach(),
-               "ratio_sum": (ratio * mask).sum().detach(), "tokens": mask.sum().detach()}
+               "ratio_sum": (ratio * mask).sum().detach(), "tokens": mask.sum().detach(),
+               "is_ratio_sum": (is_ratio * mask).sum(),
+               "is_ratio_max": is_ratio[active].max() if bool(active.any()) else torch.zeros(()),
+               "is_clipped": (altered & active).sum() if weight is not None else torch.zeros(()),
+               "lag0_ratio_off": ((is_ratio != 1.0) & fresh_active).sum(), "lag0_tokens": fresh_active.sum()}
     if config.kl_coef > 0:
         delta = ref_logprobs.to(logprobs.dtype) - logprobs
         kl = torch.exp(delta) - delta - 1.0
@@ -98,6 +151,7 @@ class TrainBatch:
     ref_logprobs: list[torch.Tensor] | None = None
     temperature: float = 1.0
     keep_logprobs: bool = False  # return the training forward's logprobs (train_step's "logprobs")
+    fresh: list[bool] | None = None  # per sequence: produced entirely by the current weights (None: all)
 
 
 class PolicyModel(Protocol):
@@ -156,11 +210,12 @@ def _micro_batch_loss(model: PolicyModel, p: Packed, batch: TrainBatch, mb: rang
     adv = p.on_rows([float(batch.advantages[i]) for i in mb])
     mask = p.on_rows([1.0] * len(mb))
     ref = None if batch.ref_logprobs is None else p.on_rows([batch.ref_logprobs[i] for i in mb])
+    fresh = p.on_rows([1.0 if batch.fresh is None or batch.fresh[i] else 0.0 for i in mb])
     lp, index = model.forward_logprobs(p.ids, p.cu_seqlens, p.targets, p.per_row([batch.temperature] * len(mb)),
                                        p.rows)
-    old, adv, mask = (t[index].to(lp.device) for t in (old, adv, mask))
+    old, adv, mask, fresh = (t[index].to(lp.device) for t in (old, adv, mask, fresh))
     ref = None if ref is None else ref[index].to(lp.device)
-    loss, m = policy_loss(lp, old, adv, mask, config, ref, normalizer=total_tokens)
+    loss, m = policy_loss(lp, old, adv, mask, config, ref, normalizer=total_tokens, fresh=fresh)
     loss.backward()
     if batch.keep_logprobs:
         kept.extend(model.gather_logprobs(lp.detach(), index, p.cu_seqlens)[p.rows].split(p.counts))
@@ -168,8 +223,10 @@ def _micro_batch_loss(model: PolicyModel, p: Packed, batch: TrainBatch, mb: rang
     mine, theirs = lp.detach()[active], old[active]
     diff = mine - theirs
     sums["loss"] += float(loss.detach())
-    for key in ("pg_sum", "clipped", "ratio_sum", "tokens", "kl_sum"):
+    for key in ("pg_sum", "clipped", "ratio_sum", "tokens", "kl_sum", "is_ratio_sum", "is_clipped", "lag0_ratio_off",
+                "lag0_tokens"):
         sums[key] += float(m.get(key, 0.0))
+    maxes["is_ratio_max"] = max(maxes["is_ratio_max"], float(m["is_ratio_max"]))
     sums["mismatch_count"] += float((bits(mine) != bits(theirs)).sum())
     sums["abs_diff_sum"] += float(diff.abs().sum())
     maxes["max_abs_diff"] = max(maxes["max_abs_diff"], float(diff.abs().max()) if diff.numel() else 0.0)
@@ -189,8 +246,8 @@ def train_step(model: PolicyModel, batch: TrainBatch, config: LossConfig,
     total_tokens = sum(len(s) - p for s, p in zip(batch.sequences, batch.prompt_lens))
     model.zero_grad()
     sums = dict.fromkeys(("loss", "pg_sum", "clipped", "ratio_sum", "tokens", "kl_sum", "mismatch_count",
-                          "abs_diff_sum"), 0.0)
-    maxes = {"max_abs_diff": 0.0}
+                          "abs_diff_sum", "is_ratio_sum", "is_clipped", "lag0_ratio_off", "lag0_tokens"), 0.0)
+    maxes = {"max_abs_diff": 0.0, "is_ratio_max": 0.0}
     kept: list[torch.Tensor] = []
     for mb in micro_batches(n, micro_batch_size):
         p = pack([batch.sequences[i] for i in mb], [batch.prompt_lens[i] for i in mb])
@@ -206,4 +263,7 @@ def train_step(model: PolicyModel, batch: TrainBatch, config: LossConfig,
     return {"loss": sums["loss"], "pg_loss": sums["pg_sum"] / tokens, "clip_frac": sums["clipped"] / tokens,
             "ratio_mean": sums["ratio_sum"] / tokens, "kl": sums["kl_sum"] / tokens, "tokens": sums["tokens"],
             "grad_norm": grad_norm, "mismatch_count": sums["mismatch_count"], "max_abs_diff": sums["max_abs_diff"],
-            "mean_abs_diff": sums["abs_diff_sum"] / tokens} | ({"logprobs": kept} if batch.keep_logprobs else {})
+            "mean_abs_diff": sums["abs_diff_sum"] / tokens, "is_ratio_mean": sums["is_ratio_sum"] / tokens,
+            "is_ratio_max": sums["is_ratio_max"], "is_clip_frac": sums["is_clipped"] / tokens,
+            "lag0_ratio_off": sums["lag0_ratio_off"], "lag0_tokens": sums["lag0_tokens"]} | \
+        ({"logprobs": kept} if batch.keep_logprobs else {})

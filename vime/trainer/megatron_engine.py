@@ -66,5 +66,10 @@ class MegatronTrainer:
 
         load_megatron(self.policy, path)
 
+    def load_scoring_weights(self, hf: dict[str, torch.Tensor]) -> None:
+        """Put HF-named weights (a kept version, or the current one back) into the model for scoring; the
+        optimizer's fp32 main params are not touched (collective under TP: each rank takes its shard)."""
+        self.policy.load_hf_state_dict(hf, _reload_optimizer=False)
+
     def export_hf(self, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
         return self.policy.export_hf_state_dict(device=device)

@@ -124,5 +124,9 @@ class ReferenceTrainer:
                 m.copy_(saved)
         self.optimizer.load_state_dict(state["optimizer"])
 
+    def load_scoring_weights(self, hf: dict[str, torch.Tensor]) -> None:
+        """Put HF-named weights into the model for scoring (in place; the fp32 masters are not touched)."""
+        self.model.load_hf_weights(hf, strict=True)
+
     def export_hf(self, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
         return {k: v.detach().to(device) for k, v in self.model.state_dict_hf().items()}
