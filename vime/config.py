@@ -368,7 +368,10 @@ def _validate_async(cfg: VimeConfig) -> None:
     _require(wait == 0 or (cfg.rollout.partial and 1 <= wait < a.max_new_tokens),
              f"rollout.partial_wait={cfg.rollout.partial_wait}", "use it with rollout.partial=true, below "
              "algo.max_new_tokens (the token count at which a rollout waits for the next version)")
-    _require(not cfg.rollout.partial or str(cfg.weights.transport) == "object_store",
+    # `auto` is the object store too for a local CPU run (every engine on the trainer's node)
+    staged = str(cfg.weights.transport) == "object_store" or (
+        str(cfg.weights.transport) == "auto" and cfg.device == "cpu" and not cfg.ray.address)
+    _require(not cfg.rollout.partial or staged,
              f"rollout.partial=true with weights.transport={cfg.weights.transport}",
              "in-flight updates are staged from Ray's object store: use weights.transport=object_store")
     _require(a.is_cap >= 1.0 and math.isfinite(a.is_cap), f"algo.is_cap={a.is_cap}", "use a finite cap >= 1")
