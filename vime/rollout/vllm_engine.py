@@ -95,7 +95,10 @@ def _record_file_store(paths: list[str]) -> object:
     except ImportError:
         yield
         return
-    make = mpe.get_file_store_init_method
+    make = getattr(mpe, "get_file_store_init_method", None)
+    if make is None:  # vLLM 0.26: its mp executor rendezvous over TCP, no file to record
+        yield
+        return
 
     def recording() -> str:
         method = make()
