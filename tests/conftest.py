@@ -18,9 +18,10 @@ import multiprocessing.process
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from importlib import metadata
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -100,15 +101,33 @@ def _starters() -> list[tuple[object, str, str]]:
     return found
 
 
+# System probes libraries run while importing (platform.architecture runs `file`): a moment, not an engine.
+PROBES = {"file", "uname", "ldconfig", "lscpu", "getconf", "which", "git", "nvidia-smi", "rocm-smi"}
+
+
+def _is_probe(args: tuple, kwargs: dict) -> bool:
+    """Whether a Popen(self, args, ...) call runs one of PROBES."""
+    argv = kwargs.get("args", args[1] if len(args) > 1 else None)
+    first = argv if isinstance(argv, str | bytes | os.PathLike) else (argv[0] if argv else "")
+    return not kwargs.get("shell") and os.path.basename(os.fsdecode(first)) in PROBES
+
+
+def _refuser(item: pytest.Item, owner: object, name: str, what: str) -> Callable[..., Any]:
+    run, started = getattr(owner, name), item.stash.setdefault(_STARTED, [])
+
+    def refuse(*args, **kwargs):
+        if owner is subprocess.Popen and _is_probe(args, kwargs):
+            return run(*args, **kwargs)
+        started.append(what)
+        raise RuntimeError(f"{item.nodeid} starts {what}: mark it @pytest.mark.slow (not in the fast tier)")
+    return refuse
+
+
 @contextlib.contextmanager
 def _refuse_process_starts(item: pytest.Item) -> Iterator[None]:
-    started = item.stash.setdefault(_STARTED, [])
     with pytest.MonkeyPatch.context() as patch:
         for owner, name, what in _starters():
-            def refuse(*args, _what=what, **kwargs):
-                started.append(_what)
-                raise RuntimeError(f"{item.nodeid} starts {_what}: mark it @pytest.mark.slow (not in the fast tier)")
-            patch.setattr(owner, name, refuse)
+            patch.setattr(owner, name, _refuser(item, owner, name, what))
         yield
 
 
