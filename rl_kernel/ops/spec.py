@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from rl_kernel import backends, evidence
-from rl_kernel.contracts import Contract, native, register
+from rl_kernel.contracts import Contract, add_in_force, native, register
 from rl_kernel.errors import StrictModeError
 from rl_kernel.modes import get_mode
 
@@ -87,3 +87,6 @@ class OpSpec:
 def contracts_in_force() -> dict[str, Contract]:
     """Every op's contracts in force in this process, by id (deployment-dependent ones at its settings)."""
     return {c.id: c for spec in SPECS for c in spec.in_force().values()}
+
+
+add_in_force(contracts_in_force)

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("triton")
+pytestmark = pytest.mark.slow  # a subprocess (the interpreter is chosen before triton is imported)
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -47,17 +47,12 @@ def test_packing_and_micro_batches_do_not_change_bits(world1, world2):
         assert mismatches(r["strict_mb4_reversed"], r["strict"]) == 0, key
 
 
-def test_packing_native_twin(world1, world2, report_native):
-    """Native twin of packing / micro-batch invariance. Whether Megatron's native path keeps a token's
-    bits across micro-batch splits and packing orders depends on the CPU's GEMM and SDPA kernels (on
-    the CPUs seen so far it did: oneDNN's bf16 GEMM gave a row the same bits whatever the other rows,
-    and SDPA runs per sequence; a GPU GEMM or a split-KV kernel changes with the batch): reported.
-    Asserted: native disagrees with the reference on most tokens."""
-    for key, r in (("tp1cp1", world1["tp1cp1"]), ("tp1cp2", world2["tp1cp2"])):
-        n = n_tokens(r["ref"])
-        report_native(f"{key}: micro-batch 1 vs 4: {mismatches(r['native_mb1'], r['native'])} / {n} tokens differ; "
-                      f"4 reversed: {mismatches(r['native_mb4_reversed'], r['native'])} / {n}")
-        assert mismatches(r["native"], r["ref"]) > n // 2
+def test_packing_native_twin(world1, world2):
+    """Native twin of packing / micro-batch invariance: native disagrees with the reference on most tokens.
+    Whether Megatron's native path keeps a token's bits across micro-batch splits and packing orders
+    depends on the CPU's GEMM and SDPA kernels (no input makes it differ on every CPU): not compared."""
+    for r in (world1["tp1cp1"], world2["tp1cp2"]):
+        assert mismatches(r["native"], r["ref"]) > n_tokens(r["ref"]) // 2
 
 
 def test_tp2_strict_equals_reference_tp2_and_is_tp_invariant(world1, world2):
@@ -74,15 +69,12 @@ def test_tp2_native_twin(world1, world2):
     assert mismatches(r["native"], world1["tp1cp1"]["native"]) > 0  # native TP2 != native TP1
 
 
-def test_cp2_equals_cp1_bitwise(world1, world2, report_native):
+def test_cp2_equals_cp1_bitwise(world1, world2):
     r = world2["tp1cp2"]
     assert mismatches(r["strict"], r["ref"]) == 0
     assert mismatches(r["strict"], world1["tp1cp1"]["strict"]) == 0
-    # Native twin: whether its CP2 (all-gathered K/V, SDPA per sequence) equals its CP1 depends on
-    # whether SDPA gives a query row the same bits whichever rows share the call, a property of the
-    # CPU's kernel (it did on the CPUs seen so far): reported. Native misses the reference on most tokens.
-    report_native(f"native CP2 vs CP1: {mismatches(r['native'], world1['tp1cp1']['native'])} / "
-                  f"{n_tokens(r['ref'])} tokens differ")
+    # Native twin: native misses the reference on most tokens. Whether its CP2 (all-gathered K/V, SDPA per
+    # sequence) equals its CP1 is a property of the CPU's SDPA kernel: not compared.
     assert mismatches(r["native"], r["ref"]) > n_tokens(r["ref"]) // 2
 
 

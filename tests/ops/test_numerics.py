@@ -22,17 +22,6 @@ def test_sqrt32_is_correctly_rounded():
     assert torch.isnan(nm.sqrt32(torch.tensor([-1.0, math.nan]))).all()
 
 
-def test_torch_sqrt_vs_ieee_on_this_cpu(report_native):
-    """Why sqrt32 exists: whether torch's fp32 sqrt is correctly rounded depends on the CPU and the
-    kernels torch and MKL pick for it (over 1% of these inputs on the AVX2 machine and the AMD AVX-512
-    one seen, 0.7% on an Intel AVX-512 one, none there with ATEN_CPU_CAPABILITY=avx2). A fact about
-    the hardware: reported, not asserted; sqrt32 is checked against IEEE above."""
-    x = torch.rand(100_000, generator=torch.Generator().manual_seed(1)) * 10
-    differs = (torch.sqrt(x).numpy().view(np.int32) != np.sqrt(x.numpy()).view(np.int32)).mean()
-    report_native(f"torch.sqrt differs from IEEE sqrt on {differs:.2%} of inputs "
-                  f"(torch cpu capability {torch.backends.cpu.get_cpu_capability()})")
-
-
 def test_transcendentals_accuracy():
     x = torch.linspace(-700, 700, 200_001, dtype=torch.float64)
     assert ((nm.exp64(x) - torch.exp(x)) / torch.exp(x)).abs().max() < 1e-15

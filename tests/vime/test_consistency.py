@@ -182,6 +182,7 @@ except ComparabilityError as e:
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("driver_tp, verdict", [(2, "same"), (1, "rejected: the rollout ran rl_kernel.gemm.triton.v2")])
 def test_a_cpu_driver_checks_the_gpu_gemm_contract_of_its_deployment(driver_tp, verdict):
     """On the H200 the engines run the Triton GEMM contract, parametrised by the run's canonical TP; the

@@ -25,12 +25,14 @@ def _cli(*overrides: str) -> subprocess.CompletedProcess:
                           timeout=120, env=os.environ | {"WANDB_MODE": "offline"})
 
 
+@pytest.mark.slow
 def test_cli_rejects_a_malformed_override(tmp_path):
     proc = _cli("rollout.mode=bogus", f"output_dir={tmp_path}")
     assert proc.returncode != 0
     assert "Invalid value 'bogus', expected one of [strict, native]" in proc.stderr
 
 
+@pytest.mark.slow
 def test_cli_reports_a_missing_checkpoint(tmp_path):
     proc = _cli(f"model.path={tmp_path / 'nope'}", f"output_dir={tmp_path}")
     assert proc.returncode != 0
@@ -59,6 +61,7 @@ class _Flaky:
         ray.get(other.refuse.remote())
 
 
+@pytest.mark.slow
 def test_a_dead_or_failing_actor_is_named():
     ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
     try:

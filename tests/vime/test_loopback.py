@@ -27,6 +27,7 @@ print("LISTEN", ",".join(listening))
 """
 
 
+@pytest.mark.slow
 def test_single_node_trainer_world_listens_on_loopback_only():
     cfg = RayConfig()
     rendezvous = placement.rendezvous_file(cfg)

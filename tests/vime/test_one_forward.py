@@ -37,10 +37,3 @@ def test_the_training_forward_scores_in_the_scoring_pass_bits(tiny_qwen3_path):
     assert [t.shape for t in trained] == [torch.Size([len(s) - p]) for s, p in zip(SEQS, PLENS)]
     assert bit_mismatches(scored, trained) == 0
 
-
-def test_native_twin_training_and_scoring_forwards(tiny_qwen3_path, report_native):
-    with rk.mode("native"):
-        scored, trained = _both(tiny_qwen3_path)
-    n = bit_mismatches(scored, trained)
-    report_native(f"{n} of {sum(t.numel() for t in trained)} logprobs differ between the training forward "
-                  "(micro-batches of 1) and the scoring pass (one pack)")

@@ -74,16 +74,14 @@ def _gone(workers: list, wait_s: float = 0.0) -> bool:
 def _mapped_temp_files(pids: list[int]) -> set[str]:
     """Files under TEMP_PREFIXES that processes `pids` hold open or mapped (and that still exist: a
     name already unlinked, such as Ray's object store, is no file of theirs to remove)."""
+    import psutil
+
     found: set[str] = set()
     for pid in pids:
-        proc = Path(f"/proc/{pid}")
-        with contextlib.suppress(OSError):
-            found.update(line.split(maxsplit=5)[5].strip() for line in (proc / "maps").read_text().splitlines()
-                         if len(line.split(maxsplit=5)) == 6)
-        with contextlib.suppress(OSError):
-            for fd in (proc / "fd").iterdir():
-                with contextlib.suppress(OSError):
-                    found.add(os.readlink(fd))
+        with contextlib.suppress(psutil.Error):
+            proc = psutil.Process(pid)
+            found.update(m.path for m in proc.memory_maps())
+            found.update(f.path for f in proc.open_files())
     return {f for f in found if f.startswith(TEMP_PREFIXES) and not f.endswith(" (deleted)")}
 
 
