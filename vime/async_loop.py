@@ -150,7 +150,7 @@ class AsyncLoop:
     def collect(self, step: int) -> tuple[list[Sample], list[Prompt]]:
         """Step `step`'s samples with rewards and group advantages; a dead engine is restarted and its
         share generated again (at the version the engines serve now)."""
-        from vime.driver import call
+        from vime.remote import call
 
         sub = self.inflight.pop(step)
         outs, evidence = [], []
@@ -239,7 +239,7 @@ class AsyncLoop:
     def _sync(self) -> dict:
         """Push the trainer's new version to every engine (the push waits for a running rollout unless
         `rollout.partial`, where it lands between the rollout's engine steps)."""
-        from vime.driver import BUCKET_BYTES, call
+        from vime.remote import BUCKET_BYTES, call
 
         d = self.d
         if self.cfg.rollout.partial:

@@ -85,7 +85,7 @@ class Audit:
         """Forced-decoding logprobs of the fixed samples, each on the engine that sampled it."""
         per_engine = [[i for i, s in enumerate(samples) if s.engine == e] for e in range(len(self.d.engines))]
         refs = [eng.rescore.remote([samples[i] for i in idx]) for eng, idx in zip(self.d.engines, per_engine) if idx]
-        from vime.driver import call
+        from vime.remote import call
 
         outs = call(refs, "re-score", [f"rollout engine {e}" for e, idx in enumerate(per_engine) if idx])
         lps: list[torch.Tensor | None] = [None] * len(samples)

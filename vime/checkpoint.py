@@ -166,8 +166,8 @@ def after_step(driver, step: int, rows: list[dict]) -> bool:
 
 
 def resume_command(output_dir: Path) -> str:
-    """The command that continues the run in `output_dir`, runnable as printed (`report.python_command`)."""
-    from vime.report import python_command
+    """The command that continues the run in `output_dir`, runnable as printed (`commands.python_command`)."""
+    from vime.commands import python_command
 
     return f"{python_command()} -m vime.train resume={Path(output_dir).resolve()}"
 
@@ -183,7 +183,7 @@ def load_state(path: Path) -> dict[str, Any]:
 def restore(driver, path: Path) -> dict[str, Any]:
     """Load checkpoint `path` into a started driver: trainer model + optimizer + RNG, the weight
     version, rollout engines synced to it, the driver's RNG. Returns the saved driver state."""
-    from vime.driver import BUCKET_BYTES, call
+    from vime.remote import BUCKET_BYTES, call
     from vime.weights.sync import sync_weights
 
     state = load_state(path)

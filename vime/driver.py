@@ -24,9 +24,10 @@ from vime.async_loop import AsyncLoop, lag_metrics
 from vime.config import Mode, VimeConfig, as_dict, kept_versions, side_modes
 from vime.data.dataset import PromptSet, load_tokenizer, model_vocab_size
 from vime.engines import Sample
-from vime.errors import ComparabilityError, EngineDiedError, TrainingError, VimeError
+from vime.errors import ComparabilityError, TrainingError, VimeError
 from vime.layout import check_layout, ray_node_gpus, ray_node_resources, read_config_json, role_resources
 from vime.metrics_log import MetricsLogger
+from vime.remote import BUCKET_BYTES, call
 from vime.rollout.actor import RolloutWorker
 from vime.timeline import Timeline
 from vime.trainer.actor import TrainerWorker
@@ -34,28 +35,6 @@ from vime.trainer.grpo import group_advantages
 from vime.weights.sync import sync_weights
 
 log = logging.getLogger("vime")
-BUCKET_BYTES = 64 << 20
-
-
-def call(refs: list, what: str, names: list[str]) -> list:
-    """ray.get of `refs` (results in order) that fails fast, naming the actor that died or raised
-    (vime errors and ValueErrors keep their type), even while the others still wait on it."""
-    pending, results = dict(zip(refs, names)), {}
-    while pending:
-        (ref,), _ = ray.wait(list(pending), num_returns=1)
-        name = pending.pop(ref)
-        try:
-            results[ref] = ray.get(ref)
-        except ray.exceptions.RayActorError as e:
-            raise EngineDiedError(report.actor_died_message(name, what, e)) from e
-        except ray.exceptions.RayTaskError as e:
-            cause = e.cause
-            if isinstance(cause, VimeError | ValueError):
-                raise type(cause)(f"{name} ({what}): {cause}") from e
-            raise EngineDiedError(f"{name} raised during '{what}': {cause.__class__.__name__}: {cause}") from e
-    return [results[r] for r in refs]
-
-
 def make_model(cfg: VimeConfig, output_dir: Path) -> str:
     """The checkpoint path: `model.path`, or a tiny Qwen3 made under `<output_dir>/model`."""
     if cfg.model.path:

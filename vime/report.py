@@ -5,13 +5,19 @@ from __future__ import annotations
 
 import logging
 import math
-import os
-import re
-import shutil
-import sys
 import textwrap
 from collections.abc import Sequence
 from pathlib import Path
+
+from vime.commands import python_command  # noqa: F401 - printed commands (report.python_command)
+from vime.remote import (  # noqa: F401 - actor deaths and where engine output goes (report.death_cause, ...)
+    ANSI,
+    ENGINE_LOG,
+    actor_died_message,
+    death_cause,
+    engine_log_hint,
+    route_engine_output,
+)
 
 # W&B panel groups: a metric row key -> its grouped key. Keys not listed are not sent as scalars.
 WANDB_GROUPS = {
@@ -194,7 +200,6 @@ def _worst_token(runs) -> str:
     return "   |   ".join(parts)
 
 
-ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
 
 class ConsoleFormatter(logging.Formatter):
@@ -210,88 +215,6 @@ class ConsoleFormatter(logging.Formatter):
             stamp, _, rest = line.partition(" ")
             line = f"{stamp} {record.levelname.lower()}: {rest}"
         return ANSI.sub("", line)
-
-
-# Where the run's engine output goes (`<output_dir>/engines.log`; None with `verbose=true`: the console).
-ENGINE_LOG: list[Path | None] = [None]
-_ERROR_LINE = re.compile(r"^\s*([A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit|Died)\b.*)$")
-_WHY = re.compile(r"(killed by [^.]*|exits? with [^.]*|exit detail: [^.]*|OOM[^.]*|out of memory[^.]*)", re.I)
-
-
-def route_engine_output(path: Path | None) -> None:
-    """Record where the run's engine output goes (`path`: engines.log; None: the console, `verbose=true`),
-    and send Ray's error notices there too: Ray prints each one on the driver's console as a raw
-    `(raylet) ...` line with colour codes, whatever `log_to_driver` says, though vime reports the same
-    event in one line of its own (a labelled workaround: the printer Ray's error listener calls is
-    replaced)."""
-    ENGINE_LOG[0] = path
-    if path is None:
-        return
-    import ray._private.worker as ray_worker
-
-    original = getattr(ray_worker, "_vime_print_to_stdstream", ray_worker.print_to_stdstream)
-
-    def printer(data: dict, ignore_prefix: bool) -> None:
-        if data.get("pid") not in ("raylet", "autoscaler") or ENGINE_LOG[0] is None:
-            return original(data, ignore_prefix)
-        with open(ENGINE_LOG[0], "a") as f:
-            f.writelines(f"({data.get('pid')}) {ANSI.sub('', line)}\n" for line in data.get("lines", []))
-
-    ray_worker._vime_print_to_stdstream = original
-    ray_worker.print_to_stdstream = printer
-
-
-def engine_log_hint() -> str:
-    """Where a dead actor's own output is: the run's engines.log, or (verbose) this Ray session's log dir."""
-    if ENGINE_LOG[0] is not None:
-        return str(ENGINE_LOG[0])
-    try:
-        import ray
-
-        return ray._private.worker._global_node.get_logs_dir_path()
-    except Exception:  # noqa: BLE001 - no Ray node in this process
-        return "the Ray session's logs"
-
-
-def death_cause(text: str, limit: int = 300) -> str:
-    """The cause in Ray's report of a dead actor, in one line of at most `limit` characters: the actor's
-    own last error (a failed `__init__`: the last exception of the traceback Ray attaches, with the
-    indented lines that continue its message), or why its process ended; colour codes and Ray's
-    boilerplate removed."""
-    lines = [ANSI.sub("", line).rstrip() for line in text.splitlines()]
-    last = max((i for i, line in enumerate(lines) if _ERROR_LINE.match(line) and not line.startswith(" ")),
-               default=None)
-    if last is not None:
-        head = _ERROR_LINE.match(lines[last]).group(1)
-        name, sep, rest = head.partition(":")
-        parts = [f"{name.rsplit('.', 1)[-1]}{sep}{rest}"]
-        for line in lines[last + 1:]:
-            if not line.startswith((" ", "\t")) or "For further information visit" in line:
-                break
-            parts.append(line.strip())
-        cause = " ".join(p for p in parts if p)
-    else:
-        why = _WHY.search(ANSI.sub("", text))
-        cause = f"its process ended ({why.group(1).strip()})" if why else \
-            (next((line.strip() for line in lines if line.strip()), "") or "its process ended")
-    return cause if len(cause) <= limit else cause[:limit - 3] + "..."
-
-
-def actor_died_message(name: str, what: str, error: BaseException) -> str:
-    """One line for an actor that died: who, during what, the cause first, the log path last."""
-    return f"{name} died during '{what}': {death_cause(str(error))} (its log: {engine_log_hint()})"
-
-
-def python_command() -> str:
-    """How to run this interpreter in a command printed for the user: `python` when that is what the
-    shell finds on PATH, else this interpreter's path (relative to the working directory when under it:
-    `.venv/bin/python` for the project's environment), so the printed command works as printed."""
-    exe = os.path.abspath(sys.executable)
-    found = shutil.which("python")
-    if found and os.path.abspath(found) == exe:
-        return "python"
-    rel = os.path.relpath(exe)
-    return rel if not rel.startswith("..") else exe
 
 
 # ---- the end-of-run summary ----------------------------------------------------------------------

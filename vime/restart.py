@@ -65,7 +65,7 @@ def _alive(actor) -> bool:
 def load_current_weights(driver, engine: int) -> None:
     """Bring restarted rollout engine `engine` to the trainer's current weights and version, over the run's
     configured transport (the same `sync_weights` as a step's sync; only the engines behind are loaded)."""
-    from vime.driver import BUCKET_BYTES, call
+    from vime.remote import BUCKET_BYTES, call
     from vime.weights.sync import sync_weights
 
     sync_weights(driver.trainer, driver.engines, driver.timeline.trainer_version, BUCKET_BYTES, driver.timeline,
@@ -75,7 +75,7 @@ def load_current_weights(driver, engine: int) -> None:
 def restart_engine(driver, engine: int, cause: str, who: str | None = None) -> None:
     """Replace dead rollout engine `engine` by a fresh actor serving the trainer's current version; `who`
     names what died ("rollout engine 0, TP rank 1"; default: the engine)."""
-    from vime.driver import call
+    from vime.remote import call
 
     limit = driver.cfg.rollout.max_restarts
     if driver.engine_restarts >= limit:
@@ -129,7 +129,7 @@ def replace_on_capacity(driver, engine: int) -> None:
 def generate(driver, submit, engines: int) -> tuple[list, list[dict]]:
     """Every engine's share of a step and the rl_kernel evidence of it. `submit(i)` issues engine i's
     `generate` call; an engine that dies before both are in is restarted and its share submitted again."""
-    from vime.driver import call
+    from vime.remote import call
 
     refs = {i: submit(i) for i in range(engines)}
     outs, evidence = [], []

@@ -149,6 +149,7 @@ def test_an_actor_death_is_one_line_with_its_own_cause_first_and_the_log_last(tm
     assert msg.endswith(f"(its log: {tmp_path / 'engines.log'})") and "\n" not in msg
 
 
+@pytest.mark.slow
 def test_the_printed_python_command_runs_as_printed(monkeypatch, tmp_path):
     import os
     import subprocess

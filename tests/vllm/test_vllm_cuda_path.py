@@ -68,13 +68,14 @@ def test_cuda_kwargs(tiny_qwen3_path, transport, backend):
     strict = strict_llm_kwargs(tiny_qwen3_path, device="cuda", transport=transport)
     assert "enforce_eager" not in strict and strict["logprobs_mode"] == "processed_logits"
     assert strict["compilation_config"] == {"cudagraph_mode": "FULL_DECODE_ONLY"}
-    assert strict["weight_transfer_config"] == {"backend": backend}
+    # the strict model loads in place: vLLM's ipc engine without its layerwise reload (rl_kernel_ipc)
+    assert strict["weight_transfer_config"] == {"backend": "rl_kernel_ipc" if backend == "ipc" else backend}
     native = native_llm_kwargs(tiny_qwen3_path, device="cuda:0", transport=transport)
     assert "enforce_eager" not in native and "compilation_config" not in native
     assert native["weight_transfer_config"] == {"backend": backend}
     # vLLM's own config classes take these spellings
     assert CompilationConfig(**strict["compilation_config"]).cudagraph_mode.name == "FULL_DECODE_ONLY"
-    assert WeightTransferConfig(**strict["weight_transfer_config"]).backend == backend
+    assert WeightTransferConfig(**native["weight_transfer_config"]).backend == backend
 
 
 def test_cuda_kwargs_refuse_what_strict_mode_cannot_run(tiny_qwen3_path):
@@ -354,3 +355,27 @@ def test_other_layouts_are_refused_in_one_line(backend, layout, shape, error):
     with pytest.raises(ValueError, match=error) as refused:
         kv_cache_views(cache, backend, HEAD_DIM)
     assert "\n" not in str(refused.value)
+
+
+def test_strict_ipc_engine_skips_layerwise_reload_for_the_strict_model_only(monkeypatch):
+    """vLLM's ipc engine reloads layer by layer through vLLM's weight loaders (parameters moved to meta first); the
+    strict model loads in place, so `rl_kernel_ipc` skips that session for it and keeps it for any other model."""
+    import vllm.model_executor.model_loader.reload as reload
+
+    from rl_kernel.integrations.vllm.ipc_engine import StrictIPCWeightTransferEngine
+
+    calls = []
+    monkeypatch.setattr(reload, "initialize_layerwise_reload", lambda model: calls.append(("start", model)))
+    monkeypatch.setattr(reload, "finalize_layerwise_reload", lambda model, config: calls.append(("finish", model)))
+    engine = StrictIPCWeightTransferEngine.__new__(StrictIPCWeightTransferEngine)
+    engine.model_config = None
+    engine._packed_importer = SimpleNamespace(close=lambda: calls.append(("close", None)))
+    engine.model = RLKernelQwen3ForCausalLM.__new__(RLKernelQwen3ForCausalLM)
+    engine.start_weight_update()
+    engine.finish_weight_update()
+    assert calls == [("close", None)]  # no layerwise session; the update's IPC exports released as vLLM does
+    calls.clear()
+    engine.model = torch.nn.Linear(2, 2)  # any other model: vLLM's session as before
+    engine.start_weight_update()
+    engine.finish_weight_update()
+    assert [c[0] for c in calls] == ["start", "finish", "close"]

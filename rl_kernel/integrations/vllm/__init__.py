@@ -37,6 +37,7 @@ from rl_kernel.modes import full_modes
 
 ARCH = "RLKernelQwen3ForCausalLM"
 WEIGHT_TRANSFER_BACKEND = "rl_kernel_cpu"
+STRICT_IPC_BACKEND = "rl_kernel_ipc"  # vLLM's ipc engine without its layerwise reload for the strict model
 LOGITS_PROCESSOR = "rl_kernel.integrations.vllm.sampling:StrictLogprobsProcessor"
 WORKER_EXTENSION = "rl_kernel.integrations.vllm.worker.RLKernelWorkerExtension"
 SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM",)
@@ -62,6 +63,9 @@ def register() -> None:
     if WEIGHT_TRANSFER_BACKEND not in WeightTransferEngineFactory._registry:
         WeightTransferEngineFactory.register_engine(
             WEIGHT_TRANSFER_BACKEND, "rl_kernel.integrations.vllm.weight_transfer", "CPUWeightTransferEngine")
+    if STRICT_IPC_BACKEND not in WeightTransferEngineFactory._registry:
+        WeightTransferEngineFactory.register_engine(
+            STRICT_IPC_BACKEND, "rl_kernel.integrations.vllm.ipc_engine", "StrictIPCWeightTransferEngine")
 
 
 def _check_architecture(model: str | Path) -> None:
@@ -124,6 +128,8 @@ def strict_llm_kwargs(model: str | Path, modes: dict[str, str] | None = None, *,
             raise ValueError(f"strict mode captures CUDA graphs of pure-decode batches only (cudagraph_mode="
                              f"{STRICT_CUDAGRAPH_MODE!r} or 'NONE'), got {compilation['cudagraph_mode']!r}")
         forced["compilation_config"] = {"cudagraph_mode": STRICT_CUDAGRAPH_MODE} | compilation
+        if forced["weight_transfer_config"]["backend"] == "ipc":  # the strict model loads in place (ipc_engine.py)
+            forced["weight_transfer_config"] = {"backend": STRICT_IPC_BACKEND}
     for key, value in forced.items():
         if key in engine_kwargs and engine_kwargs[key] != value:
             raise ValueError(f"strict mode needs {key}={value!r}, got {engine_kwargs[key]!r}")
