@@ -156,6 +156,7 @@ dist.destroy_process_group()
 """
 
 
+@pytest.mark.slow
 def test_a_trainer_world_of_two_nodes_forms_over_the_node_addresses():
     """Two ranks as on two nodes (127.0.0.2 and 127.0.0.3): rank 0 serves the store from its node address,
     rank 1 joins it there, and both put gloo on the interface of their node address (`lo` here)."""
@@ -225,11 +226,17 @@ def _node_ids() -> dict[str, str]:
 def cluster(tmp_path_factory):
     """Head node = node A (the trainer's: `vime_trainer`, 2 CPUs, the host's address), rollout nodes B
     (127.0.0.3) and C (127.0.0.4), 2 CPUs each; the test process is connected as a driver."""
+
+    yield from _connected({"num_cpus": 2, "resources": {"vime_trainer": 1}},
+                          {"B": {"num_cpus": 2, "resources": {"vime_rollout": 1}, "node_ip_address": "127.0.0.3"},
+                           "C": {"num_cpus": 2, "resources": {"vime_rollout": 1}, "node_ip_address": "127.0.0.4"}})
+
+
+def _connected(head: dict, workers: dict):
+    """A simulated cluster (`_cluster`) with this process connected as its driver, torn down after."""
     import ray
 
-    c, nodes = _cluster({"num_cpus": 2, "resources": {"vime_trainer": 1}},
-                        {"B": {"num_cpus": 2, "resources": {"vime_rollout": 1}, "node_ip_address": "127.0.0.3"},
-                         "C": {"num_cpus": 2, "resources": {"vime_rollout": 1}, "node_ip_address": "127.0.0.4"}})
+    c, nodes = _cluster(head, workers)
     try:
         ray.init(address=c.address, log_to_driver=False)
         yield SimpleNamespace(cluster=c, nodes=nodes, address=c.address)
@@ -382,19 +389,12 @@ def test_two_node_run_strict_over_gloo_survives_the_loss_of_its_rollout_node(clu
 def opt_cluster(request):
     """Opt-in (`-m cluster`): a head node without CPUs (the driver's), trainer node A (127.0.0.2) and rollout
     node B (127.0.0.3, one engine's CPU); the test process is connected."""
-    import ray
 
     if "cluster" not in (request.config.option.markexpr or ""):
         pytest.skip("opt-in: several vime.train runs on a simulated cluster (minutes); run with -m cluster")
-    c, nodes = _cluster({"num_cpus": 0},
-                        {"A": {"num_cpus": 1, "resources": {"vime_trainer": 1}, "node_ip_address": "127.0.0.2"},
-                         "B": {"num_cpus": 1, "resources": {"vime_rollout": 1}, "node_ip_address": "127.0.0.3"}})
-    try:
-        ray.init(address=c.address, log_to_driver=False)
-        yield SimpleNamespace(cluster=c, nodes=nodes, address=c.address)
-    finally:
-        ray.shutdown()
-        c.shutdown()
+    yield from _connected({"num_cpus": 0},
+                          {"A": {"num_cpus": 1, "resources": {"vime_trainer": 1}, "node_ip_address": "127.0.0.2"},
+                           "B": {"num_cpus": 1, "resources": {"vime_rollout": 1}, "node_ip_address": "127.0.0.3"}})
 
 
 def _resume(out: Path) -> subprocess.CompletedProcess:
