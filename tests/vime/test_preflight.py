@@ -52,6 +52,7 @@ def test_response_longer_than_max_model_len_is_rejected(compose_cfg):
     preflight.check_lengths(validate(to_object(compose_cfg("algo.max_new_tokens=244"))), [[2] * 12])
 
 
+@pytest.mark.slow  # starts `python -m vime.train`
 def test_a_context_longer_than_the_model_is_refused_before_any_directory(tmp_path, compose_cfg):
     out = tmp_path / "run"
     proc = _cli("rollout.max_model_len=8192", f"output_dir={out}")
@@ -68,6 +69,7 @@ def test_a_context_longer_than_the_model_is_refused_before_any_directory(tmp_pat
     preflight.check_context(validate(to_object(compose_cfg(f"model.path={model}", "rollout.max_model_len=512"))))
 
 
+@pytest.mark.slow  # starts `python -m vime.train`
 def test_a_mistyped_key_is_answered_in_one_line_with_the_nearest_key(tmp_path):
     proc = _cli("stpes=3", f"output_dir={tmp_path / 'run'}")
     assert proc.returncode == 1 and "+stpes" not in proc.stderr and "Traceback" not in proc.stderr
@@ -154,6 +156,7 @@ def test_a_start_that_failed_before_its_first_step_is_cleaned_for_the_retry(tmp_
     assert "held a start that never completed a step" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # starts `python -m vime.train`
 def test_the_retry_after_a_failed_start_runs_in_the_same_output_dir(tmp_path):
     """A bad model.path fails after Hydra made the run dir (.hydra/, train.log); the retry with the same
     output_dir is not refused: it gets as far as the first time (here: the same bad path)."""
@@ -245,7 +248,7 @@ def test_stale_temporary_files_are_swept_and_live_ones_kept(tmp_path):
     orphan.write_text("")
     live.write_text("")
     # a killed run's own temporary directory (its actors' TMPDIR: pymp-*, W&B's and vLLM's files), and a live one's
-    orphan_tmp, live_tmp = tmp_path / f"vime_tmp_{int(dead.stdout)}", tmp_path / f"vime_tmp_{os.getpid()}"
+    orphan_tmp, live_tmp = tmp_path / f"vime_tmp_{dead}", tmp_path / f"vime_tmp_{os.getpid()}"
     for d in (orphan_tmp / "pymp-x1", orphan_tmp / "tmpq1wandb-media", live_tmp / "pymp-y2"):
         d.mkdir(parents=True)
     (orphan_tmp / "vllm_dist_0123").write_text("")
