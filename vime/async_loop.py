@@ -39,7 +39,7 @@ from vime.data.dataset import Prompt
 from vime.engines import Sample, Scored
 from vime.errors import ComparabilityError, EngineDiedError, TrainingError
 from vime.trainer.grpo import group_advantages
-from vime.weights.sync import push_transport, sync_weights
+from vime.weights.sync import sync_weights
 
 log = logging.getLogger("vime")
 
@@ -244,9 +244,8 @@ class AsyncLoop:
         d = self.d
         if self.cfg.rollout.partial:
             return restart.sync(d, lambda: self._stage(BUCKET_BYTES, call))
-        transport = push_transport(self.cfg.weights.transport, self.cfg.rollout.engine)
         return restart.sync(d, lambda: sync_weights(d.trainer, d.engines, d.timeline.trainer_version, BUCKET_BYTES,
-                                                    d.timeline, call, transport))
+                                                    d.timeline, call, d.weight_paths, self.cfg.rollout.engine))
 
     def _stage(self, bucket_bytes: int, call) -> dict:
         """In-flight update: the trainer puts its weights in Ray's object store and every engine stages them

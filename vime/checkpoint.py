@@ -21,6 +21,7 @@ samples as one that never stopped; the test `tests/vime/test_resume.py` asserts 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import json
 import logging
 import os
@@ -229,6 +230,8 @@ def export_hf(tensors: dict[str, torch.Tensor], model_path: str, output_dir: Pat
     source checkpoint's config and tokenizer files go next to them."""
     from huggingface_hub import save_torch_state_dict
 
+    # its "successfully saved" line, said again below; huggingface_hub names that logger by the file's path
+    logging.getLogger(inspect.getfile(save_torch_state_dict)).setLevel(logging.WARNING)
     out = Path(output_dir) / HF_DIR
     out.mkdir(parents=True, exist_ok=True)
     save_torch_state_dict({k: v.detach().cpu() for k, v in tensors.items()}, out, max_shard_size=max_shard_size)

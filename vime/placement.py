@@ -70,7 +70,9 @@ def start_ray(cfg: RayConfig, env: dict[str, str], log_to_driver: bool = True, l
                 raise
             log.warning("ray: local node start timed out (busy machine?); retrying (%d/%d)", attempt + 1,
                         START_ATTEMPTS)
-    log.info("ray: %s", {k: v for k, v in ray.cluster_resources().items() if not k.startswith("node:")})
+    resources = {k: v for k, v in ray.cluster_resources().items() if not k.startswith("node:")}
+    # a cluster's resources are what a user checks a run's placement against; a local Ray's are this machine's
+    log.log(logging.INFO if cfg.address else logging.DEBUG, "ray: %s", resources)
 
 
 def object_store_bytes() -> int:

@@ -266,8 +266,7 @@ def summary_lines(rows: Sequence[dict], output_dir: Path, plot: Path | None, mod
     tail = sum(float(r["reward_mean"]) for r in rows[-k:]) / k
     mode = _label(rows)
     if mism == 0:
-        meaning = ("0 means the trainer recomputed, for every sampled token, exactly the fp32 bits the rollout "
-                   "engine recorded: importance ratios are exactly 1 before the update")
+        meaning = "0: the trainer recomputed the exact fp32 bits the engine sampled with (ratios exactly 1)"
     else:
         meaning = (f"{mism} tokens' rollout and trainer logprobs differ in bits (max |diff| {worst:.3e}): the "
                    "update's importance ratios carry that numeric drift")

@@ -51,7 +51,7 @@ def test_completion_lines_take_one_sample_per_group():
 def test_summary_says_what_zero_means_and_where_outputs_are(tmp_path):
     lines = "\n".join(report.summary_lines(_rows(10), tmp_path, tmp_path / "consistency.png", "/m"))
     assert "steps            10" in lines and "1280" in lines and "0 in total" in lines
-    assert "exactly the fp32 bits" in lines and "0.100 -> 0.900" in lines and "median" in lines
+    assert "the exact fp32 bits" in lines and "0.100 -> 0.900" in lines and "median" in lines
     assert str(tmp_path) in lines and "consistency.png" in lines and "/m" in lines
     native = "\n".join(report.summary_lines(_rows(4, mismatch=128, strict=False), tmp_path, None, "/m"))
     assert "512 in total" in native and "differ in bits" in native

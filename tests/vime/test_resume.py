@@ -249,7 +249,6 @@ class _Watched:
 
     def wait_for_engines(self, timeout: float = 420) -> None:
         """Until the rollout engine's actor process exists (the engines are starting)."""
-        self.wait_for("ray: ", timeout)
         deadline = time.monotonic() + timeout
         while not _actor_pids(self.proc.pid, "RolloutWorker") and self.proc.poll() is None:
             assert time.monotonic() < deadline, "no rollout engine started"

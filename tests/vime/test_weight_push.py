@@ -104,8 +104,8 @@ def test_a_restarted_engine_joins_a_new_group_and_takes_the_next_push(actors):
 
 def test_an_engine_killed_before_a_push_is_restarted_and_the_sync_completes(actors, tmp_path):
     """With the GPU transports trainer rank 0's push is what meets a dead engine: `vime.restart.sync`
-    restarts the dead engine (loaded with the new version through the object store path) and pushes to
-    the engines still behind; then every engine serves the new version and scores as the trainer does."""
+    restarts the dead engine (loaded with the new version over the run's weight path, as a step's sync is)
+    and pushes to the engines still behind; then every engine serves the new version and scores as the trainer does."""
     from types import SimpleNamespace
 
     from vime import restart
@@ -116,11 +116,12 @@ def test_an_engine_killed_before_a_push_is_restarted_and_the_sync_completes(acto
     samples = _samples(engines)
     version = ray.get(trainer.train_step.remote(samples))["version"]
     timeline = Timeline(num_engines=2, trainer_version=version, engine_versions=[version - 1] * 2)
-    driver = SimpleNamespace(engines=engines, new_engine=new_engine, cfg=VimeConfig(), engine_restarts=0,
-                             timeline=timeline, trainer=[trainer])
+    cfg = VimeConfig(rollout=RolloutConfig(engine=RolloutBackend.reference))  # the fixture's engines
+    driver = SimpleNamespace(engines=engines, new_engine=new_engine, cfg=cfg, engine_restarts=0,
+                             timeline=timeline, trainer=[trainer], weight_paths=["nccl"] * 2)
     ray.kill(engines[0])
     restart.sync(driver, lambda: sync_weights([trainer], driver.engines, version, 1 << 20, timeline, call,
-                                              transport="nccl"))
+                                              transport=driver.weight_paths))
     assert driver.engine_restarts == 1 and timeline.engine_versions == [version] * 2
     trained = ray.get(trainer.score.remote(samples))
     for engine in driver.engines:
