@@ -65,7 +65,7 @@ def _worker(rank: int, world: int, args: argparse.Namespace, port: int) -> None:
     import rl_kernel as rk
     from rl_kernel.integrations.megatron import MegatronPolicy
     from rl_kernel.models.qwen3 import Qwen3Reference
-    from vime.consistency import compare
+    from vime.loop.consistency import compare
     from vime.trainer.grpo import LossConfig, TrainBatch, score, train_step
 
     rk.set_backend(args.backend)

@@ -52,7 +52,7 @@ from rl_kernel.integrations.vllm import (  # noqa: E402
 )
 from rl_kernel.models.qwen3 import Qwen3Reference  # noqa: E402
 from rl_kernel.models.tiny import make_tiny_qwen3  # noqa: E402
-from vime.consistency import compare  # noqa: E402
+from vime.loop.consistency import compare  # noqa: E402
 
 
 def prompts(n: int, seed: int = 0, vocab: int = 512) -> list[list[int]]:

@@ -83,8 +83,8 @@ MODEL=$(timeout 300 $PY -W ignore - "$MODEL_ROOT" "$PRESET" "$@" <<'EOF' 2>> "$L
 import json, sys, time
 from pathlib import Path
 from hydra import compose, initialize_config_dir
-from vime.config import register_configs, to_object, validate
-from vime.driver import make_model
+from vime.config.schema import register_configs, to_object, validate
+from vime.loop.driver import make_model
 import dataclasses
 root, preset, overrides = Path(sys.argv[1]), sys.argv[2], sys.argv[3:]
 register_configs()

@@ -6,9 +6,7 @@ Two graphs, both with an edge A -> B where a statement of module A imports modul
   not function bodies, not `if TYPE_CHECKING:`). No cycle in either package.
 - all imports: every import statement of A wherever it stands: inside functions, methods and classes
   (a deferred import is how a cycle gets hidden, not how it goes away) and under `if TYPE_CHECKING:`
-  (a type-only dependency is still a dependency). No cycle in `rl_kernel`; in `vime` exactly the cycles
-  of `VIME_KNOWN_CYCLES`, which may only shrink: a new cycle fails, and so does a listed one that is gone,
-  until it is taken off the list.
+  (a type-only dependency is still a dependency). No cycle in either package.
 `from P import name` is an edge to the module `P.name` when there is one, else to `P`; importing a
 submodule is no edge to its parent packages (Python runs them first, but they are not what the module
 depends on). Only edges between modules of the two packages are kept.
@@ -25,14 +23,6 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("rl_kernel", "vime")
-
-# Today's cycles of vime's full import graph, each from its smallest module name in import order
-# (a -> b -> ... -> a). They go with the re-layout of the driver and its helpers.
-VIME_KNOWN_CYCLES = {
-    ("vime.checkpoint", "vime.metrics_log", "vime.report"),
-    ("vime.config", "vime.layout"),
-}
-
 
 def _modules() -> dict[str, Path]:
     """Dotted module name -> source file, for every module of PACKAGES (a package is its __init__)."""
@@ -116,9 +106,10 @@ def _cycles(graph: networkx.DiGraph, package: str) -> set[tuple[str, ...]]:
 
 def test_the_graph_sees_the_modules_and_their_deferred_imports():
     """The scan is not vacuous: it finds both packages' modules and a known function-level edge."""
-    assert {"rl_kernel.contracts", "rl_kernel.ops.spec", "vime.driver", "vime.checkpoint"} <= set(MODULES)
+    assert {"rl_kernel.contracts", "rl_kernel.ops.spec", "vime.loop.driver", "vime.state.checkpoint"} <= set(MODULES)
     full, top = _graph(module_level=False), _graph(module_level=True)
-    assert full.has_edge("vime.checkpoint", "vime.remote") and not top.has_edge("vime.checkpoint", "vime.remote")
+    edge = ("vime.state.checkpoint", "vime.cluster.remote")
+    assert full.has_edge(*edge) and not top.has_edge(*edge)
     assert top.has_edge("rl_kernel.ops.spec", "rl_kernel.contracts")
 
 
@@ -127,15 +118,10 @@ def test_no_cycle_among_module_level_imports(package):
     assert _cycles(_graph(module_level=True), package) == set()
 
 
-def test_rl_kernel_has_no_import_cycle():
-    assert _cycles(_graph(module_level=False), "rl_kernel") == set()
-
-
-def test_vime_import_cycles_only_shrink():
-    cycles = _cycles(_graph(module_level=False), "vime")
-    new, gone = cycles - VIME_KNOWN_CYCLES, VIME_KNOWN_CYCLES - cycles
-    assert not new, f"new import cycle(s) in vime: {sorted(new)}; break them (move the shared code down a layer)"
-    assert not gone, f"import cycle(s) gone from vime: {sorted(gone)}; take them off VIME_KNOWN_CYCLES"
+@pytest.mark.parametrize("package", PACKAGES)
+def test_no_cycle_among_all_imports(package):
+    cycles = _cycles(_graph(module_level=False), package)
+    assert not cycles, f"import cycle(s) in {package}: {sorted(cycles)}; break them (move the shared code down a layer)"
 
 
 def test_rl_kernel_never_imports_vime():

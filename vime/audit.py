@@ -43,11 +43,11 @@ import torch
 from omegaconf import DictConfig
 
 from rl_kernel import BOUNDARIES
-from vime import consistency
-from vime.config import VimeConfig, as_dict, config_or_exit, modes_label, register_configs
-from vime.consistency import Consistency
+from vime.config.schema import VimeConfig, as_dict, config_or_exit, modes_label, register_configs
 from vime.engines import Sample
 from vime.errors import ComparabilityError, ConfigError, VimeError
+from vime.loop import consistency
+from vime.loop.consistency import Consistency
 
 log = logging.getLogger("vime")
 SIDES = ("rollout", "trainer")
@@ -85,7 +85,7 @@ class Audit:
         """Forced-decoding logprobs of the fixed samples, each on the engine that sampled it."""
         per_engine = [[i for i, s in enumerate(samples) if s.engine == e] for e in range(len(self.d.engines))]
         refs = [eng.rescore.remote([samples[i] for i in idx]) for eng, idx in zip(self.d.engines, per_engine) if idx]
-        from vime.remote import call
+        from vime.cluster.remote import call
 
         outs = call(refs, "re-score", [f"rollout engine {e}" for e, idx in enumerate(per_engine) if idx])
         lps: list[torch.Tensor | None] = [None] * len(samples)
@@ -314,7 +314,7 @@ def format_run(report: dict) -> str:
 
 def audit(cfg: VimeConfig, output_dir: Path) -> dict:
     """Run the audit described by `cfg` (see the module doc); writes audit.json and audit.png."""
-    from vime.driver import Driver
+    from vime.loop.driver import Driver
 
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
@@ -355,7 +355,7 @@ def main(dcfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    from vime.rundir import check_override_keys
+    from vime.state.rundir import check_override_keys
 
     check_override_keys(sys.argv[1:])  # a mistyped key: one line, before Hydra composes anything
     sys.exit(main())

@@ -44,7 +44,7 @@ class Scored:
     temperature: float
     vocab_size: int
     versions: list[int] = dataclasses.field(default_factory=list)  # per token, when re-scored under behaviour
-                                                                   # versions (vime/async_loop.py)
+                                                                   # versions (vime/loop/async_loop.py)
 
 
 def one_temperature(samples: list[Sample]) -> float:

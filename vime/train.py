@@ -18,9 +18,10 @@ import hydra
 from omegaconf import DictConfig
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from vime import faults, rundir
-from vime.config import config_or_exit, register_configs
+from vime.config.schema import config_or_exit, register_configs
 from vime.errors import ConfigError, VimeError
+from vime.faults import stops
+from vime.state import rundir
 
 log = logging.getLogger("vime")
 register_configs()
@@ -29,12 +30,12 @@ register_configs()
 @hydra.main(version_base="1.3", config_path="../configs", config_name="config")
 def main(dcfg: DictConfig) -> None:
     cfg = config_or_exit(dcfg)
-    from vime.driver import Driver  # Ray, vLLM's and Megatron's imports: only once the config is good
+    from vime.loop.driver import Driver  # Ray, vLLM's and Megatron's imports: only once the config is good
     if not cfg.verbose:  # errors are reported once, by the driver, naming the engine or rank
         os.environ.setdefault("RAY_IGNORE_UNHANDLED_ERRORS", "1")
     code = 0
     driver = None
-    faults.install_signal_handlers()
+    stops.install_signal_handlers()
     # console lines go through tqdm.write: a progress bar on a terminal is cleared before each line, not left
     # behind between the per-step rows
     with logging_redirect_tqdm(loggers=[logging.getLogger()]):
@@ -43,11 +44,11 @@ def main(dcfg: DictConfig) -> None:
             driver = Driver(cfg, Path(cfg.output_dir))
             driver.run()
             driver.finish(compare)
-        except KeyboardInterrupt:  # faults.Stopped, or Ray's re-raise of it from a blocking call
-            signum = faults.stop_signal()
+        except KeyboardInterrupt:  # stops.Stopped, or Ray's re-raise of it from a blocking call
+            signum = stops.stop_signal()
             code = 128 + signum
             if driver is not None:
-                faults.report_stop(driver, f"{signal.Signals(signum).name}: stopped")
+                stops.report_stop(driver, f"{signal.Signals(signum).name}: stopped")
             else:
                 log.warning("%s during start-up: no step ran, nothing was trained", signal.Signals(signum).name)
         except VimeError as e:
@@ -56,12 +57,12 @@ def main(dcfg: DictConfig) -> None:
             if cfg.verbose and e.__cause__ is not None:  # the actor's own traceback, as Ray reported it
                 log.error("".join(traceback.format_exception(e.__cause__)))
             if driver is not None:
-                faults.report_stop(driver, "failed")
+                stops.report_stop(driver, "failed")
         finally:
-            faults.ignore_signals()
+            stops.ignore_signals()
             if driver is not None:
                 driver.shutdown(code)
-            faults.remove_own_temp_files()
+            stops.remove_own_temp_files()
     if code:
         raise SystemExit(code)
 
@@ -78,7 +79,7 @@ def run_compare(cfg) -> list[dict] | None:
             raise ConfigError(f"compare={cfg.compare}: no metrics.jsonl there; pass compare=native or a run's "
                               "output_dir")
         return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    from vime.driver import Driver
+    from vime.loop.driver import Driver
 
     twin = copy.deepcopy(cfg)
     twin.rollout.mode = twin.trainer.mode = "native"

@@ -13,7 +13,7 @@ from typing import NamedTuple
 import pytest
 from hydra import compose, initialize_config_dir
 
-from vime.config import register_configs
+from vime.config.schema import register_configs
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 

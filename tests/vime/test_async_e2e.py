@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from vime.checkpoint import TIMING_KEYS
+from vime.state.checkpoint import TIMING_KEYS
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.megatron]

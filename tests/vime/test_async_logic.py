@@ -10,10 +10,10 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from vime.async_loop import checked_samples, lag_metrics, sample_kind, stale_groups, token_lags
-from vime.config import kept_versions, to_object, validate
+from vime.config.schema import kept_versions, to_object, validate
 from vime.engines import Sample
 from vime.errors import ComparabilityError, ConfigError
+from vime.loop.async_loop import checked_samples, lag_metrics, sample_kind, stale_groups, token_lags
 from vime.trainer.grpo import LossConfig, behaviour_weight, policy_loss
 
 
@@ -135,7 +135,7 @@ def test_the_h200_preset_takes_the_async_loop(compose_cfg):
 
 
 def test_offpolicy_metrics_have_their_wandb_group():
-    from vime import report
+    from vime.reporting import report
 
     out = report.wandb_row({"staleness_mean": 0.5, "lag_share_0": 0.5, "lag_share_3": 0.25, "is_ratio_max": 1.5,
                             "lag0_ratio_off": 0, "behaviour_check_rate": 1.0})
@@ -144,8 +144,8 @@ def test_offpolicy_metrics_have_their_wandb_group():
 
 
 def test_the_behaviour_gate_refuses_a_re_score_under_other_versions():
-    from vime.async_loop import check_behaviour_comparable
     from vime.engines import Scored
+    from vime.loop.async_loop import check_behaviour_comparable
 
     s = _sample(0, [3, 4])
     good = Scored(token_ids=[3, 4], positions=[2, 3], logprobs=torch.zeros(2), version=4, temperature=1.0,

@@ -31,10 +31,10 @@ import pytest
 import torch
 
 from rl_kernel.bits import bit_mismatches
-from vime import placement
-from vime.config import VimeConfig, to_object, validate
+from vime.cluster import placement
+from vime.config.layout import check_layout, check_roles, engine_transports, ray_node_gpus, role_resources
+from vime.config.schema import Transport, VimeConfig, to_object, validate
 from vime.errors import ConfigError
-from vime.layout import Transport, check_layout, check_roles, engine_transports, ray_node_gpus, role_resources
 
 REPO = Path(__file__).resolve().parents[2]
 TRAIN_ENV = {"WANDB_MODE": "offline", "TOKENIZERS_PARALLELISM": "false", "VLLM_CPU_KVCACHE_SPACE": "1"}
@@ -138,7 +138,7 @@ import os, sys, torch, torch.distributed as dist
 os.environ.pop("GLOO_SOCKET_IFNAME", None)
 import ray
 ray.util.get_node_ip_address = lambda: sys.argv[1]  # this rank's "node address"
-from vime import placement
+from vime.cluster import placement
 rank, host, port = int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
 listen = placement.listen_socket(host) if rank == 0 else None
 if listen is not None:
@@ -265,9 +265,9 @@ def test_one_sync_serves_a_local_and_a_remote_engine_each_over_its_path(cluster,
     import ray
 
     import rl_kernel as rk
-    from vime.config import Mode, RolloutBackend, RolloutConfig, TrainerBackend, TrainerConfig
+    from vime.config.schema import Mode, RolloutBackend, RolloutConfig, TrainerBackend, TrainerConfig
+    from vime.loop.timeline import Timeline
     from vime.rollout.actor import RolloutWorker
-    from vime.timeline import Timeline
     from vime.trainer.actor import TrainerWorker
     from vime.weights.sync import sync_weights
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from hydra.errors import ConfigCompositionException
 
-from vime.config import Mode, RolloutBackend, TrainerBackend, side_modes, to_object, validate
+from vime.config.schema import Mode, RolloutBackend, TrainerBackend, side_modes, to_object, validate
 from vime.errors import ConfigError
 
 

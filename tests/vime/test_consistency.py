@@ -9,9 +9,9 @@ import torch
 
 import rl_kernel as rk
 from rl_kernel.bits import same_bits
-from vime.consistency import check_comparable, check_contracts, compare, rollout_tensor
 from vime.engines import Sample, Scored
 from vime.errors import ComparabilityError
+from vime.loop.consistency import check_comparable, check_contracts, compare, rollout_tensor
 
 
 def _next_up(x: torch.Tensor) -> torch.Tensor:
@@ -170,7 +170,7 @@ def test_a_rollout_that_records_the_trainers_op_samples_with_its_partner_on_any_
 GPU_GEMM_RECORD = """
 import json, sys
 import rl_kernel as rk
-from vime.consistency import check_contracts
+from vime.loop.consistency import check_contracts
 from vime.errors import ComparabilityError
 rk.set_canonical_tp(int(sys.argv[1]))  # the driver's C; it never runs the Triton GEMM itself
 record = json.loads(sys.argv[2])

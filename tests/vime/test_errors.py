@@ -11,9 +11,9 @@ import pytest
 import ray
 import torch
 
-from vime.config import TrainerConfig, VimeConfig
-from vime.driver import call, make_model
+from vime.config.schema import TrainerConfig, VimeConfig
 from vime.errors import EngineDiedError, TrainingError, VimeError, WeightSyncError
+from vime.loop.driver import call, make_model
 from vime.trainer.grpo import LossConfig, TrainBatch
 from vime.trainer.reference import ReferenceTrainer
 

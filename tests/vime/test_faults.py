@@ -1,4 +1,4 @@
-"""A trainer rank's forked helpers die with it (`faults.forked_children_die_with_this_process`).
+"""A trainer rank's forked helpers die with it (`stops.forked_children_die_with_this_process`).
 
 Megatron's checkpoint writers are forked children of the rank; if they outlive a killed rank they
 hold its Ray connections and the driver waits forever. Each case starts a parent that forks a child
@@ -22,9 +22,9 @@ pytestmark = [pytest.mark.slow,
 
 PARENT = textwrap.dedent("""
     import os, sys, time
-    from vime import faults
+    from vime.faults import stops
     if sys.argv[1] == "guarded":
-        faults.forked_children_die_with_this_process()
+        stops.forked_children_die_with_this_process()
     child = os.fork()
     if child == 0:
         time.sleep(60)

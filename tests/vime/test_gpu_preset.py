@@ -12,9 +12,9 @@ import subprocess
 import pytest
 
 from tests.vime.conftest import REPO, TRAIN_ENV, train_cmd
-from vime import preflight
-from vime.config import Mode, RolloutBackend, TrainerBackend, to_object, validate
-from vime.layout import check_layout
+from vime.config import preflight
+from vime.config.layout import check_layout
+from vime.config.schema import Mode, RolloutBackend, TrainerBackend, to_object, validate
 
 PRESET = "+experiment=h200_8b_layers"
 TWO_GPUS = ("ray.num_gpus=2", "ray.gpus_per_actor=1", "weights.transport=nccl", "weights.colocate=false")

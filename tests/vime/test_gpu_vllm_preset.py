@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 
 from tests.vime.test_gpu_preset import _hf_config
-from vime import preflight
-from vime.config import Mode, RolloutBackend, TrainerBackend, to_object, validate
+from vime.config import preflight
+from vime.config.layout import check_layout
+from vime.config.schema import Mode, RolloutBackend, TrainerBackend, to_object, validate
 from vime.errors import ConfigError
-from vime.layout import check_layout
 
 PRESET = "+experiment=h200_vllm"
 H200_BYTES = 143771 * 2**20

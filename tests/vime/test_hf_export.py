@@ -1,4 +1,4 @@
-"""The final-weights export (`vime.checkpoint.export_hf`) is a Hugging Face checkpoint: one
+"""The final-weights export (`vime.state.checkpoint.export_hf`) is a Hugging Face checkpoint: one
 `model.safetensors`, or shards with `model.safetensors.index.json` above the shard size. transformers
 loads it with every weight's bits and the same logits, and vLLM's weight loader picks the same files and
 reads the same bits (its file selection and safetensors reader, without starting an engine)."""
@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from rl_kernel.bits import same_bits
-from vime.checkpoint import HF_DIR, export_hf, hf_exported
+from vime.state.checkpoint import HF_DIR, export_hf, hf_exported
 
 
 def _source(path: Path) -> dict[str, torch.Tensor]:

@@ -1,13 +1,13 @@
-"""The GPU presets checked against a Ray cluster description on CPU (`vime.layout.check_layout`): a layout
+"""The GPU presets checked against a Ray cluster description on CPU (`vime.config.layout.check_layout`): a layout
 that cannot run fails before any engine starts."""
 
 from __future__ import annotations
 
 import pytest
 
-from vime.config import to_object, validate
+from vime.config.layout import check_layout, ray_node_gpus
+from vime.config.schema import to_object, validate
 from vime.errors import ConfigError
-from vime.layout import check_layout, ray_node_gpus
 
 ONE = ("rollout.num_engines=1", "rollout.max_num_seqs=512")  # one engine, still room for a step's samples
 QWEN3_8B = {"num_attention_heads": 32, "num_key_value_heads": 8, "intermediate_size": 12288, "vocab_size": 151936}

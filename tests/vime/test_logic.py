@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from rl_kernel.models.packing import pack
-from vime.config import DataConfig, Task
+from vime.config.schema import DataConfig, Task
 from vime.data import tasks
 from vime.data.dataset import PromptSet, load_tokenizer
 from vime.errors import DataError, WeightSyncError
-from vime.timeline import Timeline
+from vime.loop.timeline import Timeline
 from vime.trainer.grpo import LossConfig, group_advantages, policy_loss
 
 

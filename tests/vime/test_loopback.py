@@ -12,8 +12,8 @@ import sys
 
 import pytest
 
-from vime import placement
-from vime.config import RayConfig
+from vime.cluster import placement
+from vime.config.schema import RayConfig
 
 RANK = """
 import sys, psutil, torch, torch.distributed as dist

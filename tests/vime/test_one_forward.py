@@ -12,7 +12,7 @@ import torch
 
 import rl_kernel as rk
 from rl_kernel.bits import bit_mismatches
-from vime.config import TrainerConfig
+from vime.config.schema import TrainerConfig
 from vime.trainer.grpo import LossConfig, TrainBatch
 from vime.trainer.reference import ReferenceTrainer
 

@@ -13,9 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from vime import checkpoint, faults, preflight, rundir
-from vime.config import as_dict, to_object, validate
+from vime.config import preflight
+from vime.config.schema import as_dict, to_object, validate
 from vime.errors import ConfigError, DataError
+from vime.faults import stops
+from vime.state import checkpoint, rundir
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -75,7 +77,7 @@ def test_a_mistyped_key_is_answered_in_one_line_with_the_nearest_key(tmp_path):
     assert proc.returncode == 1 and "+stpes" not in proc.stderr and "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines() == [
         "config error: unknown config key stpes (did you mean steps?); `python -m vime.train --cfg job` lists every "
-        "key (vime/config.py documents them)"]
+        "key (vime/config/schema.py documents them)"]
     keys, free = rundir.schema_keys()
     groups = {"experiment"}
     assert "trainer.lr" in keys and "rollout.boundary_modes" in free
@@ -223,15 +225,15 @@ def test_checkpoint_schedule():
 
 
 def test_sigterm_and_sigint_become_stopped_with_their_exit_codes():
-    before = {s: signal.getsignal(s) for s in faults.SIGNALS}
+    before = {s: signal.getsignal(s) for s in stops.SIGNALS}
     try:
         for signum, code in ((signal.SIGTERM, 143), (signal.SIGINT, 130)):
-            faults.install_signal_handlers()
-            with pytest.raises(faults.Stopped) as stop:
+            stops.install_signal_handlers()
+            with pytest.raises(stops.Stopped) as stop:
                 os.kill(os.getpid(), signum)
                 signal.sigtimedwait([], 0)  # give the handler a bytecode boundary
             assert stop.value.exit_code == code
-            assert signal.getsignal(signum) is faults._exit_now  # a second signal ends the clean-up at once
+            assert signal.getsignal(signum) is stops._exit_now  # a second signal ends the clean-up at once
     finally:
         for s, h in before.items():
             signal.signal(s, h)
@@ -253,7 +255,7 @@ def test_stale_temporary_files_are_swept_and_live_ones_kept(tmp_path):
         d.mkdir(parents=True)
     (orphan_tmp / "vllm_dist_0123").write_text("")
     with held.open() as keep_open:
-        removed = faults.sweep_stale({str(tmp_path / "vllm_dist_*"): 120.0}, str(tmp_path / "vime_rdzv_*"),
+        removed = stops.sweep_stale({str(tmp_path / "vllm_dist_*"): 120.0}, str(tmp_path / "vime_rdzv_*"),
                                      str(tmp_path / "vime_tmp_*"))
         assert keep_open.readable()
     assert sorted(removed) == sorted([str(stale), str(orphan), str(orphan_tmp)])

@@ -9,9 +9,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from vime import audit, report
-from vime.config import modes_label
+from vime import audit
+from vime.config.schema import modes_label
 from vime.data import tasks
+from vime.reporting import report
 
 
 def _rows(n: int, mismatch: int = 0, strict: bool = True) -> list[dict]:
@@ -71,7 +72,7 @@ def test_summary_has_a_per_step_table_of_phase_timings_and_sync_rate(tmp_path):
 
 
 def _checkpointed(out, step: int):
-    from vime import checkpoint
+    from vime.state import checkpoint
 
     path = checkpoint.step_dir(out, step)
     path.mkdir(parents=True)
@@ -81,12 +82,13 @@ def _checkpointed(out, step: int):
 
 
 def test_summary_of_a_complete_run_says_so_and_how_to_extend_it(tmp_path):
-    _checkpointed(tmp_path, 9)
-    lines = report.summary_lines(_rows(10), tmp_path, None, "/m", steps=10)
+    last = _checkpointed(tmp_path, 9)
+    lines = report.summary_lines(_rows(10), tmp_path, None, "/m", steps=10, last_checkpoint=last)
     text = "\n".join(lines)
     assert "run complete     all 10 steps done; to train further: " in text
     assert f"-m vime.train resume={tmp_path.resolve()} steps=20" in text and "continue with" not in text
-    stopped = "\n".join(report.summary_lines(_rows(10), tmp_path, None, "/m", steps=40))  # checkpoint.stop_after
+    stopped = "\n".join(report.summary_lines(_rows(10), tmp_path, None, "/m", steps=40,  # checkpoint.stop_after
+                                              last_checkpoint=last))
     assert f"(continue with: {report.python_command()} -m vime.train resume={tmp_path.resolve()})" in stopped
     assert "run complete" not in stopped
 

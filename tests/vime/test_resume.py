@@ -24,7 +24,7 @@ import torch
 
 from rl_kernel.bits import same_bits
 from tests.vime.conftest import REPO, TRAIN_ENV, train_cmd, wandb_exit_codes
-from vime.checkpoint import TIMING_KEYS
+from vime.state.checkpoint import TIMING_KEYS
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.megatron]
 

@@ -15,11 +15,11 @@ import torch
 
 import rl_kernel as rk
 from rl_kernel.bits import bit_mismatches
-from vime.config import Mode, RayConfig, RolloutBackend, RolloutConfig, TrainerBackend, TrainerConfig
+from vime.cluster.placement import loopback_node, single_node_env
+from vime.config.schema import Mode, RayConfig, RolloutBackend, RolloutConfig, TrainerBackend, TrainerConfig
 from vime.engines import Sample
-from vime.placement import loopback_node, single_node_env
+from vime.loop.timeline import Timeline
 from vime.rollout.actor import RolloutWorker
-from vime.timeline import Timeline
 from vime.trainer.actor import TrainerWorker
 from vime.weights.sync import sync_weights
 
@@ -82,7 +82,7 @@ def test_a_trained_version_pushed_over_the_nccl_transport_scores_like_the_traine
 
 
 def test_a_restarted_engine_joins_a_new_group_and_takes_the_next_push(actors):
-    """After an engine restart (a fresh actor loaded through the object store path, `vime.restart`), the
+    """After an engine restart (a fresh actor loaded through the object store path, `vime.faults.restart`), the
     next push forms a new group with the engines of now; both then score the new version as the trainer."""
     trainer, engines, new_engine = actors
     version = ray.get(trainer.info.remote())["version"]
@@ -103,14 +103,14 @@ def test_a_restarted_engine_joins_a_new_group_and_takes_the_next_push(actors):
 
 
 def test_an_engine_killed_before_a_push_is_restarted_and_the_sync_completes(actors, tmp_path):
-    """With the GPU transports trainer rank 0's push is what meets a dead engine: `vime.restart.sync`
+    """With the GPU transports trainer rank 0's push is what meets a dead engine: `vime.faults.restart.sync`
     restarts the dead engine (loaded with the new version over the run's weight path, as a step's sync is)
     and pushes to the engines still behind; then every engine serves the new version and scores as the trainer does."""
     from types import SimpleNamespace
 
-    from vime import restart
-    from vime.config import VimeConfig
-    from vime.driver import call
+    from vime.config.schema import VimeConfig
+    from vime.faults import restart
+    from vime.loop.driver import call
 
     trainer, engines, new_engine = actors
     samples = _samples(engines)

@@ -1,0 +1,1 @@
+"""Prompts and rewards: the built-in tasks (`tasks`) and the dataset a run samples from (`dataset`)."""

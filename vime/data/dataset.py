@@ -6,7 +6,7 @@ import dataclasses
 import json
 from pathlib import Path
 
-from vime.config import DataConfig, Task
+from vime.config.schema import DataConfig, Task
 from vime.data import tasks
 from vime.errors import DataError
 

@@ -13,7 +13,7 @@ import threading
 
 import torch
 
-from vime.config import RolloutBackend, RolloutConfig
+from vime.config.schema import RolloutBackend, RolloutConfig
 from vime.engines import Rollout, Sample, one_temperature
 
 
@@ -73,7 +73,7 @@ class RolloutWorker:
 
     def __init__(self, engine_id: int, cfg: RolloutConfig, model_path: str, dtype: str, device: str,
                  modes: dict[str, str], seed: int, transport: str = "ipc"):
-        """`transport` (this engine's weight path, vime.layout.engine_transports): how a vLLM engine on CUDA
+        """`transport` (this engine's weight path, vime.config.layout.engine_transports): how a vLLM engine on CUDA
         takes weights, `ipc` or `nccl`; `gloo` on CPU: rl_kernel's push group, received here (GroupReceiver)."""
         redirect_output()
         apply_modes(modes)
@@ -221,7 +221,7 @@ class RolloutWorker:
         """Join the trainer's NCCL weight-push group (rank `rank` of `world`, store at host:port; gloo on CPU)."""
         if self._group_receiver is not None:
             return self._group_receiver.join(host, port, rank, world)
-        from vime import placement
+        from vime.cluster import placement
 
         placement.bind_node_interface()
         self.engine.join_weight_group(host, port, rank, world)

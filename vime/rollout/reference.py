@@ -9,7 +9,7 @@ import torch
 import rl_kernel as rk
 from rl_kernel.models.qwen3 import Qwen3Reference
 from rl_kernel.models.rollout import Request, RolloutEngine
-from vime.config import RolloutConfig
+from vime.config.schema import RolloutConfig
 
 LABEL = "reference (FALLBACK: rl_kernel.models.rollout, not vLLM)"
 

@@ -14,7 +14,7 @@ push translated into vLLM's calls, or vLLM's own nccl rendezvous and wire driven
 
 With `rollout.tp > 1` vLLM's multiprocess executor runs every TP rank in its own process. A watcher
 thread records the first of them to exit; the engine then reports "rollout engine i, TP rank r died"
-(`TPWorkerDiedError`, which the driver handles as the engine's death: `vime/restart.py`) and removes
+(`TPWorkerDiedError`, which the driver handles as the engine's death: `vime/faults/restart.py`) and removes
 the engine's temporary files (its shared-memory segments in /dev/shm, its /tmp/vllm_dist_* rendezvous
 file), which the killed worker can no longer remove.
 """
@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from rl_kernel.integrations.vllm import compat
-from vime.config import RolloutConfig
+from vime.config.schema import RolloutConfig
 from vime.errors import EngineDiedError, WeightSyncError
 
 log = logging.getLogger("vime")

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import torch
 
-from vime import faults
-from vime.config import TrainerBackend, TrainerConfig
+from vime.config.schema import TrainerBackend, TrainerConfig
 from vime.engines import Sample, Scored, Trainer, one_temperature
+from vime.faults import stops
 from vime.rollout.actor import apply_modes, redirect_output
 from vime.trainer.grpo import LossConfig, TrainBatch
 
@@ -30,7 +30,7 @@ class TrainerWorker:
         """`correction`: LossConfig's off-policy correction fields (correction, is_cap, icepop_low/high);
         `kept_versions`: how many weight versions to keep in host memory for `score_behaviour` (0: none)."""
         redirect_output()
-        faults.forked_children_die_with_this_process()
+        stops.forked_children_die_with_this_process()
         apply_modes(modes)
         self.rank, self.world_size, self.cfg, self.modes = rank, world_size, cfg, modes
         self._args = (model_path, dtype, device)
@@ -50,7 +50,7 @@ class TrainerWorker:
         answer is the rendezvous of the trainer's world across nodes."""
         import ray
 
-        from vime import placement
+        from vime.cluster import placement
 
         host = ray.util.get_node_ip_address()
         self._listen = placement.listen_socket(host)
@@ -61,7 +61,7 @@ class TrainerWorker:
         `tcp://host:port` across nodes: rank 0 serves the store from the socket `address` bound, and every
         rank's gloo / NCCL sockets use the interface of its node's address) and load the policy; returns
         `info()`."""
-        from vime import placement
+        from vime.cluster import placement
 
         model_path, dtype, device = self._args
         store = placement.trainer_store(init_method, self.rank, self.world_size, getattr(self, "_listen", None))
@@ -197,7 +197,7 @@ class TrainerWorker:
 
     def save_checkpoint(self, path: str) -> int:
         """Write this rank's part of checkpoint `path` (trainer/ and rng/; collective); returns the version."""
-        from vime import checkpoint
+        from vime.state import checkpoint
 
         self.engine.save(Path(path) / "trainer")
         checkpoint.save_rank_rng(Path(path), self.rank)
@@ -207,7 +207,7 @@ class TrainerWorker:
         """Load checkpoint `path` into this rank (collective); returns the restored weight version."""
         import torch.distributed as dist
 
-        from vime import checkpoint
+        from vime.state import checkpoint
 
         self.engine.load(Path(path) / "trainer")
         checkpoint.load_rank_rng(Path(path), self.rank)

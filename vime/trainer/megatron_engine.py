@@ -12,7 +12,7 @@ import datetime
 import torch
 import torch.distributed as dist
 
-from vime.config import Mode, TrainerConfig, modes_label, side_modes
+from vime.config.schema import Mode, TrainerConfig, modes_label, side_modes
 from vime.trainer import grpo
 
 
@@ -57,12 +57,12 @@ class MegatronTrainer:
 
     def save(self, path) -> None:
         """Model + optimizer in Megatron's distributed checkpoint format (collective)."""
-        from vime.checkpoint import save_megatron
+        from vime.state.checkpoint import save_megatron
 
         save_megatron(self.policy, path)
 
     def load(self, path) -> None:
-        from vime.checkpoint import load_megatron
+        from vime.state.checkpoint import load_megatron
 
         load_megatron(self.policy, path)
 

@@ -14,7 +14,7 @@ import math
 import torch
 
 from rl_kernel.models.qwen3 import Qwen3Reference
-from vime.config import TrainerConfig
+from vime.config.schema import TrainerConfig
 from vime.errors import ConfigError
 from vime.trainer import grpo
 

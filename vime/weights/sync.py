@@ -23,15 +23,15 @@ import time
 import torch
 
 from rl_kernel.models.weight_transfer import DEFAULT_BUCKET_BYTES
-from vime.config import RolloutBackend
+from vime.config.schema import RolloutBackend
 from vime.errors import WeightSyncError
-from vime.timeline import Timeline
+from vime.loop.timeline import Timeline
 
 VLLM_NCCL = "vllm_nccl"  # `nccl` into vLLM engines: vLLM's own rendezvous and wire
 
 
 def push_transport(transport: str, rollout_engine: str) -> str:
-    """What trainer rank 0 speaks for an engine's weight path (`vime.layout.Transport`) into `rollout.engine`'s
+    """What trainer rank 0 speaks for an engine's weight path (`vime.config.layout.Transport`) into `rollout.engine`'s
     actors: vLLM engines take `nccl` as vLLM's own rendezvous and wire (VLLM_NCCL); `gloo` is rl_kernel's push
     group, which is gloo on CPU (`nccl` to `EnginePush`); every other pair is `transport` itself."""
     vllm = RolloutBackend(rollout_engine) == RolloutBackend.vllm
@@ -97,7 +97,7 @@ class GroupReceiver:
 
     def join(self, host: str, port: int, rank: int, world: int) -> None:
         from rl_kernel.models.weight_transfer import open_weight_group
-        from vime import placement
+        from vime.cluster import placement
 
         placement.bind_node_interface()
         self._store = placement.tcp_store(host, port, world, timeout_s=300.0)
@@ -230,7 +230,7 @@ class EnginePush:
         import ray
 
         from rl_kernel.models.weight_transfer import open_weight_group
-        from vime import placement
+        from vime.cluster import placement
 
         members = tuple(e._actor_id.hex() for e in engines)
         if members != self._members:

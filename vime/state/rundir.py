@@ -31,9 +31,11 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 from omegaconf.errors import OmegaConfBaseException
 
-from vime import checkpoint, preflight
-from vime.config import VimeConfig, to_object, validate
+from vime.config import preflight
+from vime.config.schema import VimeConfig, to_object, validate
 from vime.errors import ConfigError, VimeError
+from vime.reporting.commands import resume_command
+from vime.state import checkpoint
 
 RESUMABLE = ("steps", "checkpoint.stop_after", "checkpoint.every", "checkpoint.export_hf", "checkpoint.final",
              "verbose", "wandb.mode")
@@ -64,7 +66,7 @@ def refuse_existing(output_dir: Path) -> None:
     held = ", ".join(entries[:6])
     if (output_dir / checkpoint.CHECKPOINTS / checkpoint.LATEST).is_file():
         raise SystemExit(f"output_dir={output_dir} already holds a run ({held}); vime never overwrites one: continue "
-                         f"that run with `{checkpoint.resume_command(output_dir)}`, or pass a new output_dir=...")
+                         f"that run with `{resume_command(output_dir)}`, or pass a new output_dir=...")
     steps = logged_steps(output_dir)
     if steps:
         raise SystemExit(f"output_dir={output_dir} already holds a run of {steps} logged step(s) ({held}) and no "
@@ -117,7 +119,7 @@ def unknown_override(override: str, keys: set[str], free: set[str], groups: set[
     near = difflib.get_close_matches(key, sorted(keys), n=1, cutoff=0.75)
     hint = f" (did you mean {near[0]}?)" if near else ""
     return (f"config error: unknown config key {key}{hint}; `python -m vime.train --cfg job` lists every key "
-            "(vime/config.py documents them)")
+            "(vime/config/schema.py documents them)")
 
 
 def check_override_keys(argv: list[str]) -> None:
@@ -166,7 +168,7 @@ def refuse_complete(run: Path, steps: int, export_hf: bool) -> None:
     exported = not export_hf or (run / checkpoint.HF_DIR / "model.safetensors").is_file()
     if done >= steps and exported:
         raise ConfigError(f"resume={run}: that run is complete ({done} steps done, steps={steps}); to train it "
-                          f"further give more steps: {checkpoint.resume_command(run)} steps={done + max(done, 1)}")
+                          f"further give more steps: {resume_command(run)} steps={done + max(done, 1)}")
 
 
 def check(config: DictConfig) -> None:

@@ -4,7 +4,7 @@ One step: check every engine serves the trainer's version v -> rollout (GRPO gro
 engine) -> rewards -> group-normalised advantages -> trainer teacher-forcing logprobs -> comparability
 gate -> consistency metrics on every active token -> GRPO optimizer step (v -> v+1) -> weight sync
 -> engines acknowledge v+1 -> metrics (JSONL, W&B, console). With `algo.max_staleness` >= 1 the steps run
-asynchronously instead (`vime.async_loop`).
+asynchronously instead (`vime.loop.async_loop`).
 """
 
 from __future__ import annotations
@@ -19,17 +19,22 @@ import torch
 from tqdm import tqdm
 
 import rl_kernel as rk
-from vime import checkpoint, consistency, faults, placement, preflight, report, restart
-from vime.async_loop import AsyncLoop, lag_metrics
-from vime.config import Mode, VimeConfig, as_dict, kept_versions, side_modes
+from vime.cluster import placement
+from vime.cluster.remote import BUCKET_BYTES, call
+from vime.config import preflight
+from vime.config.layout import check_layout, ray_node_gpus, ray_node_resources, read_config_json, role_resources
+from vime.config.schema import Mode, VimeConfig, as_dict, kept_versions, side_modes
 from vime.data.dataset import PromptSet, load_tokenizer, model_vocab_size
 from vime.engines import Sample
 from vime.errors import ComparabilityError, TrainingError, VimeError
-from vime.layout import check_layout, ray_node_gpus, ray_node_resources, read_config_json, role_resources
-from vime.metrics_log import MetricsLogger
-from vime.remote import BUCKET_BYTES, call
+from vime.faults import restart, stops
+from vime.loop import consistency
+from vime.loop.async_loop import AsyncLoop, lag_metrics
+from vime.loop.timeline import Timeline
+from vime.reporting import report
+from vime.reporting.metrics_log import MetricsLogger
 from vime.rollout.actor import RolloutWorker
-from vime.timeline import Timeline
+from vime.state import checkpoint
 from vime.trainer.actor import TrainerWorker
 from vime.trainer.grpo import group_advantages
 from vime.weights.sync import sync_weights
@@ -69,13 +74,13 @@ class Driver:
         self.timeline = Timeline(cfg.rollout.num_engines)
         self.resumed: dict | None = None  # the driver state of the checkpoint this run continues from
         self.stopped_after: int | None = None  # set when `checkpoint.stop_after` ended the run early
-        self.engine_restarts = 0  # rollout engines restarted after dying (vime/restart.py)
+        self.engine_restarts = 0  # rollout engines restarted after dying (vime/faults/restart.py)
 
     # ---- set-up ----------------------------------------------------------------------------
 
     def setup(self) -> None:
         cfg = self.cfg
-        faults.sweep_stale()  # temporary files that crashed runs left in /tmp and /dev/shm
+        stops.sweep_stale()  # temporary files that crashed runs left in /tmp and /dev/shm
         self.output_dir.mkdir(parents=True, exist_ok=True)
         if not cfg.verbose:
             import transformers
@@ -101,7 +106,7 @@ class Driver:
         preflight.check_weight_transport(cfg)
         env |= placement.single_node_env(cfg.ray)
         if not cfg.ray.address:  # what the actors leave in their TMPDIR is removed with the run
-            env |= faults.actor_temp_env()
+            env |= stops.actor_temp_env()
         if not cfg.verbose:  # engine and framework output goes to <output_dir>/engines.log, not the console
             env["VIME_ENGINE_LOG"] = str((self.output_dir / "engines.log").resolve())
         report.route_engine_output(Path(env["VIME_ENGINE_LOG"]) if "VIME_ENGINE_LOG" in env else None)
@@ -109,7 +114,7 @@ class Driver:
         nodes = ray.nodes()
         check_layout(cfg, ray_node_gpus(nodes), read_config_json(self.model_path),  # before any engine
                      ray_node_resources(nodes))
-        faults.install_signal_handlers()  # after ray.init: its core worker sets its own SIGTERM handler
+        stops.install_signal_handlers()  # after ray.init: its core worker sets its own SIGTERM handler
         if cfg.ray.address:
             preflight.check_resources(cfg, ray.available_resources(), f"the cluster at {cfg.ray.address} has "
                                       f"{ray.available_resources()}")
@@ -119,7 +124,7 @@ class Driver:
         trainer_pg = placement.make_group("trainer", [placement.bundle(cfg.ray, gpus, marks["trainer"])] * n_ranks)
         self.rollout_pg = rollout_pg = placement.make_group(
             "rollout", [placement.bundle(cfg.ray, gpus * cfg.rollout.tp, marks["rollout"])] * cfg.rollout.num_engines)
-        # each engine's weight path by its node (vime.layout.engine_transports); a restart may move it
+        # each engine's weight path by its node (vime.config.layout.engine_transports); a restart may move it
         self.trainer_node, self.engine_nodes, self.weight_paths = placement.weight_paths(cfg, trainer_pg, rollout_pg)
         # in-flight weight updates (rollout.partial) arrive in their own concurrency group, beside a rollout
         Rollout = ray.remote(concurrency_groups={"weights": 1})(RolloutWorker) if cfg.rollout.partial else \
@@ -271,7 +276,8 @@ class Driver:
         if not rows or self.logger is None:
             return None
         plot = self.logger.plot(compare, task=str(self.cfg.data.task))
-        for line in report.summary_lines(rows, self.output_dir, plot, self.model_path, compare, self.cfg.steps):
+        last = checkpoint.latest(self.output_dir) if self.output_dir.is_dir() else None
+        for line in report.summary_lines(rows, self.output_dir, plot, self.model_path, compare, self.cfg.steps, last):
             log.info(line)
         return plot
 
@@ -290,8 +296,8 @@ class Driver:
             ray.shutdown()
         if getattr(self, "rendezvous", None) and os.path.exists(self.rendezvous):
             os.unlink(self.rendezvous)
-        faults.sweep_stale()
-        faults.remove_own_temp_files()
+        stops.sweep_stale()
+        stops.remove_own_temp_files()
 
 
 def correction_fields(cfg: VimeConfig) -> dict:

@@ -8,7 +8,7 @@ import json
 import struct
 from pathlib import Path
 
-from vime.config import RolloutBackend, VimeConfig
+from vime.config.schema import RolloutBackend, VimeConfig
 from vime.errors import ConfigError, DataError
 
 SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM",)
@@ -86,7 +86,7 @@ def check_weight_transport(cfg: VimeConfig) -> None:
     docs/vllm.md): `ipc`, rl_kernel's push translated into vLLM's calls (rl_kernel.integrations.vllm.ipc;
     with several trainer ranks each ships its own GPU's handles, vime.weights.sync), or `nccl`, vLLM's own
     nccl trainer engine driven from trainer rank 0 (rl_kernel.integrations.vllm.nccl). Which GPUs each serves
-    (`ipc`: engines colocated on the trainer's; `nccl`: GPUs of their own) is `vime.layout`'s check."""
+    (`ipc`: engines colocated on the trainer's; `nccl`: GPUs of their own) is `vime.config.layout`'s check."""
     if cfg.device == "cuda" and RolloutBackend(cfg.rollout.engine) == RolloutBackend.vllm \
             and cfg.weights.transport not in ("auto", "ipc", "nccl"):
         raise ConfigError(f"rollout.engine=vllm with weights.transport={cfg.weights.transport} on GPUs: a vLLM engine "

@@ -1,7 +1,7 @@
 """Per-step metrics: a JSONL file, W&B (offline by default, under the run dir; keys grouped as
 `consistency/`, `rollout/`, `train/`, `timing/`, `weights/`, sample completions as a table), a
 console table (with a few sample completions every `samples_every` steps), and at the end one
-figure (`consistency.png`, `vime.report.plot_run`)."""
+figure (`consistency.png`, `vime.reporting.report.plot_run`)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import math
 import os
 from pathlib import Path
 
-from vime import report
+from vime.reporting import report
 
 log = logging.getLogger("vime")
 

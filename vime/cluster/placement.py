@@ -3,7 +3,7 @@
 Trainer ranks (TP x CP) pack into one group (a TP group stays within a node); each rollout engine
 gets one bundle sized for its TP degree (on GPUs: `tp` GPUs; vLLM places its TP workers itself).
 Across nodes a role's bundles also ask for its node resource (`ray.trainer_resource` /
-`ray.rollout_resource`, vime.layout), so they land only on the nodes that declare it; the nodes the
+`ray.rollout_resource`, vime.config.layout), so they land only on the nodes that declare it; the nodes the
 bundles landed on decide each engine's weight path (`weight_paths`).
 
 Addresses: a local run binds loopback only (`loopback_node`, `single_node_env`, a FileStore rendezvous).
@@ -26,9 +26,9 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from vime.config import RayConfig
+from vime.config.layout import ROLE_MARK
+from vime.config.schema import RayConfig
 from vime.errors import ConfigError
-from vime.layout import ROLE_MARK
 
 log = logging.getLogger("vime")
 START_ATTEMPTS = 3  # local Ray start-ups tried before giving up
@@ -303,8 +303,8 @@ def tcp_url(host: str, port: int) -> str:
 
 def weight_paths(cfg, trainer_pg: PlacementGroup, rollout_pg: PlacementGroup) -> tuple[str | None, list, list]:
     """(trainer rank 0's node, each engine's node, each engine's weight path), from the nodes Ray placed the
-    bundles on (vime.layout.engine_transports); logged for a run on a cluster (`ray.address`)."""
-    from vime.layout import engine_transports
+    bundles on (vime.config.layout.engine_transports); logged for a run on a cluster (`ray.address`)."""
+    from vime.config.layout import engine_transports
 
     trainer_node, engine_nodes = bundle_nodes(trainer_pg)[0], bundle_nodes(rollout_pg)
     paths = engine_transports(cfg, trainer_node, engine_nodes)

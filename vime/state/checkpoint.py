@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from vime.errors import VimeError
+from vime.reporting.commands import resume_command
 
 log = logging.getLogger("vime")
 
@@ -166,13 +167,6 @@ def after_step(driver, step: int, rows: list[dict]) -> bool:
     return stop
 
 
-def resume_command(output_dir: Path) -> str:
-    """The command that continues the run in `output_dir`, runnable as printed (`commands.python_command`)."""
-    from vime.commands import python_command
-
-    return f"{python_command()} -m vime.train resume={Path(output_dir).resolve()}"
-
-
 def load_state(path: Path) -> dict[str, Any]:
     try:
         return torch.load(Path(path) / STATE, weights_only=False)
@@ -184,7 +178,7 @@ def load_state(path: Path) -> dict[str, Any]:
 def restore(driver, path: Path) -> dict[str, Any]:
     """Load checkpoint `path` into a started driver: trainer model + optimizer + RNG, the weight
     version, rollout engines synced to it, the driver's RNG. Returns the saved driver state."""
-    from vime.remote import BUCKET_BYTES, call
+    from vime.cluster.remote import BUCKET_BYTES, call
     from vime.weights.sync import sync_weights
 
     state = load_state(path)
@@ -210,7 +204,7 @@ def restore(driver, path: Path) -> dict[str, Any]:
 def restore_metrics(logger, rows: list[dict]) -> None:
     """Put the metrics of the steps before the checkpoint back into a fresh `MetricsLogger` (its
     metrics.jsonl then holds exactly those rows: steps after the checkpoint are run again)."""
-    from vime.metrics_log import jsonable
+    from vime.reporting.metrics_log import jsonable
 
     logger.rows.extend(rows)
     with logger.jsonl.open("w") as f:

@@ -81,7 +81,8 @@ def ignore_signals() -> None:
 def report_stop(driver, reason: str) -> None:
     """What a run that did not finish leaves behind: the plot of the steps it has, one summary line,
     and how to continue (from its last checkpoint)."""
-    from vime import checkpoint
+    from vime.reporting.commands import resume_command
+    from vime.state import checkpoint
 
     if driver.logger is None:  # it stopped while setting up: no step ran
         if reason != "failed":
@@ -100,7 +101,7 @@ def report_stop(driver, reason: str) -> None:
                 sum(r.get("tokens", 0) for r in rows), sum(r.get("mismatch_count", 0) for r in rows),
                 Path(driver.output_dir) / "metrics.jsonl", plot)
     if last is not None:
-        log.warning("continue from %s with: %s", last.name, checkpoint.resume_command(driver.output_dir))
+        log.warning("continue from %s with: %s", last.name, resume_command(driver.output_dir))
     else:
         log.warning("no checkpoint was saved yet: rerun with a new output_dir to start again")
 

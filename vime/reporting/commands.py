@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+from pathlib import Path
 
 
 def python_command() -> str:
@@ -17,3 +18,8 @@ def python_command() -> str:
         return "python"
     rel = os.path.relpath(exe)
     return rel if not rel.startswith("..") else exe
+
+
+def resume_command(output_dir: Path) -> str:
+    """The command that continues the run in `output_dir`, runnable as printed."""
+    return f"{python_command()} -m vime.train resume={Path(output_dir).resolve()}"

@@ -20,7 +20,6 @@ from omegaconf.errors import InterpolationResolutionError, ValidationError
 
 from rl_kernel.modes import BOUNDARIES
 from vime.errors import ConfigError
-from vime.layout import WeightsConfig
 
 
 class Mode(StrEnum):
@@ -60,6 +59,24 @@ class Task(StrEnum):
     copy = "copy"              # "g=" -> "g": the embedded default, learnable by a tiny model in minutes
     arithmetic = "arithmetic"
     reverse = "reverse"
+
+
+class Transport(StrEnum):
+    auto = "auto"                  # per engine, by locality (`engine_transports`)
+    object_store = "object_store"  # Ray's object store (CPU runs; the trainer's rank 0 exports buckets)
+    ipc = "ipc"                    # CUDA IPC handles (vLLM `ipc` / rl_kernel.models.weight_transfer): colocated
+    nccl = "nccl"                  # NCCL broadcast from the trainer's rank 0 (vLLM `nccl`): separate GPUs
+    gloo = "gloo"                  # rl_kernel's push group on CPU (gloo broadcast over TCP): engines on other nodes
+
+
+CPU_TRANSPORTS = (Transport.auto, Transport.object_store, Transport.gloo)
+
+
+@dataclass
+class WeightsConfig:
+    transport: Transport = Transport.auto
+    colocate: bool = False         # rollout engines on the trainer's nodes; on GPUs on its GPUs (time-shared, CUDA IPC)
+    bucket_bytes: int = 1 << 30    # packed bucket size (vLLM's default packed buffer: 1 GiB)
 
 
 @dataclass
@@ -110,7 +127,7 @@ class AlgoConfig:
     clip_eps: float = 0.2
     kl_coef: float = 0.0       # k3 KL to the initial policy; 0 disables the reference forward
     adv_eps: float = 1e-6      # advantages = (r - mean) / (std + adv_eps) within a group
-    # Asynchronous RL (vime/async_loop.py). 0: the synchronous on-policy loop. N >= 1: the rollouts of the
+    # Asynchronous RL (vime/loop/async_loop.py). 0: the synchronous on-policy loop. N >= 1: the rollouts of the
     # next N steps run while the trainer trains and syncs; a token may be up to N weight versions old.
     max_staleness: int = 0
     stale_samples: StaleSamples = StaleSamples.drop  # a group older than max_staleness: drop or requeue it
@@ -129,7 +146,7 @@ class RolloutConfig:
     boundary_modes: dict[str, Mode] = field(default_factory=dict)  # e.g. {attention: native}
     num_engines: int = 1
     tp: int = 1
-    max_restarts: int = 3          # rollout engines that die are restarted (vime/restart.py), this many times a run
+    max_restarts: int = 3          # rollout engines that die are restarted (vime/faults/restart.py), this many a run
     max_model_len: int = 256
     max_num_batched_tokens: int = 256
     max_num_seqs: int = 64
@@ -196,7 +213,7 @@ class WandbConfig:
 
 @dataclass
 class CheckpointConfig:
-    """Checkpoints under `<output_dir>/checkpoints/` (vime/checkpoint.py); the end of a run saves one unless
+    """Checkpoints under `<output_dir>/checkpoints/` (vime/state/checkpoint.py); the end of a run saves one unless
     `final=false`."""
     every: int = 0                 # also save after every `every` steps (0: only at the end)
     stop_after: int | None = None  # stop cleanly after this step (checkpoint saved), as a job limit; resume= goes on
@@ -231,7 +248,7 @@ class VimeConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     ray: RayConfig = field(default_factory=RayConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
-    weights: WeightsConfig = field(default_factory=WeightsConfig)  # weight sync transport (vime/layout.py)
+    weights: WeightsConfig = field(default_factory=WeightsConfig)  # weight sync transport (vime/config/layout.py)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     resume: str | None = None      # an earlier run's output_dir: continue it from its last checkpoint
     audit: AuditConfig = field(default_factory=AuditConfig)
@@ -267,8 +284,8 @@ def to_object(cfg: DictConfig | VimeConfig) -> VimeConfig:
         return cfg
     bad = unknown_keys(cfg)
     if bad:
-        raise ConfigError(f"unknown config key(s) {', '.join(bad)}: not in the schema (vime/config.py); check the "
-                          "spelling (`python -m vime.train --cfg job` lists every key)")
+        raise ConfigError(f"unknown config key(s) {', '.join(bad)}: not in the schema (vime/config/schema.py); "
+                          "check the spelling (`python -m vime.train --cfg job` lists every key)")
     try:
         missing = sorted(OmegaConf.missing_keys(cfg))
         if not missing:

@@ -24,32 +24,12 @@ never by whether a path happens to reach (nodes simulated on one host share /dev
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import StrEnum
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from vime.config.schema import CPU_TRANSPORTS, Transport, VimeConfig
 from vime.errors import ConfigError
 
-if TYPE_CHECKING:
-    from vime.config import VimeConfig
-
-
-class Transport(StrEnum):
-    auto = "auto"                  # per engine, by locality (`engine_transports`)
-    object_store = "object_store"  # Ray's object store (CPU runs; the trainer's rank 0 exports buckets)
-    ipc = "ipc"                    # CUDA IPC handles (vLLM `ipc` / rl_kernel.models.weight_transfer): colocated
-    nccl = "nccl"                  # NCCL broadcast from the trainer's rank 0 (vLLM `nccl`): separate GPUs
-    gloo = "gloo"                  # rl_kernel's push group on CPU (gloo broadcast over TCP): engines on other nodes
-
-
-CPU_TRANSPORTS = (Transport.auto, Transport.object_store, Transport.gloo)
 ROLE_MARK = 0.001  # what one bundle asks of its role's node resource: a node declaring 1 holds any number
-
-
-@dataclass
-class WeightsConfig:
-    transport: Transport = Transport.auto
-    colocate: bool = False         # rollout engines on the trainer's nodes; on GPUs on its GPUs (time-shared, CUDA IPC)
-    bucket_bytes: int = 1 << 30    # packed bucket size (vLLM's default packed buffer: 1 GiB)
 
 
 @dataclass(frozen=True)

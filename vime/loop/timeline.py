@@ -3,7 +3,7 @@
 Version v is the weights after v optimizer steps (v = 0: the checkpoint). The trainer moves v -> v+1
 at each step and every rollout token carries the version that produced it. In the synchronous loop the
 rollout engines must acknowledge v+1 before the next rollout; in the asynchronous one
-(`vime.async_loop`) the next rollouts are already queued when they acknowledge it, and a token may be up
+(`vime.loop.async_loop`) the next rollouts are already queued when they acknowledge it, and a token may be up
 to `algo.max_staleness` versions behind the trainer.
 """
 

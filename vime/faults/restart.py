@@ -14,7 +14,7 @@ to resume from the last checkpoint): its state is not recoverable without one.
 Across nodes: when a rollout node is lost (its raylet dies), its engines die with it and Ray places their
 placement-group bundles again on a node that still has capacity (one that declares the rollout role's
 resource). Each engine is restarted there once its bundle is placed, and its weight path follows its new
-node (vime.layout.engine_transports). When no node takes the bundle within `ray.restart_wait_s`, the run
+node (vime.config.layout.engine_transports). When no node takes the bundle within `ray.restart_wait_s`, the run
 stops cleanly (the message names the engine, the lost node and what it needs) with the resume command. A
 lost trainer node ends the run like a dead trainer rank.
 """
@@ -65,7 +65,7 @@ def _alive(actor) -> bool:
 def load_current_weights(driver, engine: int) -> None:
     """Bring restarted rollout engine `engine` to the trainer's current weights and version, over the run's
     configured transport (the same `sync_weights` as a step's sync; only the engines behind are loaded)."""
-    from vime.remote import BUCKET_BYTES, call
+    from vime.cluster.remote import BUCKET_BYTES, call
     from vime.weights.sync import sync_weights
 
     sync_weights(driver.trainer, driver.engines, driver.timeline.trainer_version, BUCKET_BYTES, driver.timeline,
@@ -75,7 +75,7 @@ def load_current_weights(driver, engine: int) -> None:
 def restart_engine(driver, engine: int, cause: str, who: str | None = None) -> None:
     """Replace dead rollout engine `engine` by a fresh actor serving the trainer's current version; `who`
     names what died ("rollout engine 0, TP rank 1"; default: the engine)."""
-    from vime.remote import call
+    from vime.cluster.remote import call
 
     limit = driver.cfg.rollout.max_restarts
     if driver.engine_restarts >= limit:
@@ -103,8 +103,8 @@ def replace_on_capacity(driver, engine: int) -> None:
     """Wait until rollout engine `engine`'s bundle is placed on an alive node (at once unless its node was
     lost) and give the engine the weight path of that node; EngineDiedError when no node takes it within
     `ray.restart_wait_s` (the run then stops with the resume command)."""
-    from vime import placement
-    from vime.layout import engine_transports, role_resources
+    from vime.cluster import placement
+    from vime.config.layout import engine_transports, role_resources
 
     pg = getattr(driver, "rollout_pg", None)
     if pg is None:  # an engine set up without a placement group (tests of the restart path)
@@ -129,7 +129,7 @@ def replace_on_capacity(driver, engine: int) -> None:
 def generate(driver, submit, engines: int) -> tuple[list, list[dict]]:
     """Every engine's share of a step and the rl_kernel evidence of it. `submit(i)` issues engine i's
     `generate` call; an engine that dies before both are in is restarted and its share submitted again."""
-    from vime.remote import call
+    from vime.cluster.remote import call
 
     refs = {i: submit(i) for i in range(engines)}
     outs, evidence = [], []

@@ -33,11 +33,13 @@ import time
 
 import torch
 
-from vime import consistency, report, restart
-from vime.config import StaleSamples
+from vime.config.schema import StaleSamples
 from vime.data.dataset import Prompt
 from vime.engines import Sample, Scored
 from vime.errors import ComparabilityError, EngineDiedError, TrainingError
+from vime.faults import restart
+from vime.loop import consistency
+from vime.reporting import report
 from vime.trainer.grpo import group_advantages
 from vime.weights.sync import sync_weights
 
@@ -119,7 +121,7 @@ class Submitted:
 
 
 class AsyncLoop:
-    """Runs the steps of a started `vime.driver.Driver` asynchronously (`algo.max_staleness` >= 1)."""
+    """Runs the steps of a started `vime.loop.driver.Driver` asynchronously (`algo.max_staleness` >= 1)."""
 
     def __init__(self, driver):
         self.d, self.cfg = driver, driver.cfg
@@ -150,7 +152,7 @@ class AsyncLoop:
     def collect(self, step: int) -> tuple[list[Sample], list[Prompt]]:
         """Step `step`'s samples with rewards and group advantages; a dead engine is restarted and its
         share generated again (at the version the engines serve now)."""
-        from vime.remote import call
+        from vime.cluster.remote import call
 
         sub = self.inflight.pop(step)
         outs, evidence = [], []
@@ -239,7 +241,7 @@ class AsyncLoop:
     def _sync(self) -> dict:
         """Push the trainer's new version to every engine (the push waits for a running rollout unless
         `rollout.partial`, where it lands between the rollout's engine steps)."""
-        from vime.remote import BUCKET_BYTES, call
+        from vime.cluster.remote import BUCKET_BYTES, call
 
         d = self.d
         if self.cfg.rollout.partial:

@@ -9,8 +9,7 @@ import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 
-from vime.commands import python_command  # noqa: F401 - printed commands (report.python_command)
-from vime.remote import (  # noqa: F401 - actor deaths and where engine output goes (report.death_cause, ...)
+from vime.cluster.remote import (  # noqa: F401 - actor deaths and where engine output goes (report.death_cause, ...)
     ANSI,
     ENGINE_LOG,
     actor_died_message,
@@ -18,6 +17,7 @@ from vime.remote import (  # noqa: F401 - actor deaths and where engine output g
     engine_log_hint,
     route_engine_output,
 )
+from vime.reporting.commands import python_command, resume_command  # noqa: F401 - printed commands (report.python_command)
 
 # W&B panel groups: a metric row key -> its grouped key. Keys not listed are not sent as scalars.
 WANDB_GROUPS = {
@@ -251,10 +251,12 @@ SUMMARY_WIDTH = 110  # the summary's lines fit 120 columns with the console's `H
 
 
 def summary_lines(rows: Sequence[dict], output_dir: Path, plot: Path | None, model_path: str | None,
-                  compare: Sequence[dict] | None = None, steps: int | None = None) -> list[str]:
+                  compare: Sequence[dict] | None = None, steps: int | None = None,
+                  last_checkpoint: Path | None = None) -> list[str]:
     """The closing block: steps, tokens compared, mismatches and what 0 means, reward first -> last,
     time per step, engine restarts, where the outputs are, and what to do next: a run that did all its
-    `steps` is complete (extend it with more `steps`); one stopped early continues from its checkpoint."""
+    `steps` is complete (extend it with more `steps`); one stopped early continues from its last checkpoint
+    (`last_checkpoint`, None when it saved none)."""
     if not rows:
         return ["no step ran"]
     tokens = sum(int(r.get("tokens", 0)) for r in rows)
@@ -292,14 +294,12 @@ def summary_lines(rows: Sequence[dict], output_dir: Path, plot: Path | None, mod
     lines += [f"  outputs          {output_dir} (metrics.jsonl, train.log, wandb/)",
               f"  figure           {plot}" if plot else "  figure           -",
               f"  model            {model_path} (the starting weights)"]
-    from vime import checkpoint  # the run's own checkpoints, when it saved any
-
-    last = checkpoint.latest(output_dir) if Path(output_dir).is_dir() else None
+    last = last_checkpoint
     done = int(rows[-1]["step"]) + 1
     if last is not None and steps is not None and done >= steps:
         lines.append(f"  checkpoint       {last}")
         lines.append(f"  run complete     all {steps} steps done; to train further: "
-                     f"{checkpoint.resume_command(output_dir)} steps={done + done}")
+                     f"{resume_command(output_dir)} steps={done + done}")
     elif last is not None:
-        lines.append(f"  checkpoint       {last} (continue with: {checkpoint.resume_command(output_dir)})")
+        lines.append(f"  checkpoint       {last} (continue with: {resume_command(output_dir)})")
     return lines

@@ -1,0 +1,2 @@
+"""Ray for the run: starting or joining a cluster, placement groups and node addresses (`placement`), and
+the remote calls that fail fast naming the actor that died (`remote`)."""
