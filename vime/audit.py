@@ -48,6 +48,7 @@ from vime.engines import Sample
 from vime.errors import ComparabilityError, ConfigError, VimeError
 from vime.loop import consistency
 from vime.loop.consistency import Consistency
+from vime.reporting.metrics_log import read_rows
 
 log = logging.getLogger("vime")
 SIDES = ("rollout", "trainer")
@@ -284,16 +285,15 @@ def audit_run(run_dir: Path) -> dict:
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
         raise ConfigError(f"audit.run={run_dir}: no metrics.jsonl there; pass the output_dir of a vime.train run")
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    steps = [{k: r.get(k) for k in ("step", "version", "tokens", "mismatch_count", "max_abs_diff",
-                                      "worst_sample", "worst_position", "worst_token_id", "worst_rollout",
-                                      "worst_trainer", "contracts", "strict", "rollout_engine", "trainer_engine")}
-             for r in rows]
-    total = sum(int(r.get("mismatch_count") or 0) for r in rows)
-    return {"run": str(run_dir), "steps": steps, "total_mismatches": total,
-            "tokens": sum(int(r.get("tokens") or 0) for r in rows),
-            "verdict": (f"{len(rows)} steps, {total} mismatching tokens of "
-                        f"{sum(int(r.get('tokens') or 0) for r in rows)} compared")}
+    rows = read_rows(path)
+    parity = ("tokens", "mismatch_count", "max_abs_diff", "worst_sample", "worst_position", "worst_token_id",
+              "worst_rollout", "worst_trainer")
+    steps = [{"step": r.step, "version": r.weights.version, **{k: getattr(r.consistency, k) for k in parity},
+              "contracts": r.contracts, "strict": r.strict, "rollout_engine": r.rollout_engine,
+              "trainer_engine": r.trainer_engine} for r in rows]
+    total, tokens = sum(r.consistency.mismatch_count for r in rows), sum(r.consistency.tokens for r in rows)
+    return {"run": str(run_dir), "steps": steps, "total_mismatches": total, "tokens": tokens,
+            "verdict": f"{len(rows)} steps, {total} mismatching tokens of {tokens} compared"}
 
 
 def format_run(report: dict) -> str:

@@ -6,7 +6,6 @@ gives the GPU cluster shape. Outputs (metrics.jsonl, wandb/, consistency.png, th
 from __future__ import annotations
 
 import copy
-import json
 import logging
 import os
 import signal
@@ -21,6 +20,8 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 from vime.config.schema import config_or_exit, register_configs
 from vime.errors import ConfigError, VimeError
 from vime.faults import stops
+from vime.loop.record import StepRecord
+from vime.reporting.metrics_log import read_rows
 from vime.state import rundir
 
 log = logging.getLogger("vime")
@@ -67,8 +68,8 @@ def main(dcfg: DictConfig) -> None:
         raise SystemExit(code)
 
 
-def run_compare(cfg) -> list[dict] | None:
-    """Rows of the run to plot beside this one: `compare=native` runs the all-native twin of this
+def run_compare(cfg) -> list[StepRecord] | None:
+    """Steps of the run to plot beside this one: `compare=native` runs the all-native twin of this
     config under `<output_dir>/native` (same seed, same prompts); `compare=<dir>` reads a sibling
     run's metrics.jsonl; unset: None."""
     if not cfg.compare:
@@ -78,7 +79,7 @@ def run_compare(cfg) -> list[dict] | None:
         if not path.is_file():
             raise ConfigError(f"compare={cfg.compare}: no metrics.jsonl there; pass compare=native or a run's "
                               "output_dir")
-        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        return read_rows(path)
     from vime.loop.driver import Driver
 
     twin = copy.deepcopy(cfg)

@@ -1,4 +1,4 @@
-"""Pure logic of what a person reads: W&B key groups, the no-signal warning, sample lines, the
+"""Pure logic of what a person reads: the step record's W&B key groups, the no-signal warning, sample lines, the
 end-of-run summary, the figure, the copy task, and the audit's verdict / ladder / run-evidence text."""
 
 from __future__ import annotations
@@ -12,7 +12,12 @@ import pytest
 from vime import audit
 from vime.config.schema import modes_label
 from vime.data import tasks
+from vime.loop.record import StepRecord
 from vime.reporting import report
+
+
+def _records(rows: list[dict]) -> list[StepRecord]:
+    return [StepRecord.from_row(r) for r in rows]
 
 
 def _rows(n: int, mismatch: int = 0, strict: bool = True) -> list[dict]:
@@ -26,7 +31,7 @@ def _rows(n: int, mismatch: int = 0, strict: bool = True) -> list[dict]:
 def test_wandb_keys_are_grouped():
     row = _rows(1)[0] | {"sync_s": 0.2, "sync_bytes": 10.0, "rollout_s": 1.0, "contracts": {"gemm": "same"},
                          "strict": True, "samples": [("a=", "a", 1.0)], "clip_frac": 0.0, "tied_groups": 2}
-    out = report.wandb_row(row)
+    out = StepRecord.from_row(row).wandb()
     assert out["consistency/mismatch_count"] == 0 and out["consistency/max_abs_diff"] == 0.0
     assert out["rollout/reward_mean"] == row["reward_mean"] and out["rollout/tied_groups"] == 2
     assert out["train/loss"] == 0.0 and out["train/grad_norm"] == 0.5 and out["train/clip_frac"] == 0.0
@@ -50,25 +55,25 @@ def test_completion_lines_take_one_sample_per_group():
 
 
 def test_summary_says_what_zero_means_and_where_outputs_are(tmp_path):
-    lines = "\n".join(report.summary_lines(_rows(10), tmp_path, tmp_path / "consistency.png", "/m"))
+    lines = "\n".join(report.summary_lines(_records(_rows(10)), tmp_path, tmp_path / "consistency.png", "/m"))
     assert "steps            10" in lines and "1280" in lines and "0 in total" in lines
     assert "the exact fp32 bits" in lines and "0.100 -> 0.900" in lines and "median" in lines
     assert str(tmp_path) in lines and "consistency.png" in lines and "/m" in lines
-    native = "\n".join(report.summary_lines(_rows(4, mismatch=128, strict=False), tmp_path, None, "/m"))
+    native = "\n".join(report.summary_lines(_records(_rows(4, mismatch=128, strict=False)), tmp_path, None, "/m"))
     assert "512 in total" in native and "differ in bits" in native
 
 
 def test_summary_has_a_per_step_table_of_phase_timings_and_sync_rate(tmp_path):
     rows = [r | {"rollout_s": 1.5, "score_s": 0.25, "train_s": 0.5, "sync_s": 2.0, "sync_bytes": 4.0e9,
                  "sync_gbps": 2.0} for r in _rows(3)]
-    table = report.step_table(rows)
+    table = report.step_table(_records(rows))
     assert table[0].split() == ["step", "tokens", "mismatch", "max|diff|", "rollout_s", "score_s", "train_s",
                                 "sync_s", "sync_GB", "sync_GB/s", "step_s"]
     assert table[2].split() == ["1", "128", "0", "0.00e+00", "1.50", "0.25", "0.50", "2.00", "4.000", "2.00", "2.00"]
-    assert "\n".join(table) in "\n".join(report.summary_lines(rows, tmp_path, None, "/m"))
-    long = report.step_table(_rows(30), max_rows=4)  # first and last steps of a long run; missing values as '-'
+    assert "\n".join(table) in "\n".join(report.summary_lines(_records(rows), tmp_path, None, "/m"))
+    long = report.step_table(_records(_rows(30)), max_rows=4)  # a long run's first and last steps; missing: '-'
     assert len(long) == 6 and long[3].strip() == "..." and long[-1].split()[0] == "29" and "-" in long[1].split()
-    assert report.wandb_row({"sync_gbps": 2.5}) == {"weights/sync_gbps": 2.5}
+    assert StepRecord.from_row({"step": 0, "sync_gbps": 2.5}).wandb()["weights/sync_gbps"] == 2.5
 
 
 def _checkpointed(out, step: int):
@@ -83,11 +88,11 @@ def _checkpointed(out, step: int):
 
 def test_summary_of_a_complete_run_says_so_and_how_to_extend_it(tmp_path):
     last = _checkpointed(tmp_path, 9)
-    lines = report.summary_lines(_rows(10), tmp_path, None, "/m", steps=10, last_checkpoint=last)
+    lines = report.summary_lines(_records(_rows(10)), tmp_path, None, "/m", steps=10, last_checkpoint=last)
     text = "\n".join(lines)
     assert "run complete     all 10 steps done; to train further: " in text
     assert f"-m vime.train resume={tmp_path.resolve()} steps=20" in text and "continue with" not in text
-    stopped = "\n".join(report.summary_lines(_rows(10), tmp_path, None, "/m", steps=40,  # checkpoint.stop_after
+    stopped = "\n".join(report.summary_lines(_records(_rows(10)), tmp_path, None, "/m", steps=40,  # stop_after
                                               last_checkpoint=last))
     assert f"(continue with: {report.python_command()} -m vime.train resume={tmp_path.resolve()})" in stopped
     assert "run complete" not in stopped
@@ -95,10 +100,10 @@ def test_summary_of_a_complete_run_says_so_and_how_to_extend_it(tmp_path):
 
 def test_summary_counts_engine_restarts_and_fits_the_console(tmp_path):
     rows = [r | {"engine_restarts": 1 if r["step"] >= 3 else 0} for r in _rows(6)]
-    lines = report.summary_lines(rows, tmp_path, None, "/m", steps=6)
+    lines = report.summary_lines(_records(rows), tmp_path, None, "/m", steps=6)
     assert any(line.startswith("  engine restarts  1 ") for line in lines)
-    assert not any("engine restarts" in line for line in report.summary_lines(_rows(6), tmp_path, None, "/m"))
-    native = report.summary_lines(_rows(4, mismatch=128, strict=False), tmp_path, None, "/m")
+    assert not any("engine restarts" in line for line in report.summary_lines(_records(_rows(6)), tmp_path, None, "/m"))
+    native = report.summary_lines(_records(_rows(4, mismatch=128, strict=False)), tmp_path, None, "/m")
     fixed = [line for line in lines + native if str(tmp_path) not in line]  # the outputs' paths are the user's
     assert max(len(line) for line in fixed) + len("12:00:00 ") <= 120, max(fixed, key=len)
 
@@ -169,7 +174,8 @@ def test_the_printed_python_command_runs_as_printed(monkeypatch, tmp_path):
 
 @pytest.mark.parametrize("compare", [False, True])
 def test_plot_run_writes_one_figure(tmp_path, compare):
-    path = report.plot_run(_rows(6), tmp_path / "c.png", _rows(6, mismatch=100, strict=False) if compare else None,
+    twin = _records(_rows(6, mismatch=100, strict=False)) if compare else None
+    path = report.plot_run(_records(_rows(6)), tmp_path / "c.png", twin,
                            task="copy")
     assert path.stat().st_size > 10_000
 

@@ -98,7 +98,7 @@ def report_stop(driver, reason: str) -> None:
         log.warning("plot: %s", e)
     last = checkpoint.latest(driver.output_dir) if driver.output_dir.is_dir() else None
     log.warning("%s after %d step(s) (%d tokens compared, %d mismatches); metrics %s, plot %s", reason, len(rows),
-                sum(r.get("tokens", 0) for r in rows), sum(r.get("mismatch_count", 0) for r in rows),
+                sum(r.consistency.tokens for r in rows), sum(r.consistency.mismatch_count for r in rows),
                 Path(driver.output_dir) / "metrics.jsonl", plot)
     if last is not None:
         log.warning("continue from %s with: %s", last.name, resume_command(driver.output_dir))

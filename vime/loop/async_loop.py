@@ -39,6 +39,7 @@ from vime.engines import Sample, Scored
 from vime.errors import ComparabilityError, EngineDiedError, TrainingError
 from vime.faults import restart
 from vime.loop import consistency
+from vime.loop.record import StepRecord
 from vime.reporting import report
 from vime.trainer.grpo import group_advantages
 from vime.weights.sync import sync_weights
@@ -180,7 +181,7 @@ class AsyncLoop:
 
     # ---- one step ----------------------------------------------------------------------------------
 
-    def step(self, step: int) -> dict:
+    def step(self, step: int) -> StepRecord:
         d, cfg, t0 = self.d, self.cfg, time.perf_counter()
         while self.next_submit <= min(step + self.n, cfg.steps - 1):
             self.submit(self.next_submit)
@@ -235,8 +236,9 @@ class AsyncLoop:
                "behaviour_check_rate": checked_tokens / stale_tokens if stale_tokens else 1.0,
                "rollout_s": t1 - t0, "score_s": t2 - t1, "train_s": t3 - t2, "step_s": time.perf_counter() - t0,
                "contracts": verdict, "strict": d.strict, "engine_restarts": d.engine_restarts, **d.labels}
-        d.timeline.finish_step({k: row[k] for k in ("mismatch_count", "max_abs_diff", "tokens")})
-        return row
+        record = StepRecord.from_row(row)
+        d.timeline.finish_step(record.parity_summary())
+        return record
 
     def _sync(self) -> dict:
         """Push the trainer's new version to every engine (the push waits for a running rollout unless

@@ -30,6 +30,7 @@ from vime.errors import ComparabilityError, TrainingError, VimeError
 from vime.faults import restart, stops
 from vime.loop import consistency
 from vime.loop.async_loop import AsyncLoop, lag_metrics
+from vime.loop.record import Parity, StepRecord
 from vime.loop.timeline import Timeline
 from vime.reporting import report
 from vime.reporting.metrics_log import MetricsLogger
@@ -197,7 +198,7 @@ class Driver:
             s.advantage = adv
         return samples
 
-    def step(self, step: int) -> dict:
+    def step(self, step: int) -> StepRecord:
         cfg, t0 = self.cfg, time.perf_counter()
         version = self.timeline.check_ready_for_rollout()
         samples = self.rollout(step)
@@ -243,33 +244,34 @@ class Driver:
                **result.metrics(), **stats, **sync, **lag_metrics(samples, version, 0),
                "rollout_s": t1 - t0, "score_s": t2 - t1, "train_s": t3 - t2, "step_s": time.perf_counter() - t0,
                "contracts": verdict, "strict": self.strict, "engine_restarts": self.engine_restarts, **self.labels}
-        self.timeline.finish_step({k: row[k] for k in ("mismatch_count", "max_abs_diff", "tokens")})
-        return row
+        record = StepRecord.from_row(row)
+        self.timeline.finish_step(record.parity_summary())
+        return record
 
-    def run(self) -> list[dict]:
+    def run(self) -> list[StepRecord]:
         self.setup()
         log.info("run: %d steps x %d prompts x %d samples, rollout modes %s, trainer modes %s",
                  self.cfg.steps, self.cfg.algo.prompts_per_step, self.cfg.algo.group_size,
                  _modes_str(self.rollout_modes), _modes_str(self.trainer_modes))
-        rows = list(self.resumed["rows"]) if self.resumed else []
+        rows = list(self.logger.rows)  # a resumed run's steps before its checkpoint
         loop = AsyncLoop(self) if self.cfg.algo.max_staleness else None  # else: the synchronous loop
         for step in tqdm(range(self.timeline.step, self.cfg.steps), desc="steps", disable=None):
             row = loop.step(step) if loop is not None else self.step(step)
             self.logger.log(row)
             rows.append(row)
-            if self.cfg.fail_on_mismatch and self.strict and row["mismatch_count"]:
-                raise ComparabilityError(f"strict run, step {step}: {row['mismatch_count']} of {row['tokens']} tokens "
-                                         f"differ in bits (worst {result_worst(row)})")
-            if self.cfg.fail_on_mismatch and self.strict and row.get("lag0_ratio_off"):
-                raise ComparabilityError(f"strict run, step {step}: the importance ratio of "
-                                         f"{row['lag0_ratio_off']:.0f} token(s) produced by the current weights is "
-                                         "not exactly 1.0")
+            c, off = row.consistency, row.offpolicy.lag0_ratio_off
+            if self.cfg.fail_on_mismatch and self.strict and c.mismatch_count:
+                raise ComparabilityError(f"strict run, step {step}: {c.mismatch_count} of {c.tokens} tokens "
+                                         f"differ in bits (worst {result_worst(c)})")
+            if self.cfg.fail_on_mismatch and self.strict and off:
+                raise ComparabilityError(f"strict run, step {step}: the importance ratio of {off:.0f} token(s) "
+                                         "produced by the current weights is not exactly 1.0")
             if checkpoint.after_step(self, step, rows):
                 break
         self.rows = rows
         return rows
 
-    def finish(self, compare: list[dict] | None = None) -> Path | None:
+    def finish(self, compare: list[StepRecord] | None = None) -> Path | None:
         """The figure (beside `compare`, a twin run's rows, when given), the W&B summary and the
         end-of-run summary on the console; returns the figure's path."""
         rows = getattr(self, "rows", [])
@@ -306,9 +308,9 @@ def correction_fields(cfg: VimeConfig) -> dict:
     return {"correction": a.correction, "is_cap": a.is_cap, "icepop_low": a.icepop_low, "icepop_high": a.icepop_high}
 
 
-def result_worst(row: dict) -> str:
-    return (f"sample {row.get('worst_sample')} position {row.get('worst_position')}: "
-            f"rollout {row.get('worst_rollout')} vs trainer {row.get('worst_trainer')}")
+def result_worst(c: Parity) -> str:
+    return (f"sample {c.worst_sample} position {c.worst_position}: rollout {c.worst_rollout} vs "
+            f"trainer {c.worst_trainer}")
 
 
 def _modes_str(modes: dict[str, str]) -> str:

@@ -1,33 +1,42 @@
-"""Per-step metrics: a JSONL file, W&B (offline by default, under the run dir; keys grouped as
-`consistency/`, `rollout/`, `train/`, `timing/`, `weights/`, sample completions as a table), a
-console table (with a few sample completions every `samples_every` steps), and at the end one
-figure (`consistency.png`, `vime.reporting.report.plot_run`)."""
+"""Per-step metrics from the step records (`vime.loop.record.StepRecord`): a JSONL file, W&B (offline by
+default, under the run dir; keys grouped as the record's groups `consistency/`, `rollout/`, `train/`,
+`timing/`, `weights/`, `offpolicy/`, sample completions as a table), a console table (with a few sample
+completions every `samples_every` steps), and at the end one figure (`consistency.png`,
+`vime.reporting.report.plot_run`)."""
 
 from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 from pathlib import Path
 
+from vime.loop.record import StepRecord
 from vime.reporting import report
 
 log = logging.getLogger("vime")
 
 # GRPO's loss is ~0 by construction (advantages have mean 0 per group), so it is shown in %e; the
 # learning signal is the reward, the tied groups (no signal) and the gradient norm.
-CONSOLE_COLUMNS = (("step", "{:>4d}"), ("version", "{:>3d}"), ("reward_mean", "{:>7.3f}"), ("tied_groups", "{:>4d}"),
-                   ("tokens", "{:>6d}"), ("mismatch_count", "{:>8d}"), ("max_abs_diff", "{:>10.3e}"),
-                   ("loss", "{:>10.2e}"), ("grad_norm", "{:>9.3e}"), ("step_s", "{:>7.1f}"))
-CONSOLE_NAMES = {"reward_mean": "reward", "tied_groups": "tied", "mismatch_count": "mismatch",
-                 "max_abs_diff": "max|diff|", "version": "ver"}
+CONSOLE_COLUMNS = (("step", "{:>4d}", lambda r: r.step), ("ver", "{:>3d}", lambda r: r.weights.version),
+                   ("reward", "{:>7.3f}", lambda r: r.rollout.reward_mean),
+                   ("tied", "{:>4d}", lambda r: r.rollout.tied_groups),
+                   ("tokens", "{:>6d}", lambda r: r.consistency.tokens),
+                   ("mismatch", "{:>8d}", lambda r: r.consistency.mismatch_count),
+                   ("max|diff|", "{:>10.3e}", lambda r: r.consistency.max_abs_diff),
+                   ("loss", "{:>10.2e}", lambda r: r.train.loss),
+                   ("grad_norm", "{:>9.3e}", lambda r: r.train.grad_norm),
+                   ("step_s", "{:>7.1f}", lambda r: r.timing.step_s))
 
 
-def jsonable(x):
-    if isinstance(x, float) and not math.isfinite(x):
-        return str(x)
-    return x
+def read_rows(path: Path) -> list[StepRecord]:
+    """The step records of a run's metrics.jsonl."""
+    return [StepRecord.from_row(json.loads(line)) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def write_rows(path: Path, rows: list[StepRecord]) -> None:
+    """`path` (a metrics.jsonl) holding exactly `rows`, one JSON line each."""
+    path.write_text("".join(json.dumps(r.row()) + "\n" for r in rows))
 
 
 class MetricsLogger:
@@ -37,7 +46,7 @@ class MetricsLogger:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.jsonl = self.dir / "metrics.jsonl"
         self.jsonl.write_text("")
-        self.rows: list[dict] = []
+        self.rows: list[StepRecord] = []
         self.samples_every = samples_every
         self.run = None
         if wandb_mode != "disabled":
@@ -49,42 +58,41 @@ class MetricsLogger:
             log.info("W&B %s run in %s", wandb_mode, self.run.dir)
         self._header_printed = False
 
-    def log(self, row: dict) -> None:
-        self.rows.append(row)
+    def log(self, record: StepRecord) -> None:
+        self.rows.append(record)
         with self.jsonl.open("a") as f:
-            f.write(json.dumps({k: jsonable(v) for k, v in row.items()}) + "\n")
+            f.write(json.dumps(record.row()) + "\n")
         if self.run is not None:
             import wandb
 
-            data: dict = report.wandb_row(row)
-            if row.get("samples"):
+            data: dict = record.wandb()
+            if record.samples:
                 data["rollout/samples"] = wandb.Table(columns=["step", "prompt", "response", "reward"],
-                                                      data=[[row["step"], *s] for s in row["samples"]])
-            self.run.log(data, step=row["step"])
-            for key in report.SUMMARY_KEYS:  # the run's summary: the last step's value and the worst over steps
-                self.run.summary[key] = row[key]
-            self.run.summary["consistency/total_mismatches"] = sum(int(r["mismatch_count"]) for r in self.rows)
-            self.run.summary["consistency/max_abs_diff_over_run"] = max(float(r["max_abs_diff"]) for r in self.rows)
-        self._console(row)
+                                                      data=[[record.step, *s] for s in record.samples])
+            self.run.log(data, step=record.step)
+            # the run's summary: the last step's parity and the totals over the run
+            self.run.summary["mismatch_count"] = record.consistency.mismatch_count
+            self.run.summary["max_abs_diff"] = record.consistency.max_abs_diff
+            self.run.summary["consistency/total_mismatches"] = sum(r.consistency.mismatch_count for r in self.rows)
+            self.run.summary["consistency/max_abs_diff_over_run"] = max(r.consistency.max_abs_diff for r in self.rows)
+        self._console(record)
 
-    def _console(self, row: dict) -> None:
-        names = [CONSOLE_NAMES.get(name, name) for name, _ in CONSOLE_COLUMNS]
-        widths = [max(len(n), len(fmt.format(0))) for n, (_, fmt) in zip(names, CONSOLE_COLUMNS)]
+    def _console(self, record: StepRecord) -> None:
+        widths = [max(len(name), len(fmt.format(0))) for name, fmt, _ in CONSOLE_COLUMNS]
         if not self._header_printed:
-            log.info(" ".join(n.rjust(w) for n, w in zip(names, widths)))
+            log.info(" ".join(name.rjust(w) for (name, _, _), w in zip(CONSOLE_COLUMNS, widths)))
             self._header_printed = True
-        cells = [(fmt.format(row[name]) if row.get(name) is not None else "-").rjust(w)
-                 for (name, fmt), w in zip(CONSOLE_COLUMNS, widths)]
-        log.info(" ".join(cells))
-        if row.get("worst_position") is not None:
+        log.info(" ".join(report.table_cell(get(record), fmt).rjust(w)
+                          for (_, fmt, get), w in zip(CONSOLE_COLUMNS, widths)))
+        c = record.consistency
+        if c.worst_position is not None:
             log.info("     worst token: sample %s position %s token %s rollout %r trainer %r",
-                     row.get("worst_sample"), row.get("worst_position"), row.get("worst_token_id"),
-                     row.get("worst_rollout"), row.get("worst_trainer"))
-        if self.samples_every and row.get("samples") and row["step"] % self.samples_every == 0:
-            for prompt, response, reward in row["samples"][:2]:
+                     c.worst_sample, c.worst_position, c.worst_token_id, c.worst_rollout, c.worst_trainer)
+        if self.samples_every and record.samples and record.step % self.samples_every == 0:
+            for prompt, response, reward in record.samples[:2]:
                 log.info("     sample: %r -> %r  reward %.2f", prompt, response, reward)
 
-    def plot(self, compare: list[dict] | None = None, task: str = "") -> Path | None:
+    def plot(self, compare: list[StepRecord] | None = None, task: str = "") -> Path | None:
         """Write `consistency.png` (reward, mismatch_count, max |diff|, worst token; beside `compare`,
         a twin run's rows, when given); returns its path."""
         if not self.rows:

@@ -1,5 +1,5 @@
-"""What a person reads after a run: the figure, the end-of-run summary, W&B key groups, sample
-completions and the no-learning-signal warning (pure functions over the per-step metric rows)."""
+"""What a person reads after a run: the figure, the end-of-run summary, sample completions and the
+no-learning-signal warning (pure functions over the run's step records, `vime.loop.record.StepRecord`)."""
 
 from __future__ import annotations
 
@@ -17,34 +17,8 @@ from vime.cluster.remote import (  # noqa: F401 - actor deaths and where engine 
     engine_log_hint,
     route_engine_output,
 )
+from vime.loop.record import StepRecord
 from vime.reporting.commands import python_command, resume_command  # noqa: F401 - printed commands (report.python_command)
-
-# W&B panel groups: a metric row key -> its grouped key. Keys not listed are not sent as scalars.
-WANDB_GROUPS = {
-    "consistency": ("mismatch_count", "max_abs_diff", "mean_abs_diff", "tokens", "worst_sample", "worst_position",
-                    "worst_token_id", "worst_rollout", "worst_trainer", "worst_abs_diff", "train_mismatch_count",
-                    "train_max_abs_diff", "train_mean_abs_diff"),
-    "rollout": ("reward_mean", "reward_std", "reward_min", "reward_max", "response_len_mean", "tied_groups",
-                "correct_frac"),
-    "train": ("loss", "pg_loss", "clip_frac", "ratio_mean", "kl", "grad_norm"),
-    "timing": ("rollout_s", "score_s", "train_s", "sync_s", "step_s"),
-    "weights": ("version", "next_version", "sync_bytes", "sync_buckets", "sync_gbps"),
-    "offpolicy": ("staleness_mean", "staleness_max", "rollout_staleness_max", "is_ratio_mean", "is_ratio_max",
-                  "is_clip_frac", "lag0_ratio_off", "stale_groups", "requeued_groups", "mixed_samples",
-                  "stale_samples", "behaviour_checked_tokens", "behaviour_check_rate"),
-}
-GROUP_OF = {key: group for group, keys in WANDB_GROUPS.items() for key in keys}
-SUMMARY_KEYS = ("mismatch_count", "max_abs_diff")  # also written to the W&B run summary, ungrouped
-
-
-def wandb_row(row: dict) -> dict[str, float]:
-    """The numeric metrics of a row under their W&B group (`consistency/mismatch_count`, ...)."""
-    out = {}
-    for k, v in row.items():
-        group = "offpolicy" if k.startswith("lag_share_") else GROUP_OF.get(k)
-        if group and isinstance(v, int | float) and not isinstance(v, bool):
-            out[f"{group}/{k}"] = v
-    return out
 
 
 def tied_groups(rewards: Sequence[float], group_size: int) -> int:
@@ -84,15 +58,15 @@ def completion_lines(samples: Sequence, decode, n: int = 2, start: int = 0) -> l
 # ---- the figure -------------------------------------------------------------------------------
 
 
-def _series(rows: Sequence[dict], key: str) -> list[float]:
-    return [float(r.get(key, math.nan)) if r.get(key) is not None else math.nan for r in rows]
+def _series(values) -> list[float]:
+    return [math.nan if v is None else float(v) for v in values]
 
 
-def _label(rows: Sequence[dict]) -> str:
-    return "strict" if rows and rows[0].get("strict") else "native"
+def _label(rows: Sequence[StepRecord]) -> str:
+    return "strict" if rows and rows[0].strict else "native"
 
 
-def plot_run(rows: Sequence[dict], path: Path, compare: Sequence[dict] | None = None,
+def plot_run(rows: Sequence[StepRecord], path: Path, compare: Sequence[StepRecord] | None = None,
              task: str = "", title_extra: str = "") -> Path:
     """One figure for a run (and, when given, its twin in the other mode): reward per step (0..1),
     mismatch_count per step (integer axis from 0), max |diff| per step (log axis when any is
@@ -112,8 +86,8 @@ def plot_run(rows: Sequence[dict], path: Path, compare: Sequence[dict] | None = 
     ax_d = fig.add_subplot(grid[1, 1])
 
     for rs, label in runs:
-        steps = [r["step"] for r in rs]
-        mean, std = _series(rs, "reward_mean"), _series(rs, "reward_std")
+        steps = [r.step for r in rs]
+        mean, std = _series(r.rollout.reward_mean for r in rs), _series(r.rollout.reward_std for r in rs)
         ls = "-" if rs is rows else "--"
         ax_r.plot(steps, mean, ls, marker="o", ms=3, color=colors[label], label=f"{label}: mean reward")
         if rs is rows:  # one band only: two overlapping bands hide both curves
@@ -122,21 +96,21 @@ def plot_run(rows: Sequence[dict], path: Path, compare: Sequence[dict] | None = 
     ax_r.set_ylim(0, 1.02)
     ax_r.set_ylabel("reward (0..1)")
     ax_r.set_xlabel("step")
-    first, last = rows[0].get("reward_mean", math.nan), rows[-1].get("reward_mean", math.nan)
+    first, last = rows[0].rollout.reward_mean, rows[-1].rollout.reward_mean
     ax_r.set_title(f"reward{f' on {task}' if task else ''}: {first:.2f} -> {last:.2f} "
                    f"(band: ± std over the {_label(rows)} run's samples)", fontsize=10)
     ax_r.legend(loc="upper left", fontsize=8)
 
     max_tokens = 1
     for rs, label in runs:
-        steps = [r["step"] for r in rs]
-        counts = [int(r.get("mismatch_count", 0)) for r in rs]
-        max_tokens = max(max_tokens, *(int(r.get("tokens", 0)) for r in rs))
+        steps = [r.step for r in rs]
+        counts = [r.consistency.mismatch_count for r in rs]
+        max_tokens = max(max_tokens, *(r.consistency.tokens for r in rs))
         ax_m.plot(steps, counts, marker="o", ms=3, color=colors[label], label=label)
         if label == "native":
-            ax_m.plot(steps, [int(r.get("tokens", 0)) for r in rs], ":", color="grey", lw=1,
+            ax_m.plot(steps, [r.consistency.tokens for r in rs], ":", color="grey", lw=1,
                       label="tokens compared")
-    top = max(max(int(r.get("mismatch_count", 0)) for r in rs) for rs, _ in runs)
+    top = max(max(r.consistency.mismatch_count for r in rs) for rs, _ in runs)
     if any(label == "native" for _, label in runs):
         top = max(top, max_tokens)
     ax_m.set_ylim(0, max(1, top) * 1.12 + 0.5)
@@ -147,11 +121,12 @@ def plot_run(rows: Sequence[dict], path: Path, compare: Sequence[dict] | None = 
     ax_m.set_title("mismatch_count (0 = rollout == trainer, bit for bit)", fontsize=10)
     ax_m.legend(fontsize=8)
 
-    positive = [d for rs, _ in runs for d in _series(rs, "max_abs_diff") if d > 0 and math.isfinite(d)]
+    positive = [d for rs, _ in runs for d in _series(r.consistency.max_abs_diff for r in rs)
+                if d > 0 and math.isfinite(d)]
     floor = min(positive) / 10 if positive else None
     for rs, label in runs:
-        steps = [r["step"] for r in rs]
-        diffs = _series(rs, "max_abs_diff")
+        steps = [r.step for r in rs]
+        diffs = _series(r.consistency.max_abs_diff for r in rs)
         if floor is not None:
             zero = all(d == 0 for d in diffs)
             ax_d.plot(steps, [d if d > 0 else floor for d in diffs], marker="o", ms=3, color=colors[label],
@@ -171,12 +146,8 @@ def plot_run(rows: Sequence[dict], path: Path, compare: Sequence[dict] | None = 
     ax_d.legend(fontsize=8, loc="best")
 
     worst = _worst_token(runs)
-    total = sum(int(r.get("tokens", 0)) for r in rows)
-    mism = sum(int(r.get("mismatch_count", 0)) for r in rows)
-    twin = ""
-    if compare:
-        twin = (f"; {_label(compare)} twin: {sum(int(r.get('mismatch_count', 0)) for r in compare)} of "
-                f"{sum(int(r.get('tokens', 0)) for r in compare)}")
+    total, mism = _tokens(rows), _mismatches(rows)
+    twin = f"; {_label(compare)} twin: {_mismatches(compare)} of {_tokens(compare)}" if compare else ""
     fig.suptitle(f"vime: {_label(rows)} run, {len(rows)} steps, {mism} of {total} tokens differ (rollout vs "
                  f"trainer logprob bits){twin}{title_extra}", fontsize=11.5)
     fig.text(0.5, 0.005, worst, ha="center", fontsize=8.5, family="monospace")
@@ -186,17 +157,25 @@ def plot_run(rows: Sequence[dict], path: Path, compare: Sequence[dict] | None = 
     return Path(path)
 
 
+def _tokens(rows: Sequence[StepRecord]) -> int:
+    return sum(r.consistency.tokens for r in rows)
+
+
+def _mismatches(rows: Sequence[StepRecord]) -> int:
+    return sum(r.consistency.mismatch_count for r in rows)
+
+
 def _worst_token(runs) -> str:
     parts = []
     for rs, label in runs:
-        cands = [r for r in rs if r.get("worst_position") is not None]
+        cands = [r for r in rs if r.consistency.worst_position is not None]
         if not cands:
             parts.append(f"{label}: no token differs")
             continue
-        r = max(cands, key=lambda x: float(x.get("max_abs_diff", 0)))
-        parts.append(f"{label} worst token: step {r['step']} sample {r['worst_sample']} position "
-                     f"{r['worst_position']} token {r['worst_token_id']}: rollout {r['worst_rollout']:.7g} vs "
-                     f"trainer {r['worst_trainer']:.7g}")
+        r = max(cands, key=lambda x: x.consistency.max_abs_diff)
+        c = r.consistency
+        parts.append(f"{label} worst token: step {r.step} sample {c.worst_sample} position {c.worst_position} "
+                     f"token {c.worst_token_id}: rollout {c.worst_rollout:.7g} vs trainer {c.worst_trainer:.7g}")
     return "   |   ".join(parts)
 
 
@@ -219,30 +198,38 @@ class ConsoleFormatter(logging.Formatter):
 
 # ---- the end-of-run summary ----------------------------------------------------------------------
 
-# The per-step table of the summary: (row key, header, format); sync_bytes shown in GB.
-STEP_COLUMNS = (("step", "step", "{:>4d}"), ("tokens", "tokens", "{:>6d}"), ("mismatch_count", "mismatch", "{:>8d}"),
-                ("max_abs_diff", "max|diff|", "{:>9.2e}"), ("rollout_s", "rollout_s", "{:>9.2f}"),
-                ("score_s", "score_s", "{:>7.2f}"), ("train_s", "train_s", "{:>7.2f}"),
-                ("sync_s", "sync_s", "{:>6.2f}"), ("sync_bytes", "sync_GB", "{:>7.3f}"),
-                ("sync_gbps", "sync_GB/s", "{:>9.2f}"), ("step_s", "step_s", "{:>6.2f}"))
+def _gb(nbytes: float | None) -> float | None:
+    return None if nbytes is None else nbytes / 1e9
 
 
-def step_table(rows: Sequence[dict], max_rows: int = 12) -> list[str]:
+# The per-step table of the summary: (header, format, value of a record).
+STEP_COLUMNS = (("step", "{:>4d}", lambda r: r.step), ("tokens", "{:>6d}", lambda r: r.consistency.tokens),
+                ("mismatch", "{:>8d}", lambda r: r.consistency.mismatch_count),
+                ("max|diff|", "{:>9.2e}", lambda r: r.consistency.max_abs_diff),
+                ("rollout_s", "{:>9.2f}", lambda r: r.timing.rollout_s),
+                ("score_s", "{:>7.2f}", lambda r: r.timing.score_s),
+                ("train_s", "{:>7.2f}", lambda r: r.timing.train_s), ("sync_s", "{:>6.2f}", lambda r: r.timing.sync_s),
+                ("sync_GB", "{:>7.3f}", lambda r: _gb(r.weights.sync_bytes)),
+                ("sync_GB/s", "{:>9.2f}", lambda r: r.weights.sync_gbps),
+                ("step_s", "{:>6.2f}", lambda r: r.timing.step_s))
+
+
+def table_cell(value, fmt: str) -> str:
+    """`value` in `fmt` (an integer format takes it as int), '-' when the step did not measure it."""
+    if value is None:
+        return "-"
+    return fmt.format(int(value) if fmt.endswith("d}") else float(value))
+
+
+def step_table(rows: Sequence[StepRecord], max_rows: int = 12) -> list[str]:
     """Per-step phase timings and weight-sync rate, one line per step (the first and last `max_rows // 2`
     steps of a longer run); a missing value shows as '-'."""
-    def cell(row, key, fmt):
-        v = row.get(key)
-        if v is None:
-            return "-"
-        if key == "sync_bytes":
-            v = float(v) / 1e9
-        return fmt.format(int(v) if fmt.endswith("d}") else float(v))
-    widths = [max(len(h), len(f.format(0))) for _, h, f in STEP_COLUMNS]
-    lines = ["  " + " ".join(h.rjust(w) for (_, h, _), w in zip(STEP_COLUMNS, widths))]
+    widths = [max(len(h), len(f.format(0))) for h, f, _ in STEP_COLUMNS]
+    lines = ["  " + " ".join(h.rjust(w) for (h, _, _), w in zip(STEP_COLUMNS, widths))]
     shown = list(rows) if len(rows) <= max_rows else [*rows[:max_rows // 2], None, *rows[-(max_rows // 2):]]
     for r in shown:
         lines.append("  ..." if r is None else
-                     "  " + " ".join(cell(r, k, f).rjust(w) for (k, _, f), w in zip(STEP_COLUMNS, widths)))
+                     "  " + " ".join(table_cell(get(r), f).rjust(w) for (_, f, get), w in zip(STEP_COLUMNS, widths)))
     return lines
 
 
@@ -250,8 +237,8 @@ def step_table(rows: Sequence[dict], max_rows: int = 12) -> list[str]:
 SUMMARY_WIDTH = 110  # the summary's lines fit 120 columns with the console's `HH:MM:SS ` prefix
 
 
-def summary_lines(rows: Sequence[dict], output_dir: Path, plot: Path | None, model_path: str | None,
-                  compare: Sequence[dict] | None = None, steps: int | None = None,
+def summary_lines(rows: Sequence[StepRecord], output_dir: Path, plot: Path | None, model_path: str | None,
+                  compare: Sequence[StepRecord] | None = None, steps: int | None = None,
                   last_checkpoint: Path | None = None) -> list[str]:
     """The closing block: steps, tokens compared, mismatches and what 0 means, reward first -> last,
     time per step, engine restarts, where the outputs are, and what to do next: a run that did all its
@@ -259,13 +246,12 @@ def summary_lines(rows: Sequence[dict], output_dir: Path, plot: Path | None, mod
     (`last_checkpoint`, None when it saved none)."""
     if not rows:
         return ["no step ran"]
-    tokens = sum(int(r.get("tokens", 0)) for r in rows)
-    mism = sum(int(r.get("mismatch_count", 0)) for r in rows)
-    worst = max(float(r.get("max_abs_diff", 0.0)) for r in rows)
-    step_s = sorted(float(r.get("step_s", 0.0)) for r in rows)
+    tokens, mism = _tokens(rows), _mismatches(rows)
+    worst = max(r.consistency.max_abs_diff for r in rows)
+    step_s = sorted(r.timing.step_s or 0.0 for r in rows)
     k = max(1, len(rows) // 5)
-    head = sum(float(r["reward_mean"]) for r in rows[:k]) / k
-    tail = sum(float(r["reward_mean"]) for r in rows[-k:]) / k
+    head = sum(r.rollout.reward_mean for r in rows[:k]) / k
+    tail = sum(r.rollout.reward_mean for r in rows[-k:]) / k
     mode = _label(rows)
     if mism == 0:
         meaning = "0: the trainer recomputed the exact fp32 bits the engine sampled with (ratios exactly 1)"
@@ -274,28 +260,28 @@ def summary_lines(rows: Sequence[dict], output_dir: Path, plot: Path | None, mod
                    "update's importance ratios carry that numeric drift")
     lines = [
         f"run summary ({mode})",
-        f"  steps            {len(rows)} (weight versions 0 -> {rows[-1].get('next_version', len(rows))})",
+        f"  steps            {len(rows)} (weight versions 0 -> {rows[-1].weights.next_version})",
         f"  tokens compared  {tokens} (every active response token, every step)",
-        f"  mismatches       {mism} in total, {sum(1 for r in rows if r.get('mismatch_count'))} steps with any; "
+        f"  mismatches       {mism} in total, {sum(1 for r in rows if r.consistency.mismatch_count)} steps with any; "
         f"max |diff| {worst:.3e}",
         *textwrap.wrap(meaning, width=SUMMARY_WIDTH, initial_indent=" " * 19, subsequent_indent=" " * 19),
-        f"  reward           {rows[0]['reward_mean']:.3f} -> {rows[-1]['reward_mean']:.3f} (mean of first {k} "
+        f"  reward           {rows[0].rollout.reward_mean:.3f} -> {rows[-1].rollout.reward_mean:.3f} "
+        f"(mean of first {k} "
         f"steps {head:.3f}, last {k} steps {tail:.3f})",
         f"  time per step    median {step_s[len(step_s) // 2]:.2f} s (min {step_s[0]:.2f}, max {step_s[-1]:.2f})",
     ]
-    restarts = int(rows[-1].get("engine_restarts", 0) or 0)
+    restarts = rows[-1].engine_restarts
     if restarts:
         lines.append(f"  engine restarts  {restarts} (dead rollout engines restarted, their share of the step redone)")
     lines += ["  per step (seconds; sync in GB of weights and GB/s):", *step_table(rows, max_rows=4)]
     if compare:
-        cm = sum(int(r.get("mismatch_count", 0)) for r in compare)
-        ct = sum(int(r.get("tokens", 0)) for r in compare)
-        lines.append(f"  {_label(compare)} twin      {cm} of {ct} tokens differ over {len(compare)} steps")
+        lines.append(f"  {_label(compare)} twin      {_mismatches(compare)} of {_tokens(compare)} tokens differ "
+                     f"over {len(compare)} steps")
     lines += [f"  outputs          {output_dir} (metrics.jsonl, train.log, wandb/)",
               f"  figure           {plot}" if plot else "  figure           -",
               f"  model            {model_path} (the starting weights)"]
     last = last_checkpoint
-    done = int(rows[-1]["step"]) + 1
+    done = rows[-1].step + 1
     if last is not None and steps is not None and done >= steps:
         lines.append(f"  checkpoint       {last}")
         lines.append(f"  run complete     all {steps} steps done; to train further: "

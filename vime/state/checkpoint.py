@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import json
 import logging
 import os
 import random
@@ -34,6 +33,7 @@ from typing import Any
 import torch
 
 from vime.errors import VimeError
+from vime.loop.record import StepRecord
 from vime.reporting.commands import resume_command
 
 log = logging.getLogger("vime")
@@ -115,14 +115,15 @@ def saved_config(output_dir: Path) -> dict:
     return OmegaConf.to_container(OmegaConf.load(path))
 
 
-def save(driver, step: int, rows: list[dict], wandb_id: str | None) -> Path:
-    """Checkpoint the run after `step` (collective over the trainer ranks); returns the step dir."""
+def save(driver, step: int, rows: list[StepRecord], wandb_id: str | None) -> Path:
+    """Checkpoint the run after `step` (collective over the trainer ranks); returns the step dir. The
+    steps' records are kept as their metrics.jsonl rows."""
     path = step_dir(driver.output_dir, step)
     if path.exists():
         shutil.rmtree(path)  # an earlier save of this step that never completed (no `latest` names it)
     (path / "trainer").mkdir(parents=True)
     driver._call(driver.trainer, "save_checkpoint", "save checkpoint", str(path), trainer=True)
-    state = {"next_step": step + 1, "version": driver.timeline.trainer_version, "rows": rows,
+    state = {"next_step": step + 1, "version": driver.timeline.trainer_version, "rows": [r.row() for r in rows],
              "rng": rng_state(), "wandb_id": wandb_id}
     torch.save(state, path / STATE)
     pointer = path.parent / LATEST
@@ -148,7 +149,7 @@ def resume_point(cfg, output_dir: Path) -> Path | None:
     return path
 
 
-def after_step(driver, step: int, rows: list[dict]) -> bool:
+def after_step(driver, step: int, rows: list[StepRecord]) -> bool:
     """Run after each step's metrics are logged: save a checkpoint when due, export the final weights
     after the last step. Returns True when the run stops here (`checkpoint.stop_after`)."""
     c, steps = driver.cfg.checkpoint, driver.cfg.steps
@@ -202,14 +203,13 @@ def restore(driver, path: Path) -> dict[str, Any]:
 
 
 def restore_metrics(logger, rows: list[dict]) -> None:
-    """Put the metrics of the steps before the checkpoint back into a fresh `MetricsLogger` (its
-    metrics.jsonl then holds exactly those rows: steps after the checkpoint are run again)."""
-    from vime.reporting.metrics_log import jsonable
+    """Put the metrics of the steps before the checkpoint (their saved rows) back into a fresh
+    `MetricsLogger` (its metrics.jsonl then holds exactly those steps: steps after the checkpoint are run
+    again)."""
+    from vime.reporting.metrics_log import write_rows
 
-    logger.rows.extend(rows)
-    with logger.jsonl.open("w") as f:
-        for row in rows:
-            f.write(json.dumps({k: jsonable(v) for k, v in row.items()}) + "\n")
+    logger.rows.extend(StepRecord.from_row(row) for row in rows)
+    write_rows(logger.jsonl, logger.rows)
 
 
 HF_MAX_SHARD_SIZE = "5GB"  # transformers' save_pretrained default: checkpoints above it are sharded

@@ -1,0 +1,42 @@
+"""The typed step record: metrics.jsonl's flat row and back without loss, every key declared once."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from vime.loop.record import StepRecord
+
+ROW = {"step": 3, "version": 3, "next_version": 4, "reward_mean": 0.5, "tokens": 255, "mismatch_count": 0,
+       "max_abs_diff": 0.0, "mean_abs_diff": 0.0, "loss": 1e-9, "grad_norm": 0.5, "sync_s": 0.1,
+       "sync_transports": ["object_store"], "staleness_mean": 0.25, "staleness_max": 1, "lag_share_0": 0.75,
+       "lag_share_1": 0.25, "rollout_s": 1.0, "step_s": 2.0, "contracts": {"gemm": "same"}, "strict": True,
+       "engine_restarts": 0, "rollout_engine": "vllm", "trainer_engine": "megatron",
+       "samples": [["a=", "a", 1.0]]}
+
+
+def test_a_row_reads_back_into_the_same_row_through_json():
+    record = StepRecord.from_row(ROW)
+    assert record.consistency.tokens == 255 and record.offpolicy.lag_share == {0: 0.75, 1: 0.25}
+    assert record.weights.sync_transports == ["object_store"] and record.timing.step_s == 2.0
+    back = json.loads(json.dumps(record.row()))
+    assert StepRecord.from_row(back) == record
+    assert {k: v for k, v in back.items() if k in ROW} == ROW  # the file keeps every key and value
+    assert "score_s" not in back  # a metric the step did not measure stays out of the row
+
+
+def test_an_undeclared_metric_is_refused_by_name():
+    with pytest.raises(ValueError, match="'reward_meen' is not a field of vime.loop.record.StepRecord"):
+        StepRecord.from_row(ROW | {"reward_meen": 0.5})
+
+
+@given(st.floats(allow_nan=True, allow_infinity=True), st.floats(allow_nan=False, allow_infinity=True, width=32))
+def test_non_finite_values_survive_the_json_row(loss, max_abs_diff):
+    back = StepRecord.from_row(json.loads(json.dumps(StepRecord.from_row(
+        ROW | {"loss": loss, "max_abs_diff": max_abs_diff}).row())))
+    assert (math.isnan(back.train.loss) if math.isnan(loss) else back.train.loss == loss)
+    assert back.consistency.max_abs_diff == max_abs_diff

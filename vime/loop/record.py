@@ -1,0 +1,193 @@
+"""The record of one step, typed: what metrics.jsonl, W&B, the console, the figure and the checkpoint read.
+
+A `StepRecord` holds one group per concern, and each group is a W&B panel group (`consistency/...`,
+`rollout/...`): the key names are the groups' field names, written once here. `row()` is the flat dict
+of metrics.jsonl (one key per field, `lag_share_<k>` per lag); `StepRecord.from_row` reads it back and
+refuses a key no group declares, so a new metric is a new field, not a new spelling somewhere else. A
+metric a step did not measure (the asynchronous loop's, or a row of an older run) is None: left out of
+the row, shown as '-'.
+Units: seconds (`*_s`), bytes (`sync_bytes`), GB/s (`sync_gbps`), weight versions (`version`, lags).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field, fields
+from typing import Any, ClassVar
+
+
+@dataclass
+class Parity:
+    """Rollout vs trainer logprobs of the step's active response tokens (fp32 bit patterns)."""
+
+    tokens: int = 0
+    mismatch_count: int = 0
+    max_abs_diff: float = 0.0
+    mean_abs_diff: float = 0.0
+    # the worst token, when any differs
+    worst_sample: int | None = None
+    worst_position: int | None = None
+    worst_token_id: int | None = None
+    worst_rollout: float | None = None
+    worst_trainer: float | None = None
+    worst_abs_diff: float | None = None
+    # the training forward against the same rollout logprobs (trainer.scoring_pass: a separate forward)
+    train_mismatch_count: float | None = None
+    train_max_abs_diff: float | None = None
+    train_mean_abs_diff: float | None = None
+
+
+@dataclass
+class Rollout:
+    """The step's samples: rewards in [0, 1], GRPO groups whose rewards all tie, response length in tokens."""
+
+    reward_mean: float = 0.0
+    reward_std: float = 0.0
+    reward_min: float = 0.0
+    reward_max: float = 0.0
+    tied_groups: int = 0
+    correct_frac: float = 0.0
+    response_len_mean: float = 0.0
+
+
+@dataclass
+class Train:
+    """The trainer's update: the loss and its parts, the PPO ratio's mean and clipped share, the gradient norm."""
+
+    loss: float | None = None
+    pg_loss: float | None = None
+    clip_frac: float | None = None
+    ratio_mean: float | None = None
+    kl: float | None = None
+    grad_norm: float | None = None
+
+
+@dataclass
+class Timing:
+    """Wall-clock seconds of the step's phases and of the whole step."""
+
+    rollout_s: float | None = None
+    score_s: float | None = None
+    train_s: float | None = None
+    sync_s: float | None = None
+    step_s: float | None = None
+
+
+@dataclass
+class Weights:
+    """Weight versions (before and after the step's update) and the sync that moved the new one."""
+
+    version: int = 0
+    next_version: int = 0
+    sync_bytes: float | None = None
+    sync_buckets: float | None = None
+    sync_gbps: float | None = None
+    sync_transports: list[str] | None = None
+
+
+@dataclass
+class OffPolicy:
+    """Staleness (in weight versions behind the trainer) and the off-policy correction's ratios."""
+
+    staleness_mean: float | None = None
+    staleness_max: int | None = None
+    lag_share: dict[int, float] = field(default_factory=dict)  # share of tokens k versions behind
+    is_ratio_mean: float | None = None
+    is_ratio_max: float | None = None
+    is_clip_frac: float | None = None
+    lag0_ratio_off: float | None = None   # tokens of the current weights whose ratio is not exactly 1 (must be 0)
+    lag0_tokens: float | None = None
+    # the asynchronous loop only
+    rollout_staleness_max: int | None = None
+    stale_groups: int | None = None
+    requeued_groups: int | None = None
+    mixed_samples: int | None = None
+    stale_samples: int | None = None
+    behaviour_checked_tokens: int | None = None
+    behaviour_check_rate: float | None = None
+
+
+@dataclass
+class StepRecord:
+    """One step of a run. `samples`: (prompt, completion, reward) of a few samples, for people to read;
+    `contracts`: the rl_kernel contract verdict per boundary; the engine labels name what ran."""
+
+    step: int
+    consistency: Parity = field(default_factory=Parity)
+    rollout: Rollout = field(default_factory=Rollout)
+    train: Train = field(default_factory=Train)
+    timing: Timing = field(default_factory=Timing)
+    weights: Weights = field(default_factory=Weights)
+    offpolicy: OffPolicy = field(default_factory=OffPolicy)
+    samples: list = field(default_factory=list)
+    contracts: dict[str, str] = field(default_factory=dict)
+    strict: bool = False
+    engine_restarts: int = 0
+    rollout_engine: str = ""
+    trainer_engine: str = ""
+
+    GROUPS: ClassVar[tuple[str, ...]] = ("consistency", "rollout", "train", "timing", "weights", "offpolicy")
+
+    def row(self) -> dict[str, Any]:
+        """The flat row of metrics.jsonl: every field by its name (a group's unset optional fields left
+        out), `lag_share_<k>` per lag, non-finite floats as strings (JSON has none)."""
+        out: dict[str, Any] = {"step": self.step}
+        for name in self.GROUPS:
+            group = getattr(self, name)
+            for f in fields(group):
+                value = getattr(group, f.name)
+                if f.name == "lag_share":
+                    out |= {f"lag_share_{k}": v for k, v in sorted(value.items())}
+                elif value is not None:
+                    out[f.name] = _jsonable(value)
+        return out | {"samples": self.samples, "contracts": self.contracts, "strict": self.strict,
+                      "engine_restarts": self.engine_restarts, "rollout_engine": self.rollout_engine,
+                      "trainer_engine": self.trainer_engine}
+
+    @classmethod
+    def from_row(cls, row: dict[str, Any]) -> StepRecord:
+        """The record of a flat row (`row()`'s inverse, or the metrics a step gathered); a key no group
+        declares raises ValueError naming it."""
+        groups = {name: {} for name in cls.GROUPS}
+        top, shares = {}, {}
+        for key, value in row.items():
+            if key.startswith("lag_share_"):
+                shares[int(key.removeprefix("lag_share_"))] = float(value)
+            elif key in _OWNER:
+                groups[_OWNER[key]][key] = _number(value)
+            elif key in _TOP:
+                top[key] = value
+            else:
+                raise ValueError(f"step metric {key!r} is not a field of vime.loop.record.StepRecord: declare it there")
+        groups["offpolicy"]["lag_share"] = shares
+        return cls(**top, **{name: _GROUP_TYPES[name](**values) for name, values in groups.items()})
+
+    def parity_summary(self) -> dict[str, float]:
+        """Tokens compared, mismatches and max |diff| of the step (the weight timeline's history)."""
+        c = self.consistency
+        return {"mismatch_count": c.mismatch_count, "max_abs_diff": c.max_abs_diff, "tokens": c.tokens}
+
+    def wandb(self) -> dict[str, float]:
+        """The numeric metrics under their W&B group (`consistency/mismatch_count`, `offpolicy/lag_share_0`)."""
+        out = {}
+        for key, value in self.row().items():
+            group = "offpolicy" if key.startswith("lag_share_") else _OWNER.get(key)
+            if group and isinstance(value, int | float) and not isinstance(value, bool):
+                out[f"{group}/{key}"] = value
+        return out
+
+
+def _jsonable(value: Any) -> Any:
+    return str(value) if isinstance(value, float) and not math.isfinite(value) else value
+
+
+def _number(value: Any) -> Any:
+    """A float that JSON carried as a string ('nan', 'inf') back to a float; anything else as it is."""
+    return float(value) if isinstance(value, str) and value in ("nan", "inf", "-inf") else value
+
+
+_GROUP_TYPES = {"consistency": Parity, "rollout": Rollout, "train": Train, "timing": Timing,
+                "weights": Weights, "offpolicy": OffPolicy}
+_OWNER = {f.name: name for name, cls in _GROUP_TYPES.items() for f in dataclasses.fields(cls) if f.name != "lag_share"}
+_TOP = {f.name for f in fields(StepRecord)} - set(StepRecord.GROUPS)
