@@ -1,4 +1,4 @@
-"""Loopback by default (issue 13): on one node the trainer's torch.distributed world rendezvous through
+"""Loopback by default: on one node the trainer's torch.distributed world rendezvous through
 a FileStore (nothing listens) and gloo binds the loopback interface, so no trainer socket is reachable
 from other hosts. Two real gloo ranks are started the way the driver configures them. And the real job
 (the shared `strict_run`, the default config): every listening socket of its process tree, Ray's
