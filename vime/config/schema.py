@@ -105,6 +105,10 @@ class ModelConfig:
     logits_dtype: LogitsDtype = LogitsDtype.float32
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
 
+    def __post_init__(self) -> None:
+        _require(self.dtype in ("bfloat16", "float32", "float16"), f"model.dtype={self.dtype!r}",
+                 "use bfloat16, float16 or float32")
+
 
 @dataclass
 class DataConfig:
@@ -138,6 +142,16 @@ class AlgoConfig:
     behaviour_check: float = 1.0  # share of stale samples whose behaviour logprobs the trainer reproduces
                                   # (1.0: every token of every step; less: a seeded sample, rate logged)
 
+    def __post_init__(self) -> None:
+        _require(self.prompts_per_step >= 1, f"algo.prompts_per_step={self.prompts_per_step}", "set it >= 1")
+        _require(self.group_size >= 2, f"algo.group_size={self.group_size}",
+                 "GRPO normalises rewards within a group: set algo.group_size >= 2")
+        _require(self.max_new_tokens >= 1, f"algo.max_new_tokens={self.max_new_tokens}", "set it >= 1")
+        _require(math.isfinite(self.temperature) and self.temperature > 0, f"algo.temperature={self.temperature}",
+                 "use a finite temperature > 0 (greedy decoding has no logprob to compare)")
+        _require(0 <= self.clip_eps < 1, f"algo.clip_eps={self.clip_eps}", "use 0 <= clip_eps < 1")
+        _require(self.kl_coef >= 0, f"algo.kl_coef={self.kl_coef}", "use kl_coef >= 0")
+
 
 @dataclass
 class RolloutConfig:
@@ -167,6 +181,13 @@ class RolloutConfig:
                                    # reproducible runs (tests, studies); 0: an update lands whenever it arrives
     num_blocks: int = 256          # reference engine: KV pages per engine
 
+    def __post_init__(self) -> None:
+        _check_side("rollout", self.boundary_modes, self.tp)
+        _require(self.num_engines >= 1, f"rollout.num_engines={self.num_engines}", "use num_engines >= 1")
+        _require(self.max_restarts >= 0, f"rollout.max_restarts={self.max_restarts}", "use 0 (never restart) or more")
+        _require(self.sleep_level in (0, 1, 2), f"rollout.sleep_level={self.sleep_level}",
+                 "use 0 (never sleep), 1 (offload weights, drop the KV cache) or 2 (drop both)")
+
 
 @dataclass
 class TrainerConfig:
@@ -187,6 +208,13 @@ class TrainerConfig:
     # stale tokens; 0: max_staleness + 1, the fewest that cover every allowed lag.
     kept_versions: int = 0
 
+    def __post_init__(self) -> None:
+        _check_side("trainer", self.boundary_modes, self.tp)
+        _require(self.cp >= 1, f"trainer.cp={self.cp}", "use cp >= 1")
+        _require(self.lr > 0 and math.isfinite(self.lr), f"trainer.lr={self.lr}", "use a finite lr > 0")
+        _require(self.micro_batch_size >= 0, f"trainer.micro_batch_size={self.micro_batch_size}",
+                 "use 0 (whole step) or > 0")
+
 
 @dataclass
 class RayConfig:
@@ -202,6 +230,9 @@ class RayConfig:
     rollout_resource: str | None = None    # colocated engines (weights.colocate) take the trainer's nodes
     restart_wait_s: float = 60.0   # how long a lost engine waits for capacity to be restarted on before the run stops
 
+    def __post_init__(self) -> None:
+        _require(self.restart_wait_s > 0, f"ray.restart_wait_s={self.restart_wait_s}", "use a time > 0 (seconds)")
+
 
 @dataclass
 class WandbConfig:
@@ -209,6 +240,10 @@ class WandbConfig:
     project: str = "vime"
     name: str | None = None
     entity: str | None = None
+
+    def __post_init__(self) -> None:
+        _require(self.mode in ("offline", "online", "disabled"), f"wandb.mode={self.mode!r}",
+                 "use offline, online or disabled")
 
 
 @dataclass
@@ -220,6 +255,9 @@ class CheckpointConfig:
     export_hf: bool = True         # write <output_dir>/hf_model (HF safetensors) at the end of the run
     final: bool = True             # save one after the last step (false: only `every` / `stop_after` ones; for
                                    # throwaway runs of a large model, e.g. the H200 preset)
+
+    def __post_init__(self) -> None:
+        _require(self.every >= 0, f"checkpoint.every={self.every}", "use 0 (end only) or >= 1")
 
 
 @dataclass
@@ -319,40 +357,22 @@ def _require(ok: bool, what: str, fix: str) -> None:
         raise ConfigError(f"{what}; {fix}")
 
 
-def validate(cfg: VimeConfig) -> VimeConfig:
-    """Reject configurations that type-check but cannot run. Returns `cfg`."""
-    a, r, t = cfg.algo, cfg.rollout, cfg.trainer
-    _require(cfg.steps >= 1, f"steps={cfg.steps}", "set steps >= 1")
-    _require(cfg.checkpoint.every >= 0, f"checkpoint.every={cfg.checkpoint.every}", "use 0 (end only) or >= 1")
-    _require(cfg.device in ("cpu", "cuda"), f"device={cfg.device!r}", "use device=cpu or device=cuda")
-    _require(a.prompts_per_step >= 1, f"algo.prompts_per_step={a.prompts_per_step}", "set it >= 1")
-    _require(a.group_size >= 2, f"algo.group_size={a.group_size}",
-             "GRPO normalises rewards within a group: set algo.group_size >= 2")
-    _require(a.max_new_tokens >= 1, f"algo.max_new_tokens={a.max_new_tokens}", "set it >= 1")
-    _require(math.isfinite(a.temperature) and a.temperature > 0, f"algo.temperature={a.temperature}",
-             "use a finite temperature > 0 (greedy decoding has no logprob to compare)")
-    _require(0 <= a.clip_eps < 1, f"algo.clip_eps={a.clip_eps}", "use 0 <= clip_eps < 1")
-    _require(a.kl_coef >= 0, f"algo.kl_coef={a.kl_coef}", "use kl_coef >= 0")
-    _require(t.lr > 0 and math.isfinite(t.lr), f"trainer.lr={t.lr}", "use a finite lr > 0")
-    for side, c in (("rollout", r), ("trainer", t)):
-        bad = sorted(set(c.boundary_modes) - set(BOUNDARIES))
-        _require(not bad, f"{side}.boundary_modes has unknown boundaries {bad}", f"use keys from {BOUNDARIES}")
-        _require(c.tp >= 1, f"{side}.tp={c.tp}", "use tp >= 1")
-    _require(8 % t.tp == 0 and 8 % r.tp == 0, f"trainer.tp={t.tp}, rollout.tp={r.tp}",
+def _check_side(side: str, boundary_modes: dict, tp: int) -> None:
+    bad = sorted(set(boundary_modes) - set(BOUNDARIES))
+    _require(not bad, f"{side}.boundary_modes has unknown boundaries {bad}", f"use keys from {BOUNDARIES}")
+    _require(tp >= 1 and 8 % tp == 0, f"{side}.tp={tp}",
              "strict GEMMs split K into 8 groups, so TP must divide 8 (1, 2, 4 or 8)")
-    _require(t.cp >= 1, f"trainer.cp={t.cp}", "use cp >= 1")
-    _require(r.num_engines >= 1, f"rollout.num_engines={r.num_engines}", "use num_engines >= 1")
-    _require(r.max_restarts >= 0, f"rollout.max_restarts={r.max_restarts}", "use 0 (never restart) or more")
-    _require(t.micro_batch_size >= 0, f"trainer.micro_batch_size={t.micro_batch_size}", "use 0 (whole step) or > 0")
-    _require(cfg.wandb.mode in ("offline", "online", "disabled"), f"wandb.mode={cfg.wandb.mode!r}",
-             "use offline, online or disabled")
-    _require(cfg.model.dtype in ("bfloat16", "float32", "float16"), f"model.dtype={cfg.model.dtype!r}",
-             "use bfloat16, float16 or float32")
+
+
+def validate(cfg: VimeConfig) -> VimeConfig:
+    """Reject configurations that type-check but cannot run, where the settings of several groups meet
+    (each group's own values are checked when it is built: its `__post_init__`). Returns `cfg`."""
+    a, r = cfg.algo, cfg.rollout
+    _require(cfg.steps >= 1, f"steps={cfg.steps}", "set steps >= 1")
+    _require(cfg.device in ("cpu", "cuda"), f"device={cfg.device!r}", "use device=cpu or device=cuda")
     _require(a.prompts_per_step * a.group_size <= r.max_num_seqs * r.num_engines,
              f"{a.prompts_per_step * a.group_size} samples per step > rollout.max_num_seqs x num_engines",
              "raise rollout.max_num_seqs or lower algo.prompts_per_step / group_size")
-    _require(r.sleep_level in (0, 1, 2), f"rollout.sleep_level={r.sleep_level}",
-             "use 0 (never sleep), 1 (offload weights, drop the KV cache) or 2 (drop both)")
     _require(r.sleep_level == 0 or (cfg.device == "cuda" and r.engine == RolloutBackend.vllm),
              f"rollout.sleep_level={r.sleep_level} with device={cfg.device}, rollout.engine={r.engine.value}",
              "sleep mode is vLLM's, on CUDA: set rollout.sleep_level=0")
@@ -363,7 +383,6 @@ def validate(cfg: VimeConfig) -> VimeConfig:
     _require(not (cfg.weights.colocate and cfg.ray.rollout_resource not in (None, cfg.ray.trainer_resource)),
              f"weights.colocate=true with ray.rollout_resource={cfg.ray.rollout_resource}",
              "colocated engines run on the trainer's nodes: unset ray.rollout_resource (or set weights.colocate=false)")
-    _require(cfg.ray.restart_wait_s > 0, f"ray.restart_wait_s={cfg.ray.restart_wait_s}", "use a time > 0 (seconds)")
     _validate_async(cfg)
     if cfg.device == "cpu":
         _require(r.engine != RolloutBackend.vllm or r.tp <= 2, f"rollout.tp={r.tp} on CPU",
