@@ -112,10 +112,12 @@ def check_behaviour_comparable(samples: list[Sample], scored: list[Scored]) -> N
 
 @dataclasses.dataclass
 class Submitted:
-    """A step's rollout in flight: its prompts (group g is `batch[g]`), each engine's share and Ray refs."""
+    """A step's rollout in flight: its prompts (group g is `batch[g]`), each engine's share and Ray refs, and
+    the (samples, rl_kernel evidence) of each engine whose share is in (`AsyncLoop.outputs`)."""
     batch: list[Prompt]
     per_engine: list[list[tuple[int, list[int]]]]
     refs: dict[int, object]
+    results: dict[int, tuple[list[Sample], list[dict]]] = dataclasses.field(default_factory=dict)
 
 
 class AsyncLoop:
@@ -128,6 +130,32 @@ class AsyncLoop:
         self.next_submit = driver.timeline.step
         self.requeued: list[Prompt] = []
         self.rng = random.Random(self.cfg.seed)
+        driver.async_loop = self  # `vime.checkpoint.save` saves what is in flight
+        if driver.resumed is not None and driver.resumed.get("async") is not None:
+            self.restore(driver.resumed["async"])
+
+    # ---- checkpoint --------------------------------------------------------------------------------
+
+    def state(self) -> dict:
+        """What a checkpoint after a step needs to continue this loop exactly: every rollout in flight,
+        finished (it waits for them: their content does not depend on when they are collected) with its
+        samples and evidence, the next step to submit, the requeued prompts and the re-scoring draw's RNG.
+        The trainer's kept weight versions are saved by the trainer (`vime.checkpoint.save_kept`)."""
+        for step in sorted(self.inflight):
+            self.outputs(step)
+        return {"max_staleness": self.n, "next_submit": self.next_submit, "requeued": list(self.requeued),
+                "rng": self.rng.getstate(),
+                "inflight": {step: {"batch": sub.batch, "per_engine": sub.per_engine, "results": dict(sub.results)}
+                             for step, sub in sorted(self.inflight.items())}}
+
+    def restore(self, state: dict) -> None:
+        """Continue from `state()`: the saved rollouts are collected as if they had just finished (a step at
+        or beyond `steps`, which a resume may lower, is not run)."""
+        self.next_submit = min(int(state["next_submit"]), self.cfg.steps)
+        self.requeued = list(state["requeued"])
+        self.rng.setstate(state["rng"])
+        self.inflight = {int(step): Submitted(sub["batch"], sub["per_engine"], {}, dict(sub["results"]))
+                         for step, sub in state["inflight"].items() if int(step) < self.cfg.steps}
 
     # ---- rollout -----------------------------------------------------------------------------------
 
@@ -147,26 +175,29 @@ class AsyncLoop:
         refs = {i: self._generate(i, per_engine[i], step) for i in range(n)}
         self.inflight[step] = Submitted(batch, per_engine, refs)
 
-    def collect(self, step: int) -> tuple[list[Sample], list[Prompt]]:
-        """Step `step`'s samples with rewards and group advantages; a dead engine is restarted and its
-        share generated again (at the version the engines serve now)."""
+    def outputs(self, step: int) -> list[tuple[list[Sample], list[dict]]]:
+        """(samples, evidence) of each engine's share of step `step`'s rollout, waiting for those not in yet;
+        a dead engine is restarted and its share generated again (at the version the engines serve now)."""
         from vime.remote import call
 
-        sub = self.inflight.pop(step)
-        outs, evidence = [], []
+        sub = self.inflight[step]
         for i in range(len(self.d.engines)):
-            while True:
+            while i not in sub.results:
                 try:
-                    out, ev = call([sub.refs[i]], "generate", [f"rollout engine {i}"])[0]
-                    break
+                    sub.results[i] = call([sub.refs[i]], "generate", [f"rollout engine {i}"])[0]
                 except EngineDiedError as e:
                     if not restart.died(e):
                         raise
                     restart.restart_engine(self.d, i, str(e))
                     sub.refs[i] = self._generate(i, sub.per_engine[i], step)
-            outs.append(out)
-            evidence.extend(ev)
-        self.d.rollout_evidence = evidence
+        return [sub.results[i] for i in range(len(self.d.engines))]
+
+    def collect(self, step: int) -> tuple[list[Sample], list[Prompt]]:
+        """Step `step`'s samples with rewards and group advantages (`outputs`)."""
+        shares = self.outputs(step)
+        sub = self.inflight.pop(step)
+        outs = [out for out, _ in shares]
+        self.d.rollout_evidence = [e for _, ev in shares for e in ev]
         samples = sorted((s for out in outs for s in out), key=lambda s: s.group)
         for s in samples:
             s.reward = self.d.prompts.reward(sub.batch[s.group], s.response_ids)

@@ -389,8 +389,6 @@ def _validate_async(cfg: VimeConfig) -> None:
         _require(not cfg.trainer.scoring_pass, "trainer.scoring_pass=true with algo.max_staleness >= 1",
                  "the asynchronous loop checks stale tokens by re-scoring them under their own versions: "
                  "drop trainer.scoring_pass")
-        _require(not cfg.resume, f"resume= of a run with algo.max_staleness={n}",
-                 "the rollouts in flight at the checkpoint are not saved: resume only synchronous runs")
 
 
 def kept_versions(cfg: VimeConfig) -> int:

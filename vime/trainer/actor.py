@@ -201,6 +201,8 @@ class TrainerWorker:
 
         self.engine.save(Path(path) / "trainer")
         checkpoint.save_rank_rng(Path(path), self.rank)
+        if self.kept_versions and self.rank == 0:  # every rank keeps the same full copies
+            checkpoint.save_kept(Path(path), self.kept, self.version)
         return self.version
 
     def load_checkpoint(self, path: str) -> int:
@@ -212,6 +214,9 @@ class TrainerWorker:
         self.engine.load(Path(path) / "trainer")
         checkpoint.load_rank_rng(Path(path), self.rank)
         self.version = int(torch.load(Path(path) / checkpoint.STATE, weights_only=False)["version"])
+        if self.kept_versions:  # the versions the rollouts in flight are re-scored under, then this one
+            self.kept = checkpoint.load_kept(Path(path))
+            self._keep()
         if dist.is_initialized():
             dist.barrier()
         return self.version
