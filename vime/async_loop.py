@@ -39,7 +39,7 @@ from vime.data.dataset import Prompt
 from vime.engines import Sample, Scored
 from vime.errors import ComparabilityError, EngineDiedError, TrainingError
 from vime.trainer.grpo import group_advantages
-from vime.weights.sync import sync_weights
+from vime.weights.sync import push_transport, sync_weights
 
 log = logging.getLogger("vime")
 
@@ -279,22 +279,36 @@ class AsyncLoop:
                                                     d.timeline, call, d.weight_paths, self.cfg.rollout.engine))
 
     def _stage(self, bucket_bytes: int, call) -> dict:
-        """In-flight update: the trainer puts its weights in Ray's object store and every engine stages them
-        (its "weights" concurrency group), to land at the next step boundary of a running rollout."""
+        """In-flight update: every engine stages the trainer's new version in its actor's "weights" concurrency
+        group, to land at the next step boundary of a running rollout; over each engine's weight path: from
+        Ray's object store (`object_store`), or received from trainer rank 0's broadcast in rl_kernel's push
+        group (`gloo`: `vime.weights.sync.GroupReceiver`). Returns when every engine serves the version."""
+        from rl_kernel.models.weight_transfer import DEFAULT_BUCKET_BYTES
+
         d, t0 = self.d, time.perf_counter()
         version = d.timeline.trainer_version
         ranks = [f"trainer rank {i}" for i in range(len(d.trainer))]
-        engines = [f"rollout engine {i}" for i in range(len(d.engines))]
-        exports = call([r.export_to_store.remote(bucket_bytes) for r in d.trainer], "export weights", ranks)
-        ref = exports[0]["buckets"][0]
-        acks = call([e.stage_weights.options(concurrency_group="weights").remote(ref, version) for e in d.engines],
-                    "stage weights", engines)
-        for i, v in enumerate(acks):
-            d.timeline.acknowledged(i, v)
+        paths = [str(p) for p in d.weight_paths]
+        store = [i for i, p in enumerate(paths) if p == "object_store"]
+        pushed = [i for i, p in enumerate(paths) if p != "object_store"]
+        nbytes = nbuckets = 0
+        if store:
+            exports = call([r.export_to_store.remote(bucket_bytes) for r in d.trainer], "export weights", ranks)
+            ref, nbytes, nbuckets = exports[0]["buckets"][0], exports[0]["bytes"], exports[0]["count"]
+            acks = call([d.engines[i].stage_weights.options(concurrency_group="weights").remote(ref, version)
+                         for i in store], "stage weights", [f"rollout engine {i}" for i in store])
+            for i, v in zip(store, acks):
+                d.timeline.acknowledged(i, v)
+        if pushed:
+            wire = push_transport(paths[pushed[0]], self.cfg.rollout.engine)
+            ack = call([r.push_weights.remote([d.engines[i] for i in pushed], version, wire, DEFAULT_BUCKET_BYTES,
+                                              True) for r in d.trainer], "push weights", ranks)[0]
+            nbytes, nbuckets = max(nbytes, ack["bytes"]), max(nbuckets, ack["buckets"])
+            for i in pushed:  # each engine acknowledged the push once it had landed and it served the version
+                d.timeline.acknowledged(i, ack["version"])
         seconds = time.perf_counter() - t0
-        nbytes = exports[0]["bytes"]
-        return {"sync_s": seconds, "sync_bytes": float(nbytes), "sync_buckets": float(exports[0]["count"]),
-                "sync_gbps": nbytes / seconds / 1e9 if seconds > 0 else 0.0}
+        return {"sync_s": seconds, "sync_bytes": float(nbytes), "sync_buckets": float(nbuckets),
+                "sync_gbps": nbytes / seconds / 1e9 if seconds > 0 else 0.0, "sync_transports": paths}
 
     def _consistency(self, samples, fresh, checked, behaviour, trained, version):
         """Compare every checked token: fresh samples against the training forward (version `version`),

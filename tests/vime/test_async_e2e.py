@@ -11,7 +11,9 @@ rl_kernel plugin, Megatron-core, Hydra, W&B offline).
   with one line before any engine starts.
 - In-flight updates (`rollout.partial=true`, `rollout.partial_wait=1`): each rollout after the first
   takes the next version after its first token, so samples carry mixed versions; the trainer reproduces
-  them in bits (prefix K/V under v, later tokens under v+1). The native twin mismatches.
+  them in bits (prefix K/V under v, later tokens under v+1). Over rl_kernel's gloo push group instead
+  of Ray's object store, stopped at a checkpoint with a mixed-version rollout in flight and resumed, the
+  run equals the object-store run in bits. The native twin (over gloo) mismatches.
 """
 
 from __future__ import annotations
@@ -130,11 +132,18 @@ def _partial(out: Path, *overrides: str) -> list[dict]:
     return _train(out, *ASYNC, "rollout.partial=true", "rollout.partial_wait=1", *overrides)
 
 
-def test_in_flight_updates_give_mixed_versions_reproduced_in_bits(tmp_path):
-    rows = _partial(tmp_path / "partial")
+@pytest.fixture(scope="module")
+def partial_run(tmp_path_factory) -> tuple[Path, list[dict]]:
+    """The in-flight-update run over Ray's object store (2 steps, uninterrupted): its output_dir and rows."""
+    out = tmp_path_factory.mktemp("partial") / "run"
+    return out, _partial(out)
+
+
+def test_in_flight_updates_give_mixed_versions_reproduced_in_bits(partial_run):
+    rows = partial_run[1]
     for r in rows:
         assert r["strict"] is True and r["mismatch_count"] == 0 and r["max_abs_diff"] == 0.0, r
-        assert r["lag0_ratio_off"] == 0
+        assert r["lag0_ratio_off"] == 0 and r["sync_transports"] == ["object_store"]
     for r in rows[1:]:
         # with 2 new tokens, the requests prefilled last take version 1 for their second token
         assert r["mixed_samples"] > 0, r  # the update landed inside running requests
@@ -142,9 +151,41 @@ def test_in_flight_updates_give_mixed_versions_reproduced_in_bits(tmp_path):
         assert r["behaviour_checked_tokens"] > 0 and r["behaviour_check_rate"] == 1.0
 
 
+# how the weights travelled: the gloo push packs other buckets than the object store
+SYNC_KEYS = {"sync_buckets", "sync_transports"}
+
+
+def test_in_flight_updates_over_gloo_stopped_and_resumed_equal_the_object_store_run_in_bits(partial_run, tmp_path):
+    """The same in-flight run with the weights broadcast in rl_kernel's push group (`weights.transport=gloo`,
+    received into a staging buffer beside the running rollout), stopped after step 0's checkpoint (step 1's
+    mixed-version rollout in flight) and resumed: every row (timings and the transport aside) and the final
+    weights equal the uninterrupted object-store run's in raw bits."""
+    base, base_rows = partial_run
+    out = tmp_path / "gloo"
+    gloo = ("rollout.partial=true", "rollout.partial_wait=1", "weights.transport=gloo")
+    stopped = _vime("steps=2", f"output_dir={out}", *ASYNC, *gloo, "checkpoint.stop_after=0")
+    assert stopped.returncode == 0, stopped.stderr[-6000:]
+    in_flight = torch.load(out / "checkpoints" / "step_000000" / "state.pt", weights_only=False)["async"]["inflight"]
+    saved = [s for out_, _ in in_flight[1]["results"].values() for s in out_]
+    assert any(set(s.versions) == {0, 1} for s in saved)  # version 1 landed inside step 1's running rollout
+    resumed = _vime(f"resume={out}")
+    assert resumed.returncode == 0, resumed.stderr[-6000:]
+    rows = _rows(out)
+    assert [r["step"] for r in rows] == [0, 1] and all(r["sync_transports"] == ["gloo"] for r in rows)
+    assert rows[1]["mixed_samples"] > 0 and all(r["mismatch_count"] == 0 and r["tokens"] > 0 for r in rows)
+    drop = set(TIMING_KEYS) | SYNC_KEYS
+    assert [{k: v for k, v in r.items() if k not in drop} for r in rows] == \
+        [{k: v for k, v in r.items() if k not in drop} for r in base_rows]
+    weights, base_weights = _weights(out), _weights(base)
+    assert weights.keys() == base_weights.keys()
+    for name, t in weights.items():
+        assert same_bits(t, base_weights[name]), name
+
+
 def test_native_twin_of_the_async_run_mismatches(tmp_path):
-    rows = _partial(tmp_path / "native", "rollout.mode=native", "trainer.mode=native")
+    """Over gloo: the in-flight path's native twin mismatches (the exactness is not free)."""
+    rows = _partial(tmp_path / "native", "rollout.mode=native", "trainer.mode=native", "weights.transport=gloo")
     for r in rows:
-        assert r["strict"] is False and r["mismatch_count"] > 0, r
+        assert r["strict"] is False and r["mismatch_count"] > 0 and r["sync_transports"] == ["gloo"], r
     assert any(r["mixed_samples"] > 0 for r in rows[1:])
     assert rows[0]["lag0_ratio_off"] > 0  # native: w of fresh tokens is not exactly 1.0

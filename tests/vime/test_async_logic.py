@@ -129,9 +129,16 @@ def test_the_h200_preset_takes_the_async_loop(compose_cfg):
     cfg = validate(to_object(compose_cfg("+experiment=h200_8b_layers", "output_dir=/tmp/x", "algo.max_staleness=1",
                                          "algo.correction=tis")))
     assert cfg.device == "cuda" and cfg.algo.max_staleness == 1 and kept_versions(cfg) == 2
-    with pytest.raises(ConfigError, match="weights.transport=object_store"):
+    with pytest.raises(ConfigError, match="weights.transport=ipc on cuda.*no staging buffer.*object_store or gloo"):
         validate(to_object(compose_cfg("+experiment=h200_8b_layers", "output_dir=/tmp/x", "algo.max_staleness=1",
                                        "algo.correction=tis", "rollout.partial=true")))
+
+
+@pytest.mark.parametrize("transport", ["object_store", "gloo", "auto"])
+def test_in_flight_updates_take_either_cpu_weight_path(compose_cfg, transport):
+    cfg = validate(to_object(compose_cfg("algo.max_staleness=1", "algo.correction=tis", "rollout.partial=true",
+                                         f"weights.transport={transport}")))
+    assert cfg.rollout.partial and str(cfg.weights.transport) == transport
 
 
 def test_offpolicy_metrics_have_their_wandb_group():

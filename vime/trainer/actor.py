@@ -239,12 +239,14 @@ class TrainerWorker:
             buckets.append(current)
         return buckets if self.rank == 0 else []
 
-    def push_weights(self, engines: list, version: int, transport: str, bucket_bytes: int) -> dict:
+    def push_weights(self, engines: list, version: int, transport: str, bucket_bytes: int,
+                     in_flight: bool = False) -> dict:
         """Push the HF-named full weights (collective: TP shards are gathered) as version `version` into the
         rollout actors `engines` over `transport` ("ipc", "nccl" or "vllm_nccl": vime.weights.sync); rank 0
         pushes and returns the engines' acknowledgement {version, tensors, bytes, buckets}, the other ranks {}.
         With `ipc` and several ranks, every rank ships the handles of its own GPU's copy (colocated engines on
-        every trainer GPU)."""
+        every trainer GPU). `in_flight` (rollout.partial, `nccl` on CPU: gloo): the push goes to the engines'
+        "weights" concurrency group, beside a running rollout, and is acknowledged once it has landed there."""
         device = torch.device(self._args[2])  # the GPU this rank trains on (CPU: the gloo form, for tests)
         tensors = self.engine.export_hf(device=device)
         every_rank = transport == "ipc" and self.world_size > 1
@@ -254,7 +256,8 @@ class TrainerWorker:
             from vime.weights.sync import EnginePush
 
             self._push = EnginePush(device, dtype=self._args[1])
-        ack = self._push.push(engines, tensors, version, transport, bucket_bytes, every_rank=every_rank)
+        ack = self._push.push(engines, tensors, version, transport, bucket_bytes, every_rank=every_rank,
+                              concurrency_group="weights" if in_flight else None)
         return ack if self.rank == 0 else {}
 
     def export_to_store(self, bucket_bytes: int) -> dict:
