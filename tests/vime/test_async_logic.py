@@ -129,9 +129,16 @@ def test_the_h200_preset_takes_the_async_loop(compose_cfg):
     cfg = validate(to_object(compose_cfg("+experiment=h200_8b_layers", "output_dir=/tmp/x", "algo.max_staleness=1",
                                          "algo.correction=tis")))
     assert cfg.device == "cuda" and cfg.algo.max_staleness == 1 and kept_versions(cfg) == 2
-    with pytest.raises(ConfigError, match="weights.transport=object_store"):
+    with pytest.raises(ConfigError, match="weights.transport=ipc on cuda.*no staging buffer.*object_store or gloo"):
         validate(to_object(compose_cfg("+experiment=h200_8b_layers", "output_dir=/tmp/x", "algo.max_staleness=1",
                                        "algo.correction=tis", "rollout.partial=true")))
+
+
+@pytest.mark.parametrize("transport", ["object_store", "gloo", "auto"])
+def test_in_flight_updates_take_either_cpu_weight_path(compose_cfg, transport):
+    cfg = validate(to_object(compose_cfg("algo.max_staleness=1", "algo.correction=tis", "rollout.partial=true",
+                                         f"weights.transport={transport}")))
+    assert cfg.rollout.partial and str(cfg.weights.transport) == transport
 
 
 def test_offpolicy_metrics_have_their_wandb_group():
@@ -157,3 +164,27 @@ def test_the_behaviour_gate_refuses_a_re_score_under_other_versions():
                          ({"token_ids": [3, 5]}, "other token ids"), ({"temperature": 0.5}, "temperature")]:
         with pytest.raises(ComparabilityError, match=message):
             check_behaviour_comparable([s], [Scored(**{**good.__dict__, **bad})])
+
+
+def test_a_checkpoint_must_hold_what_the_asynchronous_loop_continues_from(compose_cfg, tmp_path):
+    """`resume=`: an asynchronous run needs the checkpoint's rollouts in flight, saved at its own bound, and the
+    kept versions they are re-scored under; a synchronous run's checkpoint passes unchanged."""
+    from vime.state.checkpoint import CheckpointError, check_resumable, kept_path
+
+    lag1 = validate(to_object(compose_cfg("algo.max_staleness=1", "algo.correction=tis")))
+    lag2 = validate(to_object(compose_cfg("algo.max_staleness=2", "algo.correction=tis")))
+    sync = validate(to_object(compose_cfg()))
+    saved = {"version": 3, "async": {"max_staleness": 1, "inflight": {}}}
+    for cfg, state, message in [(lag1, {"version": 3}, "holds no rollouts in flight.*start a new run"),
+                                (lag2, saved, "saved by a run with algo.max_staleness=1, this run has "
+                                              "algo.max_staleness=2.*set algo.max_staleness=1 back"),
+                                (sync, saved, "algo.max_staleness=1, this run has algo.max_staleness=0"),
+                                (lag1, saved, r"lacks the kept weight versions \[2\]")]:
+        with pytest.raises(CheckpointError, match=message) as info:
+            check_resumable(cfg, state, tmp_path)
+        assert "\n" not in str(info.value)
+    kept_path(tmp_path, 2).parent.mkdir()
+    torch.save({}, kept_path(tmp_path, 2))
+    check_resumable(lag1, saved, tmp_path)  # version 2 kept beside the checkpoint's own 3
+    check_resumable(sync, {"version": 3}, tmp_path)
+    check_resumable(lag1, {"version": 0, "async": {"max_staleness": 1, "inflight": {}}}, tmp_path / "none")

@@ -404,12 +404,15 @@ def _validate_async(cfg: VimeConfig) -> None:
     _require(wait == 0 or (cfg.rollout.partial and 1 <= wait < a.max_new_tokens),
              f"rollout.partial_wait={cfg.rollout.partial_wait}", "use it with rollout.partial=true, below "
              "algo.max_new_tokens (the token count at which a rollout waits for the next version)")
-    # `auto` is the object store too for a local CPU run (every engine on the trainer's node)
-    staged = str(cfg.weights.transport) == "object_store" or (
-        str(cfg.weights.transport) == "auto" and cfg.device == "cpu" and not cfg.ray.address)
+    # in-flight updates are staged in host memory and land at an engine-step boundary: from Ray's object store,
+    # or from rl_kernel's gloo push group (`auto` on CPU is one of the two per engine)
+    staged = str(cfg.weights.transport) in ("object_store", "gloo") or (
+        str(cfg.weights.transport) == "auto" and cfg.device == "cpu")
     _require(not cfg.rollout.partial or staged,
-             f"rollout.partial=true with weights.transport={cfg.weights.transport}",
-             "in-flight updates are staged from Ray's object store: use weights.transport=object_store")
+             f"rollout.partial=true with weights.transport={cfg.weights.transport} on {cfg.device}",
+             "in-flight updates are staged in host memory and swapped in between engine steps, but the CUDA pushes "
+             "(ipc, nccl) land through vLLM's weight-update API straight in the weights of the engine that runs "
+             "the rollout, with no staging buffer: use weights.transport=object_store or gloo on CPU")
     _require(a.is_cap >= 1.0 and math.isfinite(a.is_cap), f"algo.is_cap={a.is_cap}", "use a finite cap >= 1")
     _require(0 < a.icepop_low <= 1.0 <= a.icepop_high and math.isfinite(a.icepop_high),
              f"algo.icepop_low={a.icepop_low}, algo.icepop_high={a.icepop_high}",
@@ -425,8 +428,6 @@ def _validate_async(cfg: VimeConfig) -> None:
         _require(not cfg.trainer.scoring_pass, "trainer.scoring_pass=true with algo.max_staleness >= 1",
                  "the asynchronous loop checks stale tokens by re-scoring them under their own versions: "
                  "drop trainer.scoring_pass")
-        _require(not cfg.resume, f"resume= of a run with algo.max_staleness={n}",
-                 "the rollouts in flight at the checkpoint are not saved: resume only synchronous runs")
 
 
 def kept_versions(cfg: VimeConfig) -> int:

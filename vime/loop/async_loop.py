@@ -42,7 +42,7 @@ from vime.loop import consistency
 from vime.loop.record import StepRecord
 from vime.reporting import report
 from vime.trainer.grpo import group_advantages
-from vime.weights.sync import sync_weights
+from vime.weights.sync import push_transport, sync_weights
 
 log = logging.getLogger("vime")
 
@@ -115,10 +115,12 @@ def check_behaviour_comparable(samples: list[Sample], scored: list[Scored]) -> N
 
 @dataclasses.dataclass
 class Submitted:
-    """A step's rollout in flight: its prompts (group g is `batch[g]`), each engine's share and Ray refs."""
+    """A step's rollout in flight: its prompts (group g is `batch[g]`), each engine's share and Ray refs, and
+    the (samples, rl_kernel evidence) of each engine whose share is in (`AsyncLoop.outputs`)."""
     batch: list[Prompt]
     per_engine: list[list[tuple[int, list[int]]]]
     refs: dict[int, object]
+    results: dict[int, tuple[list[Sample], list[dict]]] = dataclasses.field(default_factory=dict)
 
 
 class AsyncLoop:
@@ -131,6 +133,32 @@ class AsyncLoop:
         self.next_submit = driver.timeline.step
         self.requeued: list[Prompt] = []
         self.rng = random.Random(self.cfg.seed)
+        driver.async_loop = self  # `vime.state.checkpoint.save` saves what is in flight
+        if driver.resumed is not None and driver.resumed.get("async") is not None:
+            self.restore(driver.resumed["async"])
+
+    # ---- checkpoint --------------------------------------------------------------------------------
+
+    def state(self) -> dict:
+        """What a checkpoint after a step needs to continue this loop exactly: every rollout in flight,
+        finished (it waits for them: their content does not depend on when they are collected) with its
+        samples and evidence, the next step to submit, the requeued prompts and the re-scoring draw's RNG.
+        The trainer's kept weight versions are saved by the trainer (`vime.state.checkpoint.save_kept`)."""
+        for step in sorted(self.inflight):
+            self.outputs(step)
+        return {"max_staleness": self.n, "next_submit": self.next_submit, "requeued": list(self.requeued),
+                "rng": self.rng.getstate(),
+                "inflight": {step: {"batch": sub.batch, "per_engine": sub.per_engine, "results": dict(sub.results)}
+                             for step, sub in sorted(self.inflight.items())}}
+
+    def restore(self, state: dict) -> None:
+        """Continue from `state()`: the saved rollouts are collected as if they had just finished (a step at
+        or beyond `steps`, which a resume may lower, is not run)."""
+        self.next_submit = min(int(state["next_submit"]), self.cfg.steps)
+        self.requeued = list(state["requeued"])
+        self.rng.setstate(state["rng"])
+        self.inflight = {int(step): Submitted(sub["batch"], sub["per_engine"], {}, dict(sub["results"]))
+                         for step, sub in state["inflight"].items() if int(step) < self.cfg.steps}
 
     # ---- rollout -----------------------------------------------------------------------------------
 
@@ -150,26 +178,29 @@ class AsyncLoop:
         refs = {i: self._generate(i, per_engine[i], step) for i in range(n)}
         self.inflight[step] = Submitted(batch, per_engine, refs)
 
-    def collect(self, step: int) -> tuple[list[Sample], list[Prompt]]:
-        """Step `step`'s samples with rewards and group advantages; a dead engine is restarted and its
-        share generated again (at the version the engines serve now)."""
+    def outputs(self, step: int) -> list[tuple[list[Sample], list[dict]]]:
+        """(samples, evidence) of each engine's share of step `step`'s rollout, waiting for those not in yet;
+        a dead engine is restarted and its share generated again (at the version the engines serve now)."""
         from vime.cluster.remote import call
 
-        sub = self.inflight.pop(step)
-        outs, evidence = [], []
+        sub = self.inflight[step]
         for i in range(len(self.d.engines)):
-            while True:
+            while i not in sub.results:
                 try:
-                    out, ev = call([sub.refs[i]], "generate", [f"rollout engine {i}"])[0]
-                    break
+                    sub.results[i] = call([sub.refs[i]], "generate", [f"rollout engine {i}"])[0]
                 except EngineDiedError as e:
                     if not restart.died(e):
                         raise
                     restart.restart_engine(self.d, i, str(e))
                     sub.refs[i] = self._generate(i, sub.per_engine[i], step)
-            outs.append(out)
-            evidence.extend(ev)
-        self.d.rollout_evidence = evidence
+        return [sub.results[i] for i in range(len(self.d.engines))]
+
+    def collect(self, step: int) -> tuple[list[Sample], list[Prompt]]:
+        """Step `step`'s samples with rewards and group advantages (`outputs`)."""
+        shares = self.outputs(step)
+        sub = self.inflight.pop(step)
+        outs = [out for out, _ in shares]
+        self.d.rollout_evidence = [e for _, ev in shares for e in ev]
         samples = sorted((s for out in outs for s in out), key=lambda s: s.group)
         for s in samples:
             s.reward = self.d.prompts.reward(sub.batch[s.group], s.response_ids)
@@ -252,22 +283,36 @@ class AsyncLoop:
                                                     d.timeline, call, d.weight_paths, self.cfg.rollout.engine))
 
     def _stage(self, bucket_bytes: int, call) -> dict:
-        """In-flight update: the trainer puts its weights in Ray's object store and every engine stages them
-        (its "weights" concurrency group), to land at the next step boundary of a running rollout."""
+        """In-flight update: every engine stages the trainer's new version in its actor's "weights" concurrency
+        group, to land at the next step boundary of a running rollout; over each engine's weight path: from
+        Ray's object store (`object_store`), or received from trainer rank 0's broadcast in rl_kernel's push
+        group (`gloo`: `vime.weights.sync.GroupReceiver`). Returns when every engine serves the version."""
+        from rl_kernel.models.weight_transfer import DEFAULT_BUCKET_BYTES
+
         d, t0 = self.d, time.perf_counter()
         version = d.timeline.trainer_version
         ranks = [f"trainer rank {i}" for i in range(len(d.trainer))]
-        engines = [f"rollout engine {i}" for i in range(len(d.engines))]
-        exports = call([r.export_to_store.remote(bucket_bytes) for r in d.trainer], "export weights", ranks)
-        ref = exports[0]["buckets"][0]
-        acks = call([e.stage_weights.options(concurrency_group="weights").remote(ref, version) for e in d.engines],
-                    "stage weights", engines)
-        for i, v in enumerate(acks):
-            d.timeline.acknowledged(i, v)
+        paths = [str(p) for p in d.weight_paths]
+        store = [i for i, p in enumerate(paths) if p == "object_store"]
+        pushed = [i for i, p in enumerate(paths) if p != "object_store"]
+        nbytes = nbuckets = 0
+        if store:
+            exports = call([r.export_to_store.remote(bucket_bytes) for r in d.trainer], "export weights", ranks)
+            ref, nbytes, nbuckets = exports[0]["buckets"][0], exports[0]["bytes"], exports[0]["count"]
+            acks = call([d.engines[i].stage_weights.options(concurrency_group="weights").remote(ref, version)
+                         for i in store], "stage weights", [f"rollout engine {i}" for i in store])
+            for i, v in zip(store, acks):
+                d.timeline.acknowledged(i, v)
+        if pushed:
+            wire = push_transport(paths[pushed[0]], self.cfg.rollout.engine)
+            ack = call([r.push_weights.remote([d.engines[i] for i in pushed], version, wire, DEFAULT_BUCKET_BYTES,
+                                              True) for r in d.trainer], "push weights", ranks)[0]
+            nbytes, nbuckets = max(nbytes, ack["bytes"]), max(nbuckets, ack["buckets"])
+            for i in pushed:  # each engine acknowledged the push once it had landed and it served the version
+                d.timeline.acknowledged(i, ack["version"])
         seconds = time.perf_counter() - t0
-        nbytes = exports[0]["bytes"]
-        return {"sync_s": seconds, "sync_bytes": float(nbytes), "sync_buckets": float(exports[0]["count"]),
-                "sync_gbps": nbytes / seconds / 1e9 if seconds > 0 else 0.0}
+        return {"sync_s": seconds, "sync_bytes": float(nbytes), "sync_buckets": float(nbuckets),
+                "sync_gbps": nbytes / seconds / 1e9 if seconds > 0 else 0.0, "sync_transports": paths}
 
     def _consistency(self, samples, fresh, checked, behaviour, trained, version):
         """Compare every checked token: fresh samples against the training forward (version `version`),

@@ -87,15 +87,18 @@ class RolloutWorker:
             from vime.rollout.reference import ReferenceRollout
             self.engine = ReferenceRollout(cfg, model_path, dtype, device)
         self._evidence: list[dict] = []
-        self._group_receiver = None  # vLLM on CPU over `gloo`: the push is received by the actor
-        if str(transport) == "gloo" and RolloutBackend(cfg.engine) == RolloutBackend.vllm:
-            from vime.weights.sync import GroupReceiver
-            self._group_receiver = GroupReceiver(self.engine, model_path, dtype)
         # in-flight weight updates (rollout.partial): a version staged by `stage_weights` (the actor's
         # "weights" concurrency group) lands between two engine steps of a running `generate`
         self._cv = threading.Condition()
         self._staged: tuple[list, int] | None = None
         self._generating = False
+        # vLLM on CPU over `gloo`: the push is received by the actor; with in-flight updates any engine's is
+        # (into a staging buffer, landing as `stage_weights` does)
+        self._group_receiver = None
+        if str(transport) == "gloo" and (RolloutBackend(cfg.engine) == RolloutBackend.vllm or cfg.partial):
+            from vime.weights.sync import GroupReceiver
+            self._group_receiver = GroupReceiver(self.engine, model_path, dtype,
+                                                 stage=self.stage_weights if cfg.partial else None)
 
     @_engine_call
     def info(self) -> dict:
@@ -129,7 +132,8 @@ class RolloutWorker:
     def _generate_partial(self, prompts, max_new_tokens, temperature, stop_token_ids, seed, wait_version):
         """`generate` with in-flight weight updates: before every engine step a staged version is loaded
         (unless a prompt is half prefilled); with `rollout.partial_wait` = k and a `wait_version`, the
-        rollout waits, once every request has k tokens, until that version is staged or served."""
+        rollout waits, once every request has k tokens, until that version is staged or served, and loads
+        none before."""
         waited = not self.cfg.partial_wait or wait_version <= 0
 
         def between_steps(mid_prefill: bool, sampled: int) -> int:
@@ -142,7 +146,9 @@ class RolloutWorker:
                         raise TimeoutError(f"rollout engine {self.engine_id}: weight version {wait_version} did not "
                                            "arrive within 600 s (rollout.partial_wait)")
                     waited = True
-                if self._staged is not None and not mid_prefill:
+                # with rollout.partial_wait, not before the wait: the version lands at that token, however early it
+                # arrives (the first version a rollout can receive is the one it waits for)
+                if self._staged is not None and not mid_prefill and waited:
                     self._apply_staged()
                 return self.engine.version
 

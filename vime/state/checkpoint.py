@@ -7,7 +7,10 @@ Layout under `<output_dir>`:
                                      dist-checkpointing (model + optimizer, every rank writes its shards)
     checkpoints/step_<k>/rng/        RNG states of every trainer rank
     checkpoints/step_<k>/state.pt    driver state: next step (the data position), weight version,
-                                     metrics so far, driver RNG states, the W&B run id
+                                     metrics so far, driver RNG states, the W&B run id; an asynchronous
+                                     run (algo.max_staleness >= 1) adds its rollouts in flight (`async`)
+    checkpoints/step_<k>/kept/       an asynchronous run's kept weight versions older than the
+                                     checkpoint's (version_<v>.pt, HF-named, the trainer's bits)
     checkpoints/latest               name of the last complete checkpoint, written last (atomic rename):
                                      a step dir it does not name is an interrupted save and is ignored
     hf_model/                        HF safetensors export of the final weights (+ config, tokenizer):
@@ -16,6 +19,12 @@ Layout under `<output_dir>`:
 A checkpoint is taken after step k's weight sync, so it holds weight version k + 1 and resume starts
 at step k + 1. Rollout sampling is seeded per (seed, step, engine), so a resumed run draws the same
 samples as one that never stopped; the test `tests/vime/test_resume.py` asserts equal bits.
+
+An asynchronous run has rollouts in flight at a checkpoint: those of steps k+1 .. k+N, submitted before
+step k trained. The save waits for them to finish (a step boundary: what they hold does not depend on when
+they are collected) and records their samples, with every token's weight version, and their rl_kernel
+evidence; the trainer records the kept versions it needs to re-score them (`kept/`). A resumed run collects
+them as the uninterrupted run does, so it continues exactly (`tests/vime/test_async_e2e.py`).
 """
 
 from __future__ import annotations
@@ -41,6 +50,7 @@ log = logging.getLogger("vime")
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
 STATE = "state.pt"
+KEPT = "kept"  # an asynchronous run's kept weight versions
 HF_DIR = "hf_model"
 # metrics that measure wall time: they differ between any two runs, resumed or not
 TIMING_KEYS = ("rollout_s", "score_s", "train_s", "step_s", "sync_s", "sync_gbps")
@@ -122,9 +132,13 @@ def save(driver, step: int, rows: list[StepRecord], wandb_id: str | None) -> Pat
     if path.exists():
         shutil.rmtree(path)  # an earlier save of this step that never completed (no `latest` names it)
     (path / "trainer").mkdir(parents=True)
+    loop = getattr(driver, "async_loop", None)
+    in_flight = loop.state() if loop is not None else None  # waits for the rollouts in flight
     driver._call(driver.trainer, "save_checkpoint", "save checkpoint", str(path), trainer=True)
     state = {"next_step": step + 1, "version": driver.timeline.trainer_version, "rows": [r.row() for r in rows],
              "rng": rng_state(), "wandb_id": wandb_id}
+    if in_flight is not None:
+        state["async"] = in_flight
     torch.save(state, path / STATE)
     pointer = path.parent / LATEST
     tmp = pointer.with_suffix(".tmp")
@@ -143,10 +157,38 @@ def resume_point(cfg, output_dir: Path) -> Path | None:
     if path is None:
         raise CheckpointError(f"resume={cfg.resume}: {Path(output_dir) / CHECKPOINTS} holds no complete checkpoint "
                               "(the run stopped before its first save); start a new run instead")
-    wandb_id = load_state(path).get("wandb_id")
+    state = load_state(path)
+    check_resumable(cfg, state, path)
+    wandb_id = state.get("wandb_id")
     if wandb_id:
         os.environ["WANDB_RUN_ID"], os.environ["WANDB_RESUME"] = wandb_id, "allow"
     return path
+
+
+def check_resumable(cfg, state: dict[str, Any], path: Path) -> None:
+    """CheckpointError (one line, what to do) unless checkpoint `path` (its driver `state`) holds what `cfg`'s
+    loop needs to continue exactly: an asynchronous run (algo.max_staleness = N >= 1) its rollouts in flight,
+    saved at the same N, and the trainer's kept versions before the checkpoint's; a synchronous run none."""
+    from vime.config.schema import kept_versions
+
+    n, saved = cfg.algo.max_staleness, state.get("async")
+    if saved is None and n >= 1:
+        raise CheckpointError(f"{path} holds no rollouts in flight (saved by a synchronous run, or by a vime that did "
+                              f"not save them), so this run with algo.max_staleness={n} cannot continue from it "
+                              "exactly: start a new run")
+    if saved is not None and saved["max_staleness"] != n:
+        raise CheckpointError(f"{path} was saved by a run with algo.max_staleness={saved['max_staleness']}, this run "
+                              f"has algo.max_staleness={n}: its rollouts in flight were scheduled for that bound; "
+                              f"set algo.max_staleness={saved['max_staleness']} back in "
+                              f"{Path(path).parent / 'config.yaml'} or start a new run")
+    if n >= 1:
+        version = int(state["version"])
+        missing = [v for v in range(max(0, version + 1 - kept_versions(cfg)), version)
+                   if not kept_path(path, v).is_file()]
+        if missing:
+            raise CheckpointError(f"{path} lacks the kept weight versions {missing} ({Path(path) / KEPT}) that its "
+                                  "rollouts in flight are re-scored under: the checkpoint is incomplete; resume from "
+                                  f"an earlier step_* dir (edit {Path(path).parent / LATEST}) or start a new run")
 
 
 def after_step(driver, step: int, rows: list[StepRecord]) -> bool:
@@ -293,6 +335,25 @@ def load_megatron(policy, path: Path) -> None:
     with cuda_as_cpu():
         policy.optimizer.load_state_dict(state["optimizer"])
     policy.steps = int(state["policy_steps"])
+
+
+def kept_path(path: Path, version: int) -> Path:
+    return Path(path) / KEPT / f"version_{version}.pt"
+
+
+def save_kept(path: Path, kept: dict[int, dict[str, torch.Tensor]], current: int) -> None:
+    """Write the kept weight versions older than `current` (its weights are the checkpoint's own) under
+    checkpoint `path` (`kept/version_<v>.pt`: HF names, the tensors' bits). Run by trainer rank 0 only."""
+    (Path(path) / KEPT).mkdir(parents=True, exist_ok=True)
+    for version, tensors in kept.items():
+        if version != current:
+            torch.save(tensors, kept_path(path, version))
+
+
+def load_kept(path: Path) -> dict[int, dict[str, torch.Tensor]]:
+    """The kept weight versions `save_kept` wrote under checkpoint `path` ({} when it wrote none)."""
+    files = sorted((Path(path) / KEPT).glob("version_*.pt"))
+    return {int(f.stem.removeprefix("version_")): torch.load(f, weights_only=True) for f in files}
 
 
 def save_rank_rng(path: Path, rank: int) -> None:

@@ -201,6 +201,8 @@ class TrainerWorker:
 
         self.engine.save(Path(path) / "trainer")
         checkpoint.save_rank_rng(Path(path), self.rank)
+        if self.kept_versions and self.rank == 0:  # every rank keeps the same full copies
+            checkpoint.save_kept(Path(path), self.kept, self.version)
         return self.version
 
     def load_checkpoint(self, path: str) -> int:
@@ -212,6 +214,9 @@ class TrainerWorker:
         self.engine.load(Path(path) / "trainer")
         checkpoint.load_rank_rng(Path(path), self.rank)
         self.version = int(torch.load(Path(path) / checkpoint.STATE, weights_only=False)["version"])
+        if self.kept_versions:  # the versions the rollouts in flight are re-scored under, then this one
+            self.kept = checkpoint.load_kept(Path(path))
+            self._keep()
         if dist.is_initialized():
             dist.barrier()
         return self.version
@@ -234,12 +239,14 @@ class TrainerWorker:
             buckets.append(current)
         return buckets if self.rank == 0 else []
 
-    def push_weights(self, engines: list, version: int, transport: str, bucket_bytes: int) -> dict:
+    def push_weights(self, engines: list, version: int, transport: str, bucket_bytes: int,
+                     in_flight: bool = False) -> dict:
         """Push the HF-named full weights (collective: TP shards are gathered) as version `version` into the
         rollout actors `engines` over `transport` ("ipc", "nccl" or "vllm_nccl": vime.weights.sync); rank 0
         pushes and returns the engines' acknowledgement {version, tensors, bytes, buckets}, the other ranks {}.
         With `ipc` and several ranks, every rank ships the handles of its own GPU's copy (colocated engines on
-        every trainer GPU)."""
+        every trainer GPU). `in_flight` (rollout.partial, `nccl` on CPU: gloo): the push goes to the engines'
+        "weights" concurrency group, beside a running rollout, and is acknowledged once it has landed there."""
         device = torch.device(self._args[2])  # the GPU this rank trains on (CPU: the gloo form, for tests)
         tensors = self.engine.export_hf(device=device)
         every_rank = transport == "ipc" and self.world_size > 1
@@ -249,7 +256,8 @@ class TrainerWorker:
             from vime.weights.sync import EnginePush
 
             self._push = EnginePush(device, dtype=self._args[1])
-        ack = self._push.push(engines, tensors, version, transport, bucket_bytes, every_rank=every_rank)
+        ack = self._push.push(engines, tensors, version, transport, bucket_bytes, every_rank=every_rank,
+                              concurrency_group="weights" if in_flight else None)
         return ack if self.rank == 0 else {}
 
     def export_to_store(self, bucket_bytes: int) -> dict:

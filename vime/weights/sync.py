@@ -88,12 +88,19 @@ class GroupReceiver:
     of full HF-named tensors (`update_weights(bucket, version)`: vLLM on CPU, whose own weight-transfer
     engines move CUDA memory). Each bucket broadcast by trainer rank 0 is checked (names, shapes, dtypes,
     growing versions: rl_kernel.models.weight_transfer.WeightReceiver) and handed to the engine; the driver's
-    `set_version` then ends the engine's update session as after an object-store sync."""
+    `set_version` then ends the engine's update session as after an object-store sync.
 
-    def __init__(self, engine, model_path: str, dtype: str):
-        self.engine, self.model_path, self.dtype = engine, model_path, dtype
+    With `stage` (in-flight updates, `rollout.partial`; the messages then arrive in the actor's "weights"
+    concurrency group, beside a running rollout) the received buckets are copied into a staging buffer in host
+    memory instead, and at `finish` handed to `stage(buckets, version)`, which returns once they have landed
+    at the next engine-step boundary of the running rollout (or at once when none runs) with the version the
+    engine serves; the acknowledgement goes back only then."""
+
+    def __init__(self, engine, model_path: str, dtype: str, stage=None):
+        self.engine, self.model_path, self.dtype, self._stage = engine, model_path, dtype, stage
         self._group = self._store = self._receiver = None
         self._version: int | None = None
+        self._staging: list[dict[str, torch.Tensor]] = []
 
     def join(self, host: str, port: int, rank: int, world: int) -> None:
         from rl_kernel.models.weight_transfer import open_weight_group
@@ -113,13 +120,23 @@ class GroupReceiver:
             self._receiver = WeightReceiver(self._load, torch.device("cpu"), version=int(self.engine.version),
                                             expected=expected_weights(read_config(self.model_path), self.dtype),
                                             group=self._group, src=0)
-            self._version = msg.get("version")
+            self._version, self._staging = msg.get("version"), []
         if self._receiver is None:
             raise WeightSyncError(f"weight-push message {msg.get('op')!r} without a start")
-        return self._receiver.handle(msg)
+        ack = self._receiver.handle(msg)
+        if ack is not None and self._stage is not None:
+            buckets, self._staging = self._staging, []
+            served = self._stage(buckets, self._version)
+            if served != self._version:
+                raise WeightSyncError(f"weight version {self._version} was staged, the engine serves {served}")
+        return ack
 
     def _load(self, pairs) -> None:
-        self.engine.update_weights({name: t.clone() for name, t in pairs}, self._version)
+        bucket = {name: t.clone() for name, t in pairs}  # the receive buffer is reused for the next bucket
+        if self._stage is not None:
+            self._staging.append(bucket)
+        else:
+            self.engine.update_weights(bucket, self._version)
 
 
 class EnginePush:
@@ -142,17 +159,20 @@ class EnginePush:
         self._members: tuple | None = None
 
     def push(self, engines: list, tensors: dict[str, torch.Tensor], version: int, transport: str,
-             bucket_bytes: int, every_rank: bool = False) -> dict:
+             bucket_bytes: int, every_rank: bool = False, concurrency_group: str | None = None) -> dict:
         """`every_rank` (ipc to engines on several trainer GPUs; a collective of the trainer's world): each
         rank packs its own copy of `tensors` on its GPU, rank 0 sends the buckets' handles of every GPU
-        (all-gathered), and every rank keeps its buffers until rank 0 has the engines' acknowledgement."""
+        (all-gathered), and every rank keeps its buffers until rank 0 has the engines' acknowledgement.
+        `concurrency_group` (in-flight updates: "weights"): the engines' concurrency group the control
+        messages (and a group join) go to, so that they run beside a rollout; their acknowledgement comes once
+        the version has landed in it (`GroupReceiver`)."""
         import ray
 
         from rl_kernel.models.weight_transfer import WeightSender, WeightVersionError
 
         if transport == VLLM_NCCL:
             return self._vllm_push(engines, tensors, version, bucket_bytes)
-        group = self._nccl_group(engines) if transport == "nccl" else None
+        group = self._nccl_group(engines, concurrency_group) if transport == "nccl" else None
         lead = not every_rank or torch.distributed.get_rank() == 0
         pending: list[list] = []
 
@@ -172,7 +192,7 @@ class EnginePush:
         def send(msg: dict) -> None:
             outcome = None
             if lead:
-                pending.append([e.receive_weights.remote(msg) for e in engines])
+                pending.append([_method(e, "receive_weights", concurrency_group).remote(msg) for e in engines])
                 if msg["op"] == "start":  # the engines check the whole push before any bucket moves
                     try:
                         ray.get(pending[-1])
@@ -226,7 +246,7 @@ class EnginePush:
             self._members = members
         return self._vllm
 
-    def _nccl_group(self, engines: list):
+    def _nccl_group(self, engines: list, concurrency_group: str | None = None):
         import ray
 
         from rl_kernel.models.weight_transfer import open_weight_group
@@ -239,12 +259,19 @@ class EnginePush:
             port = listen.getsockname()[1]
             store = placement.tcp_store(host, port, world, listen, timeout_s=300.0)
             placement.bind_node_interface()
-            joins = [e.join_weight_group.remote(host, port, i + 1, world) for i, e in enumerate(engines)]
+            joins = [_method(e, "join_weight_group", concurrency_group).remote(host, port, i + 1, world)
+                     for i, e in enumerate(engines)]
             self._group = open_weight_group(store, 0, world, self.device)
             self._group_store = store  # lives as long as the group
             ray.get(joins)
             self._members = members
         return self._group
+
+
+def _method(actor, name: str, concurrency_group: str | None):
+    """`actor.name`, in `concurrency_group` when one is given (Ray's default group otherwise)."""
+    method = getattr(actor, name)
+    return method.options(concurrency_group=concurrency_group) if concurrency_group else method
 
 
 def _all_gathered(handles: dict) -> dict:
