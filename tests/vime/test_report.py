@@ -119,7 +119,8 @@ def test_console_lines_are_short_and_carry_no_colour_codes():
 
 
 RAY_INIT_FAILURE = "\n".join([
-    "The actor died because of an error raised in its creation task, \x1b[36mray::rollout-0:RolloutWorker.__init__()"
+    "The actor died because of an error raised in its creation task, "
+    "\x1b[36mray::rollout-0:RolloutWorker.__init__()"
     "\x1b[39m (pid=20149, ip=127.0.0.1, actor_id=73d2, repr=<vime.rollout.actor.RolloutWorker object at 0x7f2d>)",
     '  File "/x/vllm/engine/arg_utils.py", line 1955, in create_model_config',
     "    return ModelConfig(",

@@ -140,8 +140,10 @@ class RolloutWorker:
             nonlocal waited
             with self._cv:
                 if not waited and sampled >= self.cfg.partial_wait and not mid_prefill:
-                    arrived = lambda: self.engine.version >= wait_version or (  # noqa: E731
-                        self._staged is not None and self._staged[1] >= wait_version)
+                    def arrived() -> bool:  # the version waited for: loaded, or staged to land here
+                        staged = self._staged is not None and self._staged[1] >= wait_version
+                        return self.engine.version >= wait_version or staged
+
                     if not self._cv.wait_for(arrived, timeout=600):
                         raise TimeoutError(f"rollout engine {self.engine_id}: weight version {wait_version} did not "
                                            "arrive within 600 s (rollout.partial_wait)")
