@@ -79,8 +79,8 @@ def test_a_mistyped_key_is_answered_in_one_line_with_the_nearest_key(tmp_path):
         "config error: unknown config key stpes (did you mean steps?); `python -m vime.train --cfg job` lists every "
         "key (vime/config/schema.py documents them)"]
     keys, free = rundir.schema_keys()
-    groups = {"experiment"}
-    assert "trainer.lr" in keys and "rollout.boundary_modes" in free
+    groups = rundir._config_groups()  # read from the repository's configs/
+    assert {"experiment", "placement"} <= groups and "trainer.lr" in keys and "rollout.boundary_modes" in free
     for good in ("steps=3", "trainer.lr=0.1", "+rollout.boundary_modes.attention=native", "+experiment=qwen3_8b_grpo",
                  "hydra.verbose=true", "hydra/job_logging=disabled", "--cfg", "resume=/x"):
         assert rundir.unknown_override(good, keys, free, groups) is None, good

@@ -29,6 +29,17 @@ def test_a_row_reads_back_into_the_same_row_through_json():
     assert "score_s" not in back  # a metric the step did not measure stays out of the row
 
 
+def test_the_parity_metrics_of_a_mismatching_step_are_all_declared():
+    import torch
+
+    from vime.loop import consistency
+
+    result = consistency.compare([torch.tensor([-1.0, -2.0])], [torch.tensor([-1.0, -2.5])])
+    record = StepRecord.from_row({"step": 0, **result.metrics()})
+    assert record.consistency.mismatch_count == 1 and record.consistency.worst_index == 1
+    assert record.consistency.worst_trainer == -2.5
+
+
 def test_an_undeclared_metric_is_refused_by_name():
     with pytest.raises(ValueError, match="'reward_meen' is not a field of vime.loop.record.StepRecord"):
         StepRecord.from_row(ROW | {"reward_meen": 0.5})

@@ -27,6 +27,7 @@ class Parity:
     mean_abs_diff: float = 0.0
     # the worst token, when any differs
     worst_sample: int | None = None
+    worst_index: int | None = None     # the token's index in its sample's response
     worst_position: int | None = None
     worst_token_id: int | None = None
     worst_rollout: float | None = None

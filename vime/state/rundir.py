@@ -103,7 +103,7 @@ def schema_keys(schema: type = VimeConfig, prefix: str = "") -> tuple[set[str], 
 
 def _config_groups() -> set[str]:
     """Hydra config groups under configs/ (`+experiment=...`)."""
-    configs = Path(__file__).resolve().parent.parent / "configs"
+    configs = Path(__file__).resolve().parents[2] / "configs"  # configs/ at the repository root
     return {p.name for p in configs.iterdir() if p.is_dir()} if configs.is_dir() else set()
 
 
