@@ -27,6 +27,7 @@ from torch import nn
 
 import rl_kernel as rk
 from rl_kernel.integrations.vllm import MODES_KEY
+from rl_kernel.integrations.vllm.warmup import uses_triton, warm_up
 from rl_kernel.models.layers import Qwen3Model
 from rl_kernel.models.qwen3 import Qwen3Config
 from rl_kernel.models.qwen3_layout import weight_layout
@@ -196,6 +197,11 @@ class RLKernelQwen3ForCausalLM(nn.Module):
                       cache_config=vllm_config.cache_config, prefix=f"{prefix}model.layers.{i}.self_attn.attn")
             for i in range(self.shape.num_layers))
         self._flash_writer = _vllm_cache_writer() if vllm_config.device_config.device_type == "cuda" else None
+        sched = vllm_config.scheduler_config
+        self._warm_up = dict(max_tokens=sched.max_num_batched_tokens, max_seqs=sched.max_num_seqs,
+                             block_size=vllm_config.cache_config.block_size,
+                             max_model_len=vllm_config.model_config.max_model_len)
+        self.warmed_up: list[int] | None = None  # the token counts the Triton warm-up ran, once it has
 
     def _attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Paged attention over vLLM's KV cache of `layer` (the new tokens' k, v written first)."""
@@ -238,4 +244,14 @@ class RLKernelQwen3ForCausalLM(nn.Module):
             with torch.no_grad():
                 views[name].copy_(layout[name].shard(w, self.model.rank, self.model.tp))
             loaded.add(names[id(self.model.get_parameter(layout[name].module))])
+        self._warm_up_triton()
         return loaded
+
+    def _warm_up_triton(self) -> None:
+        """Once, after the first load, where the strict ops run Triton kernels: compile every specialization
+        serving can meet (`rl_kernel.integrations.vllm.warmup`), before vLLM profiles memory and captures graphs."""
+        device = self.model.norm.weight.device
+        if self.warmed_up is not None or not uses_triton(device):
+            return
+        self.warmed_up = warm_up(self.model, device=device, **self._warm_up)
+        torch.cuda.empty_cache()  # the warm-up's activations are not the engine's (vLLM sizes the KV cache next)
