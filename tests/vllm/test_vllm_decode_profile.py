@@ -59,7 +59,7 @@ def test_profile_script_runs_each_mode_in_its_own_process(tmp_path):
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1")
     run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "vllm_decode_profile.py"), "--device", "cpu",
                           "--layers", "1", "--batch", "2", "--context", "8", "--new-tokens", "2", "--out", str(out)],
-                         env=env, capture_output=True, text=True, timeout=600)
+                         env=env, capture_output=True, text=True, timeout=1500)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     result = json.loads(out.read_text())
     assert [r["mode"] for r in result["results"]] == ["strict", "native"]
