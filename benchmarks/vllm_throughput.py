@@ -17,6 +17,9 @@ shapes, both with CUDA graphs (strict: FULL_DECODE_ONLY; native: vLLM's default 
 
     python benchmarks/vllm_throughput.py --device cuda [--layers 36] [--new-tokens 64] [--modes strict,native]
 
+Modes on CUDA: native, strict (FULL_DECODE_ONLY graphs) and strict_compiled (`strict_llm_kwargs(compile=True)`:
+vLLM's torch.compile of the strict model, FULL_AND_PIECEWISE graphs); each strict mode's parity must be 0.
+
 One engine per mode in this process, one after the other, over a random Qwen3 with Qwen3-8B layer shapes written
 on the GPU. For every (context, batch) of the grid: distinct prompts of `context` tokens, prefilled once (untimed,
 every decode shape of the batch warmed up: vLLM's JIT monitor must stay quiet), then two passes, each two timed
@@ -31,6 +34,7 @@ them). Writes benchmarks/results/vllm_rollout_h200.json.
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import os
@@ -102,6 +106,9 @@ QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, nu
                 head_dim=128)
 CUDA_GRID = [(512, b) for b in (1, 16, 64, 256)] + [(4000, b) for b in (1, 16, 64)]  # (context, batch)
 PARITY_SEQS = 4
+# cuda: the strict engines, by mode name: FULL_DECODE_ONLY graphs (eager mixed batches), and vLLM's torch.compile
+# of the strict model with FULL_AND_PIECEWISE graphs (`strict_llm_kwargs(compile=True)`)
+STRICT_MODES = {"strict": {}, "strict_compiled": {"compile": True}}
 
 
 def gpu_state() -> dict:
@@ -136,8 +143,8 @@ def cuda_mode(mode: str, path: Path, args) -> dict:
 
     engine = dict(dtype="bfloat16", seed=0, max_model_len=4096, max_num_seqs=256,
                   max_num_batched_tokens=8192, enable_prefix_caching=True, gpu_memory_utilization=0.62)
-    make_kwargs, make_params = ((strict_llm_kwargs, strict_sampling_params) if mode == "strict"
-                                else (native_llm_kwargs, native_sampling_params))
+    make_kwargs, make_params = ((functools.partial(strict_llm_kwargs, **STRICT_MODES[mode]), strict_sampling_params)
+                                if mode in STRICT_MODES else (native_llm_kwargs, native_sampling_params))
 
     def params(n: int, batch: int) -> list:
         return [make_params(temperature=1.0, max_tokens=n, seed=i, ignore_eos=True) for i in range(batch)]
@@ -238,14 +245,14 @@ def run_cuda(args) -> int:
     print(f"\nvLLM on {torch.cuda.get_device_name(0)}: Qwen3-8B shapes, {args.layers} layers, {args.new_tokens} "
           "new tokens per decode measurement, CUDA graphs on both; decode tok/s, pass 1 / pass 2")
     header = f"{'context':>7} {'batch':>5} " + " ".join(f"{m:>19}" for m in modes)
-    print(header + ("   strict/native" if {"strict", "native"} <= set(modes) else ""))
+    print(header + ("".join(f"   {m}/native" for m in modes if m in STRICT_MODES) if "native" in modes else ""))
     for i, (context, batch) in enumerate(CUDA_GRID):
         cells = [by_mode[m]["passes"] for m in modes]
         line = f"{context:>7} {batch:>5} " + " ".join(
             f"{p[0]['decode'][i]['decode_tok_s']:>9.0f} / {p[1]['decode'][i]['decode_tok_s']:>7.0f}" for p in cells)
-        if {"strict", "native"} <= set(modes):
-            s, n = (max(q["decode"][i]["decode_tok_s"] for q in by_mode[m]["passes"]) for m in ("strict", "native"))
-            line += f"   {s / n:>6.3f}"
+        if "native" in modes:
+            best = {m: max(q["decode"][i]["decode_tok_s"] for q in by_mode[m]["passes"]) for m in modes}
+            line += "".join(f"   {best[m] / best['native']:>6.3f}" for m in modes if m in STRICT_MODES)
         print(line)
     for m in modes:
         r = by_mode[m]
@@ -264,7 +271,7 @@ def run_cuda(args) -> int:
                                "torch": torch.__version__, "layers": args.layers, "new_tokens": args.new_tokens,
                                "grid": CUDA_GRID, "results": results}, indent=1))
     print(f"wrote {out}")
-    strict_ok = "strict" not in by_mode or all(x["mismatches"] == 0 for x in by_mode["strict"]["parity"])
+    strict_ok = all(x["mismatches"] == 0 for m in by_mode if m in STRICT_MODES for x in by_mode[m]["parity"])
     native_differs = "native" not in by_mode or any(x["mismatches"] for x in by_mode["native"]["parity"])
     return 0 if strict_ok and native_differs else 1
 

@@ -12,9 +12,11 @@
 #   faults   vime.train on vLLM (small shapes): an engine killed mid-run is restarted and reloaded over IPC; a
 #            stopped run resumed from its checkpoint over IPC (tests/gpu/test_vllm_train_gpu.py)
 #   bench    strict vs native vLLM decode and prefill at Qwen3-8B shapes (benchmarks/vllm_throughput.py)
-#   profile  where strict decode time goes against native (benchmarks/vllm_decode_profile.py)
-# Variables: GPU_LAYERS (train, default 4), BENCH_LAYERS (36), PROFILE_LAYERS (8); each stage's time limit in
-# seconds: TESTS_S (220), TRAIN_S (330), FAULTS_S (200), BENCH_S (480), PROFILE_S (200).
+#   profile  where strict decode time goes against native (benchmarks/vllm_decode_profile.py: one engine per
+#            subprocess, CUDA graphs on both; per decode step device time by category, kernels, host launches)
+# Variables: GPU_LAYERS (train, default 4), BENCH_LAYERS (36), PROFILE_LAYERS (8); BENCH_MODES, PROFILE_MODES
+# (strict,native; strict_compiled: vLLM's torch.compile of the strict model, FULL_AND_PIECEWISE); each stage's time limit in
+# seconds: TESTS_S (220), TRAIN_S (330), FAULTS_S (200), BENCH_S (480), PROFILE_S (300).
 # Every file of $OUT ends up in $OUT/results.tar.gz (one file back from a device call), stages.txt beside it.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -56,9 +58,9 @@ for s in "$@"; do
              GPU_TRAIN_BUDGET_S=$(( ${TRAIN_S:-330} - 20 )) bash scripts/gpu_train.sh "model.tiny.num_layers=${GPU_LAYERS:-4}" ;;
     faults) stage faults "${FAULTS_S:-200}" $PY -m pytest tests/gpu/test_vllm_train_gpu.py -q -p no:cacheprovider -rA ;;
     bench) stage bench "${BENCH_S:-480}" $PY benchmarks/vllm_throughput.py --device cuda --layers "${BENCH_LAYERS:-36}" \
-             --out "$OUT/vllm_rollout_h200.json" ;;
-    profile) stage profile "${PROFILE_S:-200}" $PY benchmarks/vllm_decode_profile.py --layers "${PROFILE_LAYERS:-8}" \
-               --out "$OUT/vllm_decode_profile_h200.json" ;;
+             --modes "${BENCH_MODES:-strict,native}" --out "$OUT/vllm_rollout_h200.json" ;;
+    profile) stage profile "${PROFILE_S:-300}" $PY benchmarks/vllm_decode_profile.py --device cuda --layers "${PROFILE_LAYERS:-8}" \
+               --modes "${PROFILE_MODES:-strict,native}" --out "$OUT/vllm_decode_profile_h200.json" ;;
     *) echo "gpu_vllm: unknown stage $s (tests, train, faults, bench, profile)"; exit 2 ;;
   esac
 done

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from rl_kernel import backends
+from rl_kernel.ops import library
 from rl_kernel.ops.spec import OpSpec
 
 
@@ -60,4 +61,6 @@ class _StrictSiluAndMul(torch.autograd.Function):
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x [..., 2I] -> silu(x[..., :I]) * x[..., I:] in x's dtype."""
+    if torch.compiler.is_compiling():  # one opaque node for torch.compile (rl_kernel.ops.library)
+        return library.silu_and_mul(x)
     return ACTIVATION(_StrictSiluAndMul.apply, x)

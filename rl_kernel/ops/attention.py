@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from rl_kernel.backends.torch import attention as torch_attention
+from rl_kernel.ops import library
 from rl_kernel.ops.spec import OpSpec
 
 
@@ -118,6 +119,8 @@ def attention_varlen(
     sequence lengths starting at 0; `scale` multiplies q.k. Returns [T, H, d] in q's dtype.
     `max_seqlen`, the longest sequence (tokens), spares the backward a device-to-host read.
     """
+    if torch.compiler.is_compiling():  # one opaque node for torch.compile (rl_kernel.ops.library)
+        return library.attention_varlen(q, k, v, cu_seqlens, scale, max_seqlen)
     return ATTENTION(_StrictVarlenAttention.apply, q, k, v, cu_seqlens, scale, max_seqlen)
 
 
@@ -183,6 +186,8 @@ def paged_attention(
     including its new tokens, whose K/V must already be in the cache (`write_kv_cache`). Query j of
     sequence b sits at position seq_lens[b] - q_len[b] + j. Returns [Tq, H, d] in q's dtype.
     """
+    if torch.compiler.is_compiling():  # one opaque node for torch.compile (rl_kernel.ops.library)
+        return library.paged_attention(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale)
     return ATTENTION(_strict_paged, q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale,
                      native_form=native_paged)
 

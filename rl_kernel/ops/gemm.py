@@ -28,6 +28,7 @@ from rl_kernel.backends.torch import gemm as torch_gemm
 from rl_kernel.contracts import Contract
 from rl_kernel.errors import StrictModeError
 from rl_kernel.modes import canonical_tp
+from rl_kernel.ops import library
 from rl_kernel.ops.collective import COLLECTIVE, tree_all_reduce
 from rl_kernel.ops.spec import OpSpec
 
@@ -145,11 +146,15 @@ def _row_parallel_partial(x2d: torch.Tensor, weight: torch.Tensor, group: dist.P
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`x @ weight.T (+ bias)`: x [..., K], weight [N, K] -> [..., N] in x's dtype."""
+    if torch.compiler.is_compiling():  # one opaque node for torch.compile (rl_kernel.ops.library)
+        return library.linear(x, weight, bias)
     return GEMM(lambda *a: _StrictLinear.apply(*a, False, None), x, weight, bias)
 
 
 def linear_fp32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """`x @ weight.T` in fp32, not rounded: the GEMM contract up to its final rounding (no autograd)."""
+    if torch.compiler.is_compiling():  # one opaque node for torch.compile (rl_kernel.ops.library)
+        return library.linear_fp32(x, weight)
     if not GEMM.is_strict():
         GEMM.record_native(x.device)
         return native_linear(x, weight).to(torch.float32)
@@ -170,6 +175,8 @@ def row_parallel_linear(
     a K group.
     Native: `F.linear` on the slice, then the framework's all-reduce in x's dtype.
     """
+    if torch.compiler.is_compiling():  # one opaque node for torch.compile (rl_kernel.ops.library)
+        return library.row_parallel_linear(x_local, weight_local, library.register_group(group), bias)
     if not GEMM.is_strict():
         GEMM.record_native(x_local.device)
         y = native_linear(x_local, weight_local)

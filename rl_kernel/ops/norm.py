@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from rl_kernel import backends
+from rl_kernel.ops import library
 from rl_kernel.ops.spec import OpSpec
 
 
@@ -66,6 +67,9 @@ def rms_norm(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm over the last dim, in x's dtype. With `residual`, normalises s = x + residual (rounded once
     to x's dtype) and returns (y, s)."""
+    if torch.compiler.is_compiling():  # one opaque node for torch.compile (rl_kernel.ops.library)
+        return library.rms_norm(x, weight, eps) if residual is None \
+            else library.rms_norm_residual(x, residual, weight, eps)
     if residual is not None:
         x = x + residual
     y = NORM(_StrictRMSNorm.apply, x, weight, eps)

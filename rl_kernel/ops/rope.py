@@ -15,6 +15,7 @@ import torch
 
 from rl_kernel import backends
 from rl_kernel.backends.torch import rope as torch_rope
+from rl_kernel.ops import library
 from rl_kernel.ops.spec import OpSpec
 
 
@@ -87,4 +88,6 @@ def rope(x: torch.Tensor, positions: torch.Tensor, theta: float, rotary_dim: int
     """Rotate x [T, H, d] (queries or keys) by the angles of `positions` [T] (int, absolute
     positions in the sequence); rotary_dim defaults to d. Returns x's shape and dtype."""
     rotary_dim = x.shape[-1] if rotary_dim is None else rotary_dim
+    if torch.compiler.is_compiling():  # one opaque node for torch.compile (rl_kernel.ops.library)
+        return library.rope(x, positions, theta, rotary_dim)
     return ROPE(_StrictRope.apply, x, positions, theta, rotary_dim)

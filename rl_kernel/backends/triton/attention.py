@@ -306,7 +306,10 @@ def _store_rows(out_ptr, out, q0, tok, head, row_ok, H, D: tl.constexpr):
     tl.store(out_ptr + off, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
-@triton.jit
+# The counts that vary with the batch (sequences, their bit length, splits of the table's width, the table's row
+# stride) are not specialized on (== 1, divisible by 16): one compile per constexpr choice, which the strict vLLM
+# model's warm-up makes before serving (rl_kernel.integrations.vllm.warmup).
+@triton.jit(do_not_specialize=["B", "LOG_B", "NUM_SPLITS", "stride_bt"])
 def _attn_kernel(q_ptr, k_ptr, v_ptr, k_desc, v_desc, out_ptr, part_ptr, counter_ptr, lse_ptr,
                  q_start_ptr, ctx_len_ptr, block_table_ptr, B, LOG_B, NUM_SPLITS, KV_HEADS,
                  stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,

@@ -182,7 +182,7 @@ def _tree8(x_ptr, w_ptr, offs_m, offs_n, M, N, stride_xm, stride_wn, k_group, GR
     return out
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # one compile per tile class, not per row count
 def _fused_kernel(x_ptr, w_ptr, out_ptr, bias_ptr, M, N, stride_xm, stride_wn, stride_om, k_group,
                   HAS_BIAS: tl.constexpr, GROUPS: tl.constexpr, LEAVES: tl.constexpr, BLOCK_M: tl.constexpr,
                   BLOCK_N: tl.constexpr,
@@ -199,7 +199,7 @@ def _fused_kernel(x_ptr, w_ptr, out_ptr, bias_ptr, M, N, stride_xm, stride_wn, s
              mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _split_kernel(x_ptr, w_ptr, part_ptr, M, N, stride_xm, stride_wn, k_group,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
     pid_m, pid_n = _tile_ids(M, N, BLOCK_M, BLOCK_N)
@@ -213,7 +213,7 @@ def _split_kernel(x_ptr, w_ptr, part_ptr, M, N, stride_xm, stride_wn, k_group,
     tl.store(part_ptr + rows[:, None] * N + offs_n[None, :], acc, mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["numel"])
 def _tree_kernel(part_ptr, out_ptr, bias_ptr, numel, N, HAS_BIAS: tl.constexpr, GROUPS: tl.constexpr,
                  LEAVES: tl.constexpr, LOG2_LEAVES: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # numel = M x N may pass 2^31

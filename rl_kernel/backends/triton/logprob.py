@@ -153,7 +153,7 @@ def _fused_kernel(h_ptr, w_ptr, temp_ptr, tgt_ptr, m_ptr, s_ptr, zt_ptr, T, V, s
                 vocab_size, n_tiles, BLOCK_M, BLOCK_N, VT, FIXED, LOG2E, FAST_TEMP, RNI)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])  # one compile for every row count
 def _stats_kernel(logits_ptr, temp_ptr, tgt_ptr, m_ptr, s_ptr, zt_ptr, T, V, col0, cols, stride_l,
                   vocab_start, vocab_size, n_tiles,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, VT: tl.constexpr, FIXED: tl.constexpr,

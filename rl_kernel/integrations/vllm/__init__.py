@@ -42,9 +42,11 @@ LOGITS_PROCESSOR = "rl_kernel.integrations.vllm.sampling:StrictLogprobsProcessor
 WORKER_EXTENSION = "rl_kernel.integrations.vllm.worker.RLKernelWorkerExtension"
 SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM",)
 MODES_KEY = "rl_kernel_modes"  # additional_config entry: {boundary: mode} for every boundary
+COMPILE_KEY = "rl_kernel_compile"  # additional_config entry: True where vLLM compiles the strict model
 
 __all__ = [
-    "ARCH", "FORCED_TOKENS_KEY", "MODES_KEY", "SUPPORTED_VLLM", "TEMPERATURE_KEY", "WEIGHT_TRANSFER_BACKEND",
+    "ARCH", "ATTENTION_OP", "COMPILE_KEY", "FORCED_TOKENS_KEY", "MODES_KEY",
+    "SUPPORTED_VLLM", "TEMPERATURE_KEY", "WEIGHT_TRANSFER_BACKEND",
     "finish_weight_update",
     "forced_sampling_params", "native_llm_kwargs", "native_sampling_params", "push_weights", "register",
     "reset_evidence", "send_weights", "set_worker_modes", "strict_llm_kwargs", "strict_sampling_params",
@@ -56,6 +58,7 @@ def register() -> None:
     """vLLM general-plugin entry point: safe to call repeatedly, in any vLLM process. Refuses (one line) a vLLM
     outside `compat.SUPPORTED_VLLM`."""
     check_vllm_version()
+    import rl_kernel.integrations.vllm.attention_op  # noqa: F401  (registers the strict attention custom op)
     from vllm import ModelRegistry
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
@@ -82,6 +85,37 @@ def _check_architecture(model: str | Path) -> None:
 
 CUDA_WEIGHT_TRANSPORTS = ("ipc", "nccl")  # vLLM's own CUDA weight-transfer engines
 STRICT_CUDAGRAPH_MODE = "FULL_DECODE_ONLY"
+COMPILED_CUDAGRAPH_MODE = "FULL_AND_PIECEWISE"  # strict_llm_kwargs(compile=True): mixed batches under graphs too
+ATTENTION_OP = "rl_kernel::vllm_attention"  # the strict model's attention op: where vLLM splits the piecewise graph
+
+
+def _compile_config(device: str, compilation: dict, engine_kwargs: dict) -> dict[str, Any]:
+    """Engine arguments of a compiled strict engine, after checking its preconditions (one-line ValueError): the
+    strict ops are opaque torch.library custom ops (so Inductor cannot change a bit), no eager execution forced,
+    and on CUDA a graph mode that splits at the attention op."""
+    from rl_kernel.ops import library
+
+    missing = [op for op in library.OPS if not hasattr(_rl_kernel_ops(), op)]
+    if missing:
+        raise ValueError(f"compile=True needs rl_kernel's ops as torch.library custom ops; missing {missing}")
+    if engine_kwargs.get("enforce_eager"):
+        raise ValueError("compile=True compiles the strict model: drop enforce_eager=True (or compile=False)")
+    if device == "cpu":
+        return {"enforce_eager": False}
+    mode = compilation.get("cudagraph_mode", COMPILED_CUDAGRAPH_MODE)
+    if mode not in (COMPILED_CUDAGRAPH_MODE, STRICT_CUDAGRAPH_MODE, "PIECEWISE", "NONE"):
+        raise ValueError(f"a compiled strict engine runs cudagraph_mode {COMPILED_CUDAGRAPH_MODE!r}, "
+                         f"{STRICT_CUDAGRAPH_MODE!r}, 'PIECEWISE' or 'NONE', got {mode!r}")
+    splitting = list(compilation.get("splitting_ops") or [])
+    return {"compilation_config": compilation | {"cudagraph_mode": mode,
+                                                 "splitting_ops": splitting + [ATTENTION_OP] * (ATTENTION_OP
+                                                                                                 not in splitting)}}
+
+
+def _rl_kernel_ops():
+    import torch
+
+    return torch.ops.rl_kernel
 
 
 def _device_kwargs(device: str, transport: str | None) -> dict[str, Any]:
@@ -108,7 +142,7 @@ def _device_kwargs(device: str, transport: str | None) -> dict[str, Any]:
 
 
 def strict_llm_kwargs(model: str | Path, modes: dict[str, str] | None = None, *, device: str = "cpu",
-                      transport: str | None = None, **engine_kwargs: Any) -> dict[str, Any]:
+                      transport: str | None = None, compile: bool = False, **engine_kwargs: Any) -> dict[str, Any]:
     """`vllm.LLM` / engine arguments for a strict engine over the Qwen3 checkpoint at `model`.
 
     Selects the strict model class, the strict logits processor, `logprobs_mode="processed_logits"`
@@ -118,16 +152,31 @@ def strict_llm_kwargs(model: str | Path, modes: dict[str, str] | None = None, *,
     vLLM's `ipc` (default) or `nccl` engine (`transport`). `modes` (boundary -> mode; boundaries not
     named are strict) go to every engine process in `additional_config[MODES_KEY]`, whatever those
     processes' environment says. Other engine arguments (tensor_parallel_size, ...) pass through.
+
+    `compile=True` has vLLM compile the strict model's forward (torch.compile; every strict op is an opaque
+    torch.library custom op, so the compiled forward gives the eager one's bits): on CUDA with piecewise CUDA
+    graphs split at the attention op, for mixed prefill + decode batches too (`cudagraph_mode=
+    "FULL_AND_PIECEWISE"`); on CPU vLLM's CPU compilation instead of eager execution. Default off: the
+    eager (CPU) and FULL_DECODE_ONLY (CUDA) engines are unchanged.
     """
     _check_architecture(model)
     extra = dict(engine_kwargs.pop("additional_config", None) or {}) | {MODES_KEY: full_modes(modes)}
+    if compile:
+        extra[COMPILE_KEY] = True
     forced = {"logprobs_mode": "processed_logits", **_device_kwargs(device, transport)}
-    if str(device).startswith("cuda"):
-        compilation = dict(engine_kwargs.pop("compilation_config", None) or {})
+    kind = str(device).split(":")[0]
+    compilation = dict(engine_kwargs.pop("compilation_config", None) or {})
+    if compile:
+        forced |= _compile_config(kind, compilation, engine_kwargs)
+    elif kind == "cuda":
         if compilation.get("cudagraph_mode", STRICT_CUDAGRAPH_MODE) not in (STRICT_CUDAGRAPH_MODE, "NONE"):
             raise ValueError(f"strict mode captures CUDA graphs of pure-decode batches only (cudagraph_mode="
-                             f"{STRICT_CUDAGRAPH_MODE!r} or 'NONE'), got {compilation['cudagraph_mode']!r}")
+                             f"{STRICT_CUDAGRAPH_MODE!r} or 'NONE'; compile=True for {COMPILED_CUDAGRAPH_MODE!r}), "
+                             f"got {compilation['cudagraph_mode']!r}")
         forced["compilation_config"] = {"cudagraph_mode": STRICT_CUDAGRAPH_MODE} | compilation
+    elif compilation:
+        engine_kwargs["compilation_config"] = compilation
+    if kind == "cuda":
         if forced["weight_transfer_config"]["backend"] == "ipc":  # the strict model loads in place (ipc_engine.py)
             forced["weight_transfer_config"] = {"backend": STRICT_IPC_BACKEND}
     for key, value in forced.items():

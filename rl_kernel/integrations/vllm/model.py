@@ -26,11 +26,14 @@ import torch
 from torch import nn
 
 import rl_kernel as rk
-from rl_kernel.integrations.vllm import MODES_KEY
+from rl_kernel.integrations.vllm import COMPILE_KEY, MODES_KEY
+from rl_kernel.integrations.vllm.attention_op import register_layer, vllm_attention
+from rl_kernel.integrations.vllm.warmup import uses_triton, warm_up
 from rl_kernel.models.layers import Qwen3Model
 from rl_kernel.models.qwen3 import Qwen3Config
 from rl_kernel.models.qwen3_layout import weight_layout
 from rl_kernel.modes import full_modes
+from vllm.compilation.decorators import support_torch_compile
 
 SUPPORTED_MODEL_TYPES = ("qwen3",)
 
@@ -160,8 +163,19 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     return _paged_attention_compact(q, k_cache, v_cache, meta, scale)
 
 
+def _compiled(vllm_config) -> bool:
+    """Whether vLLM compiles the strict model's forward: only where strict_llm_kwargs(compile=True) asked."""
+    return bool((vllm_config.additional_config or {}).get(COMPILE_KEY))
+
+
+@support_torch_compile(dynamic_arg_dims={"input_ids": 0, "positions": -1, "inputs_embeds": 0}, enable_if=_compiled)
 class RLKernelQwen3ForCausalLM(nn.Module):
-    """vLLM model class (V1 interface: forward -> hidden states, compute_logits -> fp32 logits)."""
+    """vLLM model class (V1 interface: forward -> hidden states, compute_logits -> fp32 logits).
+
+    Compiled by vLLM (torch.compile, piecewise CUDA graphs split at `rl_kernel::vllm_attention`) only when the
+    engine was built with `strict_llm_kwargs(..., compile=True)`: every number of the traced forward is then
+    computed inside an opaque rl_kernel custom op (`rl_kernel.ops.library`, `attention_op`), so compiled and eager
+    give the same bits."""
 
     def __init__(self, *, vllm_config, prefix: str = "") -> None:
         from vllm.distributed import get_tp_group
@@ -195,7 +209,20 @@ class RLKernelQwen3ForCausalLM(nn.Module):
             Attention(s.heads, self.shape.head_dim, self.model.scale, num_kv_heads=s.kv_heads,
                       cache_config=vllm_config.cache_config, prefix=f"{prefix}model.layers.{i}.self_attn.attn")
             for i in range(self.shape.num_layers))
+        for i, attn in enumerate(self.attn):
+            register_layer(attn.layer_name, self, i)
         self._flash_writer = _vllm_cache_writer() if vllm_config.device_config.device_type == "cuda" else None
+        sched = vllm_config.scheduler_config
+        self._warm_up = dict(max_tokens=sched.max_num_batched_tokens, max_seqs=sched.max_num_seqs,
+                             block_size=vllm_config.cache_config.block_size,
+                             max_model_len=vllm_config.model_config.max_model_len)
+        self.warmed_up: list[int] | None = None  # the token counts the Triton warm-up ran, once it has
+
+    def _attention_fn(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """The forward's attention: `_attention`, as one opaque custom op while torch.compile traces."""
+        if torch.compiler.is_compiling():
+            return vllm_attention(q, k, v, self.attn[layer].layer_name)
+        return self._attention(layer, q, k, v)
 
     def _attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Paged attention over vLLM's KV cache of `layer` (the new tokens' k, v written first)."""
@@ -219,7 +246,7 @@ class RLKernelQwen3ForCausalLM(nn.Module):
         return self.model.embed_tokens(input_ids)
 
     def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None) -> torch.Tensor:
-        return self.model(input_ids, positions, self._attention, inputs_embeds)
+        return self.model(input_ids, positions, self._attention_fn, inputs_embeds)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """fp32 logits [T, vocab_size] under the GEMM contract, unrounded (input to rk.log_softmax)."""
@@ -238,4 +265,14 @@ class RLKernelQwen3ForCausalLM(nn.Module):
             with torch.no_grad():
                 views[name].copy_(layout[name].shard(w, self.model.rank, self.model.tp))
             loaded.add(names[id(self.model.get_parameter(layout[name].module))])
+        self._warm_up_triton()
         return loaded
+
+    def _warm_up_triton(self) -> None:
+        """Once, after the first load, where the strict ops run Triton kernels: compile every specialization
+        serving can meet (`rl_kernel.integrations.vllm.warmup`), before vLLM profiles memory and captures graphs."""
+        device = self.model.norm.weight.device
+        if self.warmed_up is not None or not uses_triton(device):
+            return
+        self.warmed_up = warm_up(self.model, device=device, **self._warm_up)
+        torch.cuda.empty_cache()  # the warm-up's activations are not the engine's (vLLM sizes the KV cache next)

@@ -1,0 +1,229 @@
+"""The strict vLLM model's Triton warm-up covers every kernel specialization serving meets (pure logic, CPU).
+
+The strict forward runs on CPU tensors with the Triton backend forced and every Triton kernel replaced by a
+recorder: each launch is bound by Triton's own binder (`create_function_from_signature`, the function that makes
+a JIT kernel's cache key: constexprs, options, pointer dtypes and 16-byte alignment, integer classes == 1 and
+divisible by 16, less the kernel's `do_not_specialize`) and its key recorded, nothing is launched. The keys of
+decode, prefill and mixed batches of an engine's limits must all be among the warm-up's. The twin: after vLLM's
+own warm-up alone (its profiling forward, its decode graph captures) serving meets keys not compiled yet, which is
+how `_attn_kernel` and `_rms_norm_kernel` compiled during inference.
+
+What this cannot show without a GPU: that Triton 3.6 on the H200 keys a kernel the same way (this binder is the
+installed Triton's), that vLLM's tensors have the alignments modelled here, and that no other JIT (vLLM's own,
+torch) compiles during inference; the JIT monitor of a GPU run (scripts/gpu_vllm.sh) says that.
+"""
+
+from __future__ import annotations
+
+import copy
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+from triton.backends.compiler import BaseBackend  # noqa: E402
+from triton.runtime.jit import create_function_from_signature  # noqa: E402
+
+from rl_kernel import backends  # noqa: E402
+from rl_kernel.backends.triton import activation, attention, gemm, norm, rope  # noqa: E402
+from rl_kernel.integrations.vllm.model import paged_attention  # noqa: E402
+from rl_kernel.integrations.vllm.warmup import warm_up, warm_up_tokens  # noqa: E402
+from rl_kernel.models.layers import Qwen3Model  # noqa: E402
+from rl_kernel.models.qwen3 import Qwen3Config  # noqa: E402
+
+KERNELS = [(norm, "_rms_norm_kernel"), (activation, "_silu_and_mul_kernel"), (rope, "_rope_kernel"),
+           (attention, "_attn_kernel"), (gemm, "_fused_kernel"), (gemm, "_split_kernel"), (gemm, "_tree_kernel")]
+# An engine's limits (scheduler token budget past the norm's and the attention schedule's size thresholds).
+LIMITS = dict(max_tokens=4096, max_seqs=64, block_size=16, max_model_len=4112)
+
+
+def _key(spec) -> tuple:
+    return tuple(s if isinstance(s, tuple) else (s,) for s in spec)
+
+
+class Recorder:
+    """Stands in for a JIT kernel: records the specialization key of every launch, under the kernel's own
+    `do_not_specialize` (`keys`) and with every argument specialized (`keys_all`); launches nothing."""
+
+    def __init__(self, kernel):
+        self.names = [p.name for p in kernel.params]
+        everything = [copy.copy(p) for p in kernel.params]
+        for p in everything:
+            p.do_not_specialize = False
+        self.binders = {"keys": create_function_from_signature(kernel.signature, kernel.params, BaseBackend),
+                        "keys_all": create_function_from_signature(kernel.signature, everything, BaseBackend)}
+        self.keys, self.keys_all = set(), set()
+
+    def __getitem__(self, grid):
+        return self.launch
+
+    def launch(self, *args, **kwargs):
+        for attr, binder in self.binders.items():
+            _, spec, options = binder(*args, **kwargs)
+            getattr(self, attr).add((_key(spec), tuple(sorted(options.items()))))
+
+
+@pytest.fixture(scope="module")
+def recorded():
+    """(recorders by kernel name, the model, run(meta_batches)): the strict forward on CPU under the Triton
+    backend, its launches recorded."""
+    mp = pytest.MonkeyPatch()
+    recorders = {}
+    for module, name in KERNELS:
+        recorders[name] = Recorder(getattr(module, name))
+        mp.setattr(module, name, recorders[name])
+    mp.setattr(backends, "strict_backend", lambda op, device: "triton")
+    config = Qwen3Config.from_hf(dict(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=1,
+                                      num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6,
+                                      rope_theta=1e6, tie_word_embeddings=False, max_position_embeddings=8192,
+                                      architectures=["Qwen3ForCausalLM"], model_type="qwen3"), "test")
+    model = Qwen3Model(config, None, torch.bfloat16)
+    yield recorders, model
+    mp.undo()
+
+
+class Serving:
+    """vLLM's tensors for a batch: slices of persistent buffers (block table [max_seqs, width], query starts,
+    sequence lengths, token ids, positions), the cache in FlashAttention's layout (blocks, block_size, Hkv, 2d)."""
+
+    def __init__(self, model, limits):
+        self.model, self.limits = model, limits
+        width = -(-limits["max_model_len"] // limits["block_size"])
+        s, d = model.shape, model.config.head_dim
+        blocks = limits["max_seqs"] * width
+        self.kv = torch.zeros(blocks, limits["block_size"], s.kv_heads, 2 * d, dtype=torch.bfloat16).transpose(1, 2)
+        self.table = torch.arange(blocks, dtype=torch.int32).view(limits["max_seqs"], width)
+        self.qsl = torch.zeros(limits["max_seqs"] + 1, dtype=torch.int32)
+        self.lens = torch.zeros(limits["max_seqs"], dtype=torch.int32)
+        self.ids = torch.zeros(limits["max_tokens"], dtype=torch.int64)
+        self.pos = torch.zeros(limits["max_tokens"], dtype=torch.int64)
+
+    def run(self, q_lens: list[int], ctx_lens: list[int], padded: int | None = None) -> None:
+        """One step: sequence i brings q_lens[i] new tokens of ctx_lens[i] >= q_lens[i]; `padded`: the token count
+        vLLM pads a CUDA-graph batch to."""
+        from rl_kernel.integrations.vllm.model import kv_cache_views
+
+        b, t = len(q_lens), sum(q_lens)
+        n = padded or t
+        self.qsl[1: b + 1] = torch.cumsum(torch.tensor(q_lens, dtype=torch.int32), 0)
+        self.lens[:b] = torch.tensor(ctx_lens, dtype=torch.int32)
+        meta = SimpleNamespace(query_start_loc=self.qsl[: b + 1], seq_lens=self.lens[:b], block_table=self.table[:b])
+        k_cache, v_cache = kv_cache_views(self.kv, "FLASH_ATTN", self.model.config.head_dim)
+
+        def attn(layer, q, k, v):
+            out = torch.zeros_like(q)
+            out[:n] = paged_attention(q[:n], k_cache, v_cache, meta, self.model.scale)
+            return out
+
+        with torch.no_grad():
+            hidden = self.model(self.ids[:n], self.pos[:n], attn)
+            self.model.lm_head.logits(hidden[:b])
+
+
+def _record(recorders, run) -> dict:
+    """The keys recorded while `run()` runs, by kernel: (under do_not_specialize, everything specialized)."""
+    for r in recorders.values():
+        r.keys.clear()
+        r.keys_all.clear()
+    run()
+    return {n: (set(r.keys), set(r.keys_all)) for n, r in recorders.items()}
+
+
+@pytest.fixture(scope="module")
+def warmed(recorded):
+    recorders, model = recorded
+    counts = []
+    keys = _record(recorders, lambda: counts.extend(warm_up(model, device=torch.device("cpu"), **LIMITS)))
+    assert counts == warm_up_tokens(LIMITS["max_tokens"])
+    return keys
+
+
+def _serving_keys(recorded, steps) -> dict:
+    recorders, model = recorded
+    serving = Serving(model, LIMITS)
+    return _record(recorders, lambda: [serving.run(*step) for step in steps])
+
+
+def _decode_and_prefill_steps() -> list:
+    seqs, budget, ctx = LIMITS["max_seqs"], LIMITS["max_tokens"], LIMITS["max_model_len"] - 16
+    steps = [([1] * b, [ctx - b] * b, None) for b in range(1, seqs + 1)]  # decode, every batch size
+    steps += [([1] * b, [17 + i for i in range(b)], p) for b, p in ((3, 4), (5, 8), (13, 16), (50, 56))]  # padded
+    steps += [([t], [t], None) for t in sorted({*range(1, 70), 127, 128, 129, 1000, 1985, 1986, 2047, 2048, 2049,
+                                                3001, budget})]  # one prompt
+    steps += [([t, 1, 1], [t + 100, 7, 4000], None) for t in (61, 2045, budget - 2)]  # chunked prefill beside decodes
+    return steps
+
+
+@pytest.fixture(scope="module")
+def serving_keys(recorded):
+    return _serving_keys(recorded, _decode_and_prefill_steps())
+
+
+def test_warm_up_token_counts():
+    assert warm_up_tokens(1) == [1]
+    assert warm_up_tokens(5) == [1, 2, 3, 4, 5]
+    counts = warm_up_tokens(4096)
+    assert counts[0] == 1 and counts[-1] == 4096 and {2048, 2049, 1024, 1025} <= set(counts)
+    with pytest.raises(ValueError, match="max_tokens"):
+        warm_up_tokens(0)
+
+
+def test_serving_keys_are_all_warmed(warmed, serving_keys):
+    for name, (keys, _) in serving_keys.items():
+        missing = keys - warmed[name][0]
+        assert not missing, f"{name}: {len(missing)} specializations met in serving were not warmed: {missing}"
+    # the paths that matter were exercised
+    assert serving_keys["_attn_kernel"][0] and serving_keys["_rms_norm_kernel"][0]
+
+
+@pytest.fixture(scope="module")
+def vllm_warmed(recorded):
+    """What vLLM's own warm-up launches: its profiling forward at the token budget (attention skipped: no
+    metadata) and its CUDA-graph captures of decode batches (padded to the capture sizes)."""
+    recorders, model = recorded
+    serving = Serving(model, LIMITS)
+    ctx = LIMITS["max_model_len"] - 16
+    captures = [1, 2, 4, 8, *range(16, LIMITS["max_seqs"] + 1, 8)]
+
+    def run():
+        with torch.no_grad():
+            n = LIMITS["max_tokens"]
+            model(serving.ids[:n], serving.pos[:n], lambda layer, q, k, v: torch.zeros_like(q))
+        for size in captures:
+            serving.run([1] * size, [ctx] * size)
+    return _record(recorders, run)
+
+
+def test_vllm_warm_up_alone_leaves_keys_to_compile_in_serving(vllm_warmed, serving_keys):
+    """The twin: vLLM's own warm-up leaves serving keys uncompiled: the attention's fused schedule (a long
+    prefill) whatever the specialization, and, with every integer specialized (the kernels before
+    `do_not_specialize`), norm row counts of another class than the profiling run's."""
+    assert serving_keys["_attn_kernel"][0] - vllm_warmed["_attn_kernel"][0]
+    for name in ("_attn_kernel", "_rms_norm_kernel"):
+        assert serving_keys[name][1] - vllm_warmed[name][1], f"{name}: the twin shows nothing"
+
+
+def test_warm_up_covers_both_attention_schedules_and_norm_tiles(warmed):
+    """Both constexpr choices that depend on the batch's size: the split and fused attention schedules, and the
+    norm's one-row and 8-row programs."""
+    split = attention._attn_kernel.names.index("SPLIT")
+    assert {spec[split][1] for spec, _ in warmed["_attn_kernel"][0]} == {True, False}
+    block_t = norm._rms_norm_kernel.names.index("BLOCK_T")
+    assert {spec[block_t][1] for spec, _ in warmed["_rms_norm_kernel"][0]} == {1, norm.BLOCK_T}
+
+
+@pytest.mark.slow  # one forward per example: about 2 s each on a loaded 2-core machine
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 300), st.integers(0, 3000)), min_size=1, max_size=LIMITS["max_seqs"]))
+def test_mixed_batches_stay_within_warmed_keys(recorded, warmed, batch):
+    q_lens = [q for q, _ in batch]
+    if sum(q_lens) > LIMITS["max_tokens"]:
+        q_lens = [1] * len(q_lens)
+    ctx = [min(q + extra, LIMITS["max_model_len"]) for q, (_, extra) in zip(q_lens, batch)]
+    keys = _serving_keys(recorded, [(q_lens, ctx, None)])
+    for name, (got, _) in keys.items():
+        assert got <= warmed[name][0], f"{name}: {got - warmed[name][0]}"
