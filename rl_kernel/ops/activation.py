@@ -62,5 +62,17 @@ class _StrictSiluAndMul(torch.autograd.Function):
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x [..., 2I] -> silu(x[..., :I]) * x[..., I:] in x's dtype."""
     if torch.compiler.is_compiling():  # one opaque node for torch.compile (rl_kernel.ops.library)
-        return library.silu_and_mul(x)
+        return _silu_and_mul_op(x)
     return ACTIVATION(_StrictSiluAndMul.apply, x)
+
+
+# ---- the op as one opaque node for torch.compile (rl_kernel.ops.library) ----
+
+@torch.library.custom_op(f"{library.LIB}::silu_and_mul", mutates_args=())
+def _silu_and_mul_op(x: torch.Tensor) -> torch.Tensor:
+    return silu_and_mul(x).contiguous()
+
+
+@_silu_and_mul_op.register_fake
+def _silu_and_mul_fake(x):
+    return library.like(x, *x.shape[:-1], x.shape[-1] // 2)

@@ -120,7 +120,7 @@ def attention_varlen(
     `max_seqlen`, the longest sequence (tokens), spares the backward a device-to-host read.
     """
     if torch.compiler.is_compiling():  # one opaque node for torch.compile (rl_kernel.ops.library)
-        return library.attention_varlen(q, k, v, cu_seqlens, scale, max_seqlen)
+        return _attention_varlen_op(q, k, v, cu_seqlens, scale, max_seqlen)
     return ATTENTION(_StrictVarlenAttention.apply, q, k, v, cu_seqlens, scale, max_seqlen)
 
 
@@ -187,7 +187,7 @@ def paged_attention(
     sequence b sits at position seq_lens[b] - q_len[b] + j. Returns [Tq, H, d] in q's dtype.
     """
     if torch.compiler.is_compiling():  # one opaque node for torch.compile (rl_kernel.ops.library)
-        return library.paged_attention(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale)
+        return _paged_attention_op(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale)
     return ATTENTION(_strict_paged, q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale,
                      native_form=native_paged)
 
@@ -202,3 +202,27 @@ def write_kv_cache(
     """Store k, v [T, Hkv, d] at flat slots (block * block_size + offset) of the paged caches: a copy."""
     k_cache.view(-1, *k_cache.shape[2:])[slot_mapping.to(torch.int64)] = k.to(k_cache.dtype)
     v_cache.view(-1, *v_cache.shape[2:])[slot_mapping.to(torch.int64)] = v.to(v_cache.dtype)
+
+
+# ---- the op as one opaque node for torch.compile (rl_kernel.ops.library) ----
+
+@torch.library.custom_op(f"{library.LIB}::attention_varlen", mutates_args=())
+def _attention_varlen_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: float,
+                     max_seqlen: int | None) -> torch.Tensor:
+    return attention_varlen(q, k, v, cu_seqlens, scale, max_seqlen).contiguous()
+
+
+@_attention_varlen_op.register_fake
+def _attention_varlen_fake(q, k, v, cu_seqlens, scale, max_seqlen):
+    return library.like(q)
+
+
+@torch.library.custom_op(f"{library.LIB}::paged_attention", mutates_args=())
+def _paged_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+                    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float) -> torch.Tensor:
+    return paged_attention(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale).contiguous()
+
+
+@_paged_attention_op.register_fake
+def _paged_attention_fake(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale):
+    return library.like(q)

@@ -147,14 +147,14 @@ def _row_parallel_partial(x2d: torch.Tensor, weight: torch.Tensor, group: dist.P
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`x @ weight.T (+ bias)`: x [..., K], weight [N, K] -> [..., N] in x's dtype."""
     if torch.compiler.is_compiling():  # one opaque node for torch.compile (rl_kernel.ops.library)
-        return library.linear(x, weight, bias)
+        return _linear_op(x, weight, bias)
     return GEMM(lambda *a: _StrictLinear.apply(*a, False, None), x, weight, bias)
 
 
 def linear_fp32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """`x @ weight.T` in fp32, not rounded: the GEMM contract up to its final rounding (no autograd)."""
     if torch.compiler.is_compiling():  # one opaque node for torch.compile (rl_kernel.ops.library)
-        return library.linear_fp32(x, weight)
+        return _linear_fp32_op(x, weight)
     if not GEMM.is_strict():
         GEMM.record_native(x.device)
         return native_linear(x, weight).to(torch.float32)
@@ -176,7 +176,7 @@ def row_parallel_linear(
     Native: `F.linear` on the slice, then the framework's all-reduce in x's dtype.
     """
     if torch.compiler.is_compiling():  # one opaque node for torch.compile (rl_kernel.ops.library)
-        return library.row_parallel_linear(x_local, weight_local, library.register_group(group), bias)
+        return _row_parallel_linear_op(x_local, weight_local, library.register_group(group), bias)
     if not GEMM.is_strict():
         GEMM.record_native(x_local.device)
         y = native_linear(x_local, weight_local)
@@ -185,3 +185,36 @@ def row_parallel_linear(
             dist.all_reduce(y, group=group)
         return y if bias is None else y + bias.to(y.dtype)
     return _StrictLinear.apply(x_local, weight_local, bias, True, group)
+
+
+# ---- the op as one opaque node for torch.compile (rl_kernel.ops.library) ----
+
+@torch.library.custom_op(f"{library.LIB}::linear", mutates_args=())
+def _linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return linear(x, weight, bias).contiguous()
+
+
+@_linear_op.register_fake
+def _linear_fake(x, weight, bias):
+    return library.like(x, *x.shape[:-1], weight.shape[0])
+
+
+@torch.library.custom_op(f"{library.LIB}::linear_fp32", mutates_args=())
+def _linear_fp32_op(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return linear_fp32(x, weight).contiguous()
+
+
+@_linear_fp32_op.register_fake
+def _linear_fp32_fake(x, weight):
+    return library.like(x, *x.shape[:-1], weight.shape[0], dtype=torch.float32)
+
+
+@torch.library.custom_op(f"{library.LIB}::row_parallel_linear", mutates_args=())
+def _row_parallel_linear_op(x: torch.Tensor, weight: torch.Tensor, group_key: str,
+                        bias: torch.Tensor | None) -> torch.Tensor:
+    return row_parallel_linear(x, weight, library.group_of(group_key), bias).contiguous()
+
+
+@_row_parallel_linear_op.register_fake
+def _row_parallel_linear_fake(x, weight, group_key, bias):
+    return library.like(x, *x.shape[:-1], weight.shape[0])

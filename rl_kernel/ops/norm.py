@@ -68,9 +68,33 @@ def rms_norm(
     """RMSNorm over the last dim, in x's dtype. With `residual`, normalises s = x + residual (rounded once
     to x's dtype) and returns (y, s)."""
     if torch.compiler.is_compiling():  # one opaque node for torch.compile (rl_kernel.ops.library)
-        return library.rms_norm(x, weight, eps) if residual is None \
-            else library.rms_norm_residual(x, residual, weight, eps)
+        return _rms_norm_op(x, weight, eps) if residual is None \
+            else _rms_norm_residual_op(x, residual, weight, eps)
     if residual is not None:
         x = x + residual
     y = NORM(_StrictRMSNorm.apply, x, weight, eps)
     return y if residual is None else (y, x)
+
+
+# ---- the op as one opaque node for torch.compile (rl_kernel.ops.library) ----
+
+@torch.library.custom_op(f"{library.LIB}::rms_norm", mutates_args=())
+def _rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return rms_norm(x, weight, eps).contiguous()
+
+
+@_rms_norm_op.register_fake
+def _rms_norm_fake(x, weight, eps):
+    return library.like(x)
+
+
+@torch.library.custom_op(f"{library.LIB}::rms_norm_residual", mutates_args=())
+def _rms_norm_residual_op(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    y, s = rms_norm(x, weight, eps, residual=residual)
+    return y.contiguous(), s.contiguous()
+
+
+@_rms_norm_residual_op.register_fake
+def _rms_norm_residual_fake(x, residual, weight, eps):
+    return library.like(x), library.like(x)

@@ -89,5 +89,17 @@ def rope(x: torch.Tensor, positions: torch.Tensor, theta: float, rotary_dim: int
     positions in the sequence); rotary_dim defaults to d. Returns x's shape and dtype."""
     rotary_dim = x.shape[-1] if rotary_dim is None else rotary_dim
     if torch.compiler.is_compiling():  # one opaque node for torch.compile (rl_kernel.ops.library)
-        return library.rope(x, positions, theta, rotary_dim)
+        return _rope_op(x, positions, theta, rotary_dim)
     return ROPE(_StrictRope.apply, x, positions, theta, rotary_dim)
+
+
+# ---- the op as one opaque node for torch.compile (rl_kernel.ops.library) ----
+
+@torch.library.custom_op(f"{library.LIB}::rope", mutates_args=())
+def _rope_op(x: torch.Tensor, positions: torch.Tensor, theta: float, rotary_dim: int | None) -> torch.Tensor:
+    return rope(x, positions, theta, rotary_dim).contiguous()
+
+
+@_rope_op.register_fake
+def _rope_fake(x, positions, theta, rotary_dim):
+    return library.like(x)

@@ -30,7 +30,7 @@ from triton.runtime.jit import create_function_from_signature  # noqa: E402
 
 from rl_kernel import backends  # noqa: E402
 from rl_kernel.backends.triton import activation, attention, gemm, norm, rope  # noqa: E402
-from rl_kernel.integrations.vllm.model import paged_attention  # noqa: E402
+from rl_kernel.integrations.vllm.model import kv_cache_views, paged_attention  # noqa: E402
 from rl_kernel.integrations.vllm.warmup import warm_up, warm_up_tokens  # noqa: E402
 from rl_kernel.models.layers import Qwen3Model  # noqa: E402
 from rl_kernel.models.qwen3 import Qwen3Config  # noqa: E402
@@ -137,7 +137,8 @@ def _record(recorders, run) -> dict:
 def warmed(recorded):
     recorders, model = recorded
     counts = []
-    keys = _record(recorders, lambda: counts.extend(warm_up(model, device=torch.device("cpu"), **LIMITS)))
+    views = {"paged_attention": paged_attention, "kv_cache_views": kv_cache_views}
+    keys = _record(recorders, lambda: counts.extend(warm_up(model, device=torch.device("cpu"), **views, **LIMITS)))
     assert counts == warm_up_tokens(LIMITS["max_tokens"])
     return keys
 

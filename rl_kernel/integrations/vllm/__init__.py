@@ -30,6 +30,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from rl_kernel.integrations.vllm.attention_op import ATTENTION_OP
 from rl_kernel.integrations.vllm.compat import SUPPORTED_VLLM, check_vllm_version, has_nccl_trainer_engine
 from rl_kernel.integrations.vllm.compat import finish_weight_update as _finish_with_version
 from rl_kernel.integrations.vllm.sampling import FORCED_TOKENS_KEY, TEMPERATURE_KEY
@@ -86,7 +87,6 @@ def _check_architecture(model: str | Path) -> None:
 CUDA_WEIGHT_TRANSPORTS = ("ipc", "nccl")  # vLLM's own CUDA weight-transfer engines
 STRICT_CUDAGRAPH_MODE = "FULL_DECODE_ONLY"
 COMPILED_CUDAGRAPH_MODE = "FULL_AND_PIECEWISE"  # strict_llm_kwargs(compile=True): mixed batches under graphs too
-ATTENTION_OP = "rl_kernel::vllm_attention"  # the strict model's attention op: where vLLM splits the piecewise graph
 
 
 def _compile_config(device: str, compilation: dict, engine_kwargs: dict) -> dict[str, Any]:

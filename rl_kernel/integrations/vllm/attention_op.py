@@ -13,7 +13,7 @@ import weakref
 
 import torch
 
-from rl_kernel.integrations.vllm import ATTENTION_OP
+ATTENTION_OP = "rl_kernel::vllm_attention"  # the strict model's attention op: vLLM splits its piecewise graph here
 
 _LAYERS: dict[str, tuple[weakref.ref, int]] = {}  # vLLM layer name -> (strict model, layer index)
 

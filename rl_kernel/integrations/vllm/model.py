@@ -274,5 +274,6 @@ class RLKernelQwen3ForCausalLM(nn.Module):
         device = self.model.norm.weight.device
         if self.warmed_up is not None or not uses_triton(device):
             return
-        self.warmed_up = warm_up(self.model, device=device, **self._warm_up)
+        self.warmed_up = warm_up(self.model, paged_attention=paged_attention, kv_cache_views=kv_cache_views,
+                                 device=device, **self._warm_up)
         torch.cuda.empty_cache()  # the warm-up's activations are not the engine's (vLLM sizes the KV cache next)

@@ -62,15 +62,13 @@ def dummy_batch(tokens: int, max_seqs: int, width: int, device: torch.device) ->
 
 
 @torch.no_grad()  # not inference_mode: the RoPE table cache reads tensor versions
-def warm_up(model, *, max_tokens: int, max_seqs: int, block_size: int, max_model_len: int, device: torch.device,
-            backend: str = "FLASH_ATTN") -> list[int]:
+def warm_up(model, *, paged_attention, kv_cache_views, max_tokens: int, max_seqs: int, block_size: int,
+            max_model_len: int, device: torch.device, backend: str = "FLASH_ATTN") -> list[int]:
     """Run `model` (`rl_kernel.models.layers.Qwen3Model`) once per count of `warm_up_tokens(max_tokens)` with
-    `rl_kernel.integrations.vllm.model.paged_attention` over a one-block cache of `backend`'s layout
-    (block_size, cdiv(max_model_len, block_size) table entries per sequence) and the logits of the last
+    the serving model's `paged_attention` over a one-block cache of `backend`'s layout (`kv_cache_views`;
+    block_size, cdiv(max_model_len, block_size) table entries per sequence) and the logits of the last
     min(tokens, max_seqs) rows. Values are meaningless (ids 0, no KV written); only the launches matter.
     Returns the token counts run."""
-    from rl_kernel.integrations.vllm.model import kv_cache_views, paged_attention
-
     shape, d = model.shape, model.config.head_dim
     dtype = model.norm.weight.dtype
     kv_cache = torch.zeros(1, block_size, shape.kv_heads, 2 * d, dtype=dtype, device=device).transpose(1, 2)
