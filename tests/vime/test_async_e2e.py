@@ -7,7 +7,8 @@ rl_kernel plugin, Megatron-core, Hydra, W&B offline).
   fresh token and moves once the weights moved.
 - In-flight updates (`rollout.partial=true`, `rollout.partial_wait=1`): each rollout after the first
   takes the next version after its first token, so samples carry mixed versions; the trainer reproduces
-  them in bits (prefix K/V under v, later tokens under v+1). The native twin mismatches.
+  them in bits (prefix K/V under v, later tokens under v+1). The native twin mismatches (made by the same
+  invocation: `compare=native` runs it first, under `<out>/native`).
 """
 
 from __future__ import annotations
@@ -34,11 +35,11 @@ def _rows(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def _train(out: Path, *overrides: str) -> list[dict]:
+def _train(out: Path, *overrides: str, timeout: int = 600) -> list[dict]:
     """The default run (as `strict_run`: 2 steps) with `overrides`."""
     env = os.environ | {"WANDB_MODE": "offline", "TOKENIZERS_PARALLELISM": "false"}
     cmd = [sys.executable, "-m", "vime.train", "steps=2", f"output_dir={out}", *overrides]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     rows = _rows(out)
     assert [r["step"] for r in rows] == [0, 1] and all(r["tokens"] > 0 for r in rows)
@@ -65,12 +66,18 @@ def test_lag1_is_exact_and_lag0_equals_the_synchronous_run(tmp_path, strict_run)
     assert rows[0]["grad_norm"] > 0
 
 
-def _partial(out: Path, *overrides: str) -> list[dict]:
-    return _train(out, *ASYNC, "rollout.partial=true", "rollout.partial_wait=1", *overrides)
+@pytest.fixture(scope="module")
+def partial_run(tmp_path_factory) -> tuple[list[dict], list[dict]]:
+    """(rows, native twin's rows) of the in-flight update run: one invocation, `compare=native`."""
+    out = tmp_path_factory.mktemp("partial") / "run"
+    rows = _train(out, *ASYNC, "rollout.partial=true", "rollout.partial_wait=1", "compare=native", timeout=1200)
+    native = _rows(out / "native")
+    assert [r["step"] for r in native] == [0, 1] and all(r["tokens"] > 0 for r in native)
+    return rows, native
 
 
-def test_in_flight_updates_give_mixed_versions_reproduced_in_bits(tmp_path):
-    rows = _partial(tmp_path / "partial")
+def test_in_flight_updates_give_mixed_versions_reproduced_in_bits(partial_run):
+    rows = partial_run[0]
     for r in rows:
         assert r["strict"] is True and r["mismatch_count"] == 0 and r["max_abs_diff"] == 0.0, r
         assert r["lag0_ratio_off"] == 0
@@ -81,8 +88,8 @@ def test_in_flight_updates_give_mixed_versions_reproduced_in_bits(tmp_path):
         assert r["behaviour_checked_tokens"] > 0 and r["behaviour_check_rate"] == 1.0
 
 
-def test_native_twin_of_the_async_run_mismatches(tmp_path):
-    rows = _partial(tmp_path / "native", "rollout.mode=native", "trainer.mode=native")
+def test_native_twin_of_the_async_run_mismatches(partial_run):
+    rows = partial_run[1]
     for r in rows:
         assert r["strict"] is False and r["mismatch_count"] > 0, r
     assert any(r["mixed_samples"] > 0 for r in rows[1:])
