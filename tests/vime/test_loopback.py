@@ -1,8 +1,8 @@
 """Loopback by default: on one node the trainer's torch.distributed world rendezvous through
 a FileStore (nothing listens) and gloo binds the loopback interface, so no trainer socket is reachable
 from other hosts. Two real gloo ranks are started the way the driver configures them. And the real job
-(the shared `strict_run`, the default config): every listening socket of its process tree, Ray's
-included, is on a loopback address."""
+(the shared `strict_run`, the default config with its native twin): every listening socket of its process
+tree, Ray's included, is on a loopback address."""
 
 from __future__ import annotations
 
@@ -62,10 +62,10 @@ def _loopback(ip: str) -> bool:
 @pytest.mark.vllm
 @pytest.mark.megatron
 def test_a_default_run_listens_on_loopback_only(strict_run):
-    """The real job (the shared `strict_run`: the default config, 2 steps): every listening socket of its
-    process tree (driver, Ray's GCS, raylet, dashboard head, agents, monitor, workers and actors, vLLM,
-    Megatron, W&B), sampled while it runs, is bound to a loopback address ("What listens where" in
-    docs/vime.md)."""
+    """The real job (the shared `strict_run`: the default config, 2 steps, its native twin first): every
+    listening socket of its process tree (driver, Ray's GCS, raylet, dashboard head, agents, monitor, workers
+    and actors, vLLM, Megatron, W&B), sampled while it runs, is bound to a loopback address ("What listens
+    where" in docs/vime.md)."""
     assert strict_run.proc.returncode == 0, strict_run.proc.stderr[-4000:]
     listeners = strict_run.listeners
     names = {name for name, _, _ in listeners}

@@ -3,7 +3,8 @@ the rl_kernel plugin, Megatron-core trainer, Hydra, W&B offline).
 
 Strict: every step, every active response token, rollout and trainer logprobs have equal fp32 bits
 (mismatch_count == 0, max_abs_diff == 0), across a weight sync (step 1 runs on version 1 weights).
-Native twin: the same run with vLLM's and Megatron's own kernels shows mismatches on every step.
+Native twin: the same run with vLLM's and Megatron's own kernels shows mismatches on every step (the
+shared `strict_run` is made with `compare=native`, which runs that twin first, under `<out>/native`).
 """
 
 from __future__ import annotations
@@ -20,10 +21,14 @@ from tests.vime.conftest import alive, run_files_left, wandb_exit_codes
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.megatron]
+NO_SAVE = ("checkpoint.final=false", "checkpoint.export_hf=false")  # a run whose checkpoints no test reads
 
 
-def _train(out: Path, *overrides: str, timeout: int = 420, proc: subprocess.CompletedProcess | None = None
-           ) -> list[dict]:
+def _train(out: Path, *overrides: str, timeout: int = 420, proc: subprocess.CompletedProcess | None = None,
+           figure: bool = True) -> list[dict]:
+    """The rows of the 2-step run in `out` (made here with `overrides`, or `proc` made it already), after
+    the checks every such run passes. `figure=False`: a `compare=native` twin, whose rows are plotted in
+    the figure of the run that made it (asserted for `strict_run`), not in one of its own."""
     env = os.environ | {"WANDB_MODE": "offline", "TOKENIZERS_PARALLELISM": "false"}
     # The arithmetic task: its format term gives every step's groups reward variance, so the weights
     # move on both steps (the default copy task can start with all groups tied at reward 0).
@@ -35,7 +40,8 @@ def _train(out: Path, *overrides: str, timeout: int = 420, proc: subprocess.Comp
     assert [r["step"] for r in rows] == [0, 1] and [r["version"] for r in rows] == [0, 1]
     assert all(r["tokens"] > 0 for r in rows)
     assert list((out / "wandb").glob("offline-run-*/run-*.wandb")), "no W&B offline run file"
-    assert (out / "consistency.png").stat().st_size > 0
+    if figure:
+        assert (out / "consistency.png").stat().st_size > 0
     return rows
 
 
@@ -72,14 +78,18 @@ def test_strict_run_with_bf16_logits_has_zero_mismatches_every_step(tmp_path):
     """model.logits_dtype=bfloat16: the logprob contracts round the LM head's logits to bf16 on both engines.
     The driver's contract gate fails the run if either engine ran its logprobs under another logit dtype (the
     dtype is in the fingerprint), so a run that ends with equal bits ran the bf16 contracts on both sides."""
-    rows = _train(tmp_path / "bf16", "model.logits_dtype=bfloat16")
+    rows = _train(tmp_path / "bf16", "model.logits_dtype=bfloat16", *NO_SAVE)
     for r in rows:
         assert r["strict"] is True and r["mismatch_count"] == 0 and r["max_abs_diff"] == 0.0, r
         assert r["train_mismatch_count"] == 0, r
 
 
-def test_native_twin_shows_mismatches_every_step(tmp_path):
-    rows = _train(tmp_path / "native", "rollout.mode=native", "trainer.mode=native", "wandb.mode=offline")
+def test_native_twin_shows_mismatches_every_step(strict_run):
+    """The all-native twin (`rollout.mode=native trainer.mode=native`) of the strict run, made by its
+    `compare=native` in the same invocation; its figure is the strict run's (both runs plotted)."""
+    rows = _train(strict_run.out / "native", proc=strict_run.proc, figure=False)
+    assert wandb_exit_codes(strict_run.out / "native") == [0]
+    assert "native twin      " in strict_run.proc.stdout + strict_run.proc.stderr  # the summary's twin line
     for r in rows:
         assert "native kernels" in r["rollout_engine"] and r["strict"] is False
         assert r["mismatch_count"] > 0 and r["max_abs_diff"] > 0, r

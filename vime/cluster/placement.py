@@ -54,6 +54,9 @@ def start_ray(cfg: RayConfig, env: dict[str, str], log_to_driver: bool = True, l
                     ray.init(address=cfg.address, runtime_env=runtime_env, log_to_driver=log_to_driver)
                 else:
                     loopback_node(cfg.bind_address)
+                    # Ray's raylet starts idle workers for the first driver, which a run's actors (each
+                    # with its own options) never take: seconds of CPU while the engines start
+                    os.environ.setdefault("RAY_prestart_worker_first_driver", "0")
                     # "local": a Ray of its own, also where `ray start` left a cluster on this host (which a
                     # plain ray.init() would join, and then refuses num_cpus)
                     ray.init(address="local", num_cpus=cfg.num_cpus, num_gpus=cfg.num_gpus, include_dashboard=False,

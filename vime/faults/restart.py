@@ -25,8 +25,7 @@ import logging
 
 import ray
 
-from vime.errors import EngineDiedError
-from vime.rollout.vllm_engine import TPWorkerDiedError
+from vime.errors import EngineDiedError, TPWorkerDiedError
 
 log = logging.getLogger("vime")
 

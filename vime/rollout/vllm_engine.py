@@ -33,18 +33,10 @@ import torch
 
 from rl_kernel.integrations.vllm import compat
 from vime.config.schema import RolloutConfig
-from vime.errors import EngineDiedError, WeightSyncError
+from vime.errors import TPWorkerDiedError, WeightSyncError
 
 log = logging.getLogger("vime")
 TEMP_PREFIXES = ("/dev/shm/", "/tmp/vllm_dist_")  # where a vLLM engine and its workers keep temporary files
-
-
-class TPWorkerDiedError(EngineDiedError):
-    """A TP worker process of a vLLM engine died: the engine cannot serve any more (a rollout engine death)."""
-
-    def __init__(self, message: str, engine: int | None = None, tp_rank: int | None = None):
-        super().__init__(message)
-        self.engine, self.tp_rank = engine, tp_rank
 
 
 def _how(pid: int, exitcode: int | None) -> str:
@@ -110,6 +102,19 @@ def _record_file_store(paths: list[str]) -> object:
         mpe.get_file_store_init_method = make
 
 
+def _eager_rank_count() -> None:
+    """On CPU, vLLM's sampler counts each sampled token's rank (`batched_count_greater_than`, an integer
+    count `(x >= values).sum(-1)`) through `torch.compile` even when `enforce_eager` is set: its first
+    call traces and builds an inductor C++ kernel, seconds of an engine's first rollout on a small CPU.
+    The same count runs eagerly here (equal integers, and no logprob passes through it)."""
+    from vllm.v1.sample import sampler
+    from vllm.v1.sample.ops import logprobs
+
+    eager = getattr(logprobs.batched_count_greater_than, "_torchdynamo_orig_callable", None)
+    if eager is not None:
+        logprobs.batched_count_greater_than = sampler.batched_count_greater_than = eager
+
+
 def _reseed_worker(worker, seed: int) -> None:
     """Run in each vLLM worker (`collective_rpc`): reseed the RNGs its sampler draws from."""
     import random
@@ -159,6 +164,8 @@ class VllmRollout:
                 os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(cpus[i % len(cpus)]) for i in range(cfg.tp))
         make_kwargs = functools.partial(rkv.strict_llm_kwargs, modes=modes) if self.strict else rkv.native_llm_kwargs
         self.cuda, self.transport = torch.device(device).type == "cuda", str(transport)
+        if not self.cuda and cfg.enforce_eager:
+            _eager_rank_count()
         if self.cuda:  # vLLM's own `ipc` / `nccl` engine: weights come as pushes of trainer rank 0 (`receive_weights`)
             make_kwargs = functools.partial(make_kwargs, device="cuda", transport=self.transport)
             engine_kwargs |= {"enable_sleep_mode": cfg.sleep_level > 0, "block_size": cfg.block_size}
