@@ -34,14 +34,21 @@ def run(out: Path, staleness: int, steps: int, extra: list[str]) -> tuple[list[d
     done = out / "wall_s.txt"
     if done.is_file():
         return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()], float(done.read_text())
-    overrides = [f"steps={steps}", f"output_dir={out}", f"algo.max_staleness={staleness}", "checkpoint.final=false",
-                 "checkpoint.export_hf=false", *extra]
+    overrides = [
+        f"steps={steps}",
+        f"output_dir={out}",
+        f"algo.max_staleness={staleness}",
+        "checkpoint.final=false",
+        "checkpoint.export_hf=false",
+        *extra,
+    ]
     if staleness:
         overrides.append("algo.correction=tis")
     env = os.environ | {"WANDB_MODE": "offline", "TOKENIZERS_PARALLELISM": "false"}
     t0 = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "vime.train", *overrides], cwd=REPO, env=env, check=True,
-                   stdout=subprocess.DEVNULL)
+    subprocess.run(
+        [sys.executable, "-m", "vime.train", *overrides], cwd=REPO, env=env, check=True, stdout=subprocess.DEVNULL
+    )
     wall = time.perf_counter() - t0
     done.write_text(f"{wall}\n")
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()], wall
@@ -50,17 +57,22 @@ def run(out: Path, staleness: int, steps: int, extra: list[str]) -> tuple[list[d
 def summary(rows: list[dict], wall: float) -> dict:
     steady = rows[1:] or rows
     tokens, seconds = sum(r["tokens"] for r in steady), sum(r["step_s"] for r in steady)
-    return {"steps": len(rows), "wall_s": wall, "step_s_mean": seconds / len(steady), "tokens_per_s": tokens / seconds,
-            "rollout_s_mean": sum(r["rollout_s"] for r in steady) / len(steady),
-            "train_s_mean": sum(r["train_s"] for r in steady) / len(steady),
-            "reward_first": rows[0]["reward_mean"],
-            "reward_last5": sum(r["reward_mean"] for r in rows[-5:]) / min(5, len(rows)),
-            "mismatches": sum(int(r["mismatch_count"]) for r in rows),
-            "tokens_checked": sum(int(r["tokens"]) for r in rows),
-            "staleness_mean": sum(r.get("staleness_mean", 0.0) for r in steady) / len(steady),
-            "is_ratio_max": max(r.get("is_ratio_max", 1.0) for r in rows),
-            "is_clip_frac_mean": sum(r.get("is_clip_frac", 0.0) for r in rows) / len(rows),
-            "lag0_ratio_off": sum(int(r.get("lag0_ratio_off", 0)) for r in rows)}
+    return {
+        "steps": len(rows),
+        "wall_s": wall,
+        "step_s_mean": seconds / len(steady),
+        "tokens_per_s": tokens / seconds,
+        "rollout_s_mean": sum(r["rollout_s"] for r in steady) / len(steady),
+        "train_s_mean": sum(r["train_s"] for r in steady) / len(steady),
+        "reward_first": rows[0]["reward_mean"],
+        "reward_last5": sum(r["reward_mean"] for r in rows[-5:]) / min(5, len(rows)),
+        "mismatches": sum(int(r["mismatch_count"]) for r in rows),
+        "tokens_checked": sum(int(r["tokens"]) for r in rows),
+        "staleness_mean": sum(r.get("staleness_mean", 0.0) for r in steady) / len(steady),
+        "is_ratio_max": max(r.get("is_ratio_max", 1.0) for r in rows),
+        "is_clip_frac_mean": sum(r.get("is_clip_frac", 0.0) for r in rows) / len(rows),
+        "lag0_ratio_off": sum(int(r.get("lag0_ratio_off", 0)) for r in rows),
+    }
 
 
 def figure(path: Path, runs: dict[int, list[dict]]) -> None:
@@ -111,18 +123,31 @@ def main() -> None:
             rows, wall = run(work / f"n{n}", n, args.steps, args.overrides)
             runs[n], table[n] = rows, summary(rows, wall)
     base = table[min(table)]["tokens_per_s"]
-    print(f"{'max_staleness':>13} {'tok/s':>8} {'x sync':>7} {'step_s':>7} {'rollout_s':>9} {'train_s':>8} "
-          f"{'reward0':>7} {'reward_end':>10} {'stale':>5} {'ratio_max':>9} {'mismatch':>8} {'lag0_off':>8}")
+    print(
+        f"{'max_staleness':>13} {'tok/s':>8} {'x sync':>7} {'step_s':>7} {'rollout_s':>9} {'train_s':>8} "
+        f"{'reward0':>7} {'reward_end':>10} {'stale':>5} {'ratio_max':>9} {'mismatch':>8} {'lag0_off':>8}"
+    )
     for n, s in table.items():
         s["speedup_vs_first"] = s["tokens_per_s"] / base
-        print(f"{n:>13d} {s['tokens_per_s']:>8.1f} {s['speedup_vs_first']:>7.2f} {s['step_s_mean']:>7.2f} "
-              f"{s['rollout_s_mean']:>9.2f} {s['train_s_mean']:>8.2f} {s['reward_first']:>7.3f} "
-              f"{s['reward_last5']:>10.3f} {s['staleness_mean']:>5.2f} {s['is_ratio_max']:>9.4f} "
-              f"{s['mismatches']:>8d} {s['lag0_ratio_off']:>8d}")
+        print(
+            f"{n:>13d} {s['tokens_per_s']:>8.1f} {s['speedup_vs_first']:>7.2f} {s['step_s_mean']:>7.2f} "
+            f"{s['rollout_s_mean']:>9.2f} {s['train_s_mean']:>8.2f} {s['reward_first']:>7.3f} "
+            f"{s['reward_last5']:>10.3f} {s['staleness_mean']:>5.2f} {s['is_ratio_max']:>9.4f} "
+            f"{s['mismatches']:>8d} {s['lag0_ratio_off']:>8d}"
+        )
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"command": " ".join(sys.argv), "cpus": os.cpu_count(), "overrides": args.overrides,
-                                    "summary": table, "rows": {n: [{k: v for k, v in r.items() if k != "samples"}
-                                                                    for r in rs] for n, rs in runs.items()}}, indent=1))
+    args.out.write_text(
+        json.dumps(
+            {
+                "command": " ".join(sys.argv),
+                "cpus": os.cpu_count(),
+                "overrides": args.overrides,
+                "summary": table,
+                "rows": {n: [{k: v for k, v in r.items() if k != "samples"} for r in rs] for n, rs in runs.items()},
+            },
+            indent=1,
+        )
+    )
     if args.figure:
         figure(args.figure, runs)
         print(f"figure: {args.figure}")

@@ -37,7 +37,7 @@ def main() -> None:
     cu = torch.tensor([0, *lens]).cumsum(0)
     t, heads, kvh, d = int(cu[-1]), 32, 8, 128
     q, k, v = (torch.randn(t, h, d, generator=gen, device=DEV).to(BF16) for h in (heads, kvh, kvh))
-    scale = d ** -0.5
+    scale = d**-0.5
     layout = cpm.TokenLayout(cu, 2, unit=cpm.cp_unit(DEV))
     idx = [layout.local_index(r) for r in range(2)]
     res: dict = {"tokens": t}
@@ -46,19 +46,22 @@ def main() -> None:
         res["cp1_ms"] = ms(lambda: rk.attention_varlen(q, k, v, cu.to(DEV), scale))
         parts = [cpm.triton_rank_partials(q, k[i.to(DEV)], v[i.to(DEV)], layout, r, scale) for r, i in enumerate(idx)]
         for r, i in enumerate(idx):
-            res[f"rank{r}_partials_ms"] = ms(lambda r=r, i=i: cpm.triton_rank_partials(
-                q, k[i.to(DEV)], v[i.to(DEV)], layout, r, scale))
+            res[f"rank{r}_partials_ms"] = ms(
+                lambda r=r, i=i: cpm.triton_rank_partials(q, k[i.to(DEV)], v[i.to(DEV)], layout, r, scale)
+            )
             res[f"rank{r}_partial_rows"] = int(parts[r][0].shape[0])
         for r, i in enumerate(idx):  # what rank r receives: every rank's partials of its queries
             mine = [(p[(m[:, 0] == r).to(DEV)], m[m[:, 0] == r]) for p, m in parts]
             payload, meta = torch.cat([p for p, _ in mine]), torch.cat([m for _, m in mine])
             res[f"rank{r}_received_mb"] = round(payload.numel() * 4 / 1e6, 1)
             out = cpm.triton_fold(payload, meta, layout.positions[i], BF16)
-            res[f"rank{r}_fold_ms"] = ms(lambda p=payload, m=meta, i=i: cpm.triton_fold(p, m, layout.positions[i],
-                                                                                            BF16))
+            res[f"rank{r}_fold_ms"] = ms(
+                lambda p=payload, m=meta, i=i: cpm.triton_fold(p, m, layout.positions[i], BF16)
+            )
             res[f"rank{r}_vs_cp1_mismatch"] = bit_mismatches(out, ref[i.to(DEV)])
-        prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                                  torch.profiler.ProfilerActivity.CUDA])
+        prof = torch.profiler.profile(
+            activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        )
         with prof:
             cpm.triton_rank_partials(q, k[idx[0].to(DEV)], v[idx[0].to(DEV)], layout, 0, scale)
             torch.cuda.synchronize()

@@ -67,19 +67,35 @@ def rotating(make, nbytes: int):
     def next_args():
         state["i"] = (state["i"] + 1) % len(copies)
         return copies[state["i"]]
+
     return next_args
 
 
-def row(group: str, case: str, strict_ms: float, native_ms: float | None, floor_ms: float | None = None,
-        target: str = "", **extra) -> dict:
-    r = {"group": group, "case": case, "strict_ms": round(strict_ms, 4),
-         "native_ms": None if native_ms is None else round(native_ms, 4),
-         "native_over_strict": None if native_ms is None else round(native_ms / strict_ms, 3),
-         "floor_ms": None if floor_ms is None else round(floor_ms, 4), "target": target, **extra}
+def row(
+    group: str,
+    case: str,
+    strict_ms: float,
+    native_ms: float | None,
+    floor_ms: float | None = None,
+    target: str = "",
+    **extra,
+) -> dict:
+    r = {
+        "group": group,
+        "case": case,
+        "strict_ms": round(strict_ms, 4),
+        "native_ms": None if native_ms is None else round(native_ms, 4),
+        "native_over_strict": None if native_ms is None else round(native_ms / strict_ms, 3),
+        "floor_ms": None if floor_ms is None else round(floor_ms, 4),
+        "target": target,
+        **extra,
+    }
     ROWS.append(r)
     nat = "-" if native_ms is None else f"{native_ms:.4f}"
-    print(f"{group:9s} {case:34s} strict {strict_ms:9.4f} ms  native {nat:>9} ms  x{r['native_over_strict']}  {target}",
-          flush=True)
+    print(
+        f"{group:9s} {case:34s} strict {strict_ms:9.4f} ms  native {nat:>9} ms  x{r['native_over_strict']}  {target}",
+        flush=True,
+    )
     return r
 
 
@@ -97,15 +113,20 @@ SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "dow
 
 def _gemm_case(name: str, m: int, n: int, k: int, bw: float) -> None:
     w_bytes = n * k * 2
-    args = rotating(lambda: (torch.randn(m, k, device=DEV).to(BF16), (torch.randn(n, k, device=DEV) * 0.02).to(BF16)),
-                    w_bytes + m * k * 2)
+    args = rotating(
+        lambda: (torch.randn(m, k, device=DEV).to(BF16), (torch.randn(n, k, device=DEV) * 0.02).to(BF16)),
+        w_bytes + m * k * 2,
+    )
     flops = 2 * m * n * k
     floor = max(flops / PEAK_BF16, (w_bytes + m * k * 2 + m * n * 2) / bw) * 1e3
     native = bench(lambda: F.linear(*args()))
     strict = bench(lambda: gemm.linear(*args()))
     target = ">=0.85x cuBLAS" if m >= 1024 else ">=0.7x cuBLAS"
-    extra = {"tflops_strict": round(flops / strict * 1e-9, 1), "tflops_native": round(flops / native * 1e-9, 1),
-             "server": "cublaslt" if gemm.use_cublaslt(*args()) else "triton"}
+    extra = {
+        "tflops_strict": round(flops / strict * 1e-9, 1),
+        "tflops_native": round(flops / native * 1e-9, 1),
+        "server": "cublaslt" if gemm.use_cublaslt(*args()) else "triton",
+    }
     for server in ("triton", "cublaslt"):  # both servers of the one-chain contract, and their bits
         extra[f"{server}_ms"] = round(bench(lambda s=server: gemm.linear(*args(), server=s)), 4)  # noqa: B023
     x, w = args()
@@ -133,9 +154,18 @@ def bench_gemm(bw: float) -> None:
 def bench_tiles() -> None:
     """Triton tiles for the one-chain GEMM at decode-sized M (o and down projections): time, and whether the bits
     equal the cuBLASLt server's (a tile's shape must move no bit)."""
-    variants = [(64, 32, 64, 4, 5), (64, 32, 128, 4, 4), (64, 16, 128, 4, 4), (64, 64, 64, 4, 4), (64, 64, 128, 4, 3),
-                (64, 32, 256, 4, 3), (128, 128, 64, 8, 4), (128, 64, 64, 4, 4), (128, 32, 128, 4, 4),
-                (64, 128, 64, 4, 4)]
+    variants = [
+        (64, 32, 64, 4, 5),
+        (64, 32, 128, 4, 4),
+        (64, 16, 128, 4, 4),
+        (64, 64, 64, 4, 4),
+        (64, 64, 128, 4, 3),
+        (64, 32, 256, 4, 3),
+        (128, 128, 64, 8, 4),
+        (128, 64, 64, 4, 4),
+        (128, 32, 128, 4, 4),
+        (64, 128, 64, 4, 4),
+    ]
     for name, m_values in (("o", (1, 16, 128)), ("down", (1, 16, 128)), ("qkv", (64, 128)), ("gate_up", (64, 128))):
         n, k = SHAPES[name]
         for m in m_values:
@@ -148,8 +178,15 @@ def bench_tiles() -> None:
                 try:
                     out = gemm.linear(x, w, tile=t)
                     ms = bench(lambda t=t: gemm.linear(x, w, tile=t))  # noqa: B023
-                    row("tile", case, ms, cublas, None, "", bits_equal_cublaslt=None if ref is None else
-                        same_bits(out, ref))
+                    row(
+                        "tile",
+                        case,
+                        ms,
+                        cublas,
+                        None,
+                        "",
+                        bits_equal_cublaslt=None if ref is None else same_bits(out, ref),
+                    )
                 except Exception as e:  # a tile that does not compile (registers, shared memory) is a result too
                     ROWS.append({"group": "tile", "case": case, "error": repr(e)[:200]})
                     print(f"tile      {case}: {e!r}"[:200], flush=True)
@@ -157,14 +194,16 @@ def bench_tiles() -> None:
 
 # ---- RMSNorm ------------------------------------------------------------------------------------------
 
+
 def bench_norm(bw: float) -> None:
     for t in (1, 8192):
         _norm_case(t, bw)
 
 
 def _norm_case(t: int, bw: float) -> None:
-    args = rotating(lambda: (torch.randn(t, 4096, device=DEV).to(BF16), torch.randn(4096, device=DEV).to(BF16)),
-                    t * 4096 * 2)
+    args = rotating(
+        lambda: (torch.randn(t, 4096, device=DEV).to(BF16), torch.randn(4096, device=DEV).to(BF16)), t * 4096 * 2
+    )
     floor = (2 * t * 4096 * 2) / bw * 1e3
     strict = bench(lambda: norm.rms_norm(*args(), 1e-6))
     native = bench(lambda: native_rms_norm(*args(), 1e-6))
@@ -172,6 +211,7 @@ def _norm_case(t: int, bw: float) -> None:
 
 
 # ---- attention ----------------------------------------------------------------------------------------
+
 
 def bench_prefill(bw: float) -> None:
     for t in (4096, 16384):
@@ -187,27 +227,51 @@ def _prefill_case(t: int, h: int = 32, hkv: int = 8, d: int = 128) -> None:
     flops = 2 * t * t * h * d  # causal: half of 4 T^2 H d
     ref = attention.varlen_attention(q, k, v, cu, d**-0.5)
     configs = {}  # other launch configurations: time, and whether the bits equal the default's (they must)
-    for bm, warps, stages, flat, heavy, tma in ((128, 8, 3, False, False, False), (64, 4, 3, True, True, False),
-                                                (64, 4, 2, True, True, True), (64, 4, 3, True, True, True),
-                                                (64, 4, 4, True, True, True), (128, 8, 2, True, True, True),
-                                                (128, 8, 3, True, True, True), (128, 8, 4, True, True, True),
-                                                (64, 4, 3, True, False, True), (128, 8, 3, True, False, True)):
-        cfg = {"BLOCK_M": bm, "num_warps": warps, "num_stages": stages, "FLAT": flat, "HEAVY_FIRST": heavy,
-               "TMA": tma}
-        name = (f"{bm}/w{warps}/s{stages}" + ("/flat" if flat else "/nested") + ("/heavy-first" if heavy else "")
-                + ("/tma" if tma else ""))
+    for bm, warps, stages, flat, heavy, tma in (
+        (128, 8, 3, False, False, False),
+        (64, 4, 3, True, True, False),
+        (64, 4, 2, True, True, True),
+        (64, 4, 3, True, True, True),
+        (64, 4, 4, True, True, True),
+        (128, 8, 2, True, True, True),
+        (128, 8, 3, True, True, True),
+        (128, 8, 4, True, True, True),
+        (64, 4, 3, True, False, True),
+        (128, 8, 3, True, False, True),
+    ):
+        cfg = {"BLOCK_M": bm, "num_warps": warps, "num_stages": stages, "FLAT": flat, "HEAVY_FIRST": heavy, "TMA": tma}
+        name = (
+            f"{bm}/w{warps}/s{stages}"
+            + ("/flat" if flat else "/nested")
+            + ("/heavy-first" if heavy else "")
+            + ("/tma" if tma else "")
+        )
         try:
             out = attention.varlen_attention(q, k, v, cu, d**-0.5, config=cfg)
             ms = bench(lambda c=cfg: attention.varlen_attention(q, k, v, cu, d**-0.5, config=c))
             configs[name] = {"ms": round(ms, 4), "bits_equal_default": same_bits(out, ref)}
         except Exception as e:
             configs[name] = repr(e)[:120]
-    row("attn", f"prefill T={t} (32/8 heads, d=128)", strict, native, flops / PEAK_BF16 * 1e3, ">=0.6x SDPA",
-        tflops_strict=round(flops / strict * 1e-9, 1), tflops_native=round(flops / native * 1e-9, 1),
-        configs=configs)
-    print("          launch configurations:", ", ".join(f"{k} {v['ms'] if isinstance(v, dict) else v}"
-                                                   + ("" if not isinstance(v, dict) or v["bits_equal_default"]
-                                                      else " BITS DIFFER") for k, v in configs.items()), flush=True)
+    row(
+        "attn",
+        f"prefill T={t} (32/8 heads, d=128)",
+        strict,
+        native,
+        flops / PEAK_BF16 * 1e3,
+        ">=0.6x SDPA",
+        tflops_strict=round(flops / strict * 1e-9, 1),
+        tflops_native=round(flops / native * 1e-9, 1),
+        configs=configs,
+    )
+    print(
+        "          launch configurations:",
+        ", ".join(
+            f"{k} {v['ms'] if isinstance(v, dict) else v}"
+            + ("" if not isinstance(v, dict) or v["bits_equal_default"] else " BITS DIFFER")
+            for k, v in configs.items()
+        ),
+        flush=True,
+    )
 
 
 def bench_decode(bw: float) -> None:
@@ -235,15 +299,27 @@ def _decode_case(b: int, bw: float, h: int = 32, hkv: int = 8, d: int = 128, ctx
     native = bench(native_paged)
     kv_bytes = 2 * b * ctx * hkv * d * 2
     # decode runs under CUDA graphs in serving engines: both sides captured, replays timed
-    graphs = {"strict": graph_ms(lambda: attention.paged_attention(q, kc, vc, table, seq_lens, qsl, d**-0.5)),
-              "native": graph_ms(native_paged)}
-    row("attn", f"paged decode B={b} ctx={ctx}", strict, native, kv_bytes / bw * 1e3, ">=0.8x native paged",
-        fused_schedule_ms=round(fused, 4), kv_gbps_strict=round(kv_bytes / strict * 1e-6, 1),
-        graph_strict_ms=round(graphs["strict"], 4), graph_native_ms=round(graphs["native"], 4),
-        graph_native_over_strict=round(graphs["native"] / graphs["strict"], 3))
+    graphs = {
+        "strict": graph_ms(lambda: attention.paged_attention(q, kc, vc, table, seq_lens, qsl, d**-0.5)),
+        "native": graph_ms(native_paged),
+    }
+    row(
+        "attn",
+        f"paged decode B={b} ctx={ctx}",
+        strict,
+        native,
+        kv_bytes / bw * 1e3,
+        ">=0.8x native paged",
+        fused_schedule_ms=round(fused, 4),
+        kv_gbps_strict=round(kv_bytes / strict * 1e-6, 1),
+        graph_strict_ms=round(graphs["strict"], 4),
+        graph_native_ms=round(graphs["native"], 4),
+        graph_native_over_strict=round(graphs["native"] / graphs["strict"], 3),
+    )
 
 
 # ---- linear logprob -------------------------------------------------------------------------------------
+
 
 def extra_peak(fn) -> int:
     """Bytes `fn` allocates at its peak beyond what was allocated before it (a second call, warm)."""
@@ -280,35 +356,56 @@ def bench_logprob(bw: float) -> None:
     variants = {}
     for server in ("triton", "cublaslt"):
         try:
-            variants[server] = round(bench(lambda s=server: logprob.logprobs_and_lse(
-                hid, w, tg, temps, 0, v, server=s)[0]), 3)
+            variants[server] = round(
+                bench(lambda s=server: logprob.logprobs_and_lse(hid, w, tg, temps, 0, v, server=s)[0]), 3
+            )
         except Exception as e:
             variants[server] = repr(e)[:100]
     saved = logprob.STATE_FRACTION
     for fraction in (4, 6, 24):  # the state budget: speed against peak memory (no bit depends on it)
         logprob.STATE_FRACTION = fraction
         try:
-            variants[f"state_1/{fraction}"] = {"ms": round(bench(strict), 3),
-                                               "peak_over_inputs": round((inputs + extra_peak(strict)) / inputs, 3)}
+            variants[f"state_1/{fraction}"] = {
+                "ms": round(bench(strict), 3),
+                "peak_over_inputs": round((inputs + extra_peak(strict)) / inputs, 3),
+            }
         finally:
             logprob.STATE_FRACTION = saved
-    variants["servers_bitwise"] = same_bits(logprob.logprobs_and_lse(hid, w, tg, temps, 0, v, server="triton")[0],
-                                              logprob.logprobs_and_lse(hid, w, tg, temps, 0, v, server="cublaslt")[0])
-    row("logprob", f"linear-logprob fwd T={t} D={d} V={v}", s, n, max(flops / PEAK_BF16, inputs / bw) * 1e3,
-        ">=1.2x native, peak <=1.1x inputs", extra_peak_gb_strict=round(peaks["strict"] / 1e9, 3),
-        extra_peak_gb_native=round(peaks["native"] / 1e9, 3), inputs_gb=round(inputs / 1e9, 3),
+    variants["servers_bitwise"] = same_bits(
+        logprob.logprobs_and_lse(hid, w, tg, temps, 0, v, server="triton")[0],
+        logprob.logprobs_and_lse(hid, w, tg, temps, 0, v, server="cublaslt")[0],
+    )
+    row(
+        "logprob",
+        f"linear-logprob fwd T={t} D={d} V={v}",
+        s,
+        n,
+        max(flops / PEAK_BF16, inputs / bw) * 1e3,
+        ">=1.2x native, peak <=1.1x inputs",
+        extra_peak_gb_strict=round(peaks["strict"] / 1e9, 3),
+        extra_peak_gb_native=round(peaks["native"] / 1e9, 3),
+        inputs_gb=round(inputs / 1e9, 3),
         peak_over_inputs_strict=round((inputs + peaks["strict"]) / inputs, 3),
         peak_over_inputs_native=round((inputs + peaks["native"]) / inputs, 3),
-        tflops_strict=round(flops / s * 1e-9, 1), logit_servers_ms=variants)
+        tflops_strict=round(flops / s * 1e-9, 1),
+        logit_servers_ms=variants,
+    )
 
     def strict_bf16():  # the bf16 logit contract (rl_kernel.set_logits_dtype): native's own logit rounding
         return logprob.logprobs_and_lse(hid, w, tg, temps, 0, v, logits_dtype=BF16)[0]
 
     peak = extra_peak(strict_bf16)
     s, n = bench(strict_bf16, rep=100), bench(native, rep=100)
-    row("logprob", f"linear-logprob fwd T={t} D={d} V={v}, bf16 logits", s, n,
-        max(flops / PEAK_BF16, inputs / bw) * 1e3, ">=1.2x native, peak <=1.1x inputs",
-        peak_over_inputs_strict=round((inputs + peak) / inputs, 3), tflops_strict=round(flops / s * 1e-9, 1))
+    row(
+        "logprob",
+        f"linear-logprob fwd T={t} D={d} V={v}, bf16 logits",
+        s,
+        n,
+        max(flops / PEAK_BF16, inputs / bw) * 1e3,
+        ">=1.2x native, peak <=1.1x inputs",
+        peak_over_inputs_strict=round((inputs + peak) / inputs, 3),
+        tflops_strict=round(flops / s * 1e-9, 1),
+    )
 
     hid_g, w_g = hid.clone().requires_grad_(), w.clone().requires_grad_()
     grad = torch.randn(t, device=DEV)
@@ -333,22 +430,34 @@ def bench_logprob(bw: float) -> None:
             logprob_op.KEEP_LOGITS = True
             rk.set_logits_dtype("float32")
         kind = f"{'kept' if keep else 'recomputed'} logits{', bf16' if logits == 'bfloat16' else ''}"
-        row("logprob", f"linear-logprob fwd+bwd T={t} ({kind})", ms, native_ms,
-            3 * max(flops / PEAK_BF16, inputs / bw) * 1e3, ">=1.0x native", extra_peak_gb_strict=round(peak / 1e9, 3),
-            extra_peak_gb_native=round(native_peak / 1e9, 3), inputs_gb=round(inputs / 1e9, 3),
+        row(
+            "logprob",
+            f"linear-logprob fwd+bwd T={t} ({kind})",
+            ms,
+            native_ms,
+            3 * max(flops / PEAK_BF16, inputs / bw) * 1e3,
+            ">=1.0x native",
+            extra_peak_gb_strict=round(peak / 1e9, 3),
+            extra_peak_gb_native=round(native_peak / 1e9, 3),
+            inputs_gb=round(inputs / 1e9, 3),
             peak_over_inputs_strict=round((inputs + peak) / inputs, 3),
-            peak_over_inputs_native=round((inputs + native_peak) / inputs, 3))
+            peak_over_inputs_native=round((inputs + native_peak) / inputs, 3),
+        )
 
 
 def table_md() -> str:
-    lines = ["| group | case | strict ms | native ms | native/strict | floor ms | target | notes |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| group | case | strict ms | native ms | native/strict | floor ms | target | notes |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in ROWS:
         shown = ("group", "case", "strict_ms", "native_ms", "native_over_strict", "floor_ms", "target")
         notes = {k: v for k, v in r.items() if k not in shown}
-        lines.append(f"| {r['group']} | {r['case']} | {r.get('strict_ms', '')} | {r.get('native_ms', '')} | "
-                     f"{r.get('native_over_strict', '')} | {r.get('floor_ms', '')} | {r.get('target', '')} | "
-                     f"{', '.join(f'{k}={v}' for k, v in notes.items())} |")
+        lines.append(
+            f"| {r['group']} | {r['case']} | {r.get('strict_ms', '')} | {r.get('native_ms', '')} | "
+            f"{r.get('native_over_strict', '')} | {r.get('floor_ms', '')} | {r.get('target', '')} | "
+            f"{', '.join(f'{k}={v}' for k, v in notes.items())} |"
+        )
     return "\n".join(lines)
 
 
@@ -365,13 +474,27 @@ def main() -> None:
     t0 = time.time()
     bw = copy_bandwidth()
     print(f"BENCH device {torch.cuda.get_device_name()}  copy {bw / 1e12:.2f} TB/s", flush=True)
-    stages = {"gemm": bench_gemm, "tiles": bench_tiles, "norm": bench_norm, "prefill": bench_prefill,
-              "decode": bench_decode, "logprob": bench_logprob}
-    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-            "python": platform.python_version(), "copy_tb_s": round(bw / 1e12, 3), "peak_bf16_assumed": PEAK_BF16,
-            "date": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()), "gemm_tile": gemm.TILE,
-            "gemm_lt_min_m": gemm.LT_MIN_M, "gemm_split_max_m": gemm.SPLIT_MAX_M,
-            "cublaslt_ready": rk.backends.triton.cublaslt_ready()}
+    stages = {
+        "gemm": bench_gemm,
+        "tiles": bench_tiles,
+        "norm": bench_norm,
+        "prefill": bench_prefill,
+        "decode": bench_decode,
+        "logprob": bench_logprob,
+    }
+    meta = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "python": platform.python_version(),
+        "copy_tb_s": round(bw / 1e12, 3),
+        "peak_bf16_assumed": PEAK_BF16,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
+        "gemm_tile": gemm.TILE,
+        "gemm_lt_min_m": gemm.LT_MIN_M,
+        "gemm_split_max_m": gemm.SPLIT_MAX_M,
+        "cublaslt_ready": rk.backends.triton.cublaslt_ready(),
+    }
     Path(a.json).parent.mkdir(parents=True, exist_ok=True)
     for name in a.only.split(","):
         fn = stages[name]

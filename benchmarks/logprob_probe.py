@@ -57,24 +57,33 @@ def forward_variants(hid, w, tg, temps_by_name, inputs) -> None:
             for k, val in {**defaults, **attrs}.items():
                 setattr(logprob, k, val)
             try:
+
                 def fn(temps=temps, logits=logits):
                     return logprob.logprobs_and_lse(hid, w, tg, temps, 0, V, logits_dtype=logits)[0]
+
                 out = fn()
-                row = {"eager_ms": round(bench(fn), 3), "graph_ms": round(graph_ms(fn, rep=60), 3),
-                       "peak_over_inputs": round((inputs + extra_peak(fn)) / inputs, 3)}
+                row = {
+                    "eager_ms": round(bench(fn), 3),
+                    "graph_ms": round(graph_ms(fn, rep=60), 3),
+                    "peak_over_inputs": round((inputs + extra_peak(fn)) / inputs, 3),
+                }
             finally:
                 for k, val in defaults.items():
                     setattr(logprob, k, val)
             refs.setdefault((tname, logits), out)  # the first setting of the same logit dtype
             row["bits_equal_first"] = same(out, refs[(tname, logits)])
             OUT["forward"][f"{name} / {tname}"] = row
-            print(f"{name + ' / ' + tname:52s} eager {row['eager_ms']:7.3f} ms  graph {row['graph_ms']:7.3f} ms  "
-                  f"peak {row['peak_over_inputs']:.3f}x  bits {'equal' if row['bits_equal_first'] else 'DIFFER'}",
-                  flush=True)
+            print(
+                f"{name + ' / ' + tname:52s} eager {row['eager_ms']:7.3f} ms  graph {row['graph_ms']:7.3f} ms  "
+                f"peak {row['peak_over_inputs']:.3f}x  bits {'equal' if row['bits_equal_first'] else 'DIFFER'}",
+                flush=True,
+            )
 
 
-GEOMETRIES = {torch.float32: ((1664, 7680), (2048, 5376), (2048, 4096), (1536, 8192), (1024, 12288)),
-              BF16: ((1664, 15360), (2048, 10752), (2048, 8192), (1536, 16384))}
+GEOMETRIES = {
+    torch.float32: ((1664, 7680), (2048, 5376), (2048, 4096), (1536, 8192), (1024, 12288)),
+    BF16: ((1664, 15360), (2048, 10752), (2048, 8192), (1536, 16384)),
+}
 
 
 def geometries(hid, w, tg, ones, inputs, rounds: int = 3) -> None:
@@ -89,23 +98,30 @@ def geometries(hid, w, tg, ones, inputs, rounds: int = 3) -> None:
             for rows, cols in shapes:
                 logprob._forward_geometry = lambda *_, g=(rows, cols): g
                 try:
+
                     def fn(logits=logits):
                         return logprob.logprobs_and_lse(hid, w, tg, ones, 0, V, logits_dtype=logits)[0]
+
                     key = f"{'bf16' if logits == BF16 else 'fp32'} logits {rows}x{cols}"
                     got = runs.setdefault(key, {"eager": [], "graph": []})
                     got["eager"].append(bench(fn, rep=300))
                     got["graph"].append(graph_ms(fn, rep=300))
                     if r == 0:
-                        OUT["geometries"][key] = {"peak_over_inputs": round((inputs + extra_peak(fn)) / inputs, 3),
-                                                  "bits_equal": same(fn(), ref)}
+                        OUT["geometries"][key] = {
+                            "peak_over_inputs": round((inputs + extra_peak(fn)) / inputs, 3),
+                            "bits_equal": same(fn(), ref),
+                        }
                 finally:
                     logprob._forward_geometry = saved
     for key, got in runs.items():
         row = OUT["geometries"][key] | {k: round(sorted(v)[len(v) // 2], 3) for k, v in got.items()}
         OUT["geometries"][key] = row | {"eager_all": [round(x, 3) for x in got["eager"]]}
         bits = "equal" if row["bits_equal"] else "DIFFER"
-        print(f"geometry {key:28s} eager {row['eager']:7.3f} ms  graph {row['graph']:7.3f} ms  (medians of {rounds} "
-              f"rounds)  peak {row['peak_over_inputs']}x  bits {bits}", flush=True)
+        print(
+            f"geometry {key:28s} eager {row['eager']:7.3f} ms  graph {row['graph']:7.3f} ms  (medians of {rounds} "
+            f"rounds)  peak {row['peak_over_inputs']}x  bits {bits}",
+            flush=True,
+        )
 
 
 def gemm_and_stats(hid, w, tg, ones, logits=torch.float32) -> None:
@@ -121,7 +137,8 @@ def gemm_and_stats(hid, w, tg, ones, logits=torch.float32) -> None:
         with gemm.cublaslt():
             for a in range(0, T, rows):
                 for c0 in range(0, V, cols):
-                    torch.mm(hid[a:a + rows], w[c0:c0 + cols].t(), **out)
+                    torch.mm(hid[a : a + rows], w[c0 : c0 + cols].t(), **out)
+
     OUT["geometry" + tag] = {"rows": rows, "cols": cols, "slices": triton.cdiv(T, rows) * triton.cdiv(V, cols)}
     OUT["gemm_passes_graph_ms" + tag] = round(graph_ms(passes, rep=60), 3)
     if logits == torch.float32:
@@ -142,23 +159,27 @@ def _stats_passes(hid, w, tg, ones, rows, cols, n_tiles, logits, tag) -> None:
     t32 = ones[:rows].float()
     key = "stats_pass_graph_ms" + tag
     OUT[key] = {}
-    for name, opts, tile in (("options off", OFF, logprob.STATS_TILE), ("default", logprob.STATS_OPTIONS,
-                                                                       logprob.STATS_TILE),
-                             ("default, 32x256 w8", logprob.STATS_OPTIONS, {"BLOCK_M": 32, "BLOCK_N": 256,
-                                                                           "num_warps": 8}),
-                             ("default, 64x64 w4", logprob.STATS_OPTIONS, {"BLOCK_M": 64, "BLOCK_N": 64,
-                                                                          "num_warps": 4})):
+    for name, opts, tile in (
+        ("options off", OFF, logprob.STATS_TILE),
+        ("default", logprob.STATS_OPTIONS, logprob.STATS_TILE),
+        ("default, 32x256 w8", logprob.STATS_OPTIONS, {"BLOCK_M": 32, "BLOCK_N": 256, "num_warps": 8}),
+        ("default, 64x64 w4", logprob.STATS_OPTIONS, {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4}),
+    ):
         launch = dict(tile, VT=64, FIXED=float(1 << 40), LOG2E=logprob.LOG2E, **opts, enable_fp_fusion=False)
 
         def stats(launch=launch):
             for _ in range(OUT["geometry" + tag]["slices"]):
                 logprob._stats_kernel[(triton.cdiv(rows, launch["BLOCK_M"]), triton.cdiv(cols, launch["BLOCK_N"]))](
-                    sl, t32, tg, m_t, s_t, z_t, rows, V, 0, cols, sl.stride(0), 0, V, n_tiles, **launch)
+                    sl, t32, tg, m_t, s_t, z_t, rows, V, 0, cols, sl.stride(0), 0, V, n_tiles, **launch
+                )
+
         OUT[key][name] = round(graph_ms(stats, rep=60), 3)
-    print(f"geometry{tag} {OUT['geometry' + tag]}; GPU time: GEMM passes {OUT['gemm_passes_graph_ms' + tag]} ms "
-          f"(one cuBLASLt fp32 GEMM {OUT.get('gemm_full_lt_fp32_graph_ms')}, cuBLAS bf16 "
-          f"{OUT.get('gemm_full_bf16_graph_ms')}); stats pass " + ", ".join(f"{k} {v}" for k, v in OUT[key].items()),
-          flush=True)
+    print(
+        f"geometry{tag} {OUT['geometry' + tag]}; GPU time: GEMM passes {OUT['gemm_passes_graph_ms' + tag]} ms "
+        f"(one cuBLASLt fp32 GEMM {OUT.get('gemm_full_lt_fp32_graph_ms')}, cuBLAS bf16 "
+        f"{OUT.get('gemm_full_bf16_graph_ms')}); stats pass " + ", ".join(f"{k} {v}" for k, v in OUT[key].items()),
+        flush=True,
+    )
 
 
 def main() -> None:

@@ -46,8 +46,16 @@ def _make_checkpoint(path: Path, layers: int) -> Path:
     from rl_kernel.models.tiny import make_tiny_qwen3
 
     if not (path / "config.json").is_file():
-        make_tiny_qwen3(path, vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_layers=layers,
-                        num_heads=16, num_kv_heads=8, head_dim=128)
+        make_tiny_qwen3(
+            path,
+            vocab_size=151936,
+            hidden_size=1024,
+            intermediate_size=3072,
+            num_layers=layers,
+            num_heads=16,
+            num_kv_heads=8,
+            head_dim=128,
+        )
     return path
 
 
@@ -74,9 +82,14 @@ def _worker(rank: int, world: int, args: argparse.Namespace, port: int) -> None:
     seqs = [torch.randint(0, 151936, (args.seq_len,), generator=g).tolist() for _ in range(args.seqs)]
     prompts = [args.prompt_len] * args.seqs
     adv = torch.randn(args.seqs, generator=g).tolist()
-    result: dict = {"tp": world, "tokens_per_step": args.seqs * args.seq_len, "layers": args.layers,
-                    "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                    "backend": args.backend}
+    result: dict = {
+        "tp": world,
+        "tokens_per_step": args.seqs * args.seq_len,
+        "layers": args.layers,
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "backend": args.backend,
+    }
     parallel_state.initialize_model_parallel(world, 1)
     for mode in args.modes.split(","):
         policy = MegatronPolicy(args.ckpt, tp=world, mode=mode, lr=1e-6, device="cuda")
@@ -84,8 +97,10 @@ def _worker(rank: int, world: int, args: argparse.Namespace, port: int) -> None:
         t0 = time.perf_counter()
         old = score(policy, seqs, prompts)
         _sync()
-        entry = {"logprobs_s": time.perf_counter() - t0,
-                 "ops": sorted({f"{r['op']}:{r['mode']}:{r['backend']}" for r in rk.evidence.snapshot()})}
+        entry = {
+            "logprobs_s": time.perf_counter() - t0,
+            "ops": sorted({f"{r['op']}:{r['mode']}:{r['backend']}" for r in rk.evidence.snapshot()}),
+        }
         batch = TrainBatch(seqs, prompts, adv, old)
         times, metrics = [], {}
         for i in range(args.warmup + args.steps):
@@ -95,9 +110,13 @@ def _worker(rank: int, world: int, args: argparse.Namespace, port: int) -> None:
             _sync()
             if i >= args.warmup:
                 times.append(time.perf_counter() - t0)
-        entry |= {"step_s": times, "step_median_s": statistics.median(times),
-                  "tokens_per_s": result["tokens_per_step"] / statistics.median(times),
-                  "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30, "last_metrics": metrics}
+        entry |= {
+            "step_s": times,
+            "step_median_s": statistics.median(times),
+            "tokens_per_s": result["tokens_per_step"] / statistics.median(times),
+            "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30,
+            "last_metrics": metrics,
+        }
         if mode == "strict":
             group = parallel_state.get_tensor_model_parallel_group() if world > 1 else None
             ref = Qwen3Reference.from_pretrained(args.ckpt, group=group, device="cuda")

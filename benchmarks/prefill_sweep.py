@@ -34,16 +34,18 @@ def sweep_length(t: int, rounds: int, h: int = 32, hkv: int = 8, d: int = 128) -
     q, k, v = (torch.randn(t, n, d, device="cuda").to(torch.bfloat16) for n in (h, hkv, hkv))
     cu = torch.tensor([0, t], dtype=torch.int32, device="cuda")
     qt, kt, vt = (x.transpose(0, 1)[None].contiguous() for x in (q, k, v))
-    ref = attention.varlen_attention(q, k, v, cu, d ** -0.5)
-    fns = {"sdpa (cuDNN)": lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=d ** -0.5,
-                                                                  enable_gqa=True)}
+    ref = attention.varlen_attention(q, k, v, cu, d**-0.5)
+    fns = {
+        "sdpa (cuDNN)": lambda: F.scaled_dot_product_attention(
+            qt, kt, vt, is_causal=True, scale=d**-0.5, enable_gqa=True
+        )
+    }
     bits = {}
     for name, (bm, warps, stages, flat, heavy, tma) in CONFIGS.items():
-        cfg = {"BLOCK_M": bm, "num_warps": warps, "num_stages": stages, "FLAT": flat, "HEAVY_FIRST": heavy,
-               "TMA": tma}
-        out = attention.varlen_attention(q, k, v, cu, d ** -0.5, config=cfg)
+        cfg = {"BLOCK_M": bm, "num_warps": warps, "num_stages": stages, "FLAT": flat, "HEAVY_FIRST": heavy, "TMA": tma}
+        out = attention.varlen_attention(q, k, v, cu, d**-0.5, config=cfg)
         bits[name] = torch.equal(out.view(torch.int16), ref.view(torch.int16))
-        fns[name] = lambda cfg=cfg: attention.varlen_attention(q, k, v, cu, d ** -0.5, config=cfg)
+        fns[name] = lambda cfg=cfg: attention.varlen_attention(q, k, v, cu, d**-0.5, config=cfg)
     times = {name: [] for name in fns}
     for _ in range(rounds):
         for name, fn in fns.items():
@@ -54,12 +56,20 @@ def sweep_length(t: int, rounds: int, h: int = 32, hkv: int = 8, d: int = 128) -
     rows = {}
     for name, ts in times.items():
         med = statistics.median(ts)
-        rows[name] = {"ms_median": round(med, 4), "ms_min": round(min(ts), 4), "ms_max": round(max(ts), 4),
-                      "sdpa_over_this": round(native / med, 3), "tflops": round(flops / med * 1e-9, 1)}
+        rows[name] = {
+            "ms_median": round(med, 4),
+            "ms_min": round(min(ts), 4),
+            "ms_max": round(max(ts), 4),
+            "sdpa_over_this": round(native / med, 3),
+            "tflops": round(flops / med * 1e-9, 1),
+        }
         if name in bits:
             rows[name]["bits_equal_default"] = bits[name]
-        print(f"  {name:32s} {med:8.4f} ms  [{min(ts):.4f} .. {max(ts):.4f}]  sdpa/this {native / med:.3f}"
-              + ("" if bits.get(name, True) else "  BITS DIFFER"), flush=True)
+        print(
+            f"  {name:32s} {med:8.4f} ms  [{min(ts):.4f} .. {max(ts):.4f}]  sdpa/this {native / med:.3f}"
+            + ("" if bits.get(name, True) else "  BITS DIFFER"),
+            flush=True,
+        )
     return rows
 
 

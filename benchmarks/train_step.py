@@ -42,9 +42,16 @@ EPS, THETA = 1e-6, 1e6
 
 def gpu_state() -> str:
     try:
-        return subprocess.run(["nvidia-smi", "--query-gpu=index,clocks.sm,clocks.max.sm,power.draw,"
-                               "clocks_throttle_reasons.sw_power_cap", "--format=csv,noheader"],
-                              capture_output=True, text=True, timeout=10).stdout.strip()
+        return subprocess.run(
+            [
+                "nvidia-smi",
+                "--query-gpu=index,clocks.sm,clocks.max.sm,power.draw,clocks_throttle_reasons.sw_power_cap",
+                "--format=csv,noheader",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
     except (OSError, subprocess.TimeoutExpired):
         return "nvidia-smi unavailable"
 
@@ -133,13 +140,16 @@ class DecoderLayer(torch.nn.Module):
         t, d = h.shape[0], HEAD_DIM
         split = [self.heads * d, self.kv_heads * d, self.kv_heads * d]
         if strict:
-            h, residual = (rk.rms_norm(h, self.input_norm, EPS), h) if residual is None else \
-                rk.rms_norm(h, self.input_norm, EPS, residual=residual)
+            h, residual = (
+                (rk.rms_norm(h, self.input_norm, EPS), h)
+                if residual is None
+                else rk.rms_norm(h, self.input_norm, EPS, residual=residual)
+            )
             x = h if group is None else _CopyToTP.apply(h, group)
             q, k, v = rk.linear(x, self.qkv).split(split, -1)
             q = rk.rope(rk.rms_norm(q.reshape(t, self.heads, d), self.q_norm, EPS), batch["pos"], THETA)
             k = rk.rope(rk.rms_norm(k.reshape(t, self.kv_heads, d), self.k_norm, EPS), batch["pos"], THETA)
-            o = rk.attention_varlen(q, k, v.reshape(t, self.kv_heads, d), batch["cu"], d ** -0.5, batch["max_len"])
+            o = rk.attention_varlen(q, k, v.reshape(t, self.kv_heads, d), batch["cu"], d**-0.5, batch["max_len"])
             h = rk.row_parallel_linear(o.reshape(t, -1), self.o, group)
             h, residual = rk.rms_norm(h, self.post_norm, EPS, residual=residual)
             x = h if group is None else _CopyToTP.apply(h, group)
@@ -149,11 +159,10 @@ class DecoderLayer(torch.nn.Module):
         x = x if group is None else _CopyToTP.apply(x, group)
         q, k, v = F.linear(x, self.qkv).split(split, -1)
         q = _rope_native(F.rms_norm(q.reshape(t, self.heads, d), (d,), self.q_norm, EPS), batch["cos"], batch["sin"])
-        k = _rope_native(F.rms_norm(k.reshape(t, self.kv_heads, d), (d,), self.k_norm, EPS), batch["cos"],
-                         batch["sin"])
+        k = _rope_native(F.rms_norm(k.reshape(t, self.kv_heads, d), (d,), self.k_norm, EPS), batch["cos"], batch["sin"])
         b, s = batch["seqs"], t // batch["seqs"]
         qb, kb, vb = (y.reshape(b, s, -1, d).transpose(1, 2) for y in (q, k, v))
-        o = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=d ** -0.5, enable_gqa=True)
+        o = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=d**-0.5, enable_gqa=True)
         h = F.linear(o.transpose(1, 2).reshape(t, -1), self.o)
         h = h if group is None else _ReduceFromTP.apply(h, group)
         residual = h + residual
@@ -204,8 +213,9 @@ def measure(model, opt, x, batch, targets, strict: bool, group) -> dict[str, flo
     """One repetition of every phase (ms)."""
     out: dict[str, float] = {}
     with torch.no_grad():
-        out["scoring_forward"] = timed(lambda: model.logprobs(model.hidden(x, batch, strict, group), targets,
-                                                               strict, group))
+        out["scoring_forward"] = timed(
+            lambda: model.logprobs(model.hidden(x, batch, strict, group), targets, strict, group)
+        )
     opt.zero_grad(set_to_none=True)
     state = {}
 
@@ -252,10 +262,16 @@ def main() -> None:
     pos = torch.arange(a.seq_len, device=dev).repeat(a.seqs)
     inv = 1.0 / (THETA ** (torch.arange(0, HEAD_DIM, 2, device=dev, dtype=torch.float32) / HEAD_DIM))
     ang = pos[:, None].float() * inv[None]
-    batch = {"pos": pos, "cu": torch.arange(0, t + 1, a.seq_len, device=dev, dtype=torch.int32), "seqs": a.seqs,
-             "max_len": a.seq_len,
-             "cos": ang.cos(), "sin": ang.sin(), "adv": torch.randn(t, device=dev),
-             "h_lm": torch.randn(t, D, device=dev).to(torch.bfloat16)}
+    batch = {
+        "pos": pos,
+        "cu": torch.arange(0, t + 1, a.seq_len, device=dev, dtype=torch.int32),
+        "seqs": a.seqs,
+        "max_len": a.seq_len,
+        "cos": ang.cos(),
+        "sin": ang.sin(),
+        "adv": torch.randn(t, device=dev),
+        "h_lm": torch.randn(t, D, device=dev).to(torch.bfloat16),
+    }
     x = torch.randn(t, D, device=dev).to(torch.bfloat16)
     targets = torch.randint(0, VOCAB, (t,), device=dev)
     state_before = gpu_state()
@@ -268,14 +284,27 @@ def main() -> None:
             measure(model, opt, x, batch, targets, name == "strict", group)
         peak[name] = torch.cuda.max_memory_allocated() / 1e9
     for rep in range(2 * a.reps):
-        for name in (("native", "strict") if rep % 2 == 0 else ("strict", "native")):
+        for name in ("native", "strict") if rep % 2 == 0 else ("strict", "native"):
             samples[name][rep // a.reps].append(measure(model, opt, x, batch, targets, name == "strict", group))
     state_after = gpu_state()
     phases = list(samples["strict"][0][0])
-    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "tp": world, "layers": a.layers,
-              "tokens": t, "seqs": a.seqs, "seq_len": a.seq_len, "reps_per_pass": a.reps, "passes": 2,
-              "gpu_before": state_before, "gpu_after": state_after, "wall_s": round(time.time() - t0, 1),
-              "cublaslt_ready": rk.backends.triton.cublaslt_ready(), "peak_gb": peak, "phases": {}}
+    result = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "tp": world,
+        "layers": a.layers,
+        "tokens": t,
+        "seqs": a.seqs,
+        "seq_len": a.seq_len,
+        "reps_per_pass": a.reps,
+        "passes": 2,
+        "gpu_before": state_before,
+        "gpu_after": state_after,
+        "wall_s": round(time.time() - t0, 1),
+        "cublaslt_ready": rk.backends.triton.cublaslt_ready(),
+        "peak_gb": peak,
+        "phases": {},
+    }
     for ph in phases:
         row = {}
         for name in ("native", "strict"):
@@ -291,15 +320,20 @@ def main() -> None:
         print(f"TRAIN_STEP {result['device']} TP{world} layers={a.layers} tokens={t}  before: {state_before}")
         print(f"{'phase':26s} {'native ms':>10s} {'strict ms':>10s} {'strict/native':>14s}  pass spread n/s")
         for ph, r in result["phases"].items():
-            print(f"{ph:26s} {r['native_ms']:10.2f} {r['strict_ms']:10.2f} {r['strict_over_native']:14.3f}  "
-                  f"{r['native_pass_spread']:.3f}/{r['strict_pass_spread']:.3f}")
-        print(f"tokens/s native {result['tokens_per_s']['native']}  strict {result['tokens_per_s']['strict']}; "
-              f"peak GB native {peak['native']:.1f} strict {peak['strict']:.1f}; after: {state_after}")
+            print(
+                f"{ph:26s} {r['native_ms']:10.2f} {r['strict_ms']:10.2f} {r['strict_over_native']:14.3f}  "
+                f"{r['native_pass_spread']:.3f}/{r['strict_pass_spread']:.3f}"
+            )
+        print(
+            f"tokens/s native {result['tokens_per_s']['native']}  strict {result['tokens_per_s']['strict']}; "
+            f"peak GB native {peak['native']:.1f} strict {peak['strict']:.1f}; after: {state_after}"
+        )
         if a.json:
             Path(a.json).parent.mkdir(parents=True, exist_ok=True)
             Path(a.json).write_text(json.dumps(result, indent=1))
     if a.profile:
         from torch.profiler import ProfilerActivity, profile
+
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             model.logprobs(model.hidden(x, batch, True, group), targets, True, group).sum().backward()
             torch.cuda.synchronize()

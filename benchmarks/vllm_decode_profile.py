@@ -36,24 +36,38 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 # (category, pattern over a kernel or op name), first match wins; the order matters (vLLM's KV-cache write is named
 # "..._flash", a norm kernel's name may hold "add", a sampling kernel's "softmax").
-CATEGORIES: list[tuple[str, re.Pattern]] = [(name, re.compile(pattern, re.IGNORECASE)) for name, pattern in [
-    ("rope/kv-write", r"rope|rotary|reshape_and_cache|cache_flash|index_put|scatter"),
-    ("attention", r"attn|attention|flash|fmha|flash_fwd|paged|scaled_dot_product|_fold_kernel|_cp_split"),
-    ("norm", r"rms_?norm|layer_?norm|rsqrt"),
-    ("logprob/sampling", r"log_?softmax|softmax|logprob|_stats_kernel|_total_kernel|sampl|gumbel|exponential|topk|"
-                         r"top_k|argmax|multinomial|uniform|random|philox|logits"),
-    ("gemm", r"gemm|nvjet|cutlass|cublas|xmma|matmul|aten::mm$|aten::addmm|aten::bmm|aten::linear|"
-             r"linear|_fused_kernel|_split_kernel|_tree_kernel|splitk|sm90_|wgmma"),
-    ("elementwise", r"elementwise|vectorized|unrolled|copy|fill|where|aten::(mul|add|sub|div|neg|exp|cat|to|"
-                    r"clone|silu|masked|index|gather|zero|cumsum|arange|ones|empty)|silu|act_and_mul|reduce|"
-                    r"triton_(poi|red|per)_"),
-]]
+CATEGORIES: list[tuple[str, re.Pattern]] = [
+    (name, re.compile(pattern, re.IGNORECASE))
+    for name, pattern in [
+        ("rope/kv-write", r"rope|rotary|reshape_and_cache|cache_flash|index_put|scatter"),
+        ("attention", r"attn|attention|flash|fmha|flash_fwd|paged|scaled_dot_product|_fold_kernel|_cp_split"),
+        ("norm", r"rms_?norm|layer_?norm|rsqrt"),
+        (
+            "logprob/sampling",
+            r"log_?softmax|softmax|logprob|_stats_kernel|_total_kernel|sampl|gumbel|exponential|topk|"
+            r"top_k|argmax|multinomial|uniform|random|philox|logits",
+        ),
+        (
+            "gemm",
+            r"gemm|nvjet|cutlass|cublas|xmma|matmul|aten::mm$|aten::addmm|aten::bmm|aten::linear|"
+            r"linear|_fused_kernel|_split_kernel|_tree_kernel|splitk|sm90_|wgmma",
+        ),
+        (
+            "elementwise",
+            r"elementwise|vectorized|unrolled|copy|fill|where|aten::(mul|add|sub|div|neg|exp|cat|to|"
+            r"clone|silu|masked|index|gather|zero|cumsum|arange|ones|empty)|silu|act_and_mul|reduce|"
+            r"triton_(poi|red|per)_",
+        ),
+    ]
+]
 CATEGORY_NAMES = [c for c, _ in CATEGORIES] + ["other"]
 # strict: FULL_DECODE_ONLY graphs; strict_compiled: vLLM's torch.compile of the strict model, FULL_AND_PIECEWISE
 MODES = ("strict", "strict_compiled", "native")
 # Host calls that put work on the GPU: a kernel launch each, or one graph launch for a whole captured graph.
-HOST_LAUNCHES = re.compile(r"^(cudaLaunchKernel|cudaLaunchKernelExC?|cuLaunchKernel|cuLaunchKernelEx|"
-                           r"cudaGraphLaunch|cuGraphLaunch)(_v\d+)?$")
+HOST_LAUNCHES = re.compile(
+    r"^(cudaLaunchKernel|cudaLaunchKernelExC?|cuLaunchKernel|cuLaunchKernelEx|"
+    r"cudaGraphLaunch|cuGraphLaunch)(_v\d+)?$"
+)
 
 
 def categorize(name: str) -> str:
@@ -78,9 +92,16 @@ def summarize(kernels: list[dict], steps: int, host_launches: int, top: int) -> 
         "category_ms_per_step": {c: round(us / 1e3 / steps, 4) for c, us in by_cat.items()},
         "kernels_per_step": round(sum(k["calls"] for k in kernels) / steps, 1),
         "host_launches_per_step": round(host_launches / steps, 1),
-        "top": [{"kernel": k["kernel"][:100], "category": categorize(k["kernel"]), "calls": k["calls"],
-                 "ms_per_step": round(k["total_us"] / 1e3 / steps, 4),
-                 "avg_us": round(k["total_us"] / max(k["calls"], 1), 2)} for k in rows],
+        "top": [
+            {
+                "kernel": k["kernel"][:100],
+                "category": categorize(k["kernel"]),
+                "calls": k["calls"],
+                "ms_per_step": round(k["total_us"] / 1e3 / steps, 4),
+                "avg_us": round(k["total_us"] / max(k["calls"], 1), 2),
+            }
+            for k in rows
+        ],
     }
 
 
@@ -107,8 +128,13 @@ def profiled_kernels(prof, device: str) -> tuple[list[dict], int]:
 def engine_args(mode: str, path: Path, args) -> dict:
     from rl_kernel.integrations.vllm import native_llm_kwargs, strict_llm_kwargs
 
-    engine = dict(dtype="bfloat16", seed=0, max_model_len=args.context + args.new_tokens + 16,
-                  max_num_seqs=max(args.batch, 8), enable_prefix_caching=True)
+    engine = dict(
+        dtype="bfloat16",
+        seed=0,
+        max_model_len=args.context + args.new_tokens + 16,
+        max_num_seqs=max(args.batch, 8),
+        enable_prefix_caching=True,
+    )
     if args.device == "cuda":
         engine |= dict(max_num_batched_tokens=8192, gpu_memory_utilization=0.6)
         if args.eager:
@@ -165,17 +191,25 @@ def profile_mode(mode: str, path: Path, args) -> dict:
     kernels, launches = profiled_kernels(prof, args.device)
     print(f"vllm_decode_profile[{mode}]: {len(kernels)} kernels summed in {time.perf_counter() - t0:.1f} s", flush=True)
     summary = summarize(kernels, 1 + args.new_tokens, launches, args.top)
-    return {"mode": mode, "engine_start_s": round(start_s, 2), "wall_s": round(wall, 4),
-            "first_token_s": round(first_s, 4),
-            "decode_ms_per_step_wall": round((wall - first_s) * 1e3 / max(args.new_tokens, 1), 3), **summary}
+    return {
+        "mode": mode,
+        "engine_start_s": round(start_s, 2),
+        "wall_s": round(wall, 4),
+        "first_token_s": round(first_s, 4),
+        "decode_ms_per_step_wall": round((wall - first_s) * 1e3 / max(args.new_tokens, 1), 3),
+        **summary,
+    }
 
 
 def table(results: list[dict], top: int) -> str:
     """Strict against native: per-step device time by category, counts, then each mode's top kernels."""
     by = {r["mode"]: r for r in results}
     modes = list(by)
-    lines = [f"{'per decode step':<24}" + "".join(f"{m:>12}" for m in modes)
-             + ("  strict/native" if {"strict", "native"} <= set(by) else "")]
+    lines = [
+        f"{'per decode step':<24}"
+        + "".join(f"{m:>12}" for m in modes)
+        + ("  strict/native" if {"strict", "native"} <= set(by) else "")
+    ]
 
     def row(label: str, values: list[float], fmt: str = "{:>12.3f}") -> None:
         ratio = ""
@@ -191,11 +225,14 @@ def table(results: list[dict], top: int) -> str:
     row("kernels executed", [by[m]["kernels_per_step"] for m in modes], "{:>12.1f}")
     row("host launch calls", [by[m]["host_launches_per_step"] for m in modes], "{:>12.1f}")
     for m in modes:
-        lines.append(f"\n{m}: top kernels ({by[m]['steps']} steps)\n{'ms/step':>9} {'calls':>6} {'avg us':>8}  "
-                     f"{'category':<17} kernel")
+        lines.append(
+            f"\n{m}: top kernels ({by[m]['steps']} steps)\n{'ms/step':>9} {'calls':>6} {'avg us':>8}  "
+            f"{'category':<17} kernel"
+        )
         for k in by[m]["top"][:top]:
-            lines.append(f"{k['ms_per_step']:>9.3f} {k['calls']:>6} {k['avg_us']:>8.1f}  {k['category']:<17} "
-                         f"{k['kernel']}")
+            lines.append(
+                f"{k['ms_per_step']:>9.3f} {k['calls']:>6} {k['avg_us']:>8.1f}  {k['category']:<17} {k['kernel']}"
+            )
     return "\n".join(lines)
 
 
@@ -204,8 +241,9 @@ def make_checkpoint(directory: Path, args) -> Path:
     from rl_kernel.models.tiny import make_tiny_qwen3
 
     if args.device == "cuda":
-        return make_tiny_qwen3(directory / "qwen3_8b_shapes", num_layers=args.layers, device="cuda", init_std=0.02,
-                               **QWEN3_8B)
+        return make_tiny_qwen3(
+            directory / "qwen3_8b_shapes", num_layers=args.layers, device="cuda", init_std=0.02, **QWEN3_8B
+        )
     return make_tiny_qwen3(directory / "tiny_qwen3", num_layers=args.layers)
 
 
@@ -215,10 +253,26 @@ def run_modes(path: Path, args, directory: Path) -> list[dict]:
     results = []
     for mode in args.modes.split(","):
         out = directory / f"{mode}.json"
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", mode, "--model", str(path),
-               "--json", str(out), "--device", args.device, "--batch", str(args.batch), "--context",
-               str(args.context), "--new-tokens", str(args.new_tokens), "--top", str(args.top)] \
-            + (["--eager"] if args.eager else [])
+        cmd = [
+            sys.executable,
+            str(Path(__file__).resolve()),
+            "--worker",
+            mode,
+            "--model",
+            str(path),
+            "--json",
+            str(out),
+            "--device",
+            args.device,
+            "--batch",
+            str(args.batch),
+            "--context",
+            str(args.context),
+            "--new-tokens",
+            str(args.new_tokens),
+            "--top",
+            str(args.top),
+        ] + (["--eager"] if args.eager else [])
         env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
         if args.device == "cpu":
             env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -244,8 +298,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--model", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--json", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    defaults = dict(layers=8, batch=128, context=512, new_tokens=32) if args.device == "cuda" \
+    defaults = (
+        dict(layers=8, batch=128, context=512, new_tokens=32)
+        if args.device == "cuda"
         else dict(layers=2, batch=4, context=32, new_tokens=4)
+    )
     for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -278,14 +335,27 @@ def main(argv: list[str] | None = None) -> int:
         results = run_modes(path, args, Path(tmp))
     graphs = "eager" if args.eager or args.device == "cpu" else "CUDA graphs"
     device = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"
-    print(f"\n{device}, {graphs}, {args.layers} layers, batch {args.batch}, context {args.context}, "
-          f"{args.new_tokens} new tokens")
+    print(
+        f"\n{device}, {graphs}, {args.layers} layers, batch {args.batch}, context {args.context}, "
+        f"{args.new_tokens} new tokens"
+    )
     print(table(results, args.top))
     out = args.out or Path(__file__).resolve().parent / "results" / f"vllm_decode_profile_{args.device}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"device": device, "layers": args.layers, "batch": args.batch, "context": args.context,
-                               "new_tokens": args.new_tokens, "graphs": graphs == "CUDA graphs",
-                               "results": results}, indent=1))
+    out.write_text(
+        json.dumps(
+            {
+                "device": device,
+                "layers": args.layers,
+                "batch": args.batch,
+                "context": args.context,
+                "new_tokens": args.new_tokens,
+                "graphs": graphs == "CUDA graphs",
+                "results": results,
+            },
+            indent=1,
+        )
+    )
     print(f"wrote {out}")
     return 0
 

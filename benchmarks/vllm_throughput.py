@@ -72,10 +72,18 @@ def prompts(n: int, seed: int = 0, vocab: int = 512) -> list[list[int]]:
 def run(mode: str, path: Path, args, reference: Qwen3Reference) -> dict:
     from vllm import LLM
 
-    engine = dict(gpu_memory_utilization=0.3, max_model_len=512, max_num_batched_tokens=256,
-                  enable_prefix_caching=True, block_size=32, seed=0, tensor_parallel_size=args.tp)
-    make_kwargs, make_params = ((strict_llm_kwargs, strict_sampling_params) if mode == "strict"
-                                else (native_llm_kwargs, native_sampling_params))
+    engine = dict(
+        gpu_memory_utilization=0.3,
+        max_model_len=512,
+        max_num_batched_tokens=256,
+        enable_prefix_caching=True,
+        block_size=32,
+        seed=0,
+        tensor_parallel_size=args.tp,
+    )
+    make_kwargs, make_params = (
+        (strict_llm_kwargs, strict_sampling_params) if mode == "strict" else (native_llm_kwargs, native_sampling_params)
+    )
     t0 = time.perf_counter()
     llm = LLM(**make_kwargs(path, **engine))
     start_s = time.perf_counter() - t0
@@ -91,19 +99,27 @@ def run(mode: str, path: Path, args, reference: Qwen3Reference) -> dict:
         del llm
         gc.collect()
     seqs = [p + list(o.outputs[0].token_ids) for p, o in zip(batch, outputs)]
-    got = torch.tensor([step[t].logprob for o in outputs for step, t in zip(o.outputs[0].logprobs,
-                                                                           o.outputs[0].token_ids)])
+    got = torch.tensor(
+        [step[t].logprob for o in outputs for step, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]
+    )
     want = torch.cat(reference.sequence_logprobs(seqs, [len(p) for p in batch], 0.7)).double()
     generated = sum(len(o.outputs[0].token_ids) for o in outputs)
     agreement = compare([got.float()], [want.float()])
-    return {"mode": mode, "engine_start_s": round(start_s, 1), "wall_s": round(wall, 3),
-            "generated_tokens": generated, "tokens_per_s": round(generated / wall, 1),
-            "prompt_tokens": sum(len(p) for p in batch),
-            "mismatches": agreement.mismatch_count, "max_abs_diff": agreement.max_abs_diff}
+    return {
+        "mode": mode,
+        "engine_start_s": round(start_s, 1),
+        "wall_s": round(wall, 3),
+        "generated_tokens": generated,
+        "tokens_per_s": round(generated / wall, 1),
+        "prompt_tokens": sum(len(p) for p in batch),
+        "mismatches": agreement.mismatch_count,
+        "max_abs_diff": agreement.max_abs_diff,
+    }
 
 
-QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_heads=32, num_kv_heads=8,
-                head_dim=128)
+QWEN3_8B = dict(
+    vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_heads=32, num_kv_heads=8, head_dim=128
+)
 CUDA_GRID = [(512, b) for b in (1, 16, 64, 256)] + [(4000, b) for b in (1, 16, 64)]  # (context, batch)
 PARITY_SEQS = 4
 # cuda: the strict engines, by mode name: FULL_DECODE_ONLY graphs (eager mixed batches), and vLLM's torch.compile
@@ -117,8 +133,9 @@ def gpu_state() -> dict:
 
     fields = "clocks.sm,clocks.max.sm,power.draw,power.limit,temperature.gpu,clocks_throttle_reasons.active"
     try:
-        out = subprocess.run(["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader"], capture_output=True,
-                             text=True, timeout=20).stdout.strip()
+        out = subprocess.run(
+            ["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader"], capture_output=True, text=True, timeout=20
+        ).stdout.strip()
     except (OSError, subprocess.TimeoutExpired) as e:
         return {"error": str(e)}
     return dict(zip(fields.split(","), (v.strip() for v in out.split(","))))
@@ -141,10 +158,20 @@ def cuda_mode(mode: str, path: Path, args) -> dict:
     parity sample of the last pass."""
     from vllm import LLM
 
-    engine = dict(dtype="bfloat16", seed=0, max_model_len=4096, max_num_seqs=256,
-                  max_num_batched_tokens=8192, enable_prefix_caching=True, gpu_memory_utilization=0.62)
-    make_kwargs, make_params = ((functools.partial(strict_llm_kwargs, **STRICT_MODES[mode]), strict_sampling_params)
-                                if mode in STRICT_MODES else (native_llm_kwargs, native_sampling_params))
+    engine = dict(
+        dtype="bfloat16",
+        seed=0,
+        max_model_len=4096,
+        max_num_seqs=256,
+        max_num_batched_tokens=8192,
+        enable_prefix_caching=True,
+        gpu_memory_utilization=0.62,
+    )
+    make_kwargs, make_params = (
+        (functools.partial(strict_llm_kwargs, **STRICT_MODES[mode]), strict_sampling_params)
+        if mode in STRICT_MODES
+        else (native_llm_kwargs, native_sampling_params)
+    )
 
     def params(n: int, batch: int) -> list:
         return [make_params(temperature=1.0, max_tokens=n, seed=i, ignore_eos=True) for i in range(batch)]
@@ -164,17 +191,31 @@ def cuda_mode(mode: str, path: Path, args) -> dict:
             for rows in passes:
                 t_one, _ = _timed_generate(llm, prompts, params(1, batch))
                 t_all, outputs = _timed_generate(llm, prompts, params(1 + args.new_tokens, batch))
-                rows.append({"context": context, "batch": batch, "t_first_s": round(t_one, 4),
-                             "t_all_s": round(t_all, 4),
-                             "decode_tok_s": round(batch * args.new_tokens / (t_all - t_one), 1)})
+                rows.append(
+                    {
+                        "context": context,
+                        "batch": batch,
+                        "t_first_s": round(t_one, 4),
+                        "t_all_s": round(t_all, 4),
+                        "decode_tok_s": round(batch * args.new_tokens / (t_all - t_one), 1),
+                    }
+                )
             for p, o in list(zip(prompts, outputs))[:PARITY_SEQS]:
                 c = o.outputs[0]
-                samples.append({"context": context, "batch": batch, "prompt": p, "tokens": list(c.token_ids),
-                                "logprobs": [step[t].logprob for step, t in zip(c.logprobs, c.token_ids)]})
+                samples.append(
+                    {
+                        "context": context,
+                        "batch": batch,
+                        "prompt": p,
+                        "tokens": list(c.token_ids),
+                        "logprobs": [step[t].logprob for step, t in zip(c.logprobs, c.token_ids)],
+                    }
+                )
         llm.generate([{"prompt_token_ids": p} for p in grid_prompts(4000, 1, 99)], params(1, 1), use_tqdm=False)
         ttfts = [_timed_generate(llm, grid_prompts(4000, 1, 1000 + i), params(1, 1))[0] for i in (1, 2)]  # uncached
-        result["passes"] = [{"pass": i + 1, "decode": rows, "ttft_4k_s": round(t, 4)}
-                            for i, (rows, t) in enumerate(zip(passes, ttfts))]
+        result["passes"] = [
+            {"pass": i + 1, "decode": rows, "ttft_4k_s": round(t, 4)} for i, (rows, t) in enumerate(zip(passes, ttfts))
+        ]
         result["samples"] = samples
         result["weight_push"] = push_timing(llm, path, args.pushes)
     finally:
@@ -196,8 +237,10 @@ def push_timing(llm, path: Path, pushes: int) -> list[dict]:
 
     expected = expected_weights(read_config(path), "bfloat16")
     gen = torch.Generator(device="cuda").manual_seed(5)
-    tensors = {name: (torch.randn(m.shape, generator=gen, device="cuda") * 0.02).to(torch.bfloat16)
-               for name, m in expected.items()}
+    tensors = {
+        name: (torch.randn(m.shape, generator=gen, device="cuda") * 0.02).to(torch.bfloat16)
+        for name, m in expected.items()
+    }
     receiver = VllmIPCReceiver(llm, expected, version=0)
     acks: list = []
     sender = WeightSender("ipc", lambda msg: acks.append(receiver.handle(msg)), lambda: acks[-1])
@@ -207,8 +250,15 @@ def push_timing(llm, path: Path, pushes: int) -> list[dict]:
         t0 = time.perf_counter()
         ack = sender.push(tensors.items(), version)
         seconds = time.perf_counter() - t0
-        rows.append({"version": version, "seconds": round(seconds, 4), "bytes": ack["bytes"],
-                     "buckets": ack["buckets"], "gb_per_s": round(ack["bytes"] / seconds / 1e9, 1)})
+        rows.append(
+            {
+                "version": version,
+                "seconds": round(seconds, 4),
+                "bytes": ack["bytes"],
+                "buckets": ack["buckets"],
+                "gb_per_s": round(ack["bytes"] / seconds / 1e9, 1),
+            }
+        )
     del tensors
     torch.cuda.empty_cache()
     return rows
@@ -237,19 +287,23 @@ def run_cuda(args) -> int:
     # vLLM's msgpack passes only as pickles (this benchmark's own handles, on this machine)
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     with tempfile.TemporaryDirectory() as tmp:
-        path = make_tiny_qwen3(Path(tmp) / "qwen3_8b_shapes", num_layers=args.layers, device="cuda",
-                               init_std=0.02, **QWEN3_8B)
+        path = make_tiny_qwen3(
+            Path(tmp) / "qwen3_8b_shapes", num_layers=args.layers, device="cuda", init_std=0.02, **QWEN3_8B
+        )
         results = [cuda_mode(m, path, args) for m in modes]
         cuda_parity(path, results)
     by_mode = {r["mode"]: r for r in results}
-    print(f"\nvLLM on {torch.cuda.get_device_name(0)}: Qwen3-8B shapes, {args.layers} layers, {args.new_tokens} "
-          "new tokens per decode measurement, CUDA graphs on both; decode tok/s, pass 1 / pass 2")
+    print(
+        f"\nvLLM on {torch.cuda.get_device_name(0)}: Qwen3-8B shapes, {args.layers} layers, {args.new_tokens} "
+        "new tokens per decode measurement, CUDA graphs on both; decode tok/s, pass 1 / pass 2"
+    )
     header = f"{'context':>7} {'batch':>5} " + " ".join(f"{m:>19}" for m in modes)
     print(header + ("".join(f"   {m}/native" for m in modes if m in STRICT_MODES) if "native" in modes else ""))
     for i, (context, batch) in enumerate(CUDA_GRID):
         cells = [by_mode[m]["passes"] for m in modes]
         line = f"{context:>7} {batch:>5} " + " ".join(
-            f"{p[0]['decode'][i]['decode_tok_s']:>9.0f} / {p[1]['decode'][i]['decode_tok_s']:>7.0f}" for p in cells)
+            f"{p[0]['decode'][i]['decode_tok_s']:>9.0f} / {p[1]['decode'][i]['decode_tok_s']:>7.0f}" for p in cells
+        )
         if "native" in modes:
             best = {m: max(q["decode"][i]["decode_tok_s"] for q in by_mode[m]["passes"]) for m in modes}
             line += "".join(f"   {best[m] / best['native']:>6.3f}" for m in modes if m in STRICT_MODES)
@@ -258,18 +312,33 @@ def run_cuda(args) -> int:
         r = by_mode[m]
         bad = sum(x["mismatches"] for x in r["parity"])
         total = sum(x["tokens"] for x in r["parity"])
-        print(f"{m:>7}: engine start {r['engine_start_s']} s; TTFT 4k prompt "
-              f"{' / '.join(str(p['ttft_4k_s']) for p in r['passes'])} s; parity {bad} / {total} tokens differ; "
-              f"GPU before {r['gpu_before']}, after {r['gpu_after']}")
-        print(f"{m:>7}: weight push over CUDA IPC into vLLM ({r['weight_push'][0]['bytes'] / 1e9:.2f} GB): "
-              + ", ".join(f"{x['seconds']} s ({x['gb_per_s']} GB/s)" for x in r["weight_push"]))
+        print(
+            f"{m:>7}: engine start {r['engine_start_s']} s; TTFT 4k prompt "
+            f"{' / '.join(str(p['ttft_4k_s']) for p in r['passes'])} s; parity {bad} / {total} tokens differ; "
+            f"GPU before {r['gpu_before']}, after {r['gpu_after']}"
+        )
+        print(
+            f"{m:>7}: weight push over CUDA IPC into vLLM ({r['weight_push'][0]['bytes'] / 1e9:.2f} GB): "
+            + ", ".join(f"{x['seconds']} s ({x['gb_per_s']} GB/s)" for x in r["weight_push"])
+        )
     out = args.out or Path(__file__).resolve().parent / "results" / "vllm_rollout_h200.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     import vllm
 
-    out.write_text(json.dumps({"device": torch.cuda.get_device_name(0), "vllm": vllm.__version__,
-                               "torch": torch.__version__, "layers": args.layers, "new_tokens": args.new_tokens,
-                               "grid": CUDA_GRID, "results": results}, indent=1))
+    out.write_text(
+        json.dumps(
+            {
+                "device": torch.cuda.get_device_name(0),
+                "vllm": vllm.__version__,
+                "torch": torch.__version__,
+                "layers": args.layers,
+                "new_tokens": args.new_tokens,
+                "grid": CUDA_GRID,
+                "results": results,
+            },
+            indent=1,
+        )
+    )
     print(f"wrote {out}")
     strict_ok = all(x["mismatches"] == 0 for m in by_mode if m in STRICT_MODES for x in by_mode[m]["parity"])
     native_differs = "native" not in by_mode or any(x["mismatches"] for x in by_mode["native"]["parity"])
@@ -298,19 +367,34 @@ def main() -> int:
         path = make_tiny_qwen3(Path(tmp) / "tiny_qwen3")
         reference = Qwen3Reference.from_pretrained(path)
         rows = [run(mode, path, args, reference) for mode in ("native", "strict")]
-    print(f"\nvLLM {args.prompts} prompts x {args.max_tokens} tokens, TP{args.tp}, tiny Qwen3, "
-          f"{os.cpu_count()} CPUs ({platform.processor() or platform.machine()})")
+    print(
+        f"\nvLLM {args.prompts} prompts x {args.max_tokens} tokens, TP{args.tp}, tiny Qwen3, "
+        f"{os.cpu_count()} CPUs ({platform.processor() or platform.machine()})"
+    )
     print(f"{'mode':8s} {'tokens/s':>10s} {'wall s':>8s} {'tokens':>7s} {'mismatches':>11s} {'max|diff|':>10s}")
     for r in rows:
-        print(f"{r['mode']:8s} {r['tokens_per_s']:10.1f} {r['wall_s']:8.2f} {r['generated_tokens']:7d} "
-              f"{r['mismatches']:11d} {r['max_abs_diff']:10.3g}")
+        print(
+            f"{r['mode']:8s} {r['tokens_per_s']:10.1f} {r['wall_s']:8.2f} {r['generated_tokens']:7d} "
+            f"{r['mismatches']:11d} {r['max_abs_diff']:10.3g}"
+        )
     native, strict = rows
     print(f"strict / native throughput: {strict['tokens_per_s'] / native['tokens_per_s']:.3f}")
     out = args.out or Path(__file__).resolve().parent / "results" / f"vllm_throughput_tp{args.tp}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"prompts": args.prompts, "max_tokens": args.max_tokens, "tp": args.tp,
-                               "temperature": 0.7, "machine": platform.platform(), "cpus": os.cpu_count(),
-                               "results": rows}, indent=2))
+    out.write_text(
+        json.dumps(
+            {
+                "prompts": args.prompts,
+                "max_tokens": args.max_tokens,
+                "tp": args.tp,
+                "temperature": 0.7,
+                "machine": platform.platform(),
+                "cpus": os.cpu_count(),
+                "results": rows,
+            },
+            indent=2,
+        )
+    )
     print(f"wrote {out}")
     return 0 if strict["mismatches"] == 0 and native["mismatches"] > 0 else 1
 

@@ -135,5 +135,14 @@ def all_contracts() -> dict[str, Contract]:
 
 def native(op: str, framework: str = "torch") -> Contract:
     """The pseudo-contract recorded for native runs: it promises nothing beyond the framework's kernels."""
-    return Contract(op, f"native-{framework}", 0, "framework-defined", "framework-defined",
-                    "framework-defined", "framework-defined", "framework-defined", "framework-defined")
+    return Contract(
+        op,
+        f"native-{framework}",
+        0,
+        "framework-defined",
+        "framework-defined",
+        "framework-defined",
+        "framework-defined",
+        "framework-defined",
+        "framework-defined",
+    )

@@ -16,9 +16,16 @@ from collections.abc import Iterator
 BOUNDARIES = ("norm", "gemm", "activation", "rope", "attention", "logprob", "collective")
 MODES = ("strict", "native")
 # Each op (as named in its contracts and evidence records) -> the boundary whose mode governs it.
-OP_BOUNDARY = {"gemm": "gemm", "rms_norm": "norm", "rope": "rope", "silu_and_mul": "activation",
-               "attention": "attention", "logprobs": "logprob", "log_softmax": "logprob",
-               "all_reduce": "collective"}
+OP_BOUNDARY = {
+    "gemm": "gemm",
+    "rms_norm": "norm",
+    "rope": "rope",
+    "silu_and_mul": "activation",
+    "attention": "attention",
+    "logprobs": "logprob",
+    "log_softmax": "logprob",
+    "all_reduce": "collective",
+}
 
 
 def _check(name: str, boundaries: tuple[str, ...]) -> tuple[str, ...]:
@@ -85,6 +92,7 @@ def mode(name: str, *boundaries: str) -> Iterator[None]:
 # so every TP dividing C computes the same tree of group partials. It is part of the GEMM contract's
 # fingerprint on backends that honour it: both engines of a run must use the same C.
 
+
 def _canonical_tp_from_env() -> int:
     value = int(os.environ.get("RL_KERNEL_CANONICAL_TP", "1"))
     _check_canonical_tp(value)
@@ -93,8 +101,9 @@ def _canonical_tp_from_env() -> int:
 
 def _check_canonical_tp(c: int) -> None:
     if not isinstance(c, int) or c < 1 or c & (c - 1):
-        raise ValueError(f"canonical TP must be a power of two >= 1 (the largest TP of any engine of the run), "
-                         f"got {c!r}")
+        raise ValueError(
+            f"canonical TP must be a power of two >= 1 (the largest TP of any engine of the run), got {c!r}"
+        )
 
 
 _canonical_tp = _canonical_tp_from_env()
@@ -121,8 +130,10 @@ LOGITS_DTYPES = ("float32", "bfloat16")
 
 def _check_logits_dtype(name: str) -> str:
     if name not in LOGITS_DTYPES:
-        raise ValueError(f"logits dtype must be one of {LOGITS_DTYPES} (the LM head's fp32 result as it is, or "
-                         f"rounded once to bf16), got {name!r}")
+        raise ValueError(
+            f"logits dtype must be one of {LOGITS_DTYPES} (the LM head's fp32 result as it is, or "
+            f"rounded once to bf16), got {name!r}"
+        )
     return name
 
 

@@ -45,18 +45,53 @@ MIB = vime_bundle.MIB
 # package; otherwise the version run with vLLM 0.26 on the H200).
 PINS = {
     # vLLM's runtime requirements that the image lacks
-    "annotated-types": "0.8.0", "apache-tvm-ffi": "0.1.11", "astor": "0.8.1", "blake3": "1.0.11",
-    "cachetools": "8.0.2", "cbor2": "6.3.0", "compressed-tensors": "0.17.0", "depyf": "0.20.0", "dill": "0.4.1",
-    "diskcache": "5.6.3", "distro": "1.9.0", "fastapi": "0.136.3", "gguf": "0.19.0", "ijson": "3.6.0",
-    "interegular": "0.3.3", "jiter": "0.19.0", "lark": "1.2.2", "llguidance": "1.7.6", "lm-format-enforcer": "0.11.3",
-    "loguru": "0.7.3", "msgspec": "0.23.0", "nvtx": "0.2.15", "openai": "2.54.0", "openai-harmony": "0.0.8",
-    "outlines-core": "0.2.14", "partial-json-parser": "0.2.1.1.post7", "prometheus-fastapi-instrumentator": "8.1.0",
-    "pybase64": "1.5.1", "pydantic": "2.14.4", "pydantic-core": "2.50.5", "python-json-logger": "4.2.0",
-    "pyzmq": "27.3.0", "setproctitle": "1.3.8", "sniffio": "1.3.1", "starlette": "1.10.0",
-    "typing-inspection": "0.4.5", "watchfiles": "1.3.0", "xgrammar": "0.2.9",
+    "annotated-types": "0.8.0",
+    "apache-tvm-ffi": "0.1.11",
+    "astor": "0.8.1",
+    "blake3": "1.0.11",
+    "cachetools": "8.0.2",
+    "cbor2": "6.3.0",
+    "compressed-tensors": "0.17.0",
+    "depyf": "0.20.0",
+    "dill": "0.4.1",
+    "diskcache": "5.6.3",
+    "distro": "1.9.0",
+    "fastapi": "0.136.3",
+    "gguf": "0.19.0",
+    "ijson": "3.6.0",
+    "interegular": "0.3.3",
+    "jiter": "0.19.0",
+    "lark": "1.2.2",
+    "llguidance": "1.7.6",
+    "lm-format-enforcer": "0.11.3",
+    "loguru": "0.7.3",
+    "msgspec": "0.23.0",
+    "nvtx": "0.2.15",
+    "openai": "2.54.0",
+    "openai-harmony": "0.0.8",
+    "outlines-core": "0.2.14",
+    "partial-json-parser": "0.2.1.1.post7",
+    "prometheus-fastapi-instrumentator": "8.1.0",
+    "pybase64": "1.5.1",
+    "pydantic": "2.14.4",
+    "pydantic-core": "2.50.5",
+    "python-json-logger": "4.2.0",
+    "pyzmq": "27.3.0",
+    "setproctitle": "1.3.8",
+    "sniffio": "1.3.1",
+    "starlette": "1.10.0",
+    "typing-inspection": "0.4.5",
+    "watchfiles": "1.3.0",
+    "xgrammar": "0.2.9",
     # vime's own (Ray driver and actors, Hydra config, the Megatron trainer)
-    "ray": "2.60.0", "jsonschema": "4.26.0", "jsonschema-specifications": "2025.9.1", "referencing": "0.37.0",
-    "rpds-py": "2026.9.1", "hydra-core": "1.3.8", "omegaconf": "2.3.1", "antlr4-python3-runtime": "4.9.3",
+    "ray": "2.60.0",
+    "jsonschema": "4.26.0",
+    "jsonschema-specifications": "2025.9.1",
+    "referencing": "0.37.0",
+    "rpds-py": "2026.9.1",
+    "hydra-core": "1.3.8",
+    "omegaconf": "2.3.1",
+    "antlr4-python3-runtime": "4.9.3",
     "megatron-core": "0.19.2",
 }
 SDIST_ONLY = {"antlr4-python3-runtime"}  # built into a (pure-Python) wheel here
@@ -65,17 +100,27 @@ SDIST_ONLY = {"antlr4-python3-runtime"}  # built into a (pure-Python) wheel here
 LEFT_OUT = {
     "mistral-common": "must NOT be present: transformers' tokenizer auto-detection imports it, then fails on pycountry",
     "apache-tvm-ffi": "vLLM pins 0.1.10, whose load_lib_module() lacks extra_lib_paths that xgrammar 0.2.9 calls",
-    "anthropic": "API server only", "mcp": "API server only", "model-hosting-container-standards": "API server only",
-    "opentelemetry-sdk": "tracing only", "opentelemetry-api": "tracing only",
-    "opentelemetry-exporter-otlp": "tracing only", "opentelemetry-semantic-conventions-ai": "tracing only",
-    "flashinfer-python": "optional kernels (a dense Qwen3 on Hopper uses FA3)", "tilelang": "optional kernels",
-    "quack-kernels": "optional kernels", "nvidia-cutlass-dsl": "optional kernels (FA4, Blackwell)",
-    "tokenspeed-mla": "MLA models only", "humming-kernels": "optional kernels",
-    "nvidia-cudnn-frontend": "optional kernels", "fastsafetensors": "optional loader",
-    "pynvvideocodec": "video inputs only", "torchcodec": "audio/video inputs only",
+    "anthropic": "API server only",
+    "mcp": "API server only",
+    "model-hosting-container-standards": "API server only",
+    "opentelemetry-sdk": "tracing only",
+    "opentelemetry-api": "tracing only",
+    "opentelemetry-exporter-otlp": "tracing only",
+    "opentelemetry-semantic-conventions-ai": "tracing only",
+    "flashinfer-python": "optional kernels (a dense Qwen3 on Hopper uses FA3)",
+    "tilelang": "optional kernels",
+    "quack-kernels": "optional kernels",
+    "nvidia-cutlass-dsl": "optional kernels (FA4, Blackwell)",
+    "tokenspeed-mla": "MLA models only",
+    "humming-kernels": "optional kernels",
+    "nvidia-cudnn-frontend": "optional kernels",
+    "fastsafetensors": "optional loader",
+    "pynvvideocodec": "video inputs only",
+    "torchcodec": "audio/video inputs only",
 }
 # The image's distributions (names), as listed for the GPU machines' image; their versions are not checked.
-IMAGE = set("""absl-py accelerate aiofiles aiohappyeyeballs aiohttp aiosignal annotated-doc anyio attrs botorch build
+IMAGE = set(
+    """absl-py accelerate aiofiles aiohappyeyeballs aiohttp aiosignal annotated-doc anyio attrs botorch build
 certifi charset-normalizer chex click cloudpickle cmake colorama contourpy coverage cuda-bindings cuda-core
 cuda-pathfinder cuda-toolkit cupy-cuda13x cycler cython diffrax e3nn einops equinox etils execnet filelock flatbuffers
 flax fonttools formulaic frozenlist fsspec gpytorch grpcio h11 h5py hf-xet httpcore httpx huggingface-hub humanize
@@ -93,25 +138,35 @@ scikit-build-core scikit-image scikit-learn scipy seaborn sentencepiece sentence
 simplejson six sortedcontainers statsmodels sympy tabulate tensorboard tensorboard-data-server tensorstore
 threadpoolctl tifffile tiktoken timm tokenizers toolz torch torchaudio torchdiffeq torch-geometric torchmetrics
 torchvision tqdm transformers treescope triton typer typing-extensions typing-inspect urllib3 uvloop wadler-lindig
-werkzeug wheel wrapt xarray xxhash yarl zipp""".split())
+werkzeug wheel wrapt xarray xxhash yarl zipp""".split()
+)
 # Paths (relative to the site tree; a trailing / is a folder, * a glob) a dense Qwen3 on Hopper never loads.
 STRIP = (
-    "bin/",                                                # console scripts, with this machine's interpreter
-    "vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so",            # FA2: its import is guarded; Hopper runs FA3
-    "vllm/_moe_C_stable_libtorch.abi3.so",                 # MoE kernels: import suppressed for dense models
-    "vllm/vllm-rs",                                        # Rust frontend binary
-    "vllm/third_party/fmha_sm100/",                        # Blackwell attention
-    "vllm/third_party/deep_gemm/include/",                 # DeepGEMM JIT headers (FP8 only)
-    "vllm/third_party/deep_gemm/_C.cpython-3*",            # (other Pythons' builds; the 3.12 one is kept below)
-    "vllm/_flashmla*",                                     # MLA models only
-    "vllm/_qutlass_C*",                                    # FP4 kernels
-    "vllm/entrypoints/serve/instrumentator/static/",       # swagger UI of the API server
-    "ray/jars/",                                           # Java workers
-    "ray/dashboard/client/build/",                         # dashboard web client (vime runs without dashboard)
+    "bin/",  # console scripts, with this machine's interpreter
+    "vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so",  # FA2: its import is guarded; Hopper runs FA3
+    "vllm/_moe_C_stable_libtorch.abi3.so",  # MoE kernels: import suppressed for dense models
+    "vllm/vllm-rs",  # Rust frontend binary
+    "vllm/third_party/fmha_sm100/",  # Blackwell attention
+    "vllm/third_party/deep_gemm/include/",  # DeepGEMM JIT headers (FP8 only)
+    "vllm/third_party/deep_gemm/_C.cpython-3*",  # (other Pythons' builds; the 3.12 one is kept below)
+    "vllm/_flashmla*",  # MLA models only
+    "vllm/_qutlass_C*",  # FP4 kernels
+    "vllm/entrypoints/serve/instrumentator/static/",  # swagger UI of the API server
+    "ray/jars/",  # Java workers
+    "ray/dashboard/client/build/",  # dashboard web client (vime runs without dashboard)
 )
-MUST_HAVE = ("vllm/_C_stable_libtorch.abi3.so", "vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so", "ray/_raylet.so",
-             "ray/core/src/ray/raylet/raylet", "megatron/core/__init__.py", "hydra/__init__.py",
-             "omegaconf/__init__.py", "antlr4/__init__.py", "pydantic/__init__.py", "xgrammar/__init__.py")
+MUST_HAVE = (
+    "vllm/_C_stable_libtorch.abi3.so",
+    "vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so",
+    "ray/_raylet.so",
+    "ray/core/src/ray/raylet/raylet",
+    "megatron/core/__init__.py",
+    "hydra/__init__.py",
+    "omegaconf/__init__.py",
+    "antlr4/__init__.py",
+    "pydantic/__init__.py",
+    "xgrammar/__init__.py",
+)
 MUST_NOT_HAVE = ("mistral_common",)
 
 
@@ -225,8 +280,9 @@ def download(reqs: list[str], cache: Path, plat: list[str]) -> None:
     missing = [r for r in reqs if not _cached(cache, r)]
     binary = [r for r in missing if canonicalize_name(r.split("==")[0]) not in SDIST_ONLY]
     if binary:
-        subprocess.run([sys.executable, "-m", "pip", "download", "-qq", "--no-deps", *plat, "-d", str(cache),
-                        *binary], check=True)
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "-qq", "--no-deps", *plat, "-d", str(cache), *binary], check=True
+        )
     for r in missing:
         if canonicalize_name(r.split("==")[0]) in SDIST_ONLY:
             subprocess.run([sys.executable, "-m", "pip", "wheel", "-qq", "--no-deps", "-w", str(cache), r], check=True)
@@ -273,8 +329,15 @@ def check_requirements(dists: dict[str, tuple[str, Path]], python: str) -> list[
     must be met: by the tree at a matching version, by the image (name only), or be in LEFT_OUT. Returns
     the requirements expected from the image."""
     env = default_environment()
-    env.update(python_version=python, python_full_version=f"{python}.0", platform_machine="x86_64",
-               sys_platform="linux", platform_system="Linux", os_name="posix", extra="")
+    env.update(
+        python_version=python,
+        python_full_version=f"{python}.0",
+        platform_machine="x86_64",
+        sys_platform="linux",
+        platform_system="Linux",
+        os_name="posix",
+        extra="",
+    )
     problems, from_image = [], set()
     for name, (_, meta) in sorted(dists.items()):
         for line in meta.read_text(errors="replace").splitlines():
@@ -300,8 +363,12 @@ def check_requirements(dists: dict[str, tuple[str, Path]], python: str) -> list[
 
 def repo_bytes(repo: Path) -> int:
     """Bytes of what travels with every transfer: tracked files plus untracked files git does not ignore."""
-    out = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=repo,
-                         check=True, capture_output=True).stdout.decode()
+    out = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=repo,
+        check=True,
+        capture_output=True,
+    ).stdout.decode()
     return sum((repo / f).stat().st_size for f in out.split("\0") if f and (repo / f).is_file())
 
 
@@ -315,13 +382,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--index", default="https://pypi.org/simple", help="PEP 691 index to read vLLM's releases from")
     ap.add_argument("--out", type=Path, default=Path(".bundle"))
     ap.add_argument("--cache", type=Path, default=Path(".bundle-cache"), help="downloaded wheels (kept)")
-    ap.add_argument("--part-mib", type=float, default=None,
-                    help="part size in MiB (default: 62 MiB minus the repository minus 64 KiB for the manifest)")
+    ap.add_argument(
+        "--part-mib",
+        type=float,
+        default=None,
+        help="part size in MiB (default: 62 MiB minus the repository minus 64 KiB for the manifest)",
+    )
     ap.add_argument("--xz", default="9e", help="xz preset (default 9e)")
-    ap.add_argument("--xz-dict-mib", type=int, default=256,
-                    help="xz dictionary in MiB (default 256: matches across Ray's binaries; unpacking needs as much)")
-    ap.add_argument("--xz-threads", type=int, default=1,
-                    help="xz threads (default 1: one block, smallest; more: faster, a little larger)")
+    ap.add_argument(
+        "--xz-dict-mib",
+        type=int,
+        default=256,
+        help="xz dictionary in MiB (default 256: matches across Ray's binaries; unpacking needs as much)",
+    )
+    ap.add_argument(
+        "--xz-threads",
+        type=int,
+        default=1,
+        help="xz threads (default 1: one block, smallest; more: faster, a little larger)",
+    )
     args = ap.parse_args(argv)
     repo = Path(__file__).resolve().parent.parent
 
@@ -329,20 +408,40 @@ def main(argv: list[str] | None = None) -> int:
     say(f"vllm {version} pins torch=={args.torch}: {url.rsplit('/', 1)[1]}")
     # the dependencies' wheels: any manylinux up to glibc --glibc (the image's is newer than 2.35)
     glibc = int(args.glibc.split(".")[1])
-    plats = [args.platform] + [f"manylinux_2_{m}_x86_64" for m in range(glibc, 4, -1)] + [
-        "manylinux2014_x86_64", "manylinux2010_x86_64", "manylinux1_x86_64", "linux_x86_64"]
+    plats = (
+        [args.platform]
+        + [f"manylinux_2_{m}_x86_64" for m in range(glibc, 4, -1)]
+        + ["manylinux2014_x86_64", "manylinux2010_x86_64", "manylinux1_x86_64", "linux_x86_64"]
+    )
     plat = platform_args(args.python, plats)
     wheels = args.cache / "wheels"
     download([f"vllm=={version}"] + [f"{n}=={v}" for n, v in sorted(PINS.items())], wheels, plat)
 
     with tempfile.TemporaryDirectory(prefix="gpu_bundle.") as tmp:
         site = Path(tmp) / "site"
-        files = [str(_cached(wheels, f"vllm=={version}"))] + [str(_cached(wheels, f"{n}=={v}")) for n, v in
-                                                              sorted(PINS.items())]
+        files = [str(_cached(wheels, f"vllm=={version}"))] + [
+            str(_cached(wheels, f"{n}=={v}")) for n, v in sorted(PINS.items())
+        ]
         say(f"installing {len(files)} wheels into a site tree")
-        subprocess.run([sys.executable, "-m", "pip", "install", "-qq", "--no-index", "--no-deps", "--no-compile",
-                        "--no-warn-script-location", "--ignore-requires-python", "--target", str(site), *plat,
-                        *files], check=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "install",
+                "-qq",
+                "--no-index",
+                "--no-deps",
+                "--no-compile",
+                "--no-warn-script-location",
+                "--ignore-requires-python",
+                "--target",
+                str(site),
+                *plat,
+                *files,
+            ],
+            check=True,
+        )
         removed = strip(site)
         say(f"stripped {len(removed)} paths: {', '.join(removed)}")
         for rel in MUST_HAVE:
@@ -354,29 +453,49 @@ def main(argv: list[str] | None = None) -> int:
         dists = installed(site)
         from_image = check_requirements(dists, args.python)
         tree = sum(p.stat().st_size for p in site.rglob("*") if p.is_file())
-        say(f"{len(dists)} distributions, {tree / MIB:.0f} MiB installed; every requirement met "
-            f"({len(from_image)} by the image)")
+        say(
+            f"{len(dists)} distributions, {tree / MIB:.0f} MiB installed; every requirement met "
+            f"({len(from_image)} by the image)"
+        )
 
         repo_size = repo_bytes(repo)
         part = int(args.part_mib * MIB) if args.part_mib else 62 * MIB - repo_size - 64 * 1024
         pin = torch_pin(meta)
         versions = {"torch_pin": pin, **{n: v for n, (v, _) in sorted(dists.items())}}
-        extra = {"target": {"python": args.python, "platform": args.platform, "torch": args.torch},
-                 "stripped": removed, "expects_on_image": from_image,
-                 "left_out": {k: v for k, v in sorted(LEFT_OUT.items())}}
-        say(f"compressing (tar | xz -{args.xz}, dictionary {args.xz_dict_mib} MiB, {args.xz_threads} thread(s)); "
-            f"parts of at most {part / MIB:.2f} MiB")
-        manifest = vime_bundle.pack(site, args.out, part, versions, extra, level=args.xz, work=Path(tmp),
-                                    dict_mib=args.xz_dict_mib, threads=args.xz_threads)
+        extra = {
+            "target": {"python": args.python, "platform": args.platform, "torch": args.torch},
+            "stripped": removed,
+            "expects_on_image": from_image,
+            "left_out": {k: v for k, v in sorted(LEFT_OUT.items())},
+        }
+        say(
+            f"compressing (tar | xz -{args.xz}, dictionary {args.xz_dict_mib} MiB, {args.xz_threads} thread(s)); "
+            f"parts of at most {part / MIB:.2f} MiB"
+        )
+        manifest = vime_bundle.pack(
+            site,
+            args.out,
+            part,
+            versions,
+            extra,
+            level=args.xz,
+            work=Path(tmp),
+            dict_mib=args.xz_dict_mib,
+            threads=args.xz_threads,
+        )
 
     whole = manifest["archive"]["size"]
     say(f"archive {whole / MIB:.1f} MiB, sha256 {manifest['archive']['sha256']}")
     for p in manifest["parts"]:
         total = p["size"] + repo_size + (args.out / vime_bundle.MANIFEST).stat().st_size
-        say(f"  {args.out}/{p['name']}: {p['size'] / MIB:.2f} MiB (+ repository {repo_size / MIB:.2f} MiB + "
-            f"manifest = {total / MIB:.2f} MiB per transfer)")
-    say(f"{len(manifest['parts'])} part(s); versions: vllm {versions['vllm']} (torch=={pin}), ray {versions['ray']}, "
-        f"megatron-core {versions['megatron-core']}, hydra-core {versions['hydra-core']}")
+        say(
+            f"  {args.out}/{p['name']}: {p['size'] / MIB:.2f} MiB (+ repository {repo_size / MIB:.2f} MiB + "
+            f"manifest = {total / MIB:.2f} MiB per transfer)"
+        )
+    say(
+        f"{len(manifest['parts'])} part(s); versions: vllm {versions['vllm']} (torch=={pin}), ray {versions['ray']}, "
+        f"megatron-core {versions['megatron-core']}, hydra-core {versions['hydra-core']}"
+    )
     return 0
 
 

@@ -8,11 +8,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
 .venv/bin/ruff check .
-# The formatting check is off until the whole tree is formatted once (`ruff format .`, one commit);
-# then make it the default by changing `:-0` to `:-1` here.
-if [ "${VIME_FORMAT_CHECK:-0}" = 1 ]; then
-    .venv/bin/ruff format --check .
-fi
+.venv/bin/ruff format --check .
 export WANDB_MODE=offline VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
 
 if [ "${1:-}" != fast ]; then

@@ -137,14 +137,28 @@ def split_archive(archive: Path, out_dir: Path, part_size: int, versions: dict, 
                     h.update(chunk)
                     written += len(chunk)
             parts.append({"name": name, "size": written, "sha256": h.hexdigest()})
-    manifest = {"format": FORMAT, "archive": {"name": stem, "size": size, "sha256": digest, "compression": "xz"},
-                "parts": parts, "versions": versions, **(extra or {})}
+    manifest = {
+        "format": FORMAT,
+        "archive": {"name": stem, "size": size, "sha256": digest, "compression": "xz"},
+        "parts": parts,
+        "versions": versions,
+        **(extra or {}),
+    }
     (out_dir / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
     return manifest
 
 
-def pack(site: Path, out_dir: Path, part_size: int, versions: dict, extra: dict | None = None,
-         level: str = "9e", work: Path | None = None, dict_mib: int = 256, threads: int = 1) -> dict:
+def pack(
+    site: Path,
+    out_dir: Path,
+    part_size: int,
+    versions: dict,
+    extra: dict | None = None,
+    level: str = "9e",
+    work: Path | None = None,
+    dict_mib: int = 256,
+    threads: int = 1,
+) -> dict:
     """compress_tree + split_archive; the whole archive is written to `work` (default out_dir) and removed."""
     archive = (work or out_dir) / "vime-site.tar.xz.tmp"
     archive.parent.mkdir(parents=True, exist_ok=True)
@@ -174,8 +188,10 @@ def machine_torch_version() -> str:
     try:
         return metadata.version("torch")
     except metadata.PackageNotFoundError:
-        raise StageError("gpu_stage: torch is not installed on this machine: the bundle brings everything but "
-                         "torch (and the image's other packages); use an image with torch") from None
+        raise StageError(
+            "gpu_stage: torch is not installed on this machine: the bundle brings everything but "
+            "torch (and the image's other packages); use an image with torch"
+        ) from None
 
 
 def check_torch_pin(manifest: dict, torch_version: str) -> None:
@@ -187,18 +203,22 @@ def check_torch_pin(manifest: dict, torch_version: str) -> None:
         vllm = manifest["versions"].get("vllm", "?")
         raise StageError(
             f"gpu_stage: the bundle's vllm {vllm} needs torch=={pin} but this machine has torch {torch_version}: "
-            f"rebuild the bundle with `bash scripts/gpu_bundle.sh --torch {torch_version.split('+')[0]}`")
+            f"rebuild the bundle with `bash scripts/gpu_bundle.sh --torch {torch_version.split('+')[0]}`"
+        )
 
 
 def _read_manifest(path: Path) -> dict:
     try:
         manifest = json.loads(path.read_text())
     except (OSError, ValueError) as e:
-        raise StageError(f"gpu_stage: cannot read {path} ({e}): carry .bundle/{MANIFEST} from the "
-                         f"`scripts/gpu_bundle.sh` run whose parts you carry") from None
+        raise StageError(
+            f"gpu_stage: cannot read {path} ({e}): carry .bundle/{MANIFEST} from the "
+            f"`scripts/gpu_bundle.sh` run whose parts you carry"
+        ) from None
     if manifest.get("format") != FORMAT or "parts" not in manifest or "archive" not in manifest:
-        raise StageError(f"gpu_stage: {path} is not a bundle manifest of format {FORMAT}: rebuild with "
-                         f"`bash scripts/gpu_bundle.sh`")
+        raise StageError(
+            f"gpu_stage: {path} is not a bundle manifest of format {FORMAT}: rebuild with `bash scripts/gpu_bundle.sh`"
+        )
     return manifest
 
 
@@ -277,18 +297,27 @@ def _plugin_dist_info(site: Path, repo: Path) -> None:
 
 def _env_line(repo: Path, site: Path) -> str:
     # FlashInfer is not in the bundle: vLLM's sampler must not reach for it (its import is unguarded there)
-    return f'export PYTHONPATH={repo}:{site}${{PYTHONPATH:+:$PYTHONPATH}} VLLM_USE_FLASHINFER_SAMPLER=0'
+    return f"export PYTHONPATH={repo}:{site}${{PYTHONPATH:+:$PYTHONPATH}} VLLM_USE_FLASHINFER_SAMPLER=0"
 
 
-def stage(incoming: Path, store: Path, site: Path, repo: Path, env_file: Path | None,
-          torch_version: str | None = None, log=print) -> int:
+def stage(
+    incoming: Path,
+    store: Path,
+    site: Path,
+    repo: Path,
+    env_file: Path | None,
+    torch_version: str | None = None,
+    log=print,
+) -> int:
     """One staging step (see the module docstring). Returns READY or MORE_PARTS; raises StageError."""
     manifest_path = incoming / MANIFEST
     if not manifest_path.is_file() and (store / MANIFEST).is_file():
         manifest_path = store / MANIFEST  # a later transfer may bring only parts
     if not manifest_path.is_file():
-        raise StageError(f"gpu_stage: no {incoming / MANIFEST}: carry .bundle/{MANIFEST} (with the parts) from "
-                         f"`bash scripts/gpu_bundle.sh`")
+        raise StageError(
+            f"gpu_stage: no {incoming / MANIFEST}: carry .bundle/{MANIFEST} (with the parts) from "
+            f"`bash scripts/gpu_bundle.sh`"
+        )
     manifest = _read_manifest(manifest_path)
     check_torch_pin(manifest, torch_version or machine_torch_version())
     digest = manifest["archive"]["sha256"]
@@ -319,12 +348,16 @@ def stage(incoming: Path, store: Path, site: Path, repo: Path, env_file: Path | 
     for path in sorted(incoming.glob("vime-site-*.tar.xz.*of*")):
         part = expected.get(path.name)
         if part is None:
-            bad.append(f"{path.name} belongs to another bundle (this manifest's parts are "
-                       f"{manifest['archive']['name']}.*): carry the manifest.json built with it")
+            bad.append(
+                f"{path.name} belongs to another bundle (this manifest's parts are "
+                f"{manifest['archive']['name']}.*): carry the manifest.json built with it"
+            )
             continue
         if not _part_ok(path, part):
-            bad.append(f"{path.name} is corrupt (size or sha256 differs from the manifest): carry .bundle/"
-                       f"{path.name} again (or rebuild with `bash scripts/gpu_bundle.sh`)")
+            bad.append(
+                f"{path.name} is corrupt (size or sha256 differs from the manifest): carry .bundle/"
+                f"{path.name} again (or rebuild with `bash scripts/gpu_bundle.sh`)"
+            )
             path.unlink()
             continue
         shutil.move(str(path), store / path.name)
@@ -335,8 +368,10 @@ def stage(incoming: Path, store: Path, site: Path, repo: Path, env_file: Path | 
     have = [n for n in expected if (store / n).is_file()]
     missing = [n for n in expected if n not in have]
     if missing:
-        log(f"gpu_stage: {len(have)} of {len(expected)} parts in {store}; still missing: {', '.join(missing)} "
-            f"(carry .bundle/{missing[0]} and .bundle/{MANIFEST} in the next transfer)")
+        log(
+            f"gpu_stage: {len(have)} of {len(expected)} parts in {store}; still missing: {', '.join(missing)} "
+            f"(carry .bundle/{missing[0]} and .bundle/{MANIFEST} in the next transfer)"
+        )
         return MORE_PARTS
 
     paths = [store / n for n in expected]  # the manifest's order
@@ -346,15 +381,19 @@ def stage(incoming: Path, store: Path, site: Path, repo: Path, env_file: Path | 
     if h.hexdigest() != digest:
         for p in paths:
             p.unlink()
-        raise StageError(f"gpu_stage: the assembled archive's sha256 differs from the manifest's ({digest[:12]}): "
-                         f"every part was removed from {store}; carry all parts again")
+        raise StageError(
+            f"gpu_stage: the assembled archive's sha256 differs from the manifest's ({digest[:12]}): "
+            f"every part was removed from {store}; carry all parts again"
+        )
     t0 = time.time()
     _unpack(paths, site)
     _check_unpacked_pin(site, manifest)
     _plugin_dist_info(site, repo)
     marker.write_text(digest + "\n")
-    log(f"gpu_stage: unpacked {manifest['archive']['name']} into {site} in {time.time() - t0:.1f} s "
-        f"({', '.join(f'{k} {v}' for k, v in sorted(manifest['versions'].items()))})")
+    log(
+        f"gpu_stage: unpacked {manifest['archive']['name']} into {site} in {time.time() - t0:.1f} s "
+        f"({', '.join(f'{k} {v}' for k, v in sorted(manifest['versions'].items()))})"
+    )
     return ready()
 
 
@@ -367,8 +406,10 @@ def _check_unpacked_pin(site: Path, manifest: dict) -> None:
     meta = site / f"vllm-{vllm}.dist-info" / "METADATA"
     found = re.findall(r"^Requires-Dist: torch==([^\s;]+)", meta.read_text(), re.M) if meta.is_file() else []
     if found != [pin]:
-        raise StageError(f"gpu_stage: the unpacked vllm's METADATA pins torch {found or 'nothing'}, the manifest "
-                         f"says {pin}: rebuild with `bash scripts/gpu_bundle.sh`")
+        raise StageError(
+            f"gpu_stage: the unpacked vllm's METADATA pins torch {found or 'nothing'}, the manifest "
+            f"says {pin}: rebuild with `bash scripts/gpu_bundle.sh`"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -377,8 +418,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--store", type=Path, default=Path(os.environ.get("VIME_BUNDLE_STORE", "/root/vime_bundle")))
     ap.add_argument("--site", type=Path, default=Path(os.environ.get("VIME_SITE", "/root/vime_site")))
     ap.add_argument("--repo", type=Path, default=Path("."), help="repository root (default .)")
-    ap.add_argument("--env-file", type=Path, default=Path(".bundle/env.sh"),
-                    help="file that gets the `export PYTHONPATH=...` line (default .bundle/env.sh)")
+    ap.add_argument(
+        "--env-file",
+        type=Path,
+        default=Path(".bundle/env.sh"),
+        help="file that gets the `export PYTHONPATH=...` line (default .bundle/env.sh)",
+    )
     ap.add_argument("--torch-version", default=None, help="the machine's torch version (default: installed)")
     args = ap.parse_args(argv)
     try:

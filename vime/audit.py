@@ -54,17 +54,37 @@ log = logging.getLogger("vime")
 SIDES = ("rollout", "trainer")
 
 
-def _rung(name: str, side: str | None, boundary: str | None, modes: dict[str, dict[str, str]],
-          result: Consistency | None, contracts: dict[str, str] | None, evidence: list[dict] | None,
-          error: str | None = None, seconds: float = 0.0) -> dict:
+def _rung(
+    name: str,
+    side: str | None,
+    boundary: str | None,
+    modes: dict[str, dict[str, str]],
+    result: Consistency | None,
+    contracts: dict[str, str] | None,
+    evidence: list[dict] | None,
+    error: str | None = None,
+    seconds: float = 0.0,
+) -> dict:
     """One row of the ladder (JSON-able)."""
-    row = {"rung": name, "side": side, "boundary": boundary,
-           "rollout_modes": dict(modes["rollout"]), "trainer_modes": dict(modes["trainer"]),
-           "contracts": contracts or {}, "seconds": round(seconds, 3), "error": error,
-           "ran": sorted({f"{r['op']}:{r['mode']}:{r['contract_id']}[{r['fingerprint']}]" for r in evidence or []})}
+    row = {
+        "rung": name,
+        "side": side,
+        "boundary": boundary,
+        "rollout_modes": dict(modes["rollout"]),
+        "trainer_modes": dict(modes["trainer"]),
+        "contracts": contracts or {},
+        "seconds": round(seconds, 3),
+        "error": error,
+        "ran": sorted({f"{r['op']}:{r['mode']}:{r['contract_id']}[{r['fingerprint']}]" for r in evidence or []}),
+    }
     if result is not None:
-        row |= {"mismatch_count": result.mismatch_count, "max_abs_diff": result.max_abs_diff,
-                "mean_abs_diff": result.mean_abs_diff, "tokens": result.tokens, "worst": result.worst}
+        row |= {
+            "mismatch_count": result.mismatch_count,
+            "max_abs_diff": result.max_abs_diff,
+            "mean_abs_diff": result.mean_abs_diff,
+            "tokens": result.tokens,
+            "worst": result.worst,
+        }
     return row
 
 
@@ -120,16 +140,36 @@ class Audit:
             return consistency.compare(a, b, positions, token_ids)
 
         contracts = consistency.check_contracts(rollout_ev, trainer_ev, self.base["rollout"], self.base["trainer"])
-        rungs = [_rung("base", None, None, self.base, cmp(sampled, trainer_lp), contracts,
-                       rollout_ev + trainer_ev, seconds=time.perf_counter() - t0)]
+        rungs = [
+            _rung(
+                "base",
+                None,
+                None,
+                self.base,
+                cmp(sampled, trainer_lp),
+                contracts,
+                rollout_ev + trainer_ev,
+                seconds=time.perf_counter() - t0,
+            )
+        ]
         t0 = time.perf_counter()
         rescored, ev = self._rollout_rescore(samples)
-        rescore = _rung("rollout re-score", "rollout", None, self.base, cmp(sampled, rescored), None, ev,
-                        seconds=time.perf_counter() - t0)
+        rescore = _rung(
+            "rollout re-score",
+            "rollout",
+            None,
+            self.base,
+            cmp(sampled, rescored),
+            None,
+            ev,
+            seconds=time.perf_counter() - t0,
+        )
         if rescore["mismatch_count"]:
-            raise ComparabilityError(f"re-scoring the sampled tokens by forced decoding changed "
-                                     f"{rescore['mismatch_count']} of {rescore['tokens']} rollout logprobs: the "
-                                     "ladder would not compare like with like")
+            raise ComparabilityError(
+                f"re-scoring the sampled tokens by forced decoding changed "
+                f"{rescore['mismatch_count']} of {rescore['tokens']} rollout logprobs: the "
+                "ladder would not compare like with like"
+            )
         rungs.append(rescore)
         for side in self.sides:
             for b in self.boundaries:
@@ -152,8 +192,9 @@ class Audit:
                         error = None
                     except ComparabilityError as e:
                         verdict, error = None, f"contract gate: {e}"
-                    rungs.append(_rung(f"{side}:{b}", side, b, modes, result, verdict, ev, error,
-                                       time.perf_counter() - t0))
+                    rungs.append(
+                        _rung(f"{side}:{b}", side, b, modes, result, verdict, ev, error, time.perf_counter() - t0)
+                    )
                 finally:
                     self._set_modes(side, self.base[side])
         return self._report(samples, version, rungs)
@@ -166,10 +207,17 @@ class Audit:
                 breaking[r["side"]].append(r["boundary"])
         configured_native = {s: sorted(b for b, m in self.base[s].items() if m == "native") for s in SIDES}
         return {
-            "version": version, "samples": len(samples), "tokens": base["tokens"],
-            "rollout_engine": self.d.labels["rollout_engine"], "trainer_engine": self.d.labels["trainer_engine"],
-            "model_path": self.d.model_path, "base_modes": self.base, "configured_native": configured_native,
-            "base_parity": base["mismatch_count"] == 0, "breaking": breaking, "rungs": rungs,
+            "version": version,
+            "samples": len(samples),
+            "tokens": base["tokens"],
+            "rollout_engine": self.d.labels["rollout_engine"],
+            "trainer_engine": self.d.labels["trainer_engine"],
+            "model_path": self.d.model_path,
+            "base_modes": self.base,
+            "configured_native": configured_native,
+            "base_parity": base["mismatch_count"] == 0,
+            "breaking": breaking,
+            "rungs": rungs,
             "verdict": verdict_text(base, breaking, configured_native),
         }
 
@@ -178,15 +226,22 @@ def verdict_text(base: dict, breaking: dict[str, list[str]], configured_native: 
     """One paragraph: does the configured run keep parity, and which native forms break it."""
     n, tokens = base["mismatch_count"], base["tokens"]
     if n == 0:
-        head = (f"PARITY: the configured run keeps rollout == trainer on all {tokens} tokens (0 fp32 bit "
-                "mismatches); no configured boundary breaks parity.")
+        head = (
+            f"PARITY: the configured run keeps rollout == trainer on all {tokens} tokens (0 fp32 bit "
+            "mismatches); no configured boundary breaks parity."
+        )
     else:
         named = "; ".join(f"{s}: {', '.join(b)}" for s, b in configured_native.items() if b) or "none (all strict)"
-        head = (f"BROKEN: the configured run differs on {n} of {tokens} tokens (max |diff| "
-                f"{base['max_abs_diff']:.3e}); boundaries configured native: {named}.")
+        head = (
+            f"BROKEN: the configured run differs on {n} of {tokens} tokens (max |diff| "
+            f"{base['max_abs_diff']:.3e}); boundaries configured native: {named}."
+        )
     found = [f"{s}: {', '.join(b)}" for s, b in breaking.items() if b]
-    tail = ("Native forms that break parity when flipped alone: " + "; ".join(found) + "."
-            if found else "No single boundary's native form broke parity on these tokens.")
+    tail = (
+        "Native forms that break parity when flipped alone: " + "; ".join(found) + "."
+        if found
+        else "No single boundary's native form broke parity on these tokens."
+    )
     return f"{head} {tail}"
 
 
@@ -197,24 +252,27 @@ def _worst(r: dict) -> str:
     w = r.get("worst")
     if not w:
         return "-"
-    return (f"sample {w['sample']} pos {w['position']} token {w['token_id']}: "
-            f"{w['rollout']:.7g} vs {w['trainer']:.7g}")
+    return f"sample {w['sample']} pos {w['position']} token {w['token_id']}: {w['rollout']:.7g} vs {w['trainer']:.7g}"
 
 
 def format_ladder(report: dict) -> str:
     """The ladder as a fixed-width table plus the verdict."""
-    lines = [f"vime.audit: {report['samples']} samples, {report['tokens']} response tokens, weight version "
-             f"{report['version']}, model {report['model_path']}",
-             f"  rollout: {report['rollout_engine']} ({modes_label(report['base_modes']['rollout'])})",
-             f"  trainer: {report['trainer_engine']} ({modes_label(report['base_modes']['trainer'])})",
-             f"{'rung':<22} {'mismatch':>12} {'max|diff|':>10}  {'native ops that ran':<28} "
-             "worst token (rollout vs trainer)"]
+    lines = [
+        f"vime.audit: {report['samples']} samples, {report['tokens']} response tokens, weight version "
+        f"{report['version']}, model {report['model_path']}",
+        f"  rollout: {report['rollout_engine']} ({modes_label(report['base_modes']['rollout'])})",
+        f"  trainer: {report['trainer_engine']} ({modes_label(report['base_modes']['trainer'])})",
+        f"{'rung':<22} {'mismatch':>12} {'max|diff|':>10}  {'native ops that ran':<28} "
+        "worst token (rollout vs trainer)",
+    ]
     for r in report["rungs"]:
         native_ops = sorted({x.split(":")[0] for x in r["ran"] if ":native:" in x})
         mm = f"{r['mismatch_count']} / {r['tokens']}" if "mismatch_count" in r else "-"
         diff = f"{r['max_abs_diff']:.2e}" if "max_abs_diff" in r else "-"
-        lines.append(f"{r['rung']:<22} {mm:>12} {diff:>10}  {','.join(native_ops) or '-':<28} {_worst(r)}"
-                     + (f"  [{r['error']}]" if r.get("error") else ""))
+        lines.append(
+            f"{r['rung']:<22} {mm:>12} {diff:>10}  {','.join(native_ops) or '-':<28} {_worst(r)}"
+            + (f"  [{r['error']}]" if r.get("error") else "")
+        )
     strict_ran = sorted({x.split(":", 2)[2] for x in report["rungs"][0]["ran"] if ":strict:" in x})
     lines.append(f"contracts (base): {', '.join(strict_ran) or 'none'}")
     lines.append(f"verdict: {report['verdict']}")
@@ -233,8 +291,10 @@ def plot_ladder(report: dict, path: Path) -> Path:
     names = [r["rung"] for r in rungs]
     counts = [r["mismatch_count"] for r in rungs]
     diffs = [r["max_abs_diff"] for r in rungs]
-    colors = ["#2b8a3e" if c == 0 else ("#c92a2a" if r["side"] in (None, "trainer") else "#e67700")
-              for c, r in zip(counts, rungs)]
+    colors = [
+        "#2b8a3e" if c == 0 else ("#c92a2a" if r["side"] in (None, "trainer") else "#e67700")
+        for c, r in zip(counts, rungs)
+    ]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 0.38 * len(rungs) + 1.8), sharey=True)
     y = list(range(len(rungs)))
     ax1.barh(y, counts, color=colors)
@@ -260,13 +320,21 @@ def plot_ladder(report: dict, path: Path) -> Path:
         ax.grid(axis="x", alpha=0.3)
     from matplotlib.patches import Patch
 
-    ax1.legend(handles=[Patch(color="#2b8a3e", label="bitwise equal"),
-                        Patch(color="#e67700", label="rollout side native: differs"),
-                        Patch(color="#c92a2a", label="trainer side native (or base): differs")],
-               loc="lower right", fontsize=8)
+    ax1.legend(
+        handles=[
+            Patch(color="#2b8a3e", label="bitwise equal"),
+            Patch(color="#e67700", label="rollout side native: differs"),
+            Patch(color="#c92a2a", label="trainer side native (or base): differs"),
+        ],
+        loc="lower right",
+        fontsize=8,
+    )
     status = "parity holds" if report["base_parity"] else "parity BROKEN"
-    fig.suptitle(f"vime.audit: configured run (base) {status} on {report['tokens']} tokens; then one boundary "
-                 "native at a time, one side at a time, same sampled tokens", fontsize=11)
+    fig.suptitle(
+        f"vime.audit: configured run (base) {status} on {report['tokens']} tokens; then one boundary "
+        "native at a time, one side at a time, same sampled tokens",
+        fontsize=11,
+    )
     import textwrap
 
     fig.text(0.01, 0.005, "\n".join(textwrap.wrap(report["verdict"], 170)), fontsize=8, va="bottom")
@@ -286,25 +354,50 @@ def audit_run(run_dir: Path) -> dict:
     if not path.is_file():
         raise ConfigError(f"audit.run={run_dir}: no metrics.jsonl there; pass the output_dir of a vime.train run")
     rows = read_rows(path)
-    parity = ("tokens", "mismatch_count", "max_abs_diff", "worst_sample", "worst_position", "worst_token_id",
-              "worst_rollout", "worst_trainer")
-    steps = [{"step": r.step, "version": r.weights.version, **{k: getattr(r.consistency, k) for k in parity},
-              "contracts": r.contracts, "strict": r.strict, "rollout_engine": r.rollout_engine,
-              "trainer_engine": r.trainer_engine} for r in rows]
+    parity = (
+        "tokens",
+        "mismatch_count",
+        "max_abs_diff",
+        "worst_sample",
+        "worst_position",
+        "worst_token_id",
+        "worst_rollout",
+        "worst_trainer",
+    )
+    steps = [
+        {
+            "step": r.step,
+            "version": r.weights.version,
+            **{k: getattr(r.consistency, k) for k in parity},
+            "contracts": r.contracts,
+            "strict": r.strict,
+            "rollout_engine": r.rollout_engine,
+            "trainer_engine": r.trainer_engine,
+        }
+        for r in rows
+    ]
     total, tokens = sum(r.consistency.mismatch_count for r in rows), sum(r.consistency.tokens for r in rows)
-    return {"run": str(run_dir), "steps": steps, "total_mismatches": total, "tokens": tokens,
-            "verdict": f"{len(rows)} steps, {total} mismatching tokens of {tokens} compared"}
+    return {
+        "run": str(run_dir),
+        "steps": steps,
+        "total_mismatches": total,
+        "tokens": tokens,
+        "verdict": f"{len(rows)} steps, {total} mismatching tokens of {tokens} compared",
+    }
 
 
 def format_run(report: dict) -> str:
-    lines = [f"evidence of {report['run']}:", f"{'step':>4} {'version':>7} {'tokens':>6} {'mismatch':>8} "
-             f"{'max|diff|':>10}  contracts (op: verdict)"]
+    lines = [
+        f"evidence of {report['run']}:",
+        f"{'step':>4} {'version':>7} {'tokens':>6} {'mismatch':>8} {'max|diff|':>10}  contracts (op: verdict)",
+    ]
     for s in report["steps"]:
         contracts = ", ".join(f"{op}:{v}" for op, v in sorted((s.get("contracts") or {}).items()))
         diff = s.get("max_abs_diff")
         diff = f"{float(diff):.2e}" if diff is not None and math.isfinite(float(diff)) else str(diff)
-        lines.append(f"{s['step']:>4} {s['version']:>7} {s['tokens']:>6} {s['mismatch_count']:>8} {diff:>10}  "
-                     f"{contracts}")
+        lines.append(
+            f"{s['step']:>4} {s['version']:>7} {s['tokens']:>6} {s['mismatch_count']:>8} {diff:>10}  {contracts}"
+        )
     lines.append(f"verdict: {report['verdict']}")
     return "\n".join(lines)
 

@@ -19,16 +19,17 @@ if TYPE_CHECKING:
 @dataclasses.dataclass
 class Sample:
     """One rollout sample: a response to one prompt, with what produced each of its tokens."""
-    group: int                  # prompt index within the step (a GRPO group)
+
+    group: int  # prompt index within the step (a GRPO group)
     prompt_ids: list[int]
     response_ids: list[int]
-    logprobs: list[float]       # rollout logprob of each response token (fp32 values)
-    versions: list[int]         # weight version that produced each response token
-    engine: int                 # rollout engine id
+    logprobs: list[float]  # rollout logprob of each response token (fp32 values)
+    versions: list[int]  # weight version that produced each response token
+    engine: int  # rollout engine id
     temperature: float
-    top_k: int = -1             # the engine's sampling parameters (-1 / 0 and 1.0: the full softmax)
+    top_k: int = -1  # the engine's sampling parameters (-1 / 0 and 1.0: the full softmax)
     top_p: float = 1.0
-    vocab_size: int = 0         # real vocab range the engine normalised over
+    vocab_size: int = 0  # real vocab range the engine normalised over
     finish_reason: str = ""
     reward: float = 0.0
     advantage: float = 0.0
@@ -37,14 +38,15 @@ class Sample:
 @dataclasses.dataclass
 class Scored:
     """The trainer's teacher-forcing logprobs for one sample, with what it scored."""
-    token_ids: list[int]        # the response token ids it scored
-    positions: list[int]        # their positions in the sequence (prompt_len + j)
-    logprobs: torch.Tensor      # fp32 [len(token_ids)]
-    version: int                # weight version of the trainer's weights
+
+    token_ids: list[int]  # the response token ids it scored
+    positions: list[int]  # their positions in the sequence (prompt_len + j)
+    logprobs: torch.Tensor  # fp32 [len(token_ids)]
+    version: int  # weight version of the trainer's weights
     temperature: float
     vocab_size: int
     versions: list[int] = dataclasses.field(default_factory=list)  # per token, when re-scored under behaviour
-                                                                   # versions (vime/loop/async_loop.py)
+    # versions (vime/loop/async_loop.py)
 
 
 def one_temperature(samples: list[Sample]) -> float:
@@ -61,17 +63,20 @@ Generated = tuple[list[int], list[float], list[int]]
 
 class Rollout(Protocol):
     """A rollout engine (`vime.rollout.vllm_engine.VllmRollout`, `vime.rollout.reference.ReferenceRollout`)."""
+
     label: str
     vocab_size: int
-    version: int                # the weight version it serves
-    top_k: int                  # its sampling parameters, recorded on every sample (the gate checks them)
+    version: int  # the weight version it serves
+    top_k: int  # its sampling parameters, recorded on every sample (the gate checks them)
     top_p: float
 
-    def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float,
-                 stop_token_ids: list[int], seed: int) -> list[Generated]: ...
+    def generate(
+        self, prompts: list[list[int]], max_new_tokens: int, temperature: float, stop_token_ids: list[int], seed: int
+    ) -> list[Generated]: ...
 
-    def rescore(self, prompts: list[list[int]], responses: list[list[int]], temperature: float
-                ) -> list[list[float]]: ...
+    def rescore(
+        self, prompts: list[list[int]], responses: list[list[int]], temperature: float
+    ) -> list[list[float]]: ...
 
     def set_modes(self, modes: dict[str, str]) -> None: ...
 
@@ -87,11 +92,13 @@ class Rollout(Protocol):
 class Trainer(Protocol):
     """A trainer rank (`vime.trainer.megatron_engine.MegatronTrainer`, `vime.trainer.reference.ReferenceTrainer`);
     the loss settings (clip_eps, kl_coef) are fixed when it is built."""
+
     label: str
     vocab_size: int
 
-    def score(self, sequences: list[list[int]], prompt_lens: list[int], temperature: float
-              ) -> tuple[list[torch.Tensor], list[list[int]]]: ...
+    def score(
+        self, sequences: list[list[int]], prompt_lens: list[int], temperature: float
+    ) -> tuple[list[torch.Tensor], list[list[int]]]: ...
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]: ...
 

@@ -32,6 +32,7 @@ register_configs()
 def main(dcfg: DictConfig) -> None:
     cfg = config_or_exit(dcfg)
     from vime.loop.driver import Driver  # Ray, vLLM's and Megatron's imports: only once the config is good
+
     if not cfg.verbose:  # errors are reported once, by the driver, naming the engine or rank
         os.environ.setdefault("RAY_IGNORE_UNHANDLED_ERRORS", "1")
     code = 0
@@ -77,8 +78,9 @@ def run_compare(cfg) -> list[StepRecord] | None:
     if cfg.compare != "native":
         path = Path(cfg.compare) / "metrics.jsonl"
         if not path.is_file():
-            raise ConfigError(f"compare={cfg.compare}: no metrics.jsonl there; pass compare=native or a run's "
-                              "output_dir")
+            raise ConfigError(
+                f"compare={cfg.compare}: no metrics.jsonl there; pass compare=native or a run's output_dir"
+            )
         return read_rows(path)
     from vime.loop.driver import Driver
 

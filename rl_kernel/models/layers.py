@@ -41,8 +41,15 @@ class StrictLinear(nn.Module):
     "column": `rk.linear` (output rows sharded, no communication); "row": `rk.row_parallel_linear`
     (K sharded; fp32 partials reduced over `group` in rank order; None: tp 1)."""
 
-    def __init__(self, in_features: int, out_features: int, parallel: str = "column",
-                 group: dist.ProcessGroup | None = None, dtype: torch.dtype = torch.bfloat16, device=None):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        parallel: str = "column",
+        group: dist.ProcessGroup | None = None,
+        dtype: torch.dtype = torch.bfloat16,
+        device=None,
+    ):
         super().__init__()
         if parallel not in ("column", "row"):
             raise ValueError(f"parallel must be 'column' or 'row', got {parallel!r}")
@@ -83,8 +90,15 @@ class Rotary(nn.Module):
 class Attention(nn.Module):
     """Qwen3 self-attention: fused column-parallel QKV, per-head QK-norm, RoPE, `attn_fn`, row-parallel O."""
 
-    def __init__(self, config, shape: TPShape, layer: int, group: dist.ProcessGroup | None,
-                 dtype: torch.dtype = torch.bfloat16, device=None):
+    def __init__(
+        self,
+        config,
+        shape: TPShape,
+        layer: int,
+        group: dist.ProcessGroup | None,
+        dtype: torch.dtype = torch.bfloat16,
+        device=None,
+    ):
         super().__init__()
         d, D = config.head_dim, config.hidden_size
         self.layer, self.heads, self.kv_heads, self.head_dim = layer, shape.heads, shape.kv_heads, d
@@ -106,8 +120,9 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """SwiGLU: column-parallel [gate; up] (this rank's columns), `rk.silu_and_mul`, row-parallel down."""
 
-    def __init__(self, config, shape: TPShape, group: dist.ProcessGroup | None,
-                 dtype: torch.dtype = torch.bfloat16, device=None):
+    def __init__(
+        self, config, shape: TPShape, group: dist.ProcessGroup | None, dtype: torch.dtype = torch.bfloat16, device=None
+    ):
         super().__init__()
         D = config.hidden_size
         self.gate_up_proj = StrictLinear(D, 2 * shape.inter, "column", dtype=dtype, device=device)
@@ -120,8 +135,15 @@ class MLP(nn.Module):
 class DecoderBlock(nn.Module):
     """Pre-norm decoder layer with the residual carried alongside (fused add in the norms)."""
 
-    def __init__(self, config, shape: TPShape, layer: int, group: dist.ProcessGroup | None,
-                 dtype: torch.dtype = torch.bfloat16, device=None):
+    def __init__(
+        self,
+        config,
+        shape: TPShape,
+        layer: int,
+        group: dist.ProcessGroup | None,
+        dtype: torch.dtype = torch.bfloat16,
+        device=None,
+    ):
         super().__init__()
         D, eps = config.hidden_size, config.rms_norm_eps
         self.input_layernorm = RMSNorm(D, eps, dtype, device)
@@ -129,8 +151,9 @@ class DecoderBlock(nn.Module):
         self.post_attention_layernorm = RMSNorm(D, eps, dtype, device)
         self.mlp = MLP(config, shape, group, dtype, device)
 
-    def forward(self, h: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
-                attn_fn: AttentionFn) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, h: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor, attn_fn: AttentionFn
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             h, residual = self.input_layernorm(h), h
         else:
@@ -143,8 +166,15 @@ class VocabParallelEmbedding(nn.Module):
     """Embedding over this rank's contiguous vocab rows; under TP every rank looks up its rows, the
     ranks' rows are gathered and the owner's row is picked (a bit copy)."""
 
-    def __init__(self, rows: int, dim: int, rank: int = 0, group: dist.ProcessGroup | None = None,
-                 dtype: torch.dtype = torch.bfloat16, device=None):
+    def __init__(
+        self,
+        rows: int,
+        dim: int,
+        rank: int = 0,
+        group: dist.ProcessGroup | None = None,
+        dtype: torch.dtype = torch.bfloat16,
+        device=None,
+    ):
         super().__init__()
         self.rank, self.group = rank, group
         self.weight = _weight(rows, dim, dtype=dtype, device=device)
@@ -161,8 +191,15 @@ class VocabParallelEmbedding(nn.Module):
 class LMHead(nn.Module):
     """Vocab-parallel LM head over this rank's (padded) vocab rows of the ranks of `group` (None: tp 1)."""
 
-    def __init__(self, rows: int, dim: int, vocab_size: int, group: dist.ProcessGroup | None = None,
-                 dtype: torch.dtype = torch.bfloat16, device=None):
+    def __init__(
+        self,
+        rows: int,
+        dim: int,
+        vocab_size: int,
+        group: dist.ProcessGroup | None = None,
+        dtype: torch.dtype = torch.bfloat16,
+        device=None,
+    ):
         super().__init__()
         self.vocab_size, self.group = vocab_size, group
         self.weight = _weight(rows, dim, dtype=dtype, device=device)
@@ -175,8 +212,9 @@ class LMHead(nn.Module):
             return logits
         return torch.cat(_gather(logits, self.group), dim=-1)
 
-    def logprobs(self, hidden: torch.Tensor, targets: torch.Tensor,
-                 temperature: float | torch.Tensor = 1.0) -> torch.Tensor:
+    def logprobs(
+        self, hidden: torch.Tensor, targets: torch.Tensor, temperature: float | torch.Tensor = 1.0
+    ) -> torch.Tensor:
         """fp32 log p(targets | hidden) at `temperature` over the real vocab (`rk.logprobs`, vocab-parallel)."""
         return rk.logprobs(hidden, self.weight, targets, temperature, vocab_size=self.vocab_size, group=self.group)
 
@@ -186,8 +224,14 @@ class Qwen3Model(nn.Module):
     Parameters are named as in `qwen3_layout.weight_layout`'s `module` column; a tied LM head shares
     the embedding's parameter."""
 
-    def __init__(self, config, group: dist.ProcessGroup | None = None, dtype: torch.dtype = torch.bfloat16,
-                 device=None, vocab_multiple: int = VOCAB_DIVISOR):
+    def __init__(
+        self,
+        config,
+        group: dist.ProcessGroup | None = None,
+        dtype: torch.dtype = torch.bfloat16,
+        device=None,
+        vocab_multiple: int = VOCAB_DIVISOR,
+    ):
         super().__init__()
         self.config, self.vocab_multiple = config, vocab_multiple
         self.tp = dist.get_world_size(group) if group is not None else 1
@@ -196,16 +240,22 @@ class Qwen3Model(nn.Module):
         self.shape = TPShape.of(config, self.tp, vocab_multiple)
         D, tp_group = config.hidden_size, group if self.tp > 1 else None
         self.embed_tokens = VocabParallelEmbedding(self.shape.vocab, D, self.rank, tp_group, dtype, device)
-        self.layers = nn.ModuleList(DecoderBlock(config, self.shape, i, tp_group, dtype, device)
-                                    for i in range(config.num_layers))
+        self.layers = nn.ModuleList(
+            DecoderBlock(config, self.shape, i, tp_group, dtype, device) for i in range(config.num_layers)
+        )
         self.norm = RMSNorm(D, config.rms_norm_eps, dtype, device)
         self.lm_head = LMHead(self.shape.vocab, D, config.vocab_size, group, dtype, device)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self.scale = config.head_dim ** -0.5
+        self.scale = config.head_dim**-0.5
 
-    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor, attn_fn: AttentionFn,
-                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        attn_fn: AttentionFn,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Final-norm hidden states [T, D] of tokens `input_ids` [T] (or their `inputs_embeds`) at
         `positions` [T]; `attn_fn` supplies each layer's attention."""
         h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds

@@ -15,11 +15,11 @@ import torch
 
 @dataclass
 class Packed:
-    ids: torch.Tensor          # [T] int64 token ids, sequences back to back
-    cu_seqlens: torch.Tensor   # [B+1] int64: 0, len_0, len_0 + len_1, ..., T
-    targets: torch.Tensor      # [T] int64: the token row t predicts (0 at the end of the stream)
-    rows: torch.Tensor         # [R] int64: rows whose prediction is a response token, sequence by sequence
-    counts: list[int]          # response tokens per sequence (sum = R)
+    ids: torch.Tensor  # [T] int64 token ids, sequences back to back
+    cu_seqlens: torch.Tensor  # [B+1] int64: 0, len_0, len_0 + len_1, ..., T
+    targets: torch.Tensor  # [T] int64: the token row t predicts (0 at the end of the stream)
+    rows: torch.Tensor  # [R] int64: rows whose prediction is a response token, sequence by sequence
+    counts: list[int]  # response tokens per sequence (sum = R)
     positions: list[list[int]]  # per sequence, the positions of its response tokens (prompt_len + j)
 
     def per_row(self, values: list[float], fill: float = 1.0) -> torch.Tensor:
@@ -29,7 +29,7 @@ class Packed:
         out = torch.full((self.ids.numel(),), float(fill), dtype=torch.float64)
         cu = self.cu_seqlens.tolist()
         for i, v in enumerate(values):
-            out[cu[i]:cu[i + 1]] = float(v)
+            out[cu[i] : cu[i + 1]] = float(v)
         return out
 
     def on_rows(self, per_sequence: list[torch.Tensor | float]) -> torch.Tensor:
@@ -46,8 +46,10 @@ class Packed:
 def pack(sequences: list[list[int]], prompt_lens: list[int]) -> Packed:
     """Pack `sequences` (token ids; the first prompt_lens[i] of sequence i are its prompt)."""
     if not sequences or len(sequences) != len(prompt_lens):
-        raise ValueError(f"need one prompt_len per sequence and at least one sequence; got {len(sequences)} "
-                         f"sequences, {len(prompt_lens)} prompt_lens")
+        raise ValueError(
+            f"need one prompt_len per sequence and at least one sequence; got {len(sequences)} "
+            f"sequences, {len(prompt_lens)} prompt_lens"
+        )
     for s, p in zip(sequences, prompt_lens):
         if not 1 <= p <= len(s):
             raise ValueError(f"prompt_len {p} must be in [1, len(sequence)={len(s)}]")
@@ -57,5 +59,11 @@ def pack(sequences: list[list[int]], prompt_lens: list[int]) -> Packed:
     targets = torch.zeros_like(ids)
     targets[:-1] = ids[1:]
     rows = [torch.arange(a + p - 1, a + n - 1) for a, p, n in zip(cu.tolist(), prompt_lens, lens)]
-    return Packed(ids, cu, targets, torch.cat(rows), [n - p for n, p in zip(lens, prompt_lens)],
-                  [list(range(p, n)) for p, n in zip(prompt_lens, lens)])
+    return Packed(
+        ids,
+        cu,
+        targets,
+        torch.cat(rows),
+        [n - p for n, p in zip(lens, prompt_lens)],
+        [list(range(p, n)) for p, n in zip(prompt_lens, lens)],
+    )

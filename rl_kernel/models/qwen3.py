@@ -47,8 +47,10 @@ class Qwen3Config:
         """Validate an HF Qwen3 config dict; reject what this reference does not implement."""
         archs = cfg.get("architectures") or []
         if "Qwen3ForCausalLM" not in archs or cfg.get("model_type") not in (None, "qwen3"):
-            raise ValueError(f"{source}: architecture {archs} / model_type {cfg.get('model_type')!r} is not a dense "
-                             "Qwen3ForCausalLM; Qwen3Reference implements only that")
+            raise ValueError(
+                f"{source}: architecture {archs} / model_type {cfg.get('model_type')!r} is not a dense "
+                "Qwen3ForCausalLM; Qwen3Reference implements only that"
+            )
         if cfg.get("num_experts") or cfg.get("num_local_experts"):
             raise ValueError(f"{source}: MoE configs (num_experts) are not supported by Qwen3Reference")
         unsupported = {
@@ -66,10 +68,16 @@ class Qwen3Config:
             raise ValueError(f"{source}: no rope_theta (neither rope_parameters.rope_theta nor rope_theta)")
         heads = cfg["num_attention_heads"]
         return cls(
-            vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"], intermediate_size=cfg["intermediate_size"],
-            num_layers=cfg["num_hidden_layers"], num_heads=heads, num_kv_heads=cfg.get("num_key_value_heads", heads),
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads, rms_norm_eps=cfg["rms_norm_eps"],
-            rope_theta=float(theta), tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads", heads),
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rms_norm_eps=cfg["rms_norm_eps"],
+            rope_theta=float(theta),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
         )
 
@@ -79,6 +87,7 @@ class _Shard:
     """Where an HF tensor lives on this rank: `local` (a view into the model's storage) holds the
     contiguous slice [rank * n, (rank + 1) * n) of the full tensor along `dim` (None: replicated);
     `full_shape` is the HF shape (vocab rows unpadded)."""
+
     local: torch.Tensor
     dim: int | None
     full_shape: tuple[int, ...]
@@ -93,8 +102,10 @@ def read_config(path: str | Path) -> Qwen3Config:
 def _config_file(path: str | Path) -> Path:
     cfg_file = Path(path) / "config.json"
     if not cfg_file.is_file():
-        raise FileNotFoundError(f"no Qwen3 checkpoint at {path}: {cfg_file} is missing (expected a directory with "
-                                "config.json and *.safetensors; rl_kernel.models.tiny.make_tiny_qwen3 makes one)")
+        raise FileNotFoundError(
+            f"no Qwen3 checkpoint at {path}: {cfg_file} is missing (expected a directory with "
+            "config.json and *.safetensors; rl_kernel.models.tiny.make_tiny_qwen3 makes one)"
+        )
     return cfg_file
 
 
@@ -119,9 +130,14 @@ class Qwen3Reference:
     """Qwen3ForCausalLM inference forward from rl_kernel ops, optionally tensor-parallel over `group`:
     the shared `Qwen3Model` blocks (`self.model`) with HF weight loading and export."""
 
-    def __init__(self, config: Qwen3Config, dtype: torch.dtype = torch.bfloat16,
-                 group: dist.ProcessGroup | None = None, device: torch.device | str = "cpu",
-                 vocab_multiple: int = VOCAB_DIVISOR):
+    def __init__(
+        self,
+        config: Qwen3Config,
+        dtype: torch.dtype = torch.bfloat16,
+        group: dist.ProcessGroup | None = None,
+        device: torch.device | str = "cpu",
+        vocab_multiple: int = VOCAB_DIVISOR,
+    ):
         self.config = config
         self.dtype, self.group, self.device = dtype, group, torch.device(device)
         self.model = Qwen3Model(config, group, dtype, self.device, vocab_multiple)
@@ -151,10 +167,19 @@ class Qwen3Reference:
     @property
     def layers(self) -> list[dict[str, torch.Tensor]]:
         """Each layer's weight tensors by short name (the parameters of `self.model.layers`)."""
-        return [dict(input_norm=b.input_layernorm.weight, post_norm=b.post_attention_layernorm.weight,
-                     q_norm=b.self_attn.q_norm.weight, k_norm=b.self_attn.k_norm.weight,
-                     qkv=b.self_attn.qkv_proj.weight, o=b.self_attn.o_proj.weight,
-                     gate_up=b.mlp.gate_up_proj.weight, down=b.mlp.down_proj.weight) for b in self.model.layers]
+        return [
+            dict(
+                input_norm=b.input_layernorm.weight,
+                post_norm=b.post_attention_layernorm.weight,
+                q_norm=b.self_attn.q_norm.weight,
+                k_norm=b.self_attn.k_norm.weight,
+                qkv=b.self_attn.qkv_proj.weight,
+                o=b.self_attn.o_proj.weight,
+                gate_up=b.mlp.gate_up_proj.weight,
+                down=b.mlp.down_proj.weight,
+            )
+            for b in self.model.layers
+        ]
 
     def load_hf_weights(self, weights: dict[str, torch.Tensor], strict: bool = False) -> None:
         """Copy full (unsharded) HF-named tensors into this rank's shards, in place. Any subset of
@@ -185,9 +210,14 @@ class Qwen3Reference:
         return out
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.bfloat16,
-                        group: dist.ProcessGroup | None = None, device: torch.device | str = "cpu",
-                        vocab_multiple: int = VOCAB_DIVISOR) -> Qwen3Reference:
+    def from_pretrained(
+        cls,
+        path: str | Path,
+        dtype: torch.dtype = torch.bfloat16,
+        group: dist.ProcessGroup | None = None,
+        device: torch.device | str = "cpu",
+        vocab_multiple: int = VOCAB_DIVISOR,
+    ) -> Qwen3Reference:
         """Load an HF Qwen3 checkpoint directory (config.json + *.safetensors), sharded for `group`."""
         weights = load_hf_state_dict(path)
         config = read_config(path)
@@ -203,8 +233,10 @@ class Qwen3Reference:
         """Vocab-parallel lookup of token ids (checked against the model vocab)."""
         ids = input_ids.to(device=self.device, dtype=torch.int64)
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size):
-            raise ValueError(f"token ids must lie in [0, {self.config.vocab_size}) (the model vocab); got "
-                             f"[{int(ids.min())}, {int(ids.max())}]: tokenizer and checkpoint disagree?")
+            raise ValueError(
+                f"token ids must lie in [0, {self.config.vocab_size}) (the model vocab); got "
+                f"[{int(ids.min())}, {int(ids.max())}]: tokenizer and checkpoint disagree?"
+            )
         return self.model.embed_tokens(ids)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionFn) -> torch.Tensor:
@@ -222,8 +254,9 @@ class Qwen3Reference:
         positions = torch.arange(input_ids.shape[0], device=self.device) - cu[:-1].repeat_interleave(lens)
         return self.forward(input_ids, positions, lambda i, q, k, v: rk.attention_varlen(q, k, v, cu, self.scale))
 
-    def logprobs(self, hidden: torch.Tensor, targets: torch.Tensor,
-                 temperature: float | torch.Tensor = 1.0) -> torch.Tensor:
+    def logprobs(
+        self, hidden: torch.Tensor, targets: torch.Tensor, temperature: float | torch.Tensor = 1.0
+    ) -> torch.Tensor:
         """fp32 log p(targets[t] | hidden[t]) at `temperature` over the real vocab (vocab-parallel)."""
         return self.model.lm_head.logprobs(hidden, targets.to(self.device), temperature)
 
@@ -231,8 +264,9 @@ class Qwen3Reference:
         """fp32 logits [T, padded vocab] of the whole vocab on every rank (columns >= vocab_size: padding)."""
         return self.model.lm_head.logits(hidden)
 
-    def sequence_logprobs(self, sequences: list[list[int]], prompt_lens: list[int],
-                          temperature: float | list[float] = 1.0) -> list[torch.Tensor]:
+    def sequence_logprobs(
+        self, sequences: list[list[int]], prompt_lens: list[int], temperature: float | list[float] = 1.0
+    ) -> list[torch.Tensor]:
         """Teacher-forcing fp32 logprobs: entry i holds log p(sequences[i][j] | sequences[i][:j]) for
         j in [prompt_lens[i], len(sequences[i])), all sequences packed into one varlen batch.
         `temperature` is one float or one per sequence."""

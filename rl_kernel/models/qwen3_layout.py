@@ -35,8 +35,10 @@ def check_tp(config, tp: int, *, kv_replication: bool = True) -> None:
     kv_ok = kv % tp == 0 or (kv_replication and tp % kv == 0)
     if not kv_ok or config.num_heads % tp or config.intermediate_size % tp:
         kv_rule = "divide or be a multiple of" if kv_replication else "divide"
-        raise ValueError(f"tp={tp} must {kv_rule} num_kv_heads={kv}, divide num_heads={config.num_heads} "
-                         f"and intermediate_size={config.intermediate_size}")
+        raise ValueError(
+            f"tp={tp} must {kv_rule} num_kv_heads={kv}, divide num_heads={config.num_heads} "
+            f"and intermediate_size={config.intermediate_size}"
+        )
 
 
 @dataclass(frozen=True)
@@ -54,9 +56,14 @@ class TPShape:
     def of(cls, config, tp: int = 1, vocab_multiple: int = VOCAB_DIVISOR) -> TPShape:
         check_tp(config, tp)
         replicas = max(1, tp // config.num_kv_heads)
-        return cls(tp=tp, heads=config.num_heads // tp, kv_heads=config.num_kv_heads * replicas // tp,
-                   kv_replicas=replicas, inter=config.intermediate_size // tp,
-                   vocab=padded_vocab(config.vocab_size, tp, vocab_multiple) // tp)
+        return cls(
+            tp=tp,
+            heads=config.num_heads // tp,
+            kv_heads=config.num_kv_heads * replicas // tp,
+            kv_replicas=replicas,
+            inter=config.intermediate_size // tp,
+            vocab=padded_vocab(config.vocab_size, tp, vocab_multiple) // tp,
+        )
 
 
 @dataclass(frozen=True)
@@ -101,7 +108,7 @@ class WeightLayout:
         if self.dim is None:
             return shards[0]
         tp = len(shards)
-        full = torch.cat(shards[::tp // self._parts(tp)], dim=self.dim)
+        full = torch.cat(shards[:: tp // self._parts(tp)], dim=self.dim)
         return full.narrow(self.dim, 0, self.shape[self.dim])
 
 
@@ -109,9 +116,12 @@ def weight_layout(config) -> dict[str, WeightLayout]:
     """The layout of every HF tensor of a Qwen3 `config` (a `rl_kernel.models.qwen3.Qwen3Config`), by
     HF name, in checkpoint order (the LM head only when untied)."""
     c, d, D = config, config.head_dim, config.hidden_size
-    t = {"model.embed_tokens.weight": WeightLayout("model.embed_tokens.weight", (c.vocab_size, D), 0,
-                                                   "embed_tokens.weight", vocab=True),
-         "model.norm.weight": WeightLayout("model.norm.weight", (D,), None, "norm.weight")}
+    t = {
+        "model.embed_tokens.weight": WeightLayout(
+            "model.embed_tokens.weight", (c.vocab_size, D), 0, "embed_tokens.weight", vocab=True
+        ),
+        "model.norm.weight": WeightLayout("model.norm.weight", (D,), None, "norm.weight"),
+    }
     if not c.tie_word_embeddings:
         t["lm_head.weight"] = WeightLayout("lm_head.weight", (c.vocab_size, D), 0, "lm_head.weight", vocab=True)
     for i in range(c.num_layers):
@@ -135,8 +145,9 @@ def weight_layout(config) -> dict[str, WeightLayout]:
     return t
 
 
-def local_views(layout: dict[str, WeightLayout], param, tp: int,
-                vocab_multiple: int = VOCAB_DIVISOR) -> dict[str, torch.Tensor]:
+def local_views(
+    layout: dict[str, WeightLayout], param, tp: int, vocab_multiple: int = VOCAB_DIVISOR
+) -> dict[str, torch.Tensor]:
     """This rank's storage of every HF tensor: a view into `param(layout.module)` (the fused
     parameters hold their parts one after the other along dim 0)."""
     views, offsets = {}, {}

@@ -64,8 +64,14 @@ class RolloutEngine:
     """Generate from `model` with a paged KV cache of `num_blocks` blocks of `block_size` tokens per
     layer ([num_blocks, block_size, Hkv_local, d]), at most `max_num_batched_tokens` tokens per step."""
 
-    def __init__(self, model: Qwen3Reference, num_blocks: int, block_size: int = 16,
-                 max_num_batched_tokens: int = 64, block_seed: int = 0):
+    def __init__(
+        self,
+        model: Qwen3Reference,
+        num_blocks: int,
+        block_size: int = 16,
+        max_num_batched_tokens: int = 64,
+        block_seed: int = 0,
+    ):
         if min(num_blocks, block_size, max_num_batched_tokens) < 1:
             raise ValueError("num_blocks, block_size and max_num_batched_tokens must be >= 1")
         self.model, self.block_size, self.budget = model, block_size, max_num_batched_tokens
@@ -99,18 +105,26 @@ class RolloutEngine:
             if min(r.prompt_ids) < 0 or max(r.prompt_ids) >= vocab:
                 raise ValueError(f"request {i}: prompt token ids must lie in [0, {vocab})")
             if self._blocks_for(len(r.prompt_ids) + r.max_new_tokens - 1) > self.num_blocks:
-                raise ValueError(f"request {i} needs more than the cache's {self.num_blocks} blocks of "
-                                 f"{self.block_size} tokens: raise num_blocks or shorten it")
-        seqs = [_Seq(i, r, torch.Generator(device=self.model.device).manual_seed(seed * 1_000_003 + i),
-                     list(r.prompt_ids)) for i, r in enumerate(requests)]
+                raise ValueError(
+                    f"request {i} needs more than the cache's {self.num_blocks} blocks of "
+                    f"{self.block_size} tokens: raise num_blocks or shorten it"
+                )
+        seqs = [
+            _Seq(i, r, torch.Generator(device=self.model.device).manual_seed(seed * 1_000_003 + i), list(r.prompt_ids))
+            for i, r in enumerate(requests)
+        ]
         waiting = sorted(seqs, key=lambda s: (s.req.arrival_step, s.index))
         running: list[_Seq] = []
         reserved, step = 0, 0  # blocks promised to running requests (admission never over-commits)
         self.trace, self.version = [], 0
         while waiting or running:
             if between_steps is not None:
-                self.version = int(between_steps(any(0 < s.computed < len(s.req.prompt_ids) for s in running),
-                                                 min(s.generated for s in waiting + running)))
+                self.version = int(
+                    between_steps(
+                        any(0 < s.computed < len(s.req.prompt_ids) for s in running),
+                        min(s.generated for s in waiting + running),
+                    )
+                )
             while waiting and waiting[0].req.arrival_step <= step:
                 need = self._blocks_for(waiting[0].kv_capacity)
                 if reserved + need > self.num_blocks:
@@ -124,8 +138,10 @@ class RolloutEngine:
                 self.free.extend(s.blocks)
                 s.blocks = []
             step += 1
-        return [Completion(s.tokens[len(s.req.prompt_ids):], torch.stack(s.logprobs), s.finish_step, s.versions)
-                for s in seqs]
+        return [
+            Completion(s.tokens[len(s.req.prompt_ids) :], torch.stack(s.logprobs), s.finish_step, s.versions)
+            for s in seqs
+        ]
 
     def _schedule(self, running: list[_Seq]) -> list[tuple[_Seq, int]]:
         batch, budget = [], self.budget
@@ -146,7 +162,7 @@ class RolloutEngine:
         ids, pos, slots = [], [], []
         for s, n in batch:
             p = range(s.computed, s.computed + n)
-            ids += s.tokens[s.computed:s.computed + n]
+            ids += s.tokens[s.computed : s.computed + n]
             pos += p
             slots += [s.blocks[j // bs] * bs + j % bs for j in p]
         q_lens = torch.tensor([n for _, n in batch])
@@ -201,9 +217,15 @@ def version_segments(prompt_len: int, versions: list[int]) -> list[tuple[int, in
     return runs
 
 
-def mixed_version_logprobs(model: Qwen3Reference, prompt_ids: list[int], response_ids: list[int],
-                           versions: list[int], temperature: float, load_version, block_size: int = 16
-                           ) -> torch.Tensor:
+def mixed_version_logprobs(
+    model: Qwen3Reference,
+    prompt_ids: list[int],
+    response_ids: list[int],
+    versions: list[int],
+    temperature: float,
+    load_version,
+    block_size: int = 16,
+) -> torch.Tensor:
     """fp32 logprobs of a response whose tokens were produced under different weight versions (a weight
     update landed while the request ran, keeping its KV cache), as a paged engine produced them: the
     positions are fed in runs of one version (`version_segments`), `load_version(v)` puts version v's
@@ -228,8 +250,9 @@ def mixed_version_logprobs(model: Qwen3Reference, prompt_ids: list[int], respons
         qsl = torch.tensor([0, end - start], device=dev)
         seq_lens = torch.tensor([end], device=dev)
 
-        def attention(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos=pos, qsl=qsl,
-                      seq_lens=seq_lens) -> torch.Tensor:
+        def attention(
+            i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos=pos, qsl=qsl, seq_lens=seq_lens
+        ) -> torch.Tensor:
             rk.write_kv_cache(k, v, k_cache[i], v_cache[i], pos)  # block j holds positions j*bs..: slot = position
             return rk.paged_attention(q, k_cache[i], v_cache[i], table, seq_lens, qsl, model.scale)
 
@@ -237,7 +260,7 @@ def mixed_version_logprobs(model: Qwen3Reference, prompt_ids: list[int], respons
             hidden = model.forward(torch.tensor(tokens[start:end], device=dev), pos, attention)
             first = max(start, len(prompt_ids) - 1)  # the positions whose next token is a response token
             if first < end:
-                targets = torch.tensor(tokens[first + 1:end + 1], device=dev)
+                targets = torch.tensor(tokens[first + 1 : end + 1], device=dev)
                 temps = torch.full((end - first,), float(temperature), dtype=torch.float64, device=dev)
-                out.append(model.logprobs(hidden[first - start:], targets, temps).to(torch.float32))
+                out.append(model.logprobs(hidden[first - start :], targets, temps).to(torch.float32))
     return torch.cat(out)

@@ -28,17 +28,28 @@ def _tokenizer(vocab_size: int):
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tok.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>",
-                                   bos_token="<bos>", eos_token="<eos>")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>", bos_token="<bos>", eos_token="<eos>"
+    )
 
 
 MAX_POSITION_EMBEDDINGS = 4096  # the context of every tiny checkpoint
 
 
 def make_tiny_qwen3(
-    path: str | Path, *, seed: int = 0, vocab_size: int = 512, hidden_size: int = 128,
-    intermediate_size: int = 256, num_layers: int = 2, num_heads: int = 4, num_kv_heads: int = 2,
-    head_dim: int = 32, dtype: str = "bfloat16", device: str = "cpu", init_std: float = 0.1,
+    path: str | Path,
+    *,
+    seed: int = 0,
+    vocab_size: int = 512,
+    hidden_size: int = 128,
+    intermediate_size: int = 256,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int = 32,
+    dtype: str = "bfloat16",
+    device: str = "cpu",
+    init_std: float = 0.1,
 ) -> Path:
     """Write a randomly initialised (seeded) Qwen3ForCausalLM checkpoint and its tokenizer to `path`.
 
@@ -58,12 +69,21 @@ def make_tiny_qwen3(
     path.mkdir(parents=True, exist_ok=True)
     tokenizer = _tokenizer(vocab_size)
     config = Qwen3Config(
-        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
-        num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
-        head_dim=head_dim, max_position_embeddings=MAX_POSITION_EMBEDDINGS,
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=head_dim,
+        max_position_embeddings=MAX_POSITION_EMBEDDINGS,
         rope_parameters={"rope_type": "default", "rope_theta": 1e6},
-        rms_norm_eps=1e-6, tie_word_embeddings=False, initializer_range=init_std,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        initializer_range=init_std,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
         architectures=["Qwen3ForCausalLM"],
     )
     if torch.device(device).type != "cpu":

@@ -117,17 +117,24 @@ def unpack(buffer: torch.Tensor, metas: list[TensorMeta], sizes: list[int]) -> l
     if len(sizes) != len(metas) or sum(sizes) > buffer.numel():
         raise ValueError(f"bucket of {buffer.numel()} bytes cannot hold {len(metas)} tensors of sizes {sizes}")
     out = []
-    for m, view, n in zip(metas, buffer[:sum(sizes)].split(sizes), sizes):
+    for m, view, n in zip(metas, buffer[: sum(sizes)].split(sizes), sizes):
         if padded(m.nbytes) != n:
             raise ValueError(f"{m.name}: {m.nbytes} bytes do not fit its slot of {n}")
-        out.append((m.name, view[:m.nbytes].view(m.dtype).view(m.shape)))
+        out.append((m.name, view[: m.nbytes].view(m.dtype).view(m.shape)))
     return out
 
 
 def _bucket_message(version: int, index: int, metas: list[TensorMeta], sizes: list[int], **extra) -> dict:
-    return {"op": "bucket", "version": version, "bucket": index, "names": [m.name for m in metas],
-            "dtype_names": [m.dtype_name for m in metas], "shapes": [list(m.shape) for m in metas],
-            "tensor_sizes": sizes, **extra}
+    return {
+        "op": "bucket",
+        "version": version,
+        "bucket": index,
+        "names": [m.name for m in metas],
+        "dtype_names": [m.dtype_name for m in metas],
+        "shapes": [list(m.shape) for m in metas],
+        "tensor_sizes": sizes,
+        **extra,
+    }
 
 
 def metas_of(msg: dict) -> list[TensorMeta]:
@@ -144,8 +151,10 @@ def check_ack(ack: dict, version: int, tensors: int, nbytes: int) -> None:
     if ack.get("version") != version:
         raise WeightVersionError(f"engine acknowledged weight version {ack.get('version')!r}, pushed {version}")
     if ack.get("tensors") != tensors or ack.get("bytes") != nbytes:
-        raise WeightVersionError(f"engine acknowledged {ack.get('tensors')} tensors / {ack.get('bytes')} bytes of "
-                                 f"version {version}; sent {tensors} / {nbytes}")
+        raise WeightVersionError(
+            f"engine acknowledged {ack.get('tensors')} tensors / {ack.get('bytes')} bytes of "
+            f"version {version}; sent {tensors} / {nbytes}"
+        )
 
 
 # ---- the NCCL transport's process group ------------------------------------------------------------------
@@ -168,8 +177,14 @@ def weight_store(host: str, world: int, port: int | None = None, *, timeout_s: f
 
     import torch.distributed as dist
 
-    return dist.TCPStore(host, port or 0, world, is_master=port is None,
-                         timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
+    return dist.TCPStore(
+        host,
+        port or 0,
+        world,
+        is_master=port is None,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+    )
 
 
 def open_weight_group(store, rank: int, world: int, device: torch.device, *, timeout_s: float = 300.0):
@@ -208,9 +223,17 @@ class WeightSender:
     `merge_handles` turns this GPU's {uuid: handle} of a bucket into every GPU's (e.g. an all-gather over
     the trainer's ranks; vLLM's IPC trainer engine does the same)."""
 
-    def __init__(self, transport: str, send: Callable[[dict], None], recv: Callable[[], dict], *,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, group=None, src: int = 0,
-                 merge_handles: Callable[[dict], dict] | None = None):
+    def __init__(
+        self,
+        transport: str,
+        send: Callable[[dict], None],
+        recv: Callable[[], dict],
+        *,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        group=None,
+        src: int = 0,
+        merge_handles: Callable[[dict], dict] | None = None,
+    ):
         if transport not in ("ipc", "nccl"):
             raise ValueError(f"transport must be 'ipc' or 'nccl', got {transport!r}")
         if transport == "nccl" and group is None:
@@ -229,8 +252,16 @@ class WeightSender:
             raise WeightVersionError(f"weight version {version} pushed after {self.version}: versions must grow")
         items = list(tensors)
         metas = [TensorMeta.of(n, t) for n, t in items]
-        self._send({"op": "start", "version": version, "transport": self.transport, "names": [m.name for m in metas],
-                    "dtype_names": [m.dtype_name for m in metas], "shapes": [list(m.shape) for m in metas]})
+        self._send(
+            {
+                "op": "start",
+                "version": version,
+                "transport": self.transport,
+                "names": [m.name for m in metas],
+                "dtype_names": [m.dtype_name for m in metas],
+                "shapes": [list(m.shape) for m in metas],
+            }
+        )
         keep: list[torch.Tensor] = []
         nbytes = 0
         plan = plan_buckets(metas, self.bucket_bytes)
@@ -251,6 +282,7 @@ class WeightSender:
         """Data plane of one bucket: send `msg` and move `buf`; returns what must outlive the push."""
         if self.transport == "ipc":
             from torch.multiprocessing.reductions import reduce_tensor
+
             torch.cuda.current_stream(buf.device).synchronize()  # the receiver reads on its own stream
             handles = {str(torch.cuda.get_device_properties(buf.device).uuid): reduce_tensor(buf)[1]}
             self._send({**msg, "ipc_handle": self.merge_handles(handles) if self.merge_handles else handles})
@@ -269,8 +301,16 @@ class WeightReceiver:
     engine's weight set: unknown names or other shapes / dtypes raise before anything is loaded, and
     `finish` of a push that misses some raises. `version` is the weight version served now."""
 
-    def __init__(self, load: Callable[[Iterator[tuple[str, torch.Tensor]]], None], device: torch.device, *,
-                 expected: dict[str, TensorMeta] | None = None, version: int = 0, group=None, src: int = 0):
+    def __init__(
+        self,
+        load: Callable[[Iterator[tuple[str, torch.Tensor]]], None],
+        device: torch.device,
+        *,
+        expected: dict[str, TensorMeta] | None = None,
+        version: int = 0,
+        group=None,
+        src: int = 0,
+    ):
         self.load, self.device, self.expected = load, torch.device(device), expected
         self.version, self.group, self.src = version, group, src
         self._pending: int | None = None
@@ -285,8 +325,9 @@ class WeightReceiver:
             raise WeightVersionError(f"{op!r} message without an int weight version: {version!r}")
         if op == "start":
             if self._pending is not None:
-                raise WeightVersionError(f"push of version {version} started while version {self._pending} is "
-                                         "still being received")
+                raise WeightVersionError(
+                    f"push of version {version} started while version {self._pending} is still being received"
+                )
             if version <= self.version:
                 raise WeightVersionError(f"weight version {version} offered to an engine serving {self.version}")
             metas = metas_of(msg)
@@ -303,8 +344,9 @@ class WeightReceiver:
             return None
         if op == "finish":
             if msg.get("buckets") != self._buckets:
-                raise WeightVersionError(f"version {version}: {self._buckets} buckets received, "
-                                         f"{msg.get('buckets')} sent")
+                raise WeightVersionError(
+                    f"version {version}: {self._buckets} buckets received, {msg.get('buckets')} sent"
+                )
             if self.expected is not None and self._seen != set(self.expected):
                 missing = sorted(set(self.expected) - self._seen)
                 raise WeightVersionError(f"version {version} lacks {len(missing)} weights, e.g. {missing[:3]}")
@@ -324,8 +366,9 @@ class WeightReceiver:
             if self.expected is not None and want is None:
                 raise KeyError(f"the engine has no weight {m.name!r}")
             if want is not None and (want.shape != m.shape or want.dtype_name != m.dtype_name):
-                raise ValueError(f"{m.name}: pushed {m.dtype_name}{list(m.shape)}, engine holds "
-                                 f"{want.dtype_name}{list(want.shape)}")
+                raise ValueError(
+                    f"{m.name}: pushed {m.dtype_name}{list(m.shape)}, engine holds {want.dtype_name}{list(want.shape)}"
+                )
 
     def _bucket(self, msg: dict) -> None:
         metas, sizes = metas_of(msg), list(msg["tensor_sizes"])
@@ -345,6 +388,7 @@ class WeightReceiver:
         """Data plane of one bucket: its uint8 buffer (an IPC view, or a fresh tensor NCCL fills)."""
         if "ipc_handle" in msg:
             from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
             uuid = str(torch.cuda.get_device_properties(self.device).uuid)
             handles = msg["ipc_handle"]
             if uuid not in handles:
@@ -372,5 +416,11 @@ def expected_weights(config, dtype: torch.dtype | str) -> dict[str, TensorMeta]:
 def receiver_for_model(model, *, version: int = 0, group=None, src: int = 0) -> WeightReceiver:
     """A receiver that loads into a `Qwen3Reference` (the GPU rollout engine's model): expects its full
     HF-named weights in the model dtype; each bucket goes through `load_hf_weights` (a copy, sharded)."""
-    return WeightReceiver(lambda pairs: model.load_hf_weights(dict(pairs)), model.device,
-                          expected=expected_weights(model.config, model.dtype), version=version, group=group, src=src)
+    return WeightReceiver(
+        lambda pairs: model.load_hf_weights(dict(pairs)),
+        model.device,
+        expected=expected_weights(model.config, model.dtype),
+        version=version,
+        group=group,
+        src=src,
+    )

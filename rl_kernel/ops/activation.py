@@ -20,9 +20,13 @@ def native_silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(x[..., :half]) * x[..., half:]
 
 
-ACTIVATION = OpSpec("silu_and_mul", "activation", __name__, native=native_silu_and_mul,
-                    kernels={"torch": "rl_kernel.backends.torch.activation",
-                             "triton": "rl_kernel.backends.triton.activation"})
+ACTIVATION = OpSpec(
+    "silu_and_mul",
+    "activation",
+    __name__,
+    native=native_silu_and_mul,
+    kernels={"torch": "rl_kernel.backends.torch.activation", "triton": "rl_kernel.backends.triton.activation"},
+)
 _TERMS = dict(
     input_dependency="out[..., i] depends on x[..., i] and x[..., I + i] only",
     partition="none (elementwise)",
@@ -30,10 +34,18 @@ _TERMS = dict(
     precision="fp32 gate, up, silu and product",
     rounding="product rounded once to x's dtype",
 )
-ACTIVATION.contract("torch", 1, **_TERMS, primitives="exp: rl_kernel exp64 (Cody-Waite + degree-13 polynomial, "
-                    "fp64) rounded to fp32; IEEE add, div, mul")
-ACTIVATION.contract("triton", 1, **_TERMS, primitives="exp: rl_kernel exp64 ported to Triton (fp64, no FMA) "
-                    "rounded to fp32; IEEE add, div_rn, mul")
+ACTIVATION.contract(
+    "torch",
+    1,
+    **_TERMS,
+    primitives="exp: rl_kernel exp64 (Cody-Waite + degree-13 polynomial, fp64) rounded to fp32; IEEE add, div, mul",
+)
+ACTIVATION.contract(
+    "triton",
+    1,
+    **_TERMS,
+    primitives="exp: rl_kernel exp64 ported to Triton (fp64, no FMA) rounded to fp32; IEEE add, div_rn, mul",
+)
 
 
 class _StrictSiluAndMul(torch.autograd.Function):
@@ -49,6 +61,7 @@ class _StrictSiluAndMul(torch.autograd.Function):
         (x,) = ctx.saved_tensors
         if x.is_cuda and "silu_and_mul" in backends.triton_ops():
             from rl_kernel.backends.triton.activation import silu_and_mul_backward
+
             return silu_and_mul_backward(x, grad_out)
         half = x.shape[-1] // 2
         g, u = x[..., :half].to(torch.float32), x[..., half:].to(torch.float32)
@@ -67,6 +80,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 # ---- the op as one opaque node for torch.compile (rl_kernel.ops.library) ----
+
 
 @torch.library.custom_op(f"{library.LIB}::silu_and_mul", mutates_args=())
 def _silu_and_mul_op(x: torch.Tensor) -> torch.Tensor:

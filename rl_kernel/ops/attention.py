@@ -27,33 +27,54 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, q_off
     k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
     q_pos = q_offset + torch.arange(q.shape[0], device=q.device)
     mask = torch.arange(k.shape[0], device=q.device) <= q_pos.unsqueeze(1)
-    out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                         attn_mask=mask, scale=scale)
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale
+    )
     return out.transpose(0, 1)
 
 
-def native_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: float,
-                  max_seqlen: int | None = None) -> torch.Tensor:
+def native_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    scale: float,
+    max_seqlen: int | None = None,
+) -> torch.Tensor:
     """`attention_varlen` by PyTorch SDPA, one sequence at a time (the framework form)."""
     cu = cu_seqlens.tolist()
     return torch.cat([_sdpa(q[a:b], k[a:b], v[a:b], scale, 0) for a, b in zip(cu[:-1], cu[1:])])
 
 
-def _sdpa_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
-                 seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+def _sdpa_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     """One batched SDPA call for a decode batch: q [B, H, d], the one query of each sequence, at its last
     position; every sequence's blocks gathered to the table's width, keys past its length masked."""
     blocks = block_table.to(torch.int64).clamp(0, k_cache.shape[0] - 1)  # entries past a sequence: masked anyway
     k = k_cache[blocks].flatten(1, 2).transpose(1, 2)  # [B, Hkv, blocks * block_size, d]
     v = v_cache[blocks].flatten(1, 2).transpose(1, 2)
     live = torch.arange(k.shape[2], device=q.device) < seq_lens.to(q.device).unsqueeze(1)
-    out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=live[:, None, None], scale=scale,
-                                         enable_gqa=True)
+    out = F.scaled_dot_product_attention(
+        q.unsqueeze(2), k, v, attn_mask=live[:, None, None], scale=scale, enable_gqa=True
+    )
     return out.squeeze(2)
 
 
-def native_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
-                 seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float) -> torch.Tensor:
+def native_paged(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     """`paged_attention` by PyTorch SDPA over gathered blocks (the framework form): a decode batch (one query per
     sequence) in one batched call, other layouts one sequence at a time."""
     b = seq_lens.numel()
@@ -71,32 +92,41 @@ def native_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     return torch.cat(outs)
 
 
-ATTENTION = OpSpec("attention", "attention", __name__, native=native_varlen,
-                   kernels={"torch": "rl_kernel.backends.torch.attention",
-                            "triton": "rl_kernel.backends.triton.attention"})
-_DEPENDENCY = ("out[t, h] depends on q[t, h] and k, v of its sequence at positions <= pos(t), "
-               "kv head h // (H / Hkv), and scale")
+ATTENTION = OpSpec(
+    "attention",
+    "attention",
+    __name__,
+    native=native_varlen,
+    kernels={"torch": "rl_kernel.backends.torch.attention", "triton": "rl_kernel.backends.triton.attention"},
+)
+_DEPENDENCY = (
+    "out[t, h] depends on q[t, h] and k, v of its sequence at positions <= pos(t), kv head h // (H / Hkv), and scale"
+)
 ATTENTION.contract(
-    "torch", 1, input_dependency=_DEPENDENCY,
+    "torch",
+    1,
+    input_dependency=_DEPENDENCY,
     partition=f"keys in chunks of {torch_attention.CHUNK} positions from position 0 (masked past the "
-              f"query); KV splits of {torch_attention.SPLIT_CHUNKS} chunks; head dim in blocks of 64",
+    f"query); KV splits of {torch_attention.SPLIT_CHUNKS} chunks; head dim in blocks of 64",
     merge_order="chunk partials (m, l, o) left to right within a split, splits left to right; "
-                "sums inside a chunk by pairwise tree",
+    "sums inside a chunk by pairwise tree",
     precision="fp32 scores, max, exp, l and o; masked keys contribute exactly 0 (value zeroed)",
     rounding="o / l rounded once to q's dtype",
     primitives="rl_kernel exp64 rounded to fp32; IEEE fp32 mul, add, div, max",
     params=(("chunk", torch_attention.CHUNK), ("split_chunks", torch_attention.SPLIT_CHUNKS)),
 )
 ATTENTION.contract(
-    "triton", 1, input_dependency=_DEPENDENCY,
+    "triton",
+    1,
+    input_dependency=_DEPENDENCY,
     partition="rows: a tile of (tokens) x (G heads of one kv head), its size moving no bit; keys in chunks of "
-              "64 positions from position 0, masked past the query; KV splits of 8 chunks (512 keys)",
+    "64 positions from position 0, masked past the query; KV splits of 8 chunks (512 keys)",
     merge_order="online softmax chunk by chunk inside a split from an empty state; split partials merged "
-                "left to right; chunks and splits with no key for a row leave its state exactly unchanged",
+    "left to right; chunks and splits with no key for a row leave its state exactly unchanged",
     precision="q.k and p.v on tensor cores with fp32 accumulation (p rounded to v's dtype); fp32 m, l, o",
     rounding="o / l (IEEE div) rounded once to q's dtype",
     primitives="hardware ex2.approx.f32 on (s - m) with s = q.k * fp32(scale * log2 e); IEEE fp32 mul, add, "
-               "max; no FMA (fp fusion off)",
+    "max; no FMA (fp fusion off)",
     params=(("chunk", 64), ("split_chunks", 8)),
 )
 
@@ -110,7 +140,11 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
 
 
 def attention_varlen(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: float,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    scale: float,
     max_seqlen: int | None = None,
 ) -> torch.Tensor:
     """Causal attention over packed sequences (positions 0..len-1 each).
@@ -134,8 +168,11 @@ class _StrictVarlenAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, cu_seqlens, scale, max_seqlen=None):
         contract, kernels = _check(q, k, v)
         ctx.scale, ctx.max_seqlen = scale, max_seqlen
-        ctx.flash = (contract.backend == "triton" and q.dtype in (torch.bfloat16, torch.float16)
-                     and any(ctx.needs_input_grad[:3]))
+        ctx.flash = (
+            contract.backend == "triton"
+            and q.dtype in (torch.bfloat16, torch.float16)
+            and any(ctx.needs_input_grad[:3])
+        )
         if contract.backend == "triton":
             lse = torch.empty(q.shape[1], q.shape[0], dtype=torch.float32, device=q.device) if ctx.flash else None
             out = kernels.varlen_attention(q, k, v, cu_seqlens, scale, lse=lse)
@@ -168,15 +205,20 @@ def _flash_backward(grad_out, q, k, v, cu_seqlens, out, lse, scale, max_seqlen=N
     torch.use_deterministic_algorithms(DETERMINISTIC_GRADS)  # warn-only would keep FA2's dQ atomics
     try:
         return torch.ops.aten._flash_attention_backward(
-            grad_out.contiguous(), q, k, v, out, lse, cu, cu, max_len, max_len, 0.0, True, unused, unused,
-            scale=scale)
+            grad_out.contiguous(), q, k, v, out, lse, cu, cu, max_len, max_len, 0.0, True, unused, unused, scale=scale
+        )
     finally:
         torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
 
 
 def paged_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
-    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
 ) -> torch.Tensor:
     """Causal attention of new queries over a paged KV cache (decode, chunked prefill, prefill).
 
@@ -188,8 +230,9 @@ def paged_attention(
     """
     if torch.compiler.is_compiling():  # one opaque node for torch.compile (rl_kernel.ops.library)
         return _paged_attention_op(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale)
-    return ATTENTION(_strict_paged, q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale,
-                     native_form=native_paged)
+    return ATTENTION(
+        _strict_paged, q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale, native_form=native_paged
+    )
 
 
 def _strict_paged(q, k_cache, v_cache, *rest):
@@ -197,7 +240,11 @@ def _strict_paged(q, k_cache, v_cache, *rest):
 
 
 def write_kv_cache(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
 ) -> None:
     """Store k, v [T, Hkv, d] at flat slots (block * block_size + offset) of the paged caches: a copy."""
     k_cache.view(-1, *k_cache.shape[2:])[slot_mapping.to(torch.int64)] = k.to(k_cache.dtype)
@@ -206,9 +253,11 @@ def write_kv_cache(
 
 # ---- the op as one opaque node for torch.compile (rl_kernel.ops.library) ----
 
+
 @torch.library.custom_op(f"{library.LIB}::attention_varlen", mutates_args=())
-def _attention_varlen_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: float,
-                     max_seqlen: int | None) -> torch.Tensor:
+def _attention_varlen_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: float, max_seqlen: int | None
+) -> torch.Tensor:
     return attention_varlen(q, k, v, cu_seqlens, scale, max_seqlen).contiguous()
 
 
@@ -218,8 +267,15 @@ def _attention_varlen_fake(q, k, v, cu_seqlens, scale, max_seqlen):
 
 
 @torch.library.custom_op(f"{library.LIB}::paged_attention", mutates_args=())
-def _paged_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
-                    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float) -> torch.Tensor:
+def _paged_attention_op(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     return paged_attention(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale).contiguous()
 
 

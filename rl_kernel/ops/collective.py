@@ -26,7 +26,8 @@ def native_all_reduce(x: torch.Tensor, group: dist.ProcessGroup | None = None) -
 # The same torch code on every backend (gloo on CPU, NCCL on CUDA): one contract, one kernel module (this one).
 COLLECTIVE = OpSpec("all_reduce", "collective", __name__, kernels={"torch": __name__}, native=native_all_reduce)
 CONTRACT = COLLECTIVE.contract(
-    "torch", 1,
+    "torch",
+    1,
     input_dependency="out depends on the same element of every rank's input",
     partition="one partial per rank",
     merge_order="all_gather, then a pairwise tree of neighbours in rank order (rank 2i + rank 2i+1, ...)",

@@ -38,16 +38,24 @@ def native_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return F.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
 
 
-GEMM = OpSpec("gemm", "gemm", __name__, native=native_linear,
-              kernels={"torch": "rl_kernel.backends.torch.gemm", "triton": "rl_kernel.backends.triton.gemm"})
+GEMM = OpSpec(
+    "gemm",
+    "gemm",
+    __name__,
+    native=native_linear,
+    kernels={"torch": "rl_kernel.backends.torch.gemm", "triton": "rl_kernel.backends.triton.gemm"},
+)
 _DEPENDENCY = "out[m, n] depends on x[m, :], weight[n, :], bias[n] only"
 _ROUNDING = "fp32 result (+ bias in fp32) rounded once to x's dtype"
 GEMM.contract(
-    "torch", 1, input_dependency=_DEPENDENCY, rounding=_ROUNDING,
+    "torch",
+    1,
+    input_dependency=_DEPENDENCY,
+    rounding=_ROUNDING,
     partition=f"K in {torch_gemm.K_GROUPS} equal groups (1 group if K % {torch_gemm.K_GROUPS} != 0); "
-              "each group in blocks of 64, last block zero-padded",
+    "each group in blocks of 64, last block zero-padded",
     merge_order="pairwise tree inside a block; blocks left to right; groups by a pairwise tree of "
-                "neighbours; TP ranks (whole groups each) by the same tree in rank order",
+    "neighbours; TP ranks (whole groups each) by the same tree in rank order",
     precision="inputs up-cast to fp32 (exact for bf16/fp16); fp32 products and accumulators",
     primitives="IEEE fp32 mul and add, no FMA",
     params=(("k_groups", torch_gemm.K_GROUPS), ("block", 64)),
@@ -58,15 +66,19 @@ GEMM.contract(
 def triton_contract(c: int) -> Contract:
     """The Triton backend's GEMM contract for a deployment whose canonical TP is `c`."""
     return GEMM.contract(
-        "triton", 2, keep=False, input_dependency=_DEPENDENCY, rounding=_ROUNDING,
+        "triton",
+        2,
+        keep=False,
+        input_dependency=_DEPENDENCY,
+        rounding=_ROUNDING,
         partition=f"row-parallel linears: K in {c} equal groups (the canonical TP); every other linear: one "
-                  "group; a group is one chain of k16 tensor-core steps from its start",
+        "group; a group is one chain of k16 tensor-core steps from its start",
         merge_order="inside a group: one fp32 accumulator from zero, k16 steps in ascending K (no split-K); "
-                    "groups by a pairwise tree of neighbours; TP ranks (whole groups each) by the same tree in "
-                    "rank order",
+        "groups by a pairwise tree of neighbours; TP ranks (whole groups each) by the same tree in "
+        "rank order",
         precision="bf16/fp16 operands on tensor cores with fp32 accumulation; fp32 operands as ieee fp32 dots",
         primitives="tensor-core mma (wgmma on sm_90) with fp32 accumulators, served by cuBLASLt without split-K "
-                   "or by rl_kernel's Triton kernel (the same bits); IEEE fp32 add for the group tree",
+        "or by rl_kernel's Triton kernel (the same bits); IEEE fp32 add for the group tree",
         params=(("canonical_tp", c), ("k_step", 16)),
     )
 
@@ -74,8 +86,13 @@ def triton_contract(c: int) -> Contract:
 GEMM.contracts["triton"] = lambda: triton_contract(canonical_tp())
 
 
-def _strict_linear(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                   out_dtype: torch.dtype = torch.float32, k_group: int | None = None) -> torch.Tensor:
+def _strict_linear(
+    x2d: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.float32,
+    k_group: int | None = None,
+) -> torch.Tensor:
     """[M, N] under the contract: the fp32 result (+ bias in fp32) rounded once to `out_dtype`. `k_group`:
     the row-parallel group size of the full K (None: not row-parallel)."""
     contract, kernels = GEMM.strict(x2d.device, x2d, weight)
@@ -102,8 +119,11 @@ class _StrictLinear(torch.autograd.Function):
             y = _row_parallel_partial(x2d, weight, group, world)
             y = (y if bias is None else y + bias.to(torch.float32)).to(x.dtype)
         else:
-            k_group = _row_parallel_group(x2d.shape[-1], 1, backends.strict_backend("gemm", x2d.device)) \
-                if row_parallel else None
+            k_group = (
+                _row_parallel_group(x2d.shape[-1], 1, backends.strict_backend("gemm", x2d.device))
+                if row_parallel
+                else None
+            )
             y = _strict_linear(x2d, weight, bias, x.dtype, k_group)
         return y.reshape(*x.shape[:-1], weight.shape[0])
 
@@ -126,19 +146,28 @@ def _row_parallel_group(k_local: int, world: int, backend: str) -> int:
     if backend == "triton":
         c = canonical_tp()
         if c % world or k_full % c:
-            raise StrictModeError("gemm", backend, f"row-parallel over tp={world} with canonical TP {c} (K={k_full}): "
-                                  "set rl_kernel.set_canonical_tp(C) (RL_KERNEL_CANONICAL_TP) to the largest TP "
-                                  "of any engine of the run, a multiple of every TP and a divisor of K")
+            raise StrictModeError(
+                "gemm",
+                backend,
+                f"row-parallel over tp={world} with canonical TP {c} (K={k_full}): "
+                "set rl_kernel.set_canonical_tp(C) (RL_KERNEL_CANONICAL_TP) to the largest TP "
+                "of any engine of the run, a multiple of every TP and a divisor of K",
+            )
         return k_full // c
     k_group = torch_gemm.group_size(k_full)
     if k_local % k_group:
-        raise StrictModeError("gemm", backend, f"a TP shard of K={k_local} does not hold whole "
-                              f"contract groups of {k_group} (K={k_full}, tp={world}); use tp dividing 8")
+        raise StrictModeError(
+            "gemm",
+            backend,
+            f"a TP shard of K={k_local} does not hold whole "
+            f"contract groups of {k_group} (K={k_full}, tp={world}); use tp dividing 8",
+        )
     return k_group
 
 
-def _row_parallel_partial(x2d: torch.Tensor, weight: torch.Tensor, group: dist.ProcessGroup | None,
-                          world: int) -> torch.Tensor:
+def _row_parallel_partial(
+    x2d: torch.Tensor, weight: torch.Tensor, group: dist.ProcessGroup | None, world: int
+) -> torch.Tensor:
     """fp32 [M, N]: this rank's K groups, then the rank-order tree all-reduce over `group` (`world` > 1 ranks)."""
     k_group = _row_parallel_group(x2d.shape[-1], world, backends.strict_backend("gemm", x2d.device))
     return tree_all_reduce(_strict_linear(x2d, weight, k_group=k_group), group)
@@ -162,7 +191,9 @@ def linear_fp32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def row_parallel_linear(
-    x_local: torch.Tensor, weight_local: torch.Tensor, group: dist.ProcessGroup | None,
+    x_local: torch.Tensor,
+    weight_local: torch.Tensor,
+    group: dist.ProcessGroup | None,
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Row-parallel `linear`: x_local [..., K/tp] and weight_local [N, K/tp] are this rank's contiguous
@@ -189,6 +220,7 @@ def row_parallel_linear(
 
 # ---- the op as one opaque node for torch.compile (rl_kernel.ops.library) ----
 
+
 @torch.library.custom_op(f"{library.LIB}::linear", mutates_args=())
 def _linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return linear(x, weight, bias).contiguous()
@@ -210,8 +242,9 @@ def _linear_fp32_fake(x, weight):
 
 
 @torch.library.custom_op(f"{library.LIB}::row_parallel_linear", mutates_args=())
-def _row_parallel_linear_op(x: torch.Tensor, weight: torch.Tensor, group_key: str,
-                        bias: torch.Tensor | None) -> torch.Tensor:
+def _row_parallel_linear_op(
+    x: torch.Tensor, weight: torch.Tensor, group_key: str, bias: torch.Tensor | None
+) -> torch.Tensor:
     return row_parallel_linear(x, weight, library.group_of(group_key), bias).contiguous()
 
 

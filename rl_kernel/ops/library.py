@@ -44,5 +44,14 @@ def like(x: torch.Tensor, *shape: int, dtype: torch.dtype | None = None) -> torc
     return x.new_empty(shape or x.shape, dtype=dtype or x.dtype)
 
 
-OPS = ("rms_norm", "rms_norm_residual", "rope", "linear", "linear_fp32", "row_parallel_linear", "silu_and_mul",
-       "attention_varlen", "paged_attention")  # torch.ops.rl_kernel.<name>
+OPS = (
+    "rms_norm",
+    "rms_norm_residual",
+    "rope",
+    "linear",
+    "linear_fp32",
+    "row_parallel_linear",
+    "silu_and_mul",
+    "attention_varlen",
+    "paged_attention",
+)  # torch.ops.rl_kernel.<name>

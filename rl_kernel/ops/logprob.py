@@ -33,8 +33,15 @@ KERNELS = {"torch": "rl_kernel.backends.torch.logprob", "triton": "rl_kernel.bac
 KEEP_LOGITS = os.environ.get("RL_KERNEL_LOGPROB_KEEP_LOGITS", "1") != "0"
 
 
-def native_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temps: torch.Tensor,
-                    vocab_start: int, vocab_size: int, group: dist.ProcessGroup | None) -> torch.Tensor:
+def native_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    temps: torch.Tensor,
+    vocab_start: int,
+    vocab_size: int,
+    group: dist.ProcessGroup | None,
+) -> torch.Tensor:
     """Framework-style: F.linear in the model dtype, fp32 log-softmax (vocab-parallel as Megatron)."""
     logits = F.linear(hidden, weight.to(hidden.dtype)).to(torch.float32) / temps.to(torch.float32).unsqueeze(-1)
     column = vocab_start + torch.arange(logits.shape[-1], device=logits.device)
@@ -52,8 +59,9 @@ def native_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.T
     return z_t - m - torch.log(sum_exp)
 
 
-def native_log_softmax(logits: torch.Tensor, temps: torch.Tensor, vocab_start: int, vocab_size: int,
-                       group: dist.ProcessGroup | None) -> torch.Tensor:
+def native_log_softmax(
+    logits: torch.Tensor, temps: torch.Tensor, vocab_start: int, vocab_size: int, group: dist.ProcessGroup | None
+) -> torch.Tensor:
     """Framework-style fp32 log-softmax of every column (vocab-parallel as Megatron); -inf on padded columns."""
     z = logits.to(torch.float32) / temps.to(torch.float32).unsqueeze(-1)
     column = vocab_start + torch.arange(z.shape[-1], device=z.device)
@@ -70,19 +78,25 @@ def native_log_softmax(logits: torch.Tensor, temps: torch.Tensor, vocab_start: i
 LOGPROBS = OpSpec("logprobs", "logprob", __name__, KERNELS, native=native_logprobs)
 _DEPENDENCY = "out[t] depends on hidden[t], the real vocab rows of weight (all ranks), targets[t], temperature[t]"
 _FULL_DEPENDENCY = "out[t, v] depends on logits[t, :] (all ranks' slices), temperature[t]"
-_TRITON_MERGE = ("order-free: exact max per tile and per row; int64 fixed-point sums inside a tile and across tiles "
-                 "and ranks")
+_TRITON_MERGE = (
+    "order-free: exact max per tile and per row; int64 fixed-point sums inside a tile and across tiles and ranks"
+)
 # The deployment's logit dtype (rl_kernel.set_logits_dtype): how the GEMM contract's fp32 result enters the softmax.
-_LOGITS = {"float32": "logits: the GEMM contract's fp32 result, unrounded",
-           "bfloat16": "logits: the GEMM contract's fp32 result rounded once to bf16 (to nearest, ties to even), "
-                       "as a native bf16 F.linear returns them"}
+_LOGITS = {
+    "float32": "logits: the GEMM contract's fp32 result, unrounded",
+    "bfloat16": "logits: the GEMM contract's fp32 result rounded once to bf16 (to nearest, ties to even), "
+    "as a native bf16 F.linear returns them",
+}
 
 
 @functools.cache
 def torch_contract(logits: str) -> Contract:
     """The torch backend's logprobs contract for the deployment's logit dtype."""
     return LOGPROBS.contract(
-        "torch", 1, keep=False, input_dependency=_DEPENDENCY,
+        "torch",
+        1,
+        keep=False,
+        input_dependency=_DEPENDENCY,
         partition="rows in tiles; vocab by rank slices; tiles and slices do not affect any bit",
         merge_order="order-free by construction: exact max; exact int64 fixed-point sum of exp terms",
         precision=f"{_LOGITS[logits]}; fp64 z, exp, lse; 2^-44 fixed-point exp terms",
@@ -96,16 +110,19 @@ def torch_contract(logits: str) -> Contract:
 def triton_contract(logits: str) -> Contract:
     """The Triton backend's logprobs contract for the deployment's logit dtype."""
     return LOGPROBS.contract(
-        "triton", 2, keep=False, input_dependency=_DEPENDENCY,
+        "triton",
+        2,
+        keep=False,
+        input_dependency=_DEPENDENCY,
         partition="logits: one fp32 chain over D per element (the GEMM contract's one-chain form, served by "
-                  "cuBLASLt without split-K or by the Triton GEMM); vocab in tiles of 64 columns from column 0 of "
-                  "the full vocab (rank slices must start on a tile); rows and vocab slices: no effect on any bit",
+        "cuBLASLt without split-K or by the Triton GEMM); vocab in tiles of 64 columns from column 0 of "
+        "the full vocab (rank slices must start on a tile); rows and vocab slices: no effect on any bit",
         merge_order=_TRITON_MERGE,
         precision=f"{_LOGITS[logits]}; z = logits / fp32(T) in fp32; 2^-40 fixed-point exp terms; fp64 tile "
-                  "rescale and lse",
+        "rescale and lse",
         rounding="logprob = z[target] - lse rounded once from fp64 to fp32",
         primitives="tensor-core mma with fp32 accumulation (k16 steps, ascending); hardware ex2.approx.f32; IEEE "
-                   "fp32 div_rn; fp64 mul; rl_kernel log64; int64 add",
+        "fp32 div_rn; fp64 mul; rl_kernel log64; int64 add",
         params=(("vocab_tile", 64), ("fixed_point_bits", 40), ("k_step", 16), ("logits_dtype", logits)),
     )
 
@@ -121,13 +138,15 @@ def torch_log_softmax_contract(logits: str) -> Contract:
     """The torch backend's log_softmax contract for the deployment's logit dtype (its fp32 input is rounded as
     the logprobs contract rounds the logits)."""
     return LOG_SOFTMAX.contract(
-        "torch", 1, keep=False,
+        "torch",
+        1,
+        keep=False,
         input_dependency=_FULL_DEPENDENCY,
         partition="rows in tiles; vocab by rank slices; neither affects any bit",
         merge_order="order-free by construction: exact max; exact int64 fixed-point sum of exp terms",
         precision=f"fp32 logits in; {_LOGITS[logits]}; fp64 z, exp, lse; 2^-44 fixed-point exp terms",
         rounding="each log-probability rounded once from fp64 to fp32 (entry t equals the torch logprobs "
-                 "contract's value for target t)",
+        "contract's value for target t)",
         primitives="rl_kernel exp64/log64; IEEE fp64 div, sub, round; int64 add",
         params=(("fixed_point_bits", torch_logprob.FIXED_POINT_BITS), ("logits_dtype", logits)),
     )
@@ -138,15 +157,17 @@ def triton_log_softmax_contract(logits: str) -> Contract:
     """The Triton backend's log_softmax contract for the deployment's logit dtype: the Triton logprobs contract's
     steps for every column (an engine samples from it; the trainer scores the chosen token with `logprobs`)."""
     return LOG_SOFTMAX.contract(
-        "triton", 1, keep=False,
+        "triton",
+        1,
+        keep=False,
         input_dependency=_FULL_DEPENDENCY,
         partition="vocab in tiles of 64 columns from column 0 of the full vocab (rank slices must start on a tile); "
-                  "rows and ranks: no effect on any bit",
+        "rows and ranks: no effect on any bit",
         merge_order=_TRITON_MERGE,
         precision=f"fp32 logits in; {_LOGITS[logits]}; z = logits / fp32(T) in fp32; 2^-40 fixed-point exp terms; "
-                  "fp64 tile rescale and lse",
+        "fp64 tile rescale and lse",
         rounding="each log-probability z - lse rounded once from fp64 to fp32 (entry t equals the Triton logprobs "
-                 "contract's value for target t)",
+        "contract's value for target t)",
         primitives="hardware ex2.approx.f32; IEEE fp32 div; fp64 mul; rl_kernel log64; int64 add",
         params=(("vocab_tile", 64), ("fixed_point_bits", 40), ("logits_dtype", logits)),
     )
@@ -179,8 +200,10 @@ def _vocab_layout(vocab_local: int, vocab_size: int | None, group) -> tuple[int,
 
 def _check_targets(targets: torch.Tensor, vocab_size: int) -> None:
     if targets.numel() and (int(targets.min()) < 0 or int(targets.max()) >= vocab_size):
-        raise ValueError(f"targets must lie in [0, {vocab_size}) (the real vocab); got "
-                         f"[{int(targets.min())}, {int(targets.max())}]: tokenizer and model vocab disagree?")
+        raise ValueError(
+            f"targets must lie in [0, {vocab_size}) (the real vocab); got "
+            f"[{int(targets.min())}, {int(targets.max())}]: tokenizer and model vocab disagree?"
+        )
 
 
 class StrictLogprobs(torch.autograd.Function):
@@ -191,8 +214,9 @@ class StrictLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, targets, temps, vocab_start, vocab_size, group, kernels, logits):
         keep = [] if KEEP_LOGITS and any(ctx.needs_input_grad[:2]) else None
-        out, lse = kernels.forward(hidden, weight, targets, temps, vocab_start, vocab_size, group, keep=keep,
-                                   logits_dtype=logits)
+        out, lse = kernels.forward(
+            hidden, weight, targets, temps, vocab_start, vocab_size, group, keep=keep, logits_dtype=logits
+        )
         ctx.save_for_backward(hidden, weight, targets, temps, lse)
         ctx.kernels, ctx.kept = kernels, keep
         ctx.vocab_start, ctx.vocab_size, ctx.group = vocab_start, vocab_size, group
@@ -202,14 +226,18 @@ class StrictLogprobs(torch.autograd.Function):
     def backward(ctx, grad_out):
         hidden, weight, targets, temps, lse = ctx.saved_tensors
         kept, ctx.kept = ctx.kept, None
-        grad_h, grad_w = ctx.kernels.backward(grad_out, hidden, weight, targets, temps, lse, ctx.vocab_start,
-                                              ctx.vocab_size, ctx.group, kept=kept)
+        grad_h, grad_w = ctx.kernels.backward(
+            grad_out, hidden, weight, targets, temps, lse, ctx.vocab_start, ctx.vocab_size, ctx.group, kept=kept
+        )
         return grad_h, grad_w, None, None, None, None, None, None, None
 
 
 def logprobs(
-    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-    temperature: float | torch.Tensor = 1.0, vocab_size: int | None = None,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float | torch.Tensor = 1.0,
+    vocab_size: int | None = None,
     group: dist.ProcessGroup | None = None,
 ) -> torch.Tensor:
     """fp32 log p(targets[t] | hidden[t]) under softmax((hidden @ weight.T) / temperature), over the
@@ -228,14 +256,28 @@ def logprobs(
 def _strict_logprobs(hidden, weight, targets, temps, vocab_start, vocab_size, group):
     contract, kernels = LOGPROBS.strict(hidden.device, hidden, weight)
     if vocab_size > torch_logprob.MAX_VOCAB:
-        raise StrictModeError("logprobs", contract.backend, f"vocab {vocab_size} > {torch_logprob.MAX_VOCAB}: "
-                              "the int64 fixed-point sum could overflow")
-    return StrictLogprobs.apply(hidden, weight, targets.to(torch.int64), temps, vocab_start, vocab_size, group,
-                                 kernels, _logits_torch_dtype(contract))
+        raise StrictModeError(
+            "logprobs",
+            contract.backend,
+            f"vocab {vocab_size} > {torch_logprob.MAX_VOCAB}: the int64 fixed-point sum could overflow",
+        )
+    return StrictLogprobs.apply(
+        hidden,
+        weight,
+        targets.to(torch.int64),
+        temps,
+        vocab_start,
+        vocab_size,
+        group,
+        kernels,
+        _logits_torch_dtype(contract),
+    )
 
 
 def log_softmax(
-    logits: torch.Tensor, temperature: float | torch.Tensor = 1.0, vocab_size: int | None = None,
+    logits: torch.Tensor,
+    temperature: float | torch.Tensor = 1.0,
+    vocab_size: int | None = None,
     group: dist.ProcessGroup | None = None,
 ) -> torch.Tensor:
     """fp32 log-probabilities of every vocab entry from fp32 logits [T, V_local] (this rank's slice
@@ -251,10 +293,15 @@ def log_softmax(
 def _strict_log_softmax(logits, temps, vocab_start, vocab_size, group):
     contract, kernels = LOG_SOFTMAX.strict(logits.device)
     if logits.dtype != torch.float32:
-        raise StrictModeError("log_softmax", contract.backend, f"logits must be the fp32 GEMM-contract output, "
-                              f"got {logits.dtype} (use rl_kernel.linear_fp32 for the LM head)")
-    return kernels.full_log_softmax(logits, temps, vocab_start, vocab_size, group,
-                                    logits_dtype=_logits_torch_dtype(contract))
+        raise StrictModeError(
+            "log_softmax",
+            contract.backend,
+            f"logits must be the fp32 GEMM-contract output, "
+            f"got {logits.dtype} (use rl_kernel.linear_fp32 for the LM head)",
+        )
+    return kernels.full_log_softmax(
+        logits, temps, vocab_start, vocab_size, group, logits_dtype=_logits_torch_dtype(contract)
+    )
 
 
 def _logits_torch_dtype(contract: Contract) -> torch.dtype:

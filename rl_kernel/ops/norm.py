@@ -23,8 +23,13 @@ def native_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
     return weight.to(x.dtype) * normed.to(x.dtype)
 
 
-NORM = OpSpec("rms_norm", "norm", __name__, native=native_rms_norm,
-              kernels={"torch": "rl_kernel.backends.torch.norm", "triton": "rl_kernel.backends.triton.norm"})
+NORM = OpSpec(
+    "rms_norm",
+    "norm",
+    __name__,
+    native=native_rms_norm,
+    kernels={"torch": "rl_kernel.backends.torch.norm", "triton": "rl_kernel.backends.triton.norm"},
+)
 _TERMS = dict(
     input_dependency="y[t, :] depends on x[t, :] (+ residual[t, :]), weight, eps",
     partition="last dim in blocks of 64, last block zero-padded",
@@ -32,10 +37,15 @@ _TERMS = dict(
     precision="fp32 sum of squares, mean, inverse rms",
     rounding="residual sum in x's dtype; x*r rounded to x's dtype; times weight rounded to x's dtype",
 )
-NORM.contract("torch", 2, **_TERMS,
-              primitives="IEEE mul, add, div; correctly rounded sqrt (rl_kernel sqrt32); 1/sqrt (not rsqrt)")
-NORM.contract("triton", 1, **_TERMS,
-              primitives="IEEE mul, add, div_rn, sqrt_rn; no FMA (fp fusion off): the torch contract's operations")
+NORM.contract(
+    "torch", 2, **_TERMS, primitives="IEEE mul, add, div; correctly rounded sqrt (rl_kernel sqrt32); 1/sqrt (not rsqrt)"
+)
+NORM.contract(
+    "triton",
+    1,
+    **_TERMS,
+    primitives="IEEE mul, add, div_rn, sqrt_rn; no FMA (fp fusion off): the torch contract's operations",
+)
 
 
 class _StrictRMSNorm(torch.autograd.Function):
@@ -52,6 +62,7 @@ class _StrictRMSNorm(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         if x.is_cuda and "rms_norm" in backends.triton_ops():
             from rl_kernel.backends.triton.norm import rms_norm_backward
+
             gx, gw = rms_norm_backward(x, weight, grad_y, ctx.eps)
             return gx, gw, None
         with torch.enable_grad():
@@ -63,13 +74,15 @@ class _StrictRMSNorm(torch.autograd.Function):
 
 
 def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm over the last dim, in x's dtype. With `residual`, normalises s = x + residual (rounded once
     to x's dtype) and returns (y, s)."""
     if torch.compiler.is_compiling():  # one opaque node for torch.compile (rl_kernel.ops.library)
-        return _rms_norm_op(x, weight, eps) if residual is None \
-            else _rms_norm_residual_op(x, residual, weight, eps)
+        return _rms_norm_op(x, weight, eps) if residual is None else _rms_norm_residual_op(x, residual, weight, eps)
     if residual is not None:
         x = x + residual
     y = NORM(_StrictRMSNorm.apply, x, weight, eps)
@@ -77,6 +90,7 @@ def rms_norm(
 
 
 # ---- the op as one opaque node for torch.compile (rl_kernel.ops.library) ----
+
 
 @torch.library.custom_op(f"{library.LIB}::rms_norm", mutates_args=())
 def _rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -89,8 +103,9 @@ def _rms_norm_fake(x, weight, eps):
 
 
 @torch.library.custom_op(f"{library.LIB}::rms_norm_residual", mutates_args=())
-def _rms_norm_residual_op(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _rms_norm_residual_op(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     y, s = rms_norm(x, weight, eps, residual=residual)
     return y.contiguous(), s.contiguous()
 

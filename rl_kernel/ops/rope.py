@@ -32,20 +32,33 @@ def native_rope(x: torch.Tensor, positions: torch.Tensor, theta: float, rotary_d
     return torch.cat([rot * cos + rotated * sin, rest], dim=-1)
 
 
-ROPE = OpSpec("rope", "rope", __name__, native=native_rope,
-              kernels={"torch": "rl_kernel.backends.torch.rope", "triton": "rl_kernel.backends.triton.rope"})
+ROPE = OpSpec(
+    "rope",
+    "rope",
+    __name__,
+    native=native_rope,
+    kernels={"torch": "rl_kernel.backends.torch.rope", "triton": "rl_kernel.backends.triton.rope"},
+)
 _TERMS = dict(
     input_dependency="out[t, h, :] depends on x[t, h, :], positions[t], theta, rotary_dim",
     partition="none (elementwise pairs i, i + d/2)",
     merge_order="none",
     rounding="cos/sin to fp32; rotation result rounded once to x's dtype",
 )
-ROPE.contract("torch", 1, **_TERMS, precision="angle and sin/cos in fp64, rounded to fp32; rotation in fp32",
-              primitives="rl_kernel exp64/log64/sincos64 (IEEE add/mul/div, no FMA); IEEE fp32 mul, add, sub")
-ROPE.contract("triton", 1, **_TERMS,
-              precision="angle and sin/cos in fp64 (torch backend's table), rounded to fp32; rotation in fp32",
-              primitives="rl_kernel exp64/log64/sincos64 for the table; IEEE fp32 mul, add, sub, no FMA "
-                         "(fp fusion off)")
+ROPE.contract(
+    "torch",
+    1,
+    **_TERMS,
+    precision="angle and sin/cos in fp64, rounded to fp32; rotation in fp32",
+    primitives="rl_kernel exp64/log64/sincos64 (IEEE add/mul/div, no FMA); IEEE fp32 mul, add, sub",
+)
+ROPE.contract(
+    "triton",
+    1,
+    **_TERMS,
+    precision="angle and sin/cos in fp64 (torch backend's table), rounded to fp32; rotation in fp32",
+    primitives="rl_kernel exp64/log64/sincos64 for the table; IEEE fp32 mul, add, sub, no FMA (fp fusion off)",
+)
 
 
 _TABLES: dict[tuple, tuple[weakref.ref, torch.Tensor, torch.Tensor]] = {}
@@ -80,6 +93,7 @@ class _StrictRope(torch.autograd.Function):
         # The rotation is orthogonal: its adjoint is the rotation by -angle (no bit contract on gradients).
         if grad_out.is_cuda and "rope" in backends.triton_ops():
             from rl_kernel.backends.triton.rope import rotate as triton_rotate
+
             return triton_rotate(grad_out.contiguous(), cos, -sin, ctx.rotary_dim), None, None, None
         return torch_rope.rotate(grad_out, cos, -sin, ctx.rotary_dim), None, None, None
 
@@ -94,6 +108,7 @@ def rope(x: torch.Tensor, positions: torch.Tensor, theta: float, rotary_dim: int
 
 
 # ---- the op as one opaque node for torch.compile (rl_kernel.ops.library) ----
+
 
 @torch.library.custom_op(f"{library.LIB}::rope", mutates_args=())
 def _rope_op(x: torch.Tensor, positions: torch.Tensor, theta: float, rotary_dim: int | None) -> torch.Tensor:

@@ -44,8 +44,9 @@ class OpSpec:
     def contract(self, backend: str, version: int, *, params: tuple = (), keep: bool = True, **terms: str) -> Contract:
         """Register the op's contract on `backend` (the six terms of `Contract`, by keyword); its sources are
         the op module and the backend's kernel module. `keep`: also the contract this spec runs there."""
-        made = register(Contract(self.op, backend, version, params=params, sources=(self.module, self.kernels[backend]),
-                                 **terms))
+        made = register(
+            Contract(self.op, backend, version, params=params, sources=(self.module, self.kernels[backend]), **terms)
+        )
         if keep:
             self.contracts[backend] = made
         return made

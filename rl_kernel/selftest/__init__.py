@@ -25,7 +25,10 @@ from rl_kernel.selftest import accuracy, matrix, ranks
 
 
 def run_matrix(
-    device: str = "cpu", seed: int = 0, distributed: bool = True, ops: list[str] | None = None,
+    device: str = "cpu",
+    seed: int = 0,
+    distributed: bool = True,
+    ops: list[str] | None = None,
 ) -> list[dict]:
     """Every cell (of `ops`, default all) in strict and native mode: the single-process cells
     (`matrix`), then the sharded ones (`ranks`) unless `distributed` is False; one dict per cell (op, axis,
@@ -46,8 +49,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--device cuda: CUDA is not available on this machine")
 
     start = time.time()
-    print(f"rl_kernel selftest  device={args.device}  backend={rk.get_backend()}  torch={torch.__version__}  "
-          f"threads={torch.get_num_threads()}")
+    print(
+        f"rl_kernel selftest  device={args.device}  backend={rk.get_backend()}  torch={torch.__version__}  "
+        f"threads={torch.get_num_threads()}"
+    )
     print("contracts (id, fingerprint):")
     print(matrix.format_contracts())
     ops = args.ops.split(",") if args.ops else None
@@ -63,13 +68,26 @@ def main(argv: list[str] | None = None) -> int:
     strict_fail = [r for r in rows if not r["strict"]["passed"]]
     native_fail = [r for r in rows if not r["native"]["passed"]]
     elapsed = time.time() - start
-    print(f"\n{'OK' if not strict_fail else 'FAILED'}: strict bit-identical in {len(rows) - len(strict_fail)}/"
-          f"{len(rows)} cells; native differs in {len(native_fail)}/{len(rows)} (expected where the framework's "
-          f"kernels are not invariant); {elapsed:.1f} s")
+    print(
+        f"\n{'OK' if not strict_fail else 'FAILED'}: strict bit-identical in {len(rows) - len(strict_fail)}/"
+        f"{len(rows)} cells; native differs in {len(native_fail)}/{len(rows)} (expected where the framework's "
+        f"kernels are not invariant); {elapsed:.1f} s"
+    )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": args.device, "backend": rk.get_backend(), "torch": torch.__version__,
-                       "contracts": {c.id: c.fingerprint for c in rk.contracts.all_contracts().values()},
-                       "cells": rows, "accuracy": errors, "strict_failures": len(strict_fail),
-                       "native_failures": len(native_fail), "seconds": elapsed}, f, indent=2)
+            json.dump(
+                {
+                    "device": args.device,
+                    "backend": rk.get_backend(),
+                    "torch": torch.__version__,
+                    "contracts": {c.id: c.fingerprint for c in rk.contracts.all_contracts().values()},
+                    "cells": rows,
+                    "accuracy": errors,
+                    "strict_failures": len(strict_fail),
+                    "native_failures": len(native_fail),
+                    "seconds": elapsed,
+                },
+                f,
+                indent=2,
+            )
     return 1 if strict_fail else 0

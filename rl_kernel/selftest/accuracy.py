@@ -25,8 +25,11 @@ def error_stats(y: torch.Tensor, ref: torch.Tensor) -> dict[str, float]:
     err = (y.double() - ref).abs()
     scale = ref.abs().max()
     big = ref.abs() >= scale / 256
-    return {"max_abs": float(err.max()), "max_rel": float(err.max() / scale),
-            "max_ulp": float((err / ulp(ref, y.dtype))[big].max())}
+    return {
+        "max_abs": float(err.max()),
+        "max_rel": float(err.max() / scale),
+        "max_ulp": float((err / ulp(ref, y.dtype))[big].max()),
+    }
 
 
 def _ref_attention(q, k, v, lens, scale):
@@ -80,10 +83,14 @@ def accuracy_cases(gen: torch.Generator, device: str = "cpu") -> dict[str, tuple
         "rms_norm+residual": (lambda: rk.rms_norm(xn, wn, 1e-6, res)[0], rms_ref(s64)),
         "silu_and_mul": (lambda: rk.silu_and_mul(xs), g / (1 + torch.exp(-g)) * u),
         "rope": (lambda: rk.rope(xr, pos, 1e6), _ref_rope(xr, pos, 1e6)),
-        "attention_varlen": (lambda: rk.attention_varlen(q, k, v, cu_seqlens(lens, device), 0.125),
-                             _ref_attention(q, k, v, lens, 0.125)),
-        "logprobs (fp32 out)": (lambda: rk.logprobs(h, wl, tg, 0.8, vocab_size=2000),
-                                logits.log_softmax(-1).gather(-1, tg.unsqueeze(-1)).squeeze(-1)),
+        "attention_varlen": (
+            lambda: rk.attention_varlen(q, k, v, cu_seqlens(lens, device), 0.125),
+            _ref_attention(q, k, v, lens, 0.125),
+        ),
+        "logprobs (fp32 out)": (
+            lambda: rk.logprobs(h, wl, tg, 0.8, vocab_size=2000),
+            logits.log_softmax(-1).gather(-1, tg.unsqueeze(-1)).squeeze(-1),
+        ),
     }
 
 
@@ -103,6 +110,7 @@ def format_accuracy(rows: list[dict]) -> str:
     lines = ["| op | strict max abs | strict max ulp | native max abs | native max ulp |", "|---|---|---|---|---|"]
     for r in rows:
         s, n = r["strict"], r["native"]
-        lines.append(f"| {r['op']} | {s['max_abs']:.3g} | {s['max_ulp']:.3g} | "
-                     f"{n['max_abs']:.3g} | {n['max_ulp']:.3g} |")
+        lines.append(
+            f"| {r['op']} | {s['max_abs']:.3g} | {s['max_ulp']:.3g} | {n['max_abs']:.3g} | {n['max_ulp']:.3g} |"
+        )
     return "\n".join(lines)

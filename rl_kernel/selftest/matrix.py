@@ -27,8 +27,9 @@ def compare(pairs: Pairs) -> Outcome:
     passed, worst, total, bad = True, 0.0, 0, 0
     for expected, actual in pairs:
         if expected.shape != actual.shape or expected.dtype != actual.dtype:
-            raise ValueError(f"layouts disagree: {tuple(expected.shape)} {expected.dtype} vs "
-                             f"{tuple(actual.shape)} {actual.dtype}")
+            raise ValueError(
+                f"layouts disagree: {tuple(expected.shape)} {expected.dtype} vs {tuple(actual.shape)} {actual.dtype}"
+            )
         n_bad = int((bits(expected) != bits(actual)).sum())
         passed &= n_bad == 0
         worst = max(worst, max_abs_diff(expected, actual))
@@ -38,8 +39,10 @@ def compare(pairs: Pairs) -> Outcome:
 
 # --- layouts of one axis ------------------------------------------------------------------------------
 
-def randn(gen: torch.Generator, shape: tuple[int, ...], dtype: torch.dtype, device: str,
-          scale: float = 1.0) -> torch.Tensor:
+
+def randn(
+    gen: torch.Generator, shape: tuple[int, ...], dtype: torch.dtype, device: str, scale: float = 1.0
+) -> torch.Tensor:
     """Standard normal values (times `scale`) drawn on the CPU from `gen`, then cast and moved."""
     return (torch.randn(shape, generator=gen) * scale).to(dtype).to(device)
 
@@ -86,10 +89,15 @@ def thread_pairs(fn: Callable[[], torch.Tensor]) -> Pairs:
 
 # --- attention layouts --------------------------------------------------------------------------------
 
-def qkv(gen: torch.Generator, tokens: int, dtype: torch.dtype, device: str, heads: int = 4, kv_heads: int = 2,
-        dim: int = 32) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return (randn(gen, (tokens, heads, dim), dtype, device), randn(gen, (tokens, kv_heads, dim), dtype, device),
-            randn(gen, (tokens, kv_heads, dim), dtype, device))
+
+def qkv(
+    gen: torch.Generator, tokens: int, dtype: torch.dtype, device: str, heads: int = 4, kv_heads: int = 2, dim: int = 32
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return (
+        randn(gen, (tokens, heads, dim), dtype, device),
+        randn(gen, (tokens, kv_heads, dim), dtype, device),
+        randn(gen, (tokens, kv_heads, dim), dtype, device),
+    )
 
 
 def cu_seqlens(lens: list[int], device: str) -> torch.Tensor:
@@ -124,11 +132,13 @@ def paged_step(q, k_cache, v_cache, table, scale, steps: list[tuple[int, int, in
     qsl = torch.tensor([0, *torch.tensor([e - a for _, a, e in steps]).cumsum(0).tolist()], dtype=torch.int32)
     seq_lens = torch.tensor([e for _, _, e in steps], dtype=torch.int32)
     rows = torch.tensor([s for s, _, _ in steps])
-    return rk.paged_attention(queries, k_cache, v_cache, table[rows.to(device)], seq_lens.to(device),
-                              qsl.to(device), scale)
+    return rk.paged_attention(
+        queries, k_cache, v_cache, table[rows.to(device)], seq_lens.to(device), qsl.to(device), scale
+    )
 
 
 # --- the cells -------------------------------------------------------------------------------------------
+
 
 @dataclasses.dataclass
 class Cell:
@@ -146,6 +156,7 @@ def rowwise_cells() -> list[Cell]:
         def make(device, gen):
             x, w = randn(gen, (rows, k), dtype, device), randn(gen, (n, k), dtype, device)
             return lambda idx: rk.linear(x[idx.to(device)], w)
+
         return make
 
     def norm(dtype, rows, d, residual=False):
@@ -155,28 +166,34 @@ def rowwise_cells() -> list[Cell]:
             if residual:
                 return lambda idx: torch.stack(rk.rms_norm(x[idx.to(device)], w, 1e-6, r[idx.to(device)]), -2)
             return lambda idx: rk.rms_norm(x[idx.to(device)], w, 1e-6)
+
         return make
 
     def silu(dtype, rows=16, inter=256):
         def make(device, gen):
             x = randn(gen, (rows, 2 * inter), dtype, device, 3.0)
             return lambda idx: rk.silu_and_mul(x[idx.to(device)])
+
         return make
 
     def rope(dtype, rows=24, heads=4, dim=64):
         def make(device, gen):
             x = randn(gen, (rows, heads, dim), dtype, device)
             pos = torch.randint(0, 32768, (rows,), generator=gen).to(device)
-            return lambda idx: rk.rope(x[idx.reshape(-1).to(device)], pos[idx.reshape(-1).to(device)],
-                                       1e6).reshape(*idx.shape, heads, dim)
+            return lambda idx: rk.rope(x[idx.reshape(-1).to(device)], pos[idx.reshape(-1).to(device)], 1e6).reshape(
+                *idx.shape, heads, dim
+            )
+
         return make
 
     def logprobs(dtype, rows=16, d=64, vocab=500):
         def make(device, gen):
             h, w = randn(gen, (rows, d), dtype, device), randn(gen, (vocab, d), dtype, device)
             t = torch.randint(0, vocab, (rows,), generator=gen).to(device)
-            return lambda idx: rk.logprobs(h[idx.reshape(-1).to(device)], w, t[idx.reshape(-1).to(device)],
-                                           0.7).reshape(idx.shape)
+            return lambda idx: rk.logprobs(
+                h[idx.reshape(-1).to(device)], w, t[idx.reshape(-1).to(device)], 0.7
+            ).reshape(idx.shape)
+
         return make
 
     def batch(make, rows):
@@ -191,6 +208,7 @@ def rowwise_cells() -> list[Cell]:
             if alone:  # each row its own call: a single wide row is what native splits over threads
                 return thread_pairs(lambda: torch.cat([fn(torch.tensor([i])) for i in range(rows)]))
             return thread_pairs(lambda: fn(torch.arange(rows)))
+
         return check
 
     wide = 1 << 17  # one wide row: native reductions split it across threads, but not a batch of rows
@@ -200,12 +218,15 @@ def rowwise_cells() -> list[Cell]:
         Cell("linear", "padding/packing", "fp32 [B,L,256]x[96,256]", padding(linear(f32), 16)),
         Cell("linear", "threads", "fp32 [16,256]x[96,256]", threads(linear(f32), 16), cpu_only=True),
         Cell("rms_norm", "batch/position", "bf16 [<=16,1024]", batch(norm(bf16, 16, 1024), 16)),
-        Cell("rms_norm", "batch/position", f"fp32 [<=4,{wide}]", lambda d, g: batch_pairs(
-            norm(f32, 4, wide)(d, g), 4, g, sizes=(2, 3), probes=2)),
+        Cell(
+            "rms_norm",
+            "batch/position",
+            f"fp32 [<=4,{wide}]",
+            lambda d, g: batch_pairs(norm(f32, 4, wide)(d, g), 4, g, sizes=(2, 3), probes=2),
+        ),
         Cell("rms_norm+residual", "batch/position", "bf16 [<=16,1024]", batch(norm(bf16, 16, 1024, True), 16)),
         Cell("rms_norm", "padding/packing", "bf16 [B,L,1024]", padding(norm(bf16, 16, 1024), 16)),
-        Cell("rms_norm", "threads", f"fp32 4 x [1,{wide}]", threads(norm(f32, 4, wide), 4, alone=True),
-             cpu_only=True),
+        Cell("rms_norm", "threads", f"fp32 4 x [1,{wide}]", threads(norm(f32, 4, wide), 4, alone=True), cpu_only=True),
         Cell("silu_and_mul", "batch/position", "bf16 [<=16,512]", batch(silu(bf16), 16)),
         Cell("silu_and_mul", "threads", "fp32 [16,512]", threads(silu(f32), 16), cpu_only=True),
         Cell("rope", "batch/position", "bf16 [<=24,4,64]", batch(rope(bf16), 24)),
@@ -227,8 +248,9 @@ def attention_packing(device: str, gen: torch.Generator, dtype=torch.float32) ->
     seqs = [qkv(gen, n, dtype, device) for n in lens]
     alone = [rk.attention_varlen(*s, cu_seqlens([n], device), SCALE) for s, n in zip(seqs, lens)]
     order = torch.randperm(len(lens), generator=gen).tolist()
-    packed = rk.attention_varlen(*(torch.cat([seqs[i][j] for i in order]) for j in range(3)),
-                                 cu_seqlens([lens[i] for i in order], device), SCALE)
+    packed = rk.attention_varlen(
+        *(torch.cat([seqs[i][j] for i in order]) for j in range(3)), cu_seqlens([lens[i] for i in order], device), SCALE
+    )
     return list(zip([alone[i] for i in order], packed.split([lens[i] for i in order])))
 
 
@@ -237,10 +259,12 @@ def attention_padding(device: str, gen: torch.Generator, dtype=torch.float32) ->
     then unpadded."""
     lens, width = [5, 40, 70, 20], 80
     q, k, v = (t.view(len(lens), width, *t.shape[1:]) for t in qkv(gen, len(lens) * width, dtype, device))
-    padded = rk.attention_varlen(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1),
-                                 cu_seqlens([width] * len(lens), device), SCALE).view(q.shape)
-    packed = rk.attention_varlen(*(torch.cat([t[b, :n] for b, n in enumerate(lens)]) for t in (q, k, v)),
-                                 cu_seqlens(lens, device), SCALE)
+    padded = rk.attention_varlen(
+        q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu_seqlens([width] * len(lens), device), SCALE
+    ).view(q.shape)
+    packed = rk.attention_varlen(
+        *(torch.cat([t[b, :n] for b, n in enumerate(lens)]) for t in (q, k, v)), cu_seqlens(lens, device), SCALE
+    )
     return [(packed, torch.cat([padded[b, :n] for b, n in enumerate(lens)]))]
 
 
@@ -289,8 +313,12 @@ def attention_cells() -> list[Cell]:
         Cell("attention_varlen", "batch/packing", "fp32 lens 37,90,5,70 H4/2 d32", attention_packing),
         Cell("attention_varlen", "padding/packing", "fp32 lens 5,40,70,20 pad 80", attention_padding),
         Cell("paged_attention", "prefill/decode/chunked", "fp32 lens 150,90 page 16", attention_prefill_decode),
-        Cell("paged_attention", "prefill/decode/chunked", "bf16 lens 150,90 page 16",
-             lambda d, g: attention_prefill_decode(d, g, torch.bfloat16)),
+        Cell(
+            "paged_attention",
+            "prefill/decode/chunked",
+            "bf16 lens 150,90 page 16",
+            lambda d, g: attention_prefill_decode(d, g, torch.bfloat16),
+        ),
         Cell("paged_attention", "page size/block order", "fp32 pages 1,3,8,16,64 shuffled", attention_pages),
         Cell("attention_varlen", "threads", "fp32 lens 100,30", attention_threads, cpu_only=True),
     ]
@@ -327,11 +355,12 @@ def format_table(rows: list[dict]) -> str:
     head = f"{'op':20s} {'axis':32s} {'inputs':34s} {'backend':12s} {'strict (max|diff|)':19s} native (max|diff|)"
     lines = [head, "-" * len(head)]
     for r in rows:
-        lines.append(f"{r['op']:20s} {r['axis']:32s} {r['inputs']:34s} {r['backend']:12s} "
-                     f"{_cell_text(r['strict']):19s} {_cell_text(r['native'])}")
+        lines.append(
+            f"{r['op']:20s} {r['axis']:32s} {r['inputs']:34s} {r['backend']:12s} "
+            f"{_cell_text(r['strict']):19s} {_cell_text(r['native'])}"
+        )
     return "\n".join(lines)
 
 
 def format_contracts() -> str:
     return "\n".join(f"  {c.id:40s} {c.fingerprint}" for c in rk.contracts.all_contracts().values())
-

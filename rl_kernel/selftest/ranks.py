@@ -29,10 +29,12 @@ def _dist_inputs(world: int, device: str) -> dict[str, torch.Tensor]:
     """The same inputs on every rank (one seed)."""
     gen = torch.Generator().manual_seed(1234)
     return {
-        "h": randn(gen, (12, 64), torch.float32, device), "w": randn(gen, (VOCAB_PADDED, 64), torch.float32, device),
+        "h": randn(gen, (12, 64), torch.float32, device),
+        "w": randn(gen, (VOCAB_PADDED, 64), torch.float32, device),
         "targets": torch.randint(0, VOCAB, (12,), generator=gen).to(device),
         "temps": (torch.rand(12, generator=gen) + 0.5).to(device),
-        "x": randn(gen, (6, TP_K), torch.bfloat16, device), "wk": randn(gen, (48, TP_K), torch.bfloat16, device),
+        "x": randn(gen, (6, TP_K), torch.bfloat16, device),
+        "wk": randn(gen, (48, TP_K), torch.bfloat16, device),
         "bias": randn(gen, (48,), torch.bfloat16, device),
         "parts": randn(gen, (world, 1000), torch.float32, device, 100.0),
     }
@@ -47,11 +49,13 @@ def rank_outputs(rank: int, world: int, device: str) -> dict[str, torch.Tensor |
     vl, kl = VOCAB_PADDED // world, TP_K // world
     out: dict[str, torch.Tensor | str | None] = {
         "logprobs/full": rk.logprobs(inp["h"], inp["w"], inp["targets"], inp["temps"], vocab_size=VOCAB),
-        "logprobs/sharded": rk.logprobs(inp["h"], inp["w"][rank * vl : (rank + 1) * vl], inp["targets"],
-                                        inp["temps"], vocab_size=VOCAB, group=group),
+        "logprobs/sharded": rk.logprobs(
+            inp["h"], inp["w"][rank * vl : (rank + 1) * vl], inp["targets"], inp["temps"], vocab_size=VOCAB, group=group
+        ),
         "row_parallel/full": rk.row_parallel_linear(inp["x"], inp["wk"], None, inp["bias"]),
-        "row_parallel/sharded": rk.row_parallel_linear(inp["x"][:, rank * kl : (rank + 1) * kl],
-                                                       inp["wk"][:, rank * kl : (rank + 1) * kl], group, inp["bias"]),
+        "row_parallel/sharded": rk.row_parallel_linear(
+            inp["x"][:, rank * kl : (rank + 1) * kl], inp["wk"][:, rank * kl : (rank + 1) * kl], group, inp["bias"]
+        ),
         "all_reduce/parts": inp["parts"],
         "all_reduce/out": rk.all_reduce(inp["parts"][rank], group),
         "all_reduce/again": rk.all_reduce(inp["parts"][rank], group),
@@ -82,8 +86,10 @@ def _dist_worker(rank: int, world: int, port: int, backend: str, device: str, pa
         results = {}
         for name in ("strict", "native"):
             with rk.mode(name), rk.evidence.recording() as ran:
-                results[name] = {key: v.cpu() if isinstance(v, torch.Tensor) else v
-                                 for key, v in rank_outputs(rank, world, device).items()}
+                results[name] = {
+                    key: v.cpu() if isinstance(v, torch.Tensor) else v
+                    for key, v in rank_outputs(rank, world, device).items()
+                }
             results[name]["evidence"] = list(ran)
         torch.save(results, f"{path}.rank{rank}")
     finally:
@@ -128,8 +134,15 @@ def _dist_cells(results: dict[int, list[dict]]) -> list[tuple[str, str, str, str
             ("row_parallel_linear", "K sharding", f"bf16 [6,{TP_K}]x[48,{TP_K}]+bias", ("gemm", "all_reduce")),
             ("all_reduce", "ranks vs rank-order tree", "fp32 [1000] per rank", ("all_reduce",)),
         ):
-            cells.append((op, f"{axis} tp{world}", inputs, backends_ran([r for r in ran if r["op"] in contract_ops]),
-                          {m: by_mode[m][op] for m in by_mode}))
+            cells.append(
+                (
+                    op,
+                    f"{axis} tp{world}",
+                    inputs,
+                    backends_ran([r for r in ran if r["op"] in contract_ops]),
+                    {m: by_mode[m][op] for m in by_mode},
+                )
+            )
     return cells
 
 
@@ -142,7 +155,14 @@ def run_rank_cells(device: str = "cpu", ops: list[str] | None = None) -> list[di
     if ops is not None and not any(op in ops for op in DIST_OPS):
         return []
     worlds = [w for w in (2, 4) if device == "cpu" or w <= torch.cuda.device_count()]
-    return [{"op": op, "axis": axis, "inputs": inputs, "backend": backend,
-             **{m: dataclasses.asdict(compare(p)) for m, p in by_mode.items()}}
-            for op, axis, inputs, backend, by_mode in _dist_cells({w: run_distributed(w, device) for w in worlds})
-            if ops is None or op in ops]
+    return [
+        {
+            "op": op,
+            "axis": axis,
+            "inputs": inputs,
+            "backend": backend,
+            **{m: dataclasses.asdict(compare(p)) for m, p in by_mode.items()},
+        }
+        for op, axis, inputs, backend, by_mode in _dist_cells({w: run_distributed(w, device) for w in worlds})
+        if ops is None or op in ops
+    ]

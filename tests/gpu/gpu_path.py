@@ -48,9 +48,19 @@ BF16 = torch.bfloat16
 
 
 def qwen3_8b(layers: int) -> Qwen3Config:
-    return Qwen3Config(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_layers=layers, num_heads=32,
-                       num_kv_heads=8, head_dim=128, rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=False,
-                       max_position_embeddings=40960)
+    return Qwen3Config(
+        vocab_size=151936,
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_layers=layers,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        rms_norm_eps=1e-6,
+        rope_theta=1e6,
+        tie_word_embeddings=False,
+        max_position_embeddings=40960,
+    )
 
 
 def mismatches(a: torch.Tensor, b: torch.Tensor) -> int:
@@ -81,7 +91,7 @@ def cp_check(rank: int, group) -> dict:
     q = torch.randn(t, heads, d, generator=gen, device=dev).to(BF16)
     k = torch.randn(t, kvh, d, generator=gen, device=dev).to(BF16)
     v = torch.randn(t, kvh, d, generator=gen, device=dev).to(BF16)
-    scale = d ** -0.5
+    scale = d**-0.5
     cu_dev = cu.to(dev)
     layout = cpm.TokenLayout(cu, 2, unit=cpm.cp_unit(dev))
     idx = layout.local_index(rank).to(dev)
@@ -96,11 +106,16 @@ def cp_check(rank: int, group) -> dict:
     with rk.mode("native"):
         nref = rk.attention_varlen(q, k, v, cu_dev, scale)
         nout = cpm.cp_attention(ql, kl, vl, layout, scale, group, False)
-    counts = torch.tensor([mismatches(out, ref[idx]), mismatches(twin, ref[idx]), mismatches(nout, nref[idx]),
-                           out.numel()], device=dev)
+    counts = torch.tensor(
+        [mismatches(out, ref[idx]), mismatches(twin, ref[idx]), mismatches(nout, nref[idx]), out.numel()], device=dev
+    )
     dist.all_reduce(counts, group=group)
-    res |= {"strict_cp2_vs_cp1_mismatch": int(counts[0]), "twin_chunk_fold_mismatch": int(counts[1]),
-            "native_cp2_vs_cp1_mismatch": int(counts[2]), "elements": int(counts[3])}
+    res |= {
+        "strict_cp2_vs_cp1_mismatch": int(counts[0]),
+        "twin_chunk_fold_mismatch": int(counts[1]),
+        "native_cp2_vs_cp1_mismatch": int(counts[2]),
+        "elements": int(counts[3]),
+    }
     # the backward runs (no bit contract): gradients exist and are finite
     qg, kg, vg = (x.clone().requires_grad_() for x in (ql, kl, vl))
     with rk.mode("strict"):
@@ -163,9 +178,19 @@ def trainer_push(rank: int, tgroup, pgroup, transport: str, versions: list[int],
             ack = sender.push(gathered, version)
             t2 = time.perf_counter()
             gb = ack["bytes"] / 1e9
-            stats.append({"transport": transport, "version": version, "gb": gb, "gather_s": t1 - t0,
-                          "push_s": t2 - t1, "push_gbps": gb / (t2 - t1), "buckets": ack["buckets"],
-                          "tensors": ack["tensors"], "acked": ack["version"]})
+            stats.append(
+                {
+                    "transport": transport,
+                    "version": version,
+                    "gb": gb,
+                    "gather_s": t1 - t0,
+                    "push_s": t2 - t1,
+                    "push_gbps": gb / (t2 - t1),
+                    "buckets": ack["buckets"],
+                    "tensors": ack["tensors"],
+                    "acked": ack["version"],
+                }
+            )
         del gathered
         torch.cuda.empty_cache()
         dist.barrier(group=tgroup)
@@ -244,12 +269,13 @@ def report(results: list[dict], args: argparse.Namespace) -> tuple[dict, bool]:
         summary["cp"] = c
         good = c["strict_cp2_vs_cp1_mismatch"] == 0 and c["backward_finite"]
         ok &= good
-        print(f"{'strict CP2 == CP1 (Triton), mismatched elements':58s} {c['strict_cp2_vs_cp1_mismatch']:>14d}"
-              f"  {'PASS' if good else 'FAIL'}  of {c['elements']}, {c['tokens']} tokens, unit {c['unit']}")
+        print(
+            f"{'strict CP2 == CP1 (Triton), mismatched elements':58s} {c['strict_cp2_vs_cp1_mismatch']:>14d}"
+            f"  {'PASS' if good else 'FAIL'}  of {c['elements']}, {c['tokens']} tokens, unit {c['unit']}"
+        )
         print(f"{'twin: CP2 folding 64-key chunk partials':58s} {c['twin_chunk_fold_mismatch']:>14d}")
         print(f"{'twin: native CP2 vs native CP1 (SDPA)':58s} {c['native_cp2_vs_cp1_mismatch']:>14d}")
-        print(f"{'forward ms: CP1 (one GPU, all tokens) / CP2 (per rank)':58s} "
-              f"{c['cp1_ms']:>6.2f} / {c['cp2_ms']:.2f}")
+        print(f"{'forward ms: CP1 (one GPU, all tokens) / CP2 (per rank)':58s} {c['cp1_ms']:>6.2f} / {c['cp2_ms']:.2f}")
     if not args.skip_push and "ipc" in results[0]:
         for kind in ("ipc", "nccl"):
             rows = results[0].get(kind, [])
@@ -259,9 +285,11 @@ def report(results: list[dict], args: argparse.Namespace) -> tuple[dict, bool]:
                 w = wrong.get(str(r["version"]), wrong.get(r["version"], -1))
                 good = w == 0 and r["acked"] == r["version"]
                 ok &= good
-                print(f"{kind + ' push v' + str(r['version']) + ': GB / gather s / push s / GB/s / bits wrong':58s} "
-                      f"{r['gb']:.2f} / {r['gather_s']:.3f} / {r['push_s']:.3f} / {r['push_gbps']:.1f} / {w}"
-                      f"  {'PASS' if good else 'FAIL'}")
+                print(
+                    f"{kind + ' push v' + str(r['version']) + ': GB / gather s / push s / GB/s / bits wrong':58s} "
+                    f"{r['gb']:.2f} / {r['gather_s']:.3f} / {r['push_s']:.3f} / {r['push_gbps']:.1f} / {w}"
+                    f"  {'PASS' if good else 'FAIL'}"
+                )
     print(f"RESULT {'PASS' if ok else 'FAIL'}")
     summary["pass"] = ok
     return summary, ok
@@ -293,8 +321,10 @@ def main() -> None:
         for proc in ctx.processes:  # the others may wait on it forever
             if proc.is_alive():
                 proc.kill()
-    results = [json.loads(f.read_text()) if (f := out_dir / f"rank{r}.json").exists() else {"error": "no result"}
-               for r in range(3)]
+    results = [
+        json.loads(f.read_text()) if (f := out_dir / f"rank{r}.json").exists() else {"error": "no result"}
+        for r in range(3)
+    ]
     summary, ok = report(results, args)
     summary["wall_s"] = time.perf_counter() - t0
     if args.json:

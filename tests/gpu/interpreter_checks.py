@@ -29,7 +29,7 @@ def _dot(self, a, b, d, input_precision, max_num_imprecise_acc):
     a64, b64 = a.data.astype(np.float64), b.data.astype(np.float64)
     acc = d.data.astype(np.float32)
     for k0 in range(0, a64.shape[-1], 16):
-        step = np.einsum("...mk,...kn->...mn", a64[..., k0:k0 + 16], b64[..., k0:k0 + 16, :], optimize=False)
+        step = np.einsum("...mk,...kn->...mn", a64[..., k0 : k0 + 16], b64[..., k0 : k0 + 16, :], optimize=False)
         acc = (acc.astype(np.float64) + step).astype(np.float32)
     return _interp.TensorHandle(acc.astype(d.data.dtype), d.dtype.scalar)
 
@@ -67,15 +67,19 @@ def elementwise(gen: torch.Generator) -> None:
         check(f"rms_norm {dtype} == torch contract", same(norm.rms_norm(x, w, 1e-6), ref))
         # past SMALL_T rows the kernel takes BLOCK_T rows a program: each row's bits as with one row a program
         many = torch.cat([x, (torch.randn(norm.SMALL_T, 200, generator=gen) * 3).to(dtype)])
-        check(f"rms_norm {dtype} rows per program move no bit",
-              same(norm.rms_norm(many, w, 1e-6)[: x.shape[0]], norm.rms_norm(x, w, 1e-6)))
+        check(
+            f"rms_norm {dtype} rows per program move no bit",
+            same(norm.rms_norm(many, w, 1e-6)[: x.shape[0]], norm.rms_norm(x, w, 1e-6)),
+        )
         x = (torch.randn(7, 600, generator=gen) * 4).to(dtype)
         check(f"silu_and_mul {dtype} == torch backend", same(activation.silu_and_mul(x), torch_act.silu_and_mul(x)))
         x = torch.randn(9, 3, 32, generator=gen).to(dtype)
         for rd in (32, 16):
             cos, sin = torch_rope.cos_sin(torch.arange(9) * 37, rd, 1e6)
-            check(f"rope {dtype} rotary {rd} == torch backend",
-                  same(rope.rotate(x, cos, sin, rd), torch_rope.rotate(x, cos, sin, rd)))
+            check(
+                f"rope {dtype} rotary {rd} == torch backend",
+                same(rope.rotate(x, cos, sin, rd), torch_rope.rotate(x, cos, sin, rd)),
+            )
 
 
 def gemms(gen: torch.Generator) -> None:
@@ -91,7 +95,7 @@ def gemms(gen: torch.Generator) -> None:
             grouped = gemm.matmul_fp32(x, w, h, schedule="fused")
             split = gemm.matmul_fp32(x, w, h, schedule="split")
             check(f"gemm {m}x{n}x{k} 2 groups fused == split", same(grouped, split))
-            parts = [gemm.matmul_fp32(x[:, i * h:(i + 1) * h], w[:, i * h:(i + 1) * h], h) for i in range(2)]
+            parts = [gemm.matmul_fp32(x[:, i * h : (i + 1) * h], w[:, i * h : (i + 1) * h], h) for i in range(2)]
             check(f"gemm {m}x{n}x{k} TP2 shards == 2 groups", same(tree_sum(torch.stack(parts, -1)), grouped))
         b = torch.randn(n, generator=gen).to(F16)
         check(f"gemm {m}x{n}x{k} epilogue rounding", same(gemm.linear(x, w, b), (fused + b.float()).to(F16)))
@@ -103,7 +107,7 @@ def attentions(gen: torch.Generator) -> None:
     cu = torch.tensor([0, 70, 75, 115], dtype=torch.int32)
     q = torch.randn(115, heads, d, generator=gen).to(F16)
     k, v = torch.randn(115, kv_heads, d, generator=gen).to(F16), torch.randn(115, kv_heads, d, generator=gen).to(F16)
-    scale = d ** -0.5
+    scale = d**-0.5
     saved = attention.SPLIT_CHUNKS
     attention.SPLIT_CHUNKS = 1  # splits of one chunk, so the short sequences exercise the split merge
     try:
@@ -118,37 +122,56 @@ def attentions(gen: torch.Generator) -> None:
         check("attention accuracy", float((packed.double() - ref).norm() / ref.norm()) < 2e-3)
         for heavy_first in (False, True):  # program order: no bit may depend on it
             config = dict(attention.PREFILL, FLAT=not attention.PREFILL.get("FLAT", False), HEAVY_FIRST=heavy_first)
-            check(f"attention FLAT/HEAVY_FIRST={heavy_first} == default",
-                  same(attention.varlen_attention(q, k, v, cu, scale, config=config), packed))
+            check(
+                f"attention FLAT/HEAVY_FIRST={heavy_first} == default",
+                same(attention.varlen_attention(q, k, v, cu, scale, config=config), packed),
+            )
         wide = torch.randn(115, 3 * kv_heads, d, generator=gen).to(F16)  # k, v as views of a fused projection
-        wide[:, :kv_heads], wide[:, kv_heads:2 * kv_heads] = k, v
-        check("attention TMA: the strided k, v views get descriptors (the TMA path runs)",
-              None not in attention._descriptors(wide[:, :kv_heads], wide[:, kv_heads:2 * kv_heads]))
+        wide[:, :kv_heads], wide[:, kv_heads : 2 * kv_heads] = k, v
+        check(
+            "attention TMA: the strided k, v views get descriptors (the TMA path runs)",
+            None not in attention._descriptors(wide[:, :kv_heads], wide[:, kv_heads : 2 * kv_heads]),
+        )
         pointer = attention.varlen_attention(q, k, v, cu, scale, config=dict(attention.PREFILL, TMA=False))
-        check("attention TMA descriptor loads (strided k, v) == pointer loads",
-              same(attention.varlen_attention(q, wide[:, :kv_heads], wide[:, kv_heads:2 * kv_heads], cu, scale,
-                                              config=dict(attention.PREFILL, TMA=True)), pointer))
+        check(
+            "attention TMA descriptor loads (strided k, v) == pointer loads",
+            same(
+                attention.varlen_attention(
+                    q,
+                    wide[:, :kv_heads],
+                    wide[:, kv_heads : 2 * kv_heads],
+                    cu,
+                    scale,
+                    config=dict(attention.PREFILL, TMA=True),
+                ),
+                pointer,
+            ),
+        )
         check("attention default (TMA) == pointer loads", same(packed, pointer))
-        check("attention packed prefill (split, merged by the last split program) == fused",
-              same(attention.varlen_attention(q, k, v, cu, scale, schedule="split"), packed))
+        check(
+            "attention packed prefill (split, merged by the last split program) == fused",
+            same(attention.varlen_attention(q, k, v, cu, scale, schedule="split"), packed),
+        )
         blocks = torch.randperm(16, generator=gen)
         table = torch.stack([blocks[0:5], blocks[5:10], blocks[10:15]]).to(torch.int32)
         kc, vc = torch.randn(16, page, kv_heads, d, generator=gen).to(F16), torch.randn(16, page, kv_heads, d).to(F16)
         for b, (a, n) in enumerate(zip(cu[:-1].tolist(), lens)):
             pos = torch.arange(n)
             slots = table[b, pos // page].long() * page + pos % page
-            kc.view(-1, kv_heads, d)[slots], vc.view(-1, kv_heads, d)[slots] = k[a:a + n], v[a:a + n]
+            kc.view(-1, kv_heads, d)[slots], vc.view(-1, kv_heads, d)[slots] = k[a : a + n], v[a : a + n]
         seq_lens = torch.tensor(lens)
         for schedule in ("split", "fused"):
             out = attention.paged_attention(q, kc, vc, table, seq_lens, cu, scale, schedule=schedule)
             check(f"attention paged prefill ({schedule}) == packed", same(out, packed))
             last = cu[1:].long() - 1
-            dec = attention.paged_attention(q[last], kc, vc, table, seq_lens, torch.arange(4, dtype=torch.int32),
-                                            scale, schedule=schedule)
+            dec = attention.paged_attention(
+                q[last], kc, vc, table, seq_lens, torch.arange(4, dtype=torch.int32), scale, schedule=schedule
+            )
             check(f"attention decode ({schedule}) == packed rows", same(dec, packed[last]))
-        qc = torch.cat([q[30:70], q[75 + 20:75 + 40]])
-        out = attention.paged_attention(qc, kc, vc, table[[0, 2]], torch.tensor([70, 40]),
-                                        torch.tensor([0, 40, 60], dtype=torch.int32), scale)
+        qc = torch.cat([q[30:70], q[75 + 20 : 75 + 40]])
+        out = attention.paged_attention(
+            qc, kc, vc, table[[0, 2]], torch.tensor([70, 40]), torch.tensor([0, 40, 60], dtype=torch.int32), scale
+        )
         check("attention chunked prefill == packed rows", same(out, torch.cat([packed[30:70], packed[95:115]])))
     finally:
         attention.SPLIT_CHUNKS = saved
@@ -163,17 +186,28 @@ def split_decode(gen: torch.Generator) -> None:
     blocks = -(-ctx // page)
     table = torch.randperm(blocks + 3, generator=gen)[:blocks].view(1, -1).to(torch.int32)
     kc, vc = (torch.randn(blocks + 3, page, kv_heads, d, generator=gen) for _ in range(2))
-    args = (torch.randn(1, heads, d, generator=gen), kc, vc, table, torch.tensor([ctx]),
-            torch.tensor([0, 1], dtype=torch.int32), d ** -0.5)
+    args = (
+        torch.randn(1, heads, d, generator=gen),
+        kc,
+        vc,
+        table,
+        torch.tensor([ctx]),
+        torch.tensor([0, 1], dtype=torch.int32),
+        d**-0.5,
+    )
     saved = attention.SPLIT_CHUNKS
     attention.SPLIT_CHUNKS = 1  # 5 splits of 64 keys
     try:
         fused = attention.paged_attention(*args, schedule="fused")
         for run in (1, 2):
-            check(f"attention decode B=1, 5 splits, split schedule in one launch (run {run}) == fused",
-                  same(attention.paged_attention(*args, schedule="split"), fused))
-        check("attention split schedule leaves its arrival counters at 0",
-              len(attention._COUNTERS) > 0 and all(not c.any() for c in attention._COUNTERS.values()))
+            check(
+                f"attention decode B=1, 5 splits, split schedule in one launch (run {run}) == fused",
+                same(attention.paged_attention(*args, schedule="split"), fused),
+            )
+        check(
+            "attention split schedule leaves its arrival counters at 0",
+            len(attention._COUNTERS) > 0 and all(not c.any() for c in attention._COUNTERS.values()),
+        )
     finally:
         attention.SPLIT_CHUNKS = saved
 
@@ -183,13 +217,14 @@ def cp_attention(gen: torch.Generator) -> None:
     partials, routed as the all-to-all would (a bit copy), folded on the query's rank == CP1 bitwise."""
     from rl_kernel.errors import StrictModeError
     from rl_kernel.integrations.megatron import cp as cpm
+
     heads, kv_heads, d = 2, 1, 16  # small: the interpreter runs every program in Python
     lens = [260, 130, 1]
     cu = torch.tensor([0, *lens]).cumsum(0)
     t = int(cu[-1])
     q = torch.randn(t, heads, d, generator=gen).to(F16)
     k, v = torch.randn(t, kv_heads, d, generator=gen).to(F16), torch.randn(t, kv_heads, d, generator=gen).to(F16)
-    scale = d ** -0.5
+    scale = d**-0.5
     saved = attention.SPLIT_CHUNKS
     attention.SPLIT_CHUNKS = 2  # splits of 128 keys, so short sequences span several splits and ranks
     try:
@@ -197,8 +232,12 @@ def cp_attention(gen: torch.Generator) -> None:
 
         def run(cp: int, split_chunks: int | None = None) -> torch.Tensor:
             layout = cpm.TokenLayout(cu, cp, unit=128)
-            sent = [cpm.triton_rank_partials(q, k[layout.local_index(r)], v[layout.local_index(r)], layout, r,
-                                             scale, split_chunks=split_chunks) for r in range(cp)]
+            sent = [
+                cpm.triton_rank_partials(
+                    q, k[layout.local_index(r)], v[layout.local_index(r)], layout, r, scale, split_chunks=split_chunks
+                )
+                for r in range(cp)
+            ]
             out = torch.empty_like(q)
             for r in range(cp):  # what rank r receives: rows addressed to it, in source-rank order
                 pay = torch.cat([p[m[:, 0] == r] for p, m in sent])
@@ -229,21 +268,28 @@ def logprobs(gen: torch.Generator) -> None:
     z = (h.double() @ w.double().T)[:, :real] / temps.float().double()[:, None]
     ref = torch.log_softmax(z, -1).gather(1, tg[:, None]).squeeze(1)
     check("logprobs accuracy", float((out.double() - ref).abs().max()) < 1e-5)
-    check("logprobs rows alone == in batch", same(logprob.logprobs_and_lse(h[5:9], w, tg[5:9], temps[5:9], 0, real)[0],
-                                                  out[5:9]))
+    check(
+        "logprobs rows alone == in batch",
+        same(logprob.logprobs_and_lse(h[5:9], w, tg[5:9], temps[5:9], 0, real)[0], out[5:9]),
+    )
     # the one autograd Function of rl_kernel.logprobs, over each backend's kernel module
     from rl_kernel.backends.torch import logprob as torch_logprob
     from rl_kernel.ops.logprob import StrictLogprobs
+
     g, runs = torch.randn(t, generator=gen), []
     for kernels in (logprob, torch_logprob):
         hg, wg = h.float().requires_grad_(), w.float().requires_grad_()
         lp = StrictLogprobs.apply(hg, wg, tg, temps, 0, real, None, kernels, torch.float32)
         (lp * g).sum().backward()
         runs.append((lp.detach(), hg.grad, wg.grad))
-    check("logprobs autograd forward == logprobs_and_lse", same(runs[0][0], logprob.logprobs_and_lse(
-        h.float(), w.float(), tg, temps, 0, real)[0]))
-    check("logprobs autograd grads: Triton == torch backend (1e-5)",
-          all(float((a - b).abs().max()) < 1e-5 for a, b in zip(runs[0][1:], runs[1][1:])))
+    check(
+        "logprobs autograd forward == logprobs_and_lse",
+        same(runs[0][0], logprob.logprobs_and_lse(h.float(), w.float(), tg, temps, 0, real)[0]),
+    )
+    check(
+        "logprobs autograd grads: Triton == torch backend (1e-5)",
+        all(float((a - b).abs().max()) < 1e-5 for a, b in zip(runs[0][1:], runs[1][1:])),
+    )
 
 
 def _slice_stats(logits, temps, tg, real, vocab_start=0, **options):
@@ -254,12 +300,30 @@ def _slice_stats(logits, temps, tg, real, vocab_start=0, **options):
     m_t, s_t = torch.empty(t, n_tiles), torch.empty(t, n_tiles, dtype=torch.int64)
     z_t = torch.zeros(t)
     for c0 in range(0, v, 256):
-        part = logits[:, c0:c0 + 256].contiguous()
+        part = logits[:, c0 : c0 + 256].contiguous()
         logprob._stats_kernel[(-(-t // 32), 1)](
-            part, temps.float(), tg, m_t, s_t, z_t, t, v, c0, part.shape[1], part.stride(0), vocab_start,
-            vocab_start + real, n_tiles,
-            BLOCK_M=32, BLOCK_N=256, VT=logprob.VOCAB_TILE, FIXED=float(1 << logprob.FIXED_POINT_BITS),
-            LOG2E=logprob.LOG2E, RNI=False, **options)
+            part,
+            temps.float(),
+            tg,
+            m_t,
+            s_t,
+            z_t,
+            t,
+            v,
+            c0,
+            part.shape[1],
+            part.stride(0),
+            vocab_start,
+            vocab_start + real,
+            n_tiles,
+            BLOCK_M=32,
+            BLOCK_N=256,
+            VT=logprob.VOCAB_TILE,
+            FIXED=float(1 << logprob.FIXED_POINT_BITS),
+            LOG2E=logprob.LOG2E,
+            RNI=False,
+            **options,
+        )
     return m_t, s_t, z_t
 
 
@@ -269,30 +333,41 @@ def logprob_slice_stats(gen: torch.Generator) -> None:
     tg = torch.randint(0, real, (t,), generator=gen)
     tg[3] = 690  # a target in the padding columns: z stays 0, as in the fused kernel
     logits[5, tg[5]] = -0.0  # a -0 target logit: the fused kernel's sum gives +0
-    for name, temps in (("temperature 1", torch.ones(t, dtype=torch.float64)),
-                        ("mixed temperatures", torch.rand(t, generator=gen, dtype=torch.float64) + 0.5)):
+    for name, temps in (
+        ("temperature 1", torch.ones(t, dtype=torch.float64)),
+        ("mixed temperatures", torch.rand(t, generator=gen, dtype=torch.float64) + 0.5),
+    ):
         ref = _slice_stats(logits, temps, tg, real, FAST_TEMP=False, TARGET_LOAD=False)
         for fast in (False, True):
             got = _slice_stats(logits, temps, tg, real, FAST_TEMP=fast, TARGET_LOAD=True)
-            check(f"logprob slice stats, {name}: target read from the slice (fast temperature {fast}) == summed "
-                  "out of the block", all(same(a, b) for a, b in zip(got, ref)))
+            check(
+                f"logprob slice stats, {name}: target read from the slice (fast temperature {fast}) == summed "
+                "out of the block",
+                all(same(a, b) for a, b in zip(got, ref)),
+            )
     check("logprob slice stats: the -0 target logit gives +0", ref[2][5].view(torch.int32) == 0)
     shard = 128  # a TP rank's shard from global column 128: targets before it belong to another rank
     tg_global = tg + shard
     tg_global[:6] = torch.arange(6) * 20  # columns 0..100: not this shard's
     ref = _slice_stats(logits, temps, tg_global, real, shard, FAST_TEMP=False, TARGET_LOAD=False)
     got = _slice_stats(logits, temps, tg_global, real, shard, FAST_TEMP=True, TARGET_LOAD=True)
-    check("logprob slice stats of a vocab shard (vocab_start 128): target read == summed out of the block",
-          all(same(a, b) for a, b in zip(got, ref)) and bool((got[2][:6] == 0).all()) and bool((got[2][6:] != 0).any()))
+    check(
+        "logprob slice stats of a vocab shard (vocab_start 128): target read == summed out of the block",
+        all(same(a, b) for a, b in zip(got, ref)) and bool((got[2][:6] == 0).all()) and bool((got[2][6:] != 0).any()),
+    )
 
 
 def _row_stats(h, w, temps, tg, real, logits_dtype):
     """The fused server's per-tile stats (m, S, target z) of all rows of h under `logits_dtype`."""
     n_tiles = -(-w.shape[0] // logprob.VOCAB_TILE)
-    m_t, s_t, z_t = torch.empty(h.shape[0], n_tiles), torch.empty(h.shape[0], n_tiles, dtype=torch.int64), \
-        torch.zeros(h.shape[0])
-    logprob._tile_stats_of_rows(h, w, temps.float(), tg, m_t, s_t, z_t, 0, real, None, None, 256,
-                                logits_dtype=logits_dtype)
+    m_t, s_t, z_t = (
+        torch.empty(h.shape[0], n_tiles),
+        torch.empty(h.shape[0], n_tiles, dtype=torch.int64),
+        torch.zeros(h.shape[0]),
+    )
+    logprob._tile_stats_of_rows(
+        h, w, temps.float(), tg, m_t, s_t, z_t, 0, real, None, None, 256, logits_dtype=logits_dtype
+    )
     return m_t, s_t, z_t
 
 
@@ -306,18 +381,29 @@ def logprob_bf16_logits(gen: torch.Generator) -> None:
     chain = gemm.matmul_fp32(h, w)
     fused = _row_stats(h, w, temps, tg, real, torch.bfloat16)
     sliced = _slice_stats(chain.to(torch.bfloat16), temps, tg, real, FAST_TEMP=True, TARGET_LOAD=True)
-    check("logprob bf16 logits: fused server (rounded in registers) == stats of bf16 slices",
-          all(same(a, b) for a, b in zip(fused, sliced)))
-    check("logprob bf16 logits == the fp32 path over the chain rounded to bf16 (the rounding is the only change)",
-          all(same(a, b) for a, b in zip(sliced, _slice_stats(chain.to(torch.bfloat16).float(), temps, tg, real,
-                                                                FAST_TEMP=True, TARGET_LOAD=True))))
+    check(
+        "logprob bf16 logits: fused server (rounded in registers) == stats of bf16 slices",
+        all(same(a, b) for a, b in zip(fused, sliced)),
+    )
+    check(
+        "logprob bf16 logits == the fp32 path over the chain rounded to bf16 (the rounding is the only change)",
+        all(
+            same(a, b)
+            for a, b in zip(
+                sliced,
+                _slice_stats(chain.to(torch.bfloat16).float(), temps, tg, real, FAST_TEMP=True, TARGET_LOAD=True),
+            )
+        ),
+    )
     fp32 = _row_stats(h, w, temps, tg, real, torch.float32)
     check("logprob bf16 logits: twin, the fp32 contract's stats differ", not same(fp32[1], fused[1]))
     out = logprob.logprobs_and_lse(h, w, tg, temps, 0, real, logits_dtype=torch.bfloat16)[0]
     z = chain[:, :real].to(torch.bfloat16).double() / temps.float().double()[:, None]
     ref = torch.log_softmax(z, -1).gather(1, tg[:, None]).squeeze(1)
-    check("logprob bf16 logits accuracy (against fp64 over the bf16 logits)", float((out.double() - ref).abs().max())
-          < 1e-5)
+    check(
+        "logprob bf16 logits accuracy (against fp64 over the bf16 logits)",
+        float((out.double() - ref).abs().max()) < 1e-5,
+    )
 
 
 def logprob_full_log_softmax(gen: torch.Generator) -> None:
@@ -332,18 +418,25 @@ def logprob_full_log_softmax(gen: torch.Generator) -> None:
     for dtype in (torch.float32, torch.bfloat16):
         full = logprob.full_log_softmax(chain, temps, 0, real, logits_dtype=dtype)
         scored = logprob.logprobs_and_lse(h, w, tg, temps, 0, real, logits_dtype=dtype)[0]
-        check(f"log_softmax (Triton, {dtype}) entries == logprobs of the targets",
-              same(full.gather(1, tg[:, None]).squeeze(1), scored) and bool(torch.isinf(full[:, real:]).all()))
+        check(
+            f"log_softmax (Triton, {dtype}) entries == logprobs of the targets",
+            same(full.gather(1, tg[:, None]).squeeze(1), scored) and bool(torch.isinf(full[:, real:]).all()),
+        )
     from rl_kernel.ops.logprob import native_log_softmax, native_logprobs
+
     native = native_log_softmax(chain, temps, 0, real, None).gather(1, tg[:, None]).squeeze(1)
-    check("log_softmax twin: native full-vocab log-probs != native logprobs of the targets (the pairing is not free)",
-          not same(native, native_logprobs(h, w, tg, temps, 0, real, None)))
+    check(
+        "log_softmax twin: native full-vocab log-probs != native logprobs of the targets (the pairing is not free)",
+        not same(native, native_logprobs(h, w, tg, temps, 0, real, None)),
+    )
     try:
         logprob.full_log_softmax(chain[:, 100:], temps, 100, real)
         check("log_softmax (Triton): a shard not on a vocab tile is refused", False)
     except Exception as e:  # noqa: BLE001 - the check is on the error's type and text
-        check("log_softmax (Triton): a shard not on a vocab tile is refused",
-              type(e).__name__ == "StrictModeError" and "log_softmax" in str(e))
+        check(
+            "log_softmax (Triton): a shard not on a vocab tile is refused",
+            type(e).__name__ == "StrictModeError" and "log_softmax" in str(e),
+        )
 
 
 # ---- 64-bit addressing: rows past 2^31 elements, without 2^31 elements of memory -----------------------------
@@ -370,9 +463,10 @@ def far_offsets(gen: torch.Generator) -> None:
     outside the tensor: a crash or wrong bits). The storage is 4 GB of address space of which only the rows
     written are backed by memory. Each result is compared bit for bit with the same kernel on contiguous copies."""
     from rl_kernel.backends.triton.numerics import LAUNCH
+
     base = torch.empty(2 * FAR_STRIDE + 16 * FAR_SLOT, dtype=F16)
     for r in range(3):
-        base[r * FAR_STRIDE:r * FAR_STRIDE + 16 * FAR_SLOT].fill_(float("nan"))  # unwritten outputs show as NaN
+        base[r * FAR_STRIDE : r * FAR_STRIDE + 16 * FAR_SLOT].fill_(float("nan"))  # unwritten outputs show as NaN
     s = FAR_STRIDE
 
     x = _far_copy(base, 0, (torch.randn(3, 600, generator=gen) * 4).to(F16))
@@ -382,8 +476,10 @@ def far_offsets(gen: torch.Generator) -> None:
     g = _far_copy(base, 2, torch.randn(3, 300, generator=gen).to(F16))
     dx = _far(base, 3, 3, 600)
     activation._silu_and_mul_backward_kernel[(3, 1)](x, g, dx, 300, s, s, s, BLOCK=1024, num_warps=4)
-    check("far rows: silu_and_mul backward",
-          same(dx.clone(), activation.silu_and_mul_backward(x.contiguous(), g.contiguous())))
+    check(
+        "far rows: silu_and_mul backward",
+        same(dx.clone(), activation.silu_and_mul_backward(x.contiguous(), g.contiguous())),
+    )
 
     x = _far_copy(base, 4, (torch.randn(3, 200, generator=gen) * 3).to(F16))
     w = torch.randn(200, generator=gen).to(F16)
@@ -393,23 +489,63 @@ def far_offsets(gen: torch.Generator) -> None:
     dy = _far_copy(base, 6, torch.randn(3, 200, generator=gen).to(F16))
     dx, dw = _far(base, 7, 3, 200), torch.empty(1, 200)
     norm._rms_norm_backward_kernel[(1,)](x, w, dy, dx, dw, 3, 200, 1e-6, s, s, s, BLOCK_T=4, BLOCK_D=256, num_warps=4)
-    check("far rows: rms_norm backward dx",
-          same(dx.clone(), norm.rms_norm_backward(x.contiguous(), w, dy.contiguous(), 1e-6)[0]))
+    check(
+        "far rows: rms_norm backward dx",
+        same(dx.clone(), norm.rms_norm_backward(x.contiguous(), w, dy.contiguous(), 1e-6)[0]),
+    )
 
     x = _far_copy(base, 8, torch.randn(3, 3, 32, generator=gen).to(F16))
     out = _far(base, 9, 3, 3, 32)
     cos, sin = torch_rope.cos_sin(torch.arange(3) * 1000, 32, 1e6)
-    rope._rope_kernel[(3, 1)](x, cos, sin, out, 3, s, 32, s, 32, cos.stride(0), HALF=16, D=32, BLOCK_H=4,
-                              BLOCK_HALF=16, BLOCK_D=1, num_warps=4, **LAUNCH)
+    rope._rope_kernel[(3, 1)](
+        x,
+        cos,
+        sin,
+        out,
+        3,
+        s,
+        32,
+        s,
+        32,
+        cos.stride(0),
+        HALF=16,
+        D=32,
+        BLOCK_H=4,
+        BLOCK_HALF=16,
+        BLOCK_D=1,
+        num_warps=4,
+        **LAUNCH,
+    )
     check("far rows: rope", same(out.clone(), rope.rotate(x.contiguous(), cos, sin, 32)))
 
     x = _far_copy(base, 10, torch.randn(3, 256, generator=gen).to(F16))
     w = _far_copy(base, 11, torch.randn(3, 256, generator=gen).to(F16))  # weight rows (N) past 2^31 too
     out = _far(base, 12, 3, 3)
-    gemm._fused_kernel[(1,)](x, w, out, out, 3, 3, s, s, s, 128, HAS_BIAS=False, GROUPS=2, LEAVES=2, BLOCK_M=16,
-                             BLOCK_N=16, BLOCK_K=64, PRECISION="tf32", num_warps=4, **LAUNCH)
-    check("far rows: gemm (2 K groups)",
-          same(out.clone(), gemm.linear(x.contiguous(), w.contiguous(), None, F16, k_group=128)))
+    gemm._fused_kernel[(1,)](
+        x,
+        w,
+        out,
+        out,
+        3,
+        3,
+        s,
+        s,
+        s,
+        128,
+        HAS_BIAS=False,
+        GROUPS=2,
+        LEAVES=2,
+        BLOCK_M=16,
+        BLOCK_N=16,
+        BLOCK_K=64,
+        PRECISION="tf32",
+        num_warps=4,
+        **LAUNCH,
+    )
+    check(
+        "far rows: gemm (2 K groups)",
+        same(out.clone(), gemm.linear(x.contiguous(), w.contiguous(), None, F16, k_group=128)),
+    )
 
     v, real = 300, 290
     logits = _far_copy(base, 13, (torch.randn(3, v, generator=gen) * 3).to(F16))
@@ -419,18 +555,38 @@ def far_offsets(gen: torch.Generator) -> None:
 
     def stats(lg):
         m_t, s_t, z_t = torch.empty(3, n_tiles), torch.empty(3, n_tiles, dtype=torch.int64), torch.zeros(3)
-        logprob._stats_kernel[(1, -(-v // launch["BLOCK_N"]))](lg, temps, tg, m_t, s_t, z_t, 3, v, 0, v, lg.stride(0),
-                                                              0, real, n_tiles, **launch)
+        logprob._stats_kernel[(1, -(-v // launch["BLOCK_N"]))](
+            lg, temps, tg, m_t, s_t, z_t, 3, v, 0, v, lg.stride(0), 0, real, n_tiles, **launch
+        )
         return m_t, s_t, z_t
+
     check("far rows: logprob stats", all(same(a, b) for a, b in zip(stats(logits), stats(logits.contiguous()))))
 
     def dlogits(lg, dl):
-        logprob._dlogits_kernel[(1, 2)](lg, dl, temps, torch.tensor([9.0, 8.5, 9.5]), torch.tensor([1.0, -2.0, 0.5]),
-                                        tg, 3, v, 0, lg.stride(0), 0, real, LOG2E=logprob.LOG2E, BLOCK_M=32,
-                                        BLOCK_N=256, num_warps=4)
+        logprob._dlogits_kernel[(1, 2)](
+            lg,
+            dl,
+            temps,
+            torch.tensor([9.0, 8.5, 9.5]),
+            torch.tensor([1.0, -2.0, 0.5]),
+            tg,
+            3,
+            v,
+            0,
+            lg.stride(0),
+            0,
+            real,
+            LOG2E=logprob.LOG2E,
+            BLOCK_M=32,
+            BLOCK_N=256,
+            num_warps=4,
+        )
         return dl.clone()
-    check("far rows: logprob dlogits",
-          same(dlogits(logits, _far(base, 14, 3, v)), dlogits(logits.contiguous(), torch.empty(3, v, dtype=F16))))
+
+    check(
+        "far rows: logprob dlogits",
+        same(dlogits(logits, _far(base, 14, 3, v)), dlogits(logits.contiguous(), torch.empty(3, v, dtype=F16))),
+    )
     far_paged_attention(base, gen)
 
 
@@ -450,11 +606,13 @@ def far_paged_attention(base: torch.Tensor, gen: torch.Generator) -> None:
     small_table = torch.zeros(len(lens), max(blocks), dtype=torch.int32)
     first = 0
     for b, nb in enumerate(blocks):
-        small_table[b, :nb] = local[first:first + nb]
+        small_table[b, :nb] = local[first : first + nb]
         first += nb
     big_table = num_blocks - 1 - small_table
-    check("far cache: its used blocks start past 2^31 elements",
-          int(big_table.min()) * page * row > 2**31 and big_k.stride(0) * num_blocks <= base.numel())
+    check(
+        "far cache: its used blocks start past 2^31 elements",
+        int(big_table.min()) * page * row > 2**31 and big_k.stride(0) * num_blocks <= base.numel(),
+    )
     small_k = torch.randn(used + 1, page, kv_heads, d, generator=gen).to(F16)
     small_v = torch.randn(used + 1, page, kv_heads, d, generator=gen).to(F16)
     k = torch.randn(sum(lens), kv_heads, d, generator=gen).to(F16)
@@ -464,25 +622,38 @@ def far_paged_attention(base: torch.Tensor, gen: torch.Generator) -> None:
         pos = torch.arange(n)
         for table, kc, vc in ((small_table, small_k, small_v), (big_table, big_k, big_v)):
             slots = table[b, pos // page].long() * page + pos % page
-            kc.view(-1, kv_heads, d)[slots] = k[start:start + n]
-            vc.view(-1, kv_heads, d)[slots] = v[start:start + n]
+            kc.view(-1, kv_heads, d)[slots] = k[start : start + n]
+            vc.view(-1, kv_heads, d)[slots] = v[start : start + n]
         start += n
     seq_lens = torch.tensor(lens)
-    for name, q_lens, schedules in (("decode", [1, 1, 1], ("fused", "split")), ("chunked prefill", [10, 3, 20],
-                                                                                ("fused",))):
+    for name, q_lens, schedules in (
+        ("decode", [1, 1, 1], ("fused", "split")),
+        ("chunked prefill", [10, 3, 20], ("fused",)),
+    ):
         qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
         q = torch.randn(sum(q_lens), heads, d, generator=gen).to(F16)
         for schedule in schedules:
-            far = attention.paged_attention(q, big_k, big_v, big_table, seq_lens, qsl, d ** -0.5, schedule=schedule)
-            near = attention.paged_attention(q, small_k, small_v, small_table, seq_lens, qsl, d ** -0.5,
-                                             schedule=schedule)
+            far = attention.paged_attention(q, big_k, big_v, big_table, seq_lens, qsl, d**-0.5, schedule=schedule)
+            near = attention.paged_attention(
+                q, small_k, small_v, small_table, seq_lens, qsl, d**-0.5, schedule=schedule
+            )
             check(f"far cache: paged {name} ({schedule})", same(far, near))
 
 
 def main() -> None:
     gen = torch.Generator().manual_seed(0)
-    for part in (elementwise, gemms, attentions, split_decode, cp_attention, logprobs, logprob_slice_stats,
-                 logprob_bf16_logits, logprob_full_log_softmax, far_offsets):
+    for part in (
+        elementwise,
+        gemms,
+        attentions,
+        split_decode,
+        cp_attention,
+        logprobs,
+        logprob_slice_stats,
+        logprob_bf16_logits,
+        logprob_full_log_softmax,
+        far_offsets,
+    ):
         part(gen)
     print(f"INTERPRETER {'FAIL: ' + ', '.join(FAILED) if FAILED else 'PASS'}")
     sys.exit(1 if FAILED else 0)

@@ -24,8 +24,9 @@ from rl_kernel.models.qwen3 import Qwen3Config, Qwen3Reference
 from rl_kernel.models.rollout import Request, RolloutEngine
 
 SHAPES = {
-    "8b": dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_heads=32, num_kv_heads=8,
-               head_dim=128),
+    "8b": dict(
+        vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_heads=32, num_kv_heads=8, head_dim=128
+    ),
     "tiny": dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_heads=4, num_kv_heads=2, head_dim=32),
 }
 
@@ -33,8 +34,14 @@ SHAPES = {
 def random_model(shape: str, layers: int, device: str, seed: int = 0) -> Qwen3Reference:
     """A Qwen3Reference with seeded random bf16 weights (std 0.02; norm weights in [0.5, 1.5])."""
     s = SHAPES[shape]
-    config = Qwen3Config(num_layers=layers, rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=False,
-                         max_position_embeddings=40960, **s)
+    config = Qwen3Config(
+        num_layers=layers,
+        rms_norm_eps=1e-6,
+        rope_theta=1e6,
+        tie_word_embeddings=False,
+        max_position_embeddings=40960,
+        **s,
+    )
     model = Qwen3Reference(config, dtype=torch.bfloat16, device=device)
     gen = torch.Generator(device=device).manual_seed(seed)
     std = 0.02 if shape == "8b" else 0.1
@@ -76,19 +83,39 @@ def compare(model: Qwen3Reference, reqs: list[Request], budget: int, block_size:
     worst = float((roll.double() - tf.double()).abs().max()) if roll.numel() else 0.0
     steps = len(engine.trace)
     mixed = sum(1 for st in engine.trace if any(n > 1 for _, _, n in st) and any(n == 1 for _, _, n in st))
-    return {"tokens": int(roll.numel()), "mismatch_count": int(differ.sum()), "max_abs_diff": worst,
-            "rollout_steps": steps, "mixed_prefill_decode_steps": mixed,
-            "rollout_s": round(t1 - t0, 3), "teacher_forcing_s": round(t2 - t1, 3),
-            "strict_backends": sorted({r["backend"] for r in ran_rollout + ran_train if r["mode"] == "strict"}),
-            "native_ops": sorted({r["op"] for r in ran_rollout + ran_train if r["mode"] != "strict"})}
+    return {
+        "tokens": int(roll.numel()),
+        "mismatch_count": int(differ.sum()),
+        "max_abs_diff": worst,
+        "rollout_steps": steps,
+        "mixed_prefill_decode_steps": mixed,
+        "rollout_s": round(t1 - t0, 3),
+        "teacher_forcing_s": round(t2 - t1, 3),
+        "strict_backends": sorted({r["backend"] for r in ran_rollout + ran_train if r["mode"] == "strict"}),
+        "native_ops": sorted({r["op"] for r in ran_rollout + ran_train if r["mode"] != "strict"}),
+    }
 
 
-def run(shape: str = "8b", layers: int = 2, n_requests: int = 16, new_tokens: int = 24, budget: int = 256,
-        block_size: int = 16, device: str = "cuda") -> dict:
+def run(
+    shape: str = "8b",
+    layers: int = 2,
+    n_requests: int = 16,
+    new_tokens: int = 24,
+    budget: int = 256,
+    block_size: int = 16,
+    device: str = "cuda",
+) -> dict:
     model = random_model(shape, layers, device)
     reqs = requests(n_requests, new_tokens, model.config.vocab_size)
-    out = {"shape": shape, "layers": layers, "requests": n_requests, "new_tokens": new_tokens, "budget": budget,
-           "block_size": block_size, "backend": rk.get_backend()}
+    out = {
+        "shape": shape,
+        "layers": layers,
+        "requests": n_requests,
+        "new_tokens": new_tokens,
+        "budget": budget,
+        "block_size": block_size,
+        "backend": rk.get_backend(),
+    }
     with rk.mode("strict"):
         out["strict"] = compare(model, reqs, budget, block_size)
     with rk.mode("native"):
@@ -112,10 +139,12 @@ def main() -> None:
             json.dump(res, f, indent=1)
     s = res["strict"]
     verdict = "PASS" if s["mismatch_count"] == 0 and s["tokens"] > 0 and not s["native_ops"] else "FAIL"
-    print(f"PARITY {verdict}: strict {s['mismatch_count']}/{s['tokens']} mismatches "
-          f"(max |diff| {s['max_abs_diff']:.3g}); "
-          f"native {res['native']['mismatch_count']}/{res['native']['tokens']} "
-          f"(max |diff| {res['native']['max_abs_diff']:.3g}); backends {s['strict_backends']}")
+    print(
+        f"PARITY {verdict}: strict {s['mismatch_count']}/{s['tokens']} mismatches "
+        f"(max |diff| {s['max_abs_diff']:.3g}); "
+        f"native {res['native']['mismatch_count']}/{res['native']['tokens']} "
+        f"(max |diff| {res['native']['max_abs_diff']:.3g}); backends {s['strict_backends']}"
+    )
     raise SystemExit(0 if verdict == "PASS" else 1)
 
 

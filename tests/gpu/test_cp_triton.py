@@ -19,8 +19,18 @@ from rl_kernel.integrations.megatron import cp as cpm  # noqa: E402
 
 
 def simulated_cp(q, k, v, layout, scale, split_chunks=None):
-    sent = [cpm.triton_rank_partials(q, k[layout.local_index(r).to(q.device)], v[layout.local_index(r).to(q.device)],
-                                     layout, r, scale, split_chunks=split_chunks) for r in range(layout.cp)]
+    sent = [
+        cpm.triton_rank_partials(
+            q,
+            k[layout.local_index(r).to(q.device)],
+            v[layout.local_index(r).to(q.device)],
+            layout,
+            r,
+            scale,
+            split_chunks=split_chunks,
+        )
+        for r in range(layout.cp)
+    ]
     out = torch.empty_like(q)
     for r in range(layout.cp):
         pay = torch.cat([p[(m[:, 0] == r).to(p.device)] for p, m in sent])
@@ -39,13 +49,13 @@ def test_cp_split_partials_equal_cp1_bitwise(cp):
     q = torch.randn(t, 32, d, generator=gen, device="cuda").to(torch.bfloat16)
     k, v = (torch.randn(t, 8, d, generator=gen, device="cuda").to(torch.bfloat16) for _ in range(2))
     with rk.mode("strict"):
-        ref = rk.attention_varlen(q, k, v, cu.cuda(), d ** -0.5)
+        ref = rk.attention_varlen(q, k, v, cu.cuda(), d**-0.5)
     layout = cpm.TokenLayout(cu, cp, unit=cpm.cp_unit("cuda"))
     assert layout.unit == 512
-    out = simulated_cp(q, k, v, layout, d ** -0.5)
+    out = simulated_cp(q, k, v, layout, d**-0.5)
     assert torch.equal(bits(out), bits(ref))
     # native twin: folding 64-key chunk partials (the torch contract's partition) is not the Triton contract
-    twin = simulated_cp(q, k, v, layout, d ** -0.5, split_chunks=1)
+    twin = simulated_cp(q, k, v, layout, d**-0.5, split_chunks=1)
     assert int((bits(twin) != bits(ref)).sum()) > 0
 
 

@@ -61,6 +61,7 @@ def assert_rows_match(got: torch.Tensor, reference: Callable[[int, int], torch.T
 
 # ---- elementwise -------------------------------------------------------------------------------------
 
+
 def test_silu_and_mul_past_2_31():
     """SwiGLU of Qwen3-8B's gate_up output [180_000, 24_576] bf16 (4.4 G elements in, 2.2 G out), forward and
     the backward kernel. Peak ~22 GB."""
@@ -74,8 +75,7 @@ def test_silu_and_mul_past_2_31():
     del y
     g = randn(rows, two_i // 2, gen=gen)
     dx = activation.silu_and_mul_backward(x, g)
-    assert_rows_match(dx, lambda a, b: activation.silu_and_mul_backward(x[a:b], g[a:b]), 16384,
-                      "silu_and_mul_backward")
+    assert_rows_match(dx, lambda a, b: activation.silu_and_mul_backward(x[a:b], g[a:b]), 16384, "silu_and_mul_backward")
 
 
 def test_rms_norm_past_2_31():
@@ -90,8 +90,9 @@ def test_rms_norm_past_2_31():
     del y
     dy = randn(rows, d, gen=gen)
     dx, _ = norm.rms_norm_backward(x, w, dy, 1e-6)  # dw sums over rows per program: no per-row reference
-    assert_rows_match(dx, lambda a, b: norm.rms_norm_backward(x[a:b], w, dy[a:b], 1e-6)[0], 32768,
-                      "rms_norm_backward dx")
+    assert_rows_match(
+        dx, lambda a, b: norm.rms_norm_backward(x[a:b], w, dy[a:b], 1e-6)[0], 32768, "rms_norm_backward dx"
+    )
 
 
 def test_rope_past_2_31():
@@ -105,13 +106,18 @@ def test_rope_past_2_31():
         cos, sin = torch_rope.cos_sin(pos, rotary_dim, 1e6)
         out = rope.rotate(q, cos, sin, rotary_dim)
         assert out.numel() > INT32_LIMIT
-        assert_rows_match(out, lambda a, b, c=cos, s=sin, r=rotary_dim: rope.rotate(q[a:b], c[a:b], s[a:b], r),
-                          32768, f"rope rotary_dim {rotary_dim}")
+        assert_rows_match(
+            out,
+            lambda a, b, c=cos, s=sin, r=rotary_dim: rope.rotate(q[a:b], c[a:b], s[a:b], r),
+            32768,
+            f"rope rotary_dim {rotary_dim}",
+        )
         del out
         gc.collect()
 
 
 # ---- GEMM ---------------------------------------------------------------------------------------------
+
 
 def test_gemm_output_past_2_31():
     """The Triton GEMM with output [90_000, 24_576] (2.2 G elements; Qwen3-8B's gate_up at 90k tokens): the fused
@@ -128,11 +134,13 @@ def test_gemm_output_past_2_31():
     del out
     gc.collect()
     out = gemm.linear(x, w, k_group=k // 2, schedule="split")
-    assert_rows_match(out, lambda a, b: gemm.linear(x[a:b], w, k_group=k // 2, schedule="fused"), 8192,
-                      "gemm split, 2 groups")
+    assert_rows_match(
+        out, lambda a, b: gemm.linear(x[a:b], w, k_group=k // 2, schedule="fused"), 8192, "gemm split, 2 groups"
+    )
 
 
 # ---- logprobs / log_softmax -----------------------------------------------------------------------------
+
 
 def test_log_softmax_and_logprobs_past_2_31():
     """Qwen3-8B's LM head on 14_336 tokens: fp32 logits [14_336, 151_936] (2.18 G elements) by the Triton GEMM,
@@ -149,8 +157,9 @@ def test_log_softmax_and_logprobs_past_2_31():
     assert logits.numel() > INT32_LIMIT
     assert_rows_match(logits, lambda a, b: gemm.matmul_fp32(h[a:b], w, server="triton"), 2048, "fp32 logits")
     full = logprob.full_log_softmax(logits, temps, 0, real)
-    assert_rows_match(full, lambda a, b: logprob.full_log_softmax(logits[a:b], temps[a:b], 0, real), 1024,
-                      "log_softmax")
+    assert_rows_match(
+        full, lambda a, b: logprob.full_log_softmax(logits[a:b], temps[a:b], 0, real), 1024, "log_softmax"
+    )
     assert bool(torch.isinf(full[:, real:]).all())
     scored, _ = logprob.logprobs_and_lse(h, w, tg, temps, 0, real)
     assert same(full.gather(1, tg[:, None]).squeeze(1), scored), "log_softmax entries != logprobs at 14k tokens"
@@ -158,12 +167,13 @@ def test_log_softmax_and_logprobs_past_2_31():
 
 # ---- attention ------------------------------------------------------------------------------------------
 
+
 def _write(k_cache, v_cache, k, v, table, lens, page):
     start = 0
     for b, n in enumerate(lens):
         pos = torch.arange(n, device=DEV)
         slots = table[b, pos // page].long() * page + pos % page
-        rk.write_kv_cache(k[start:start + n], v[start:start + n], k_cache, v_cache, slots)
+        rk.write_kv_cache(k[start : start + n], v[start : start + n], k_cache, v_cache, slots)
         start += n
 
 
@@ -186,7 +196,7 @@ def test_paged_attention_blocks_past_2_31():
     table_small = torch.zeros(len(lens), max(blocks), dtype=torch.int32, device=DEV)
     first = 0
     for b, nb in enumerate(blocks):
-        table_small[b, :nb] = local[first:first + nb]
+        table_small[b, :nb] = local[first : first + nb]
         first += nb
     table_big = num_blocks - 1 - table_small  # the cache's last `used` blocks (padding entries: its last block)
     k = randn(sum(lens), kv_heads, d, gen=gen)
@@ -194,15 +204,13 @@ def test_paged_attention_blocks_past_2_31():
     _write(k_small, v_small, k, v, table_small, lens, page)
     _write(k_big, v_big, k, v, table_big, lens, page)
     seq_lens = torch.tensor(lens, device=DEV)
-    scale = d ** -0.5
-    for name, q_lens in (("decode", [1] * len(lens)), ("chunked prefill", [100, 1, 64, 300, 65]),
-                         ("prefill", lens)):
+    scale = d**-0.5
+    for name, q_lens in (("decode", [1] * len(lens)), ("chunked prefill", [100, 1, 64, 300, 65]), ("prefill", lens)):
         qsl = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
         q = randn(sum(q_lens), heads, d, gen=gen)
         for schedule in ("fused", "split"):
             big = attention.paged_attention(q, k_big, v_big, table_big, seq_lens, qsl, scale, schedule=schedule)
-            small = attention.paged_attention(q, k_small, v_small, table_small, seq_lens, qsl, scale,
-                                              schedule=schedule)
+            small = attention.paged_attention(q, k_small, v_small, table_small, seq_lens, qsl, scale, schedule=schedule)
             assert same(big, small), f"{name}, {schedule}: blocks past 2^31 elements changed bits"
         if name == "prefill":
             assert same(big, attention.varlen_attention(q, k, v, qsl, scale)), "paged prefill != packed"
@@ -226,16 +234,17 @@ def test_split_decode_partials_past_2_31():
     table = torch.zeros(b, width, dtype=torch.int32, device=DEV)
     first = 0
     for i, nb in enumerate(blocks):
-        table[i, :nb] = physical[first:first + nb]
+        table[i, :nb] = physical[first : first + nb]
         first += nb
     q = randn(b, heads, d, gen=gen)
     seq_lens = torch.tensor(lens, device=DEV)
     qsl = torch.arange(b + 1, dtype=torch.int32, device=DEV)
-    scale = d ** -0.5
+    scale = d**-0.5
     poison(11)
     wide = attention.paged_attention(q, k_cache, v_cache, table, seq_lens, qsl, scale, schedule="split")
     fused = attention.paged_attention(q, k_cache, v_cache, table, seq_lens, qsl, scale, schedule="fused")
-    narrow = attention.paged_attention(q, k_cache, v_cache, table[:, :max(blocks)], seq_lens, qsl, scale,
-                                       schedule="split")
+    narrow = attention.paged_attention(
+        q, k_cache, v_cache, table[:, : max(blocks)], seq_lens, qsl, scale, schedule="split"
+    )
     assert same(wide, fused), "split partials past 2^31 floats changed bits"
     assert same(wide, narrow)

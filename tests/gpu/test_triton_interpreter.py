@@ -22,7 +22,12 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_triton_kernels_under_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("interpreter_checks.py"))], env=env,
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, str(Path(__file__).with_name("interpreter_checks.py"))],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     print(proc.stdout[-3000:], proc.stderr[-3000:])
     assert proc.returncode == 0 and "INTERPRETER PASS" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-2000:]

@@ -43,8 +43,17 @@ def randn(*shape, dtype=BF16, std=1.0, gen=None):
 
 # ---- GEMM ------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("m,n,k,dtype", [(1, 4096, 4096, BF16), (7, 300, 520, BF16), (130, 96, 100, BF16),
-                                         (1024, 6144, 4096, BF16), (64, 80, 256, torch.float32)])
+
+@pytest.mark.parametrize(
+    "m,n,k,dtype",
+    [
+        (1, 4096, 4096, BF16),
+        (7, 300, 520, BF16),
+        (130, 96, 100, BF16),
+        (1024, 6144, 4096, BF16),
+        (64, 80, 256, torch.float32),
+    ],
+)
 def test_gemm_accuracy_and_schedules(m, n, k, dtype):
     x, w = randn(m, k, dtype=dtype), randn(n, k, dtype=dtype, std=0.05)
     poison()
@@ -64,8 +73,10 @@ def test_gemm_batch_invariance_and_native_twin():
     native_full = F.linear(x, w)
     native_bad = []
     for m, off in [(1, 0), (1, 517), (3, 100), (16, 64), (64, 960), (65, 3), (128, 512), (300, 700), (1000, 24)]:
-        assert same(gemm.matmul_fp32(x[off:off + m], w), full[off:off + m]), f"row bits changed at M={m} offset={off}"
-        native_bad.append(mismatches(F.linear(x[off:off + m], w), native_full[off:off + m]))
+        assert same(gemm.matmul_fp32(x[off : off + m], w), full[off : off + m]), (
+            f"row bits changed at M={m} offset={off}"
+        )
+        native_bad.append(mismatches(F.linear(x[off : off + m], w), native_full[off : off + m]))
     print("native cuBLAS mismatching elements per batch size:", native_bad)
     assert any(native_bad), "native cuBLAS happened to be batch-invariant at every size tried here"
 
@@ -77,13 +88,19 @@ def test_gemm_tp_invariance():
         full = gemm.matmul_fp32(x, w, 4096 // c)
         for tp in [t for t in (2, 4, 8) if t <= c]:
             kl = 4096 // tp
-            parts = [gemm.matmul_fp32(x[:, r * kl:(r + 1) * kl], w[:, r * kl:(r + 1) * kl], 4096 // c)
-                     for r in range(tp)]
+            parts = [
+                gemm.matmul_fp32(x[:, r * kl : (r + 1) * kl], w[:, r * kl : (r + 1) * kl], 4096 // c) for r in range(tp)
+            ]
             assert same(tree_sum(torch.stack(parts, -1)), full), f"C={c} tp={tp} shards do not tree-sum to tp 1"
 
 
-QWEN3_8B_GEMMS = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288),
-                  "lm_head_slice": (16384, 4096)}
+QWEN3_8B_GEMMS = {
+    "qkv": (6144, 4096),
+    "o": (4096, 4096),
+    "gate_up": (24576, 4096),
+    "down": (4096, 12288),
+    "lm_head_slice": (16384, 4096),
+}
 
 
 @pytest.mark.parametrize("name", sorted(QWEN3_8B_GEMMS))
@@ -102,13 +119,15 @@ def test_gemm_servers_same_bits_qwen3_8b(name):
     sizes = [(m, (m * 37) % (8192 - m)) for m in range(1, 257)] + [(257, 3), (1000, 24), (4096, 4096)]
     for m, off in sizes:
         for server in ("cublaslt", "triton"):
-            got = gemm.linear(x[off:off + m], w, server=server)
-            assert same(got, lt_full[off:off + m]), f"{name}: {server} row bits changed at M={m} offset={off}"
+            got = gemm.linear(x[off : off + m], w, server=server)
+            assert same(got, lt_full[off : off + m]), f"{name}: {server} row bits changed at M={m} offset={off}"
     if name in ("o", "down"):  # row-parallel layers: C = 2 and 4 K groups, both servers
         for c in (2, 4):
             kg = k // c
-            assert same(gemm.linear(x[:512], w, k_group=kg, server="cublaslt"),
-                        gemm.linear(x[:512], w, k_group=kg, server="triton")), f"{name}: C={c} servers differ"
+            assert same(
+                gemm.linear(x[:512], w, k_group=kg, server="cublaslt"),
+                gemm.linear(x[:512], w, k_group=kg, server="triton"),
+            ), f"{name}: C={c} servers differ"
 
 
 def test_linear_op_runs_triton_contract():
@@ -120,6 +139,7 @@ def test_linear_op_runs_triton_contract():
 
 
 # ---- elementwise kernels: the torch contract's operations, so the torch backend's bits on CUDA ----------
+
 
 @pytest.mark.parametrize("dtype", [BF16, torch.float32])
 def test_rms_norm_matches_torch_backend(dtype):
@@ -155,6 +175,7 @@ def test_rope_matches_torch_backend(rotary_dim):
 
 # ---- attention ---------------------------------------------------------------------------------------
 
+
 def _paged(k, v, lens, page, gen):
     blocks = [-(-n // page) for n in lens]
     total = sum(blocks) + 3
@@ -164,10 +185,10 @@ def _paged(k, v, lens, page, gen):
     vc = randn(total, page, *v.shape[1:], gen=gen)
     start, used = 0, 0
     for b, n in enumerate(lens):
-        table[b, :blocks[b]] = physical[used:used + blocks[b]].to(torch.int32)
+        table[b, : blocks[b]] = physical[used : used + blocks[b]].to(torch.int32)
         pos = torch.arange(n, device=DEV)
         slots = table[b, pos // page].long() * page + pos % page
-        rk.write_kv_cache(k[start:start + n], v[start:start + n], kc, vc, slots)
+        rk.write_kv_cache(k[start : start + n], v[start : start + n], kc, vc, slots)
         start, used = start + n, used + blocks[b]
     return kc, vc, table
 
@@ -179,7 +200,7 @@ def test_attention_layouts_bitwise(heads, kv_heads, d, page):
     cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
     t = sum(lens)
     q, k, v = randn(t, heads, d, gen=gen), randn(t, kv_heads, d, gen=gen), randn(t, kv_heads, d, gen=gen)
-    scale = d ** -0.5
+    scale = d**-0.5
     poison()
     packed = attention.varlen_attention(q, k, v, cu, scale)
     assert torch.isfinite(packed).all()
@@ -192,11 +213,17 @@ def test_attention_layouts_bitwise(heads, kv_heads, d, page):
         assert same(attention.paged_attention(q, kc, vc, table, seq_lens, cu, scale, schedule=schedule), packed)
     # the fused schedule as one loop over chunks (merge at split boundaries) or nested; tiles in order or last first
     # and keys read by TMA descriptors or by pointers
-    for flat, heavy_first, tma in ((False, False, False), (True, False, False), (False, True, True),
-                                   (True, True, False), (True, True, True)):
+    for flat, heavy_first, tma in (
+        (False, False, False),
+        (True, False, False),
+        (False, True, True),
+        (True, True, False),
+        (True, True, True),
+    ):
         config = dict(attention.PREFILL, FLAT=flat, HEAVY_FIRST=heavy_first, TMA=tma)
-        assert same(attention.varlen_attention(q, k, v, cu, scale, config=config), packed), \
+        assert same(attention.varlen_attention(q, k, v, cu, scale, config=config), packed), (
             f"FLAT={flat} HEAVY_FIRST={heavy_first} TMA={tma}"
+        )
     last = cu[1:] - 1  # decode: the last token of every sequence, one batch
     qsl = torch.arange(len(lens) + 1, dtype=torch.int32, device=DEV)
     for schedule in ("split", "fused"):
@@ -204,14 +231,15 @@ def test_attention_layouts_bitwise(heads, kv_heads, d, page):
         assert same(dec, packed[last]), f"decode ({schedule}) differs from packed prefill"
     # chunked prefill: positions [40, 700) of sequence 3 in one step, together with a decode of sequence 2
     s3, s2 = int(cu[3]), int(cu[2])
-    qc = torch.cat([q[s3 + 40:s3 + 700], q[s2 + 599:s2 + 600]])
+    qc = torch.cat([q[s3 + 40 : s3 + 700], q[s2 + 599 : s2 + 600]])
     qsl = torch.tensor([0, 660, 661], dtype=torch.int32, device=DEV)
     out = attention.paged_attention(qc, kc, vc, table[[3, 2]], torch.tensor([700, 600], device=DEV), qsl, scale)
-    assert same(out, torch.cat([packed[s3 + 40:s3 + 700], packed[s2 + 599:s2 + 600]]))
+    assert same(out, torch.cat([packed[s3 + 40 : s3 + 700], packed[s2 + 599 : s2 + 600]]))
     # native twin: SDPA prefill vs SDPA over the paged cache (decode rows)
     nat_packed = native_varlen(q, k, v, cu, scale)
-    nat_dec = native_paged(q[last], kc, vc, table, seq_lens,
-                            torch.arange(len(lens) + 1, dtype=torch.int32, device=DEV), scale)
+    nat_dec = native_paged(
+        q[last], kc, vc, table, seq_lens, torch.arange(len(lens) + 1, dtype=torch.int32, device=DEV), scale
+    )
     print("native SDPA decode-vs-prefill mismatching elements:", mismatches(nat_dec, nat_packed[last]))
 
 
@@ -223,14 +251,15 @@ def test_attention_native_twin_breaks():
     kc, vc, table = _paged(k, v, lens, 16, gen)
     last = cu[1:] - 1
     qsl = torch.arange(4, dtype=torch.int32, device=DEV)
-    nat = mismatches(native_paged(q[last], kc, vc, table, torch.tensor(lens, device=DEV), qsl, 128 ** -0.5),
-                     native_varlen(q, k, v, cu, 128 ** -0.5)[last])
-    dec = attention.paged_attention(q[last], kc, vc, table, torch.tensor(lens, device=DEV), qsl, 128 ** -0.5)
-    strict = mismatches(dec, attention.varlen_attention(q, k, v, cu, 128 ** -0.5)[last])
+    nat = mismatches(
+        native_paged(q[last], kc, vc, table, torch.tensor(lens, device=DEV), qsl, 128**-0.5),
+        native_varlen(q, k, v, cu, 128**-0.5)[last],
+    )
+    dec = attention.paged_attention(q[last], kc, vc, table, torch.tensor(lens, device=DEV), qsl, 128**-0.5)
+    strict = mismatches(dec, attention.varlen_attention(q, k, v, cu, 128**-0.5)[last])
     print(f"decode vs prefill mismatching elements: native {nat}, strict {strict}")
     assert strict == 0
     assert nat > 0, "native SDPA happened to give decode == prefill here"
-
 
 
 @pytest.mark.parametrize("b", [1, 64])
@@ -249,7 +278,7 @@ def test_attention_split_decode_one_launch(b):
     q = randn(b, 32, 128, gen=gen)
 
     def decode(schedule):
-        return attention.paged_attention(q, kc, vc, table, seq_lens, qsl, 128 ** -0.5, schedule=schedule)
+        return attention.paged_attention(q, kc, vc, table, seq_lens, qsl, 128**-0.5, schedule=schedule)
 
     fused = decode("fused")
     for run in range(2):
@@ -265,7 +294,9 @@ def test_attention_split_decode_one_launch(b):
         assert same(static_out, decode("fused")), "CUDA-graph replay of the split schedule differs from fused"
     assert all(not c.any() for c in attention._COUNTERS.values()), "an arrival counter was left nonzero"
 
+
 # ---- linear logprob ------------------------------------------------------------------------------------
+
 
 def test_logprobs_accuracy_rows_and_chunks(monkeypatch):
     gen = torch.Generator(device=DEV).manual_seed(4)
@@ -281,7 +312,7 @@ def test_logprobs_accuracy_rows_and_chunks(monkeypatch):
     assert float((out.double() - ref).abs().max()) < 1e-4
     assert same(logprob.logprobs_and_lse(h[100:101], w, tg[100:101], temps[100:101], 0, real)[0], out[100:101])
     monkeypatch.setattr(logprob, "MIN_STATE_BYTES", 1, raising=True)
-    monkeypatch.setattr(logprob, "STATE_FRACTION", 10 ** 9, raising=True)
+    monkeypatch.setattr(logprob, "STATE_FRACTION", 10**9, raising=True)
     assert same(logprob.logprobs_and_lse(h, w, tg, temps, 0, real)[0], out), "row chunking changed bits"
 
 
@@ -308,8 +339,10 @@ def test_logprobs_servers_same_bits_and_backward_bf16(monkeypatch):
     options = dict(logprob.STATS_OPTIONS)
     if rk.backends.triton.cublaslt_ready():
         # temperature 1 (the division skipped) on most rows, 0.9 on a stretch that shares row blocks with them
-        for name, tt in (("0.9", temps), ("1 and 0.9", torch.ones_like(temps).index_fill_(0, torch.arange(
-                500, 530, device=DEV), 0.9))):
+        for name, tt in (
+            ("0.9", temps),
+            ("1 and 0.9", torch.ones_like(temps).index_fill_(0, torch.arange(500, 530, device=DEV), 0.9)),
+        ):
             a = logprob.logprobs_and_lse(h, w, tg, tt, 0, real, server="cublaslt")[0]
             b = logprob.logprobs_and_lse(h, w, tg, tt, 0, real, server="triton")[0]
             assert same(a, b), f"logprob servers differ (temperatures {name})"
@@ -351,8 +384,9 @@ def test_logprobs_bf16_logits_servers_keep_and_twin():
     out = logprob.logprobs_and_lse(h, w, tg, temps, 0, real, **bf16)[0]
     if rk.backends.triton.cublaslt_ready():
         assert same(logprob.logprobs_and_lse(h, w, tg, temps, 0, real, server="cublaslt", **bf16)[0], out)
-        assert same(logprob.logprobs_and_lse(h, w, tg, temps, 0, real, server="triton", **bf16)[0], out), \
+        assert same(logprob.logprobs_and_lse(h, w, tg, temps, 0, real, server="triton", **bf16)[0], out), (
             "the Triton server's bf16 rounding differs from cuBLASLt's epilogue"
+        )
     kept = []
     trained, _ = logprob.forward(h, w, tg, temps, 0, real, keep=kept, logits_dtype=torch.bfloat16)
     assert same(trained, out) and all(s.dtype == torch.bfloat16 for _, s in kept)
@@ -405,6 +439,7 @@ def test_attention_backward_flash(monkeypatch, deterministic):
     """The strict attention's backward (FlashAttention-2 from the forward's out and lse) against autograd
     through fp64 attention; deterministic mode gives the same gradient bits twice."""
     from rl_kernel.ops import attention as attention_op
+
     monkeypatch.setattr(attention_op, "DETERMINISTIC_GRADS", deterministic)
     gen = torch.Generator(device=DEV).manual_seed(8)
     lens = [300, 1, 777, 64]
@@ -416,10 +451,10 @@ def test_attention_backward_flash(monkeypatch, deterministic):
     for _ in range(2):
         qi, ki, vi = (t.clone().requires_grad_() for t in (q, k, v))
         with rk.mode("strict"):
-            rk.attention_varlen(qi, ki, vi, cu, 128 ** -0.5).backward(go)
+            rk.attention_varlen(qi, ki, vi, cu, 128**-0.5).backward(go)
         runs.append((qi.grad, ki.grad, vi.grad))
     ref_in = [t.double().requires_grad_() for t in (q, k, v)]
-    native_varlen(*ref_in, cu, 128 ** -0.5).backward(go.double())
+    native_varlen(*ref_in, cu, 128**-0.5).backward(go.double())
     for got, ref, name in zip(runs[0], [t.grad for t in ref_in], "qkv"):
         assert rel_err(got, ref) < 2e-2, f"d{name} relative error {rel_err(got, ref)}"
     if deterministic:
@@ -427,6 +462,7 @@ def test_attention_backward_flash(monkeypatch, deterministic):
 
 
 # ---- CUDA graphs ---------------------------------------------------------------------------------------
+
 
 def test_cuda_graph_replay_matches_eager():
     gen = torch.Generator(device=DEV).manual_seed(5)
@@ -440,7 +476,7 @@ def test_cuda_graph_replay_matches_eager():
 
     def step(x):
         q = rk.linear(rk.rms_norm(x, nw, 1e-6), w).view(b, 32, 128)
-        return rk.paged_attention(q, kc, vc, table, seq_lens, qsl, 128 ** -0.5)
+        return rk.paged_attention(q, kc, vc, table, seq_lens, qsl, 128**-0.5)
 
     static_x = x.clone()
     with torch.no_grad(), rk.mode("strict"):
@@ -463,6 +499,7 @@ def test_norm_and_activation_backward_kernels():
     """The one-pass Triton backward kernels of RMSNorm and SwiGLU against autograd in fp64."""
     from rl_kernel.backends.triton.activation import silu_and_mul_backward
     from rl_kernel.backends.triton.norm import rms_norm_backward
+
     gen = torch.Generator(device=DEV).manual_seed(9)
     for rows, d in ((3000, 4096), (50000, 128)):
         x, w, dy = randn(rows, d, gen=gen), randn(d, gen=gen), randn(rows, d, gen=gen)

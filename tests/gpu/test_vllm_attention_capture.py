@@ -34,7 +34,7 @@ def _batch(gen: torch.Generator):
     table = torch.zeros(len(LENS) + 1, max(need) + 3, dtype=torch.int32, device="cuda")
     start = 0
     for b, n in enumerate(need):
-        table[b, :n] = perm[start:start + n]
+        table[b, :n] = perm[start : start + n]
         start += n
     seq_lens = torch.tensor(LENS + [0], dtype=torch.int32, device="cuda")
     qsl = torch.tensor([0, 1, 2, 3, 3], dtype=torch.int32, device="cuda")
@@ -46,15 +46,16 @@ def _batch(gen: torch.Generator):
 
 def _step(q, k, v, k_cache, v_cache, meta, slots):
     write_kv(k, v, k_cache, v_cache, slots)
-    return paged_attention(q, k_cache, v_cache, meta, D ** -0.5)
+    return paged_attention(q, k_cache, v_cache, meta, D**-0.5)
 
 
 def _compact_reference(q, k_cache, v_cache, meta):
     """The model's compacting path (what the CPU layout runs) over the real requests and their rows only."""
     n = len(LENS)
-    real = SimpleNamespace(seq_lens=meta.seq_lens[:n], block_table=meta.block_table[:n],
-                           query_start_loc=meta.query_start_loc[: n + 1])
-    return _paged_attention_compact(q[:n], k_cache, v_cache, real, D ** -0.5)
+    real = SimpleNamespace(
+        seq_lens=meta.seq_lens[:n], block_table=meta.block_table[:n], query_start_loc=meta.query_start_loc[: n + 1]
+    )
+    return _paged_attention_compact(q[:n], k_cache, v_cache, real, D**-0.5)
 
 
 def test_flash_layout_decode_captures_and_replays_bitwise():
@@ -63,9 +64,13 @@ def test_flash_layout_decode_captures_and_replays_bitwise():
     meta, slots = _batch(gen)
 
     def new_inputs():
-        return (torch.randn(GRAPH_TOKENS, HEADS, D, generator=gen, device="cuda").to(torch.bfloat16),
-                *(torch.randn(GRAPH_TOKENS, KV_HEADS, D, generator=gen, device="cuda").to(torch.bfloat16)
-                  for _ in range(2)))
+        return (
+            torch.randn(GRAPH_TOKENS, HEADS, D, generator=gen, device="cuda").to(torch.bfloat16),
+            *(
+                torch.randn(GRAPH_TOKENS, KV_HEADS, D, generator=gen, device="cuda").to(torch.bfloat16)
+                for _ in range(2)
+            ),
+        )
 
     static = [t.clone() for t in new_inputs()]
     with torch.no_grad(), rk.mode("strict"), rk.evidence.recording() as ran:
@@ -93,8 +98,9 @@ def test_flash_layout_decode_captures_and_replays_bitwise():
                 keep[written] = False
                 assert same_bits(flat[keep], flat_before[keep]), "the replay wrote outside the new tokens' slots"
             assert torch.isfinite(static_out).all()
-            assert same_bits(static_out[:n], _compact_reference(inputs[0], k_cache, v_cache, meta)), \
+            assert same_bits(static_out[:n], _compact_reference(inputs[0], k_cache, v_cache, meta)), (
                 "the captured in-place attention differs from the compacting call"
+            )
             assert not static_out[n:].any(), "padding rows must be 0"
             assert same_bits(static_out, _step(*inputs, k_cache, v_cache, meta, slots)), "replay differs from eager"
     assert {r["backend"] for r in ran if r["op"] == "attention"} == {"triton"}
@@ -104,5 +110,4 @@ def test_flash_layout_decode_captures_and_replays_bitwise():
     wrong.block_table = meta.block_table.clone()
     wrong.block_table[0, 5] = meta.block_table[1, 0]
     with torch.no_grad(), rk.mode("strict"):
-        assert not same_bits(paged_attention(static[0], k_cache, v_cache, wrong, D ** -0.5)[:1],
-                             static_out[:1])
+        assert not same_bits(paged_attention(static[0], k_cache, v_cache, wrong, D**-0.5)[:1], static_out[:1])

@@ -23,11 +23,19 @@ from rl_kernel.bits import bits
 pytestmark = [pytest.mark.gpu, pytest.mark.vllm, pytest.mark.slow]
 
 LAYERS = int(os.environ.get("VIME_GPU_TEST_LAYERS", "2"))
-SHAPE = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_heads=32, num_kv_heads=8,
-             head_dim=128)
+SHAPE = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_heads=32, num_kv_heads=8, head_dim=128)
 PROMPTS, NEW_TOKENS, TEMPERATURE = 96, 32, 0.8
-ENGINE = dict(dtype="bfloat16", seed=0, max_model_len=1024, max_num_seqs=64, max_num_batched_tokens=256,
-              enable_prefix_caching=True, block_size=16, gpu_memory_utilization=0.5, disable_log_stats=False)
+ENGINE = dict(
+    dtype="bfloat16",
+    seed=0,
+    max_model_len=1024,
+    max_num_seqs=64,
+    max_num_batched_tokens=256,
+    enable_prefix_caching=True,
+    block_size=16,
+    gpu_memory_utilization=0.5,
+    disable_log_stats=False,
+)
 SMALL_KV_BLOCKS = 320  # 5120 token slots for 96 sequences of up to ~700 tokens: vLLM must preempt
 
 
@@ -46,8 +54,9 @@ def _prompts(n: int = PROMPTS, seed: int = 0) -> list[list[int]]:
 def model_path(tmp_path_factory):
     from rl_kernel.models.tiny import make_tiny_qwen3
 
-    return make_tiny_qwen3(tmp_path_factory.mktemp("qwen3_8b_layers"), num_layers=LAYERS, device="cuda",
-                           init_std=0.02, **SHAPE)
+    return make_tiny_qwen3(
+        tmp_path_factory.mktemp("qwen3_8b_layers"), num_layers=LAYERS, device="cuda", init_std=0.02, **SHAPE
+    )
 
 
 @pytest.fixture(scope="module")
@@ -109,14 +118,21 @@ def graph_run(model_path, reference):
     prompts = _prompts()
     llm = _llm(**strict_llm_kwargs(model_path, device="cuda", num_gpu_blocks_override=SMALL_KV_BLOCKS, **ENGINE))
     try:
-        params = [strict_sampling_params(temperature=TEMPERATURE, max_tokens=NEW_TOKENS, seed=i, ignore_eos=True)
-                  for i in range(len(prompts))]
-        tokens, logprobs = _tokens_and_logprobs(llm.generate([{"prompt_token_ids": p} for p in prompts], params,
-                                                             use_tqdm=False))
-        run = {"prompts": prompts, "tokens": tokens, "logprobs": logprobs,
-               "preemptions": _metric(llm, "vllm:num_preemptions"),
-               "prefix_hits": _metric(llm, "vllm:prefix_cache_hits"),
-               "evidence": [r for worker in worker_evidence(llm) for r in worker]}
+        params = [
+            strict_sampling_params(temperature=TEMPERATURE, max_tokens=NEW_TOKENS, seed=i, ignore_eos=True)
+            for i in range(len(prompts))
+        ]
+        tokens, logprobs = _tokens_and_logprobs(
+            llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        )
+        run = {
+            "prompts": prompts,
+            "tokens": tokens,
+            "logprobs": logprobs,
+            "preemptions": _metric(llm, "vllm:num_preemptions"),
+            "prefix_hits": _metric(llm, "vllm:prefix_cache_hits"),
+            "evidence": [r for worker in worker_evidence(llm) for r in worker],
+        }
         run["updated"] = _update_over_ipc(llm, model_path, reference, prompts, params)
     finally:
         _close(llm)
@@ -132,19 +148,29 @@ def _update_over_ipc(llm, model_path, reference, prompts, params) -> dict:
 
     old = load_hf_state_dict(model_path)
     gen = torch.Generator(device="cuda").manual_seed(7)
-    new = {n: (t.to("cuda", torch.float32) * (1 + 0.05 * torch.rand(t.shape, generator=gen, device="cuda")))
-           .to(torch.bfloat16) for n, t in old.items()}
+    new = {
+        n: (t.to("cuda", torch.float32) * (1 + 0.05 * torch.rand(t.shape, generator=gen, device="cuda"))).to(
+            torch.bfloat16
+        )
+        for n, t in old.items()
+    }
     receiver = VllmIPCReceiver(llm, expected_weights(read_config(model_path), "bfloat16"), version=0)
     acks: list = []
     sender = WeightSender("ipc", lambda msg: acks.append(receiver.handle(msg)), lambda: acks[-1])
     pushed = sender.push(new.items(), 1)
     reference.load_hf_weights(new)
-    tokens, logprobs = _tokens_and_logprobs(llm.generate([{"prompt_token_ids": p} for p in prompts], params,
-                                                         use_tqdm=False))
+    tokens, logprobs = _tokens_and_logprobs(
+        llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    )
     from rl_kernel.integrations.vllm.compat import get_weight_version
 
-    return {"ack": pushed, "served": get_weight_version(llm), "tokens": tokens, "logprobs": logprobs,
-            "want": _teacher_forcing(reference, prompts, tokens)}
+    return {
+        "ack": pushed,
+        "served": get_weight_version(llm),
+        "tokens": tokens,
+        "logprobs": logprobs,
+        "want": _teacher_forcing(reference, prompts, tokens),
+    }
 
 
 def test_strict_vllm_matches_teacher_forcing_bit_for_bit(graph_run, reference, model_path):
@@ -179,12 +205,19 @@ def test_eager_engine_rescores_the_graph_engine_tokens_in_the_same_bits(graph_ru
     """Forced decoding of the graph run's tokens (version 0 weights) on an eager engine: every logprob equal."""
     from rl_kernel.integrations.vllm import forced_sampling_params, strict_llm_kwargs
 
-    llm = _llm(**strict_llm_kwargs(model_path, device="cuda", enforce_eager=True,
-                                   **{k: v for k, v in ENGINE.items() if k != "disable_log_stats"}))
+    llm = _llm(
+        **strict_llm_kwargs(
+            model_path,
+            device="cuda",
+            enforce_eager=True,
+            **{k: v for k, v in ENGINE.items() if k != "disable_log_stats"},
+        )
+    )
     try:
         params = [forced_sampling_params(t, temperature=TEMPERATURE) for t in graph_run["tokens"]]
         tokens, logprobs = _tokens_and_logprobs(
-            llm.generate([{"prompt_token_ids": p} for p in graph_run["prompts"]], params, use_tqdm=False))
+            llm.generate([{"prompt_token_ids": p} for p in graph_run["prompts"]], params, use_tqdm=False)
+        )
     finally:
         _close(llm)
     assert tokens == graph_run["tokens"]
@@ -198,10 +231,13 @@ def test_native_twin_differs_from_teacher_forcing(model_path, reference):
     prompts = _prompts(32, seed=1)
     llm = _llm(**native_llm_kwargs(model_path, device="cuda", **ENGINE))
     try:
-        params = [native_sampling_params(temperature=TEMPERATURE, max_tokens=NEW_TOKENS, seed=i, ignore_eos=True)
-                  for i in range(len(prompts))]
-        tokens, logprobs = _tokens_and_logprobs(llm.generate([{"prompt_token_ids": p} for p in prompts], params,
-                                                             use_tqdm=False))
+        params = [
+            native_sampling_params(temperature=TEMPERATURE, max_tokens=NEW_TOKENS, seed=i, ignore_eos=True)
+            for i in range(len(prompts))
+        ]
+        tokens, logprobs = _tokens_and_logprobs(
+            llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        )
     finally:
         _close(llm)
     reference.load_hf_weights(load_hf_state_dict(model_path))

@@ -17,16 +17,25 @@ from tests.vime.test_resume import _actor_pids, _rows, _start, _untimed, _wait_r
 
 pytestmark = [pytest.mark.gpu, pytest.mark.vllm, pytest.mark.megatron, pytest.mark.slow]
 
-SMALL = ("+experiment=h200_vllm", "model.tiny.vocab_size=512", "model.tiny.hidden_size=512",
-         "model.tiny.intermediate_size=1024", "model.tiny.num_layers=2", "model.tiny.num_heads=4",
-         "model.tiny.num_kv_heads=2", "model.tiny.head_dim=128", "rollout.gpu_memory_utilization=0.15",
-         "wandb.mode=disabled")
+SMALL = (
+    "+experiment=h200_vllm",
+    "model.tiny.vocab_size=512",
+    "model.tiny.hidden_size=512",
+    "model.tiny.intermediate_size=1024",
+    "model.tiny.num_layers=2",
+    "model.tiny.num_heads=4",
+    "model.tiny.num_kv_heads=2",
+    "model.tiny.head_dim=128",
+    "rollout.gpu_memory_utilization=0.15",
+    "wandb.mode=disabled",
+)
 
 
 def _differ_only_in_restarts(rows: list[dict], base: list[dict]) -> bool:
     drop = ("engine_restarts",)
-    return [{k: v for k, v in r.items() if k not in drop} for r in _untimed(rows)] == \
-        [{k: v for k, v in r.items() if k not in drop} for r in _untimed(base)]
+    return [{k: v for k, v in r.items() if k not in drop} for r in _untimed(rows)] == [
+        {k: v for k, v in r.items() if k not in drop} for r in _untimed(base)
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -57,13 +66,24 @@ def test_killed_engine_is_restarted_and_reloaded_over_ipc(killed_run):
 def test_stopped_run_resumes_over_ipc_with_the_same_steps(killed_run, tmp_path):
     base, _, _ = killed_run
     out = tmp_path / "stopped"
-    first = subprocess.run(train_cmd(*SMALL, "steps=4", "checkpoint.every=1", "checkpoint.stop_after=1",
-                                     f"output_dir={out}"), cwd=REPO, env=os.environ | TRAIN_ENV,
-                           capture_output=True, text=True, timeout=240)
+    first = subprocess.run(
+        train_cmd(*SMALL, "steps=4", "checkpoint.every=1", "checkpoint.stop_after=1", f"output_dir={out}"),
+        cwd=REPO,
+        env=os.environ | TRAIN_ENV,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     assert [r["step"] for r in _rows(out)] == [0, 1]
-    resumed = subprocess.run(train_cmd(*SMALL, f"resume={out}"), cwd=REPO, env=os.environ | TRAIN_ENV,
-                             capture_output=True, text=True, timeout=240)
+    resumed = subprocess.run(
+        train_cmd(*SMALL, f"resume={out}"),
+        cwd=REPO,
+        env=os.environ | TRAIN_ENV,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     rows = _rows(out)
     assert [r["step"] for r in rows] == [0, 1, 2, 3]

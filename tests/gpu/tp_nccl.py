@@ -50,7 +50,7 @@ def main() -> None:
         x = torch.randn(m, k, generator=gen, device=dev).to(torch.bfloat16)
         w = (torch.randn(n, k, generator=gen, device=dev) * 0.02).to(torch.bfloat16)
         kl = k // world
-        xs, ws = x[:, rank * kl:(rank + 1) * kl], w[:, rank * kl:(rank + 1) * kl]
+        xs, ws = x[:, rank * kl : (rank + 1) * kl], w[:, rank * kl : (rank + 1) * kl]
         with rk.mode("strict"):
             full, sharded = rk.row_parallel_linear(x, w, None), rk.row_parallel_linear(xs, ws, group)
         record(f"strict row_parallel == linear  M={m} N={n} K={k}", full, sharded)
@@ -77,7 +77,7 @@ def main() -> None:
             rk.set_logits_dtype(logits)
             with rk.mode(mode):
                 full = rk.logprobs(h, lm, tg, 0.9)
-                shard = rk.logprobs(h, lm[rank * vl:(rank + 1) * vl], tg, 0.9, vocab_size=v, group=group)
+                shard = rk.logprobs(h, lm[rank * vl : (rank + 1) * vl], tg, 0.9, vocab_size=v, group=group)
             rk.set_logits_dtype("float32")
             record(f"{mode} vocab-parallel logprobs == unsharded  T={t} V={v} {logits} logits", full, shard)
     h = torch.randn(64, d, generator=gen, device=dev).to(torch.bfloat16)
@@ -99,12 +99,23 @@ def main() -> None:
         for name, n in results.items():
             print(f"{name:72s} {n}")
         strict_ok = all(n == 0 for name, n in results.items() if name.startswith("strict"))
-        print(f"TP {'PASS' if strict_ok else 'FAIL'}: strict checks {'all bitwise' if strict_ok else 'MISMATCH'}; "
-              f"native mismatches: {sum(n for name, n in results.items() if name.startswith('native'))}")
+        print(
+            f"TP {'PASS' if strict_ok else 'FAIL'}: strict checks {'all bitwise' if strict_ok else 'MISMATCH'}; "
+            f"native mismatches: {sum(n for name, n in results.items() if name.startswith('native'))}"
+        )
         if args.json:
             with open(args.json, "w") as f:
-                json.dump({"world": world, "transport": transport, "backend": rk.get_backend(), "results": results,
-                           "pass": strict_ok}, f, indent=1)
+                json.dump(
+                    {
+                        "world": world,
+                        "transport": transport,
+                        "backend": rk.get_backend(),
+                        "results": results,
+                        "pass": strict_ok,
+                    },
+                    f,
+                    indent=1,
+                )
     dist.barrier()
     dist.destroy_process_group()
     raise SystemExit(0 if rank != 0 or all(n == 0 for k_, n in results.items() if k_.startswith("strict")) else 1)

@@ -30,8 +30,10 @@ def world1(tmp_path_factory: pytest.TempPathFactory, tiny_qwen3_path: Path) -> d
 
 @pytest.fixture(scope="session")
 def world2(tmp_path_factory: pytest.TempPathFactory, tiny_qwen3_path: Path) -> dict:
-    jobs = [{"tp": 2, "cp": 1, "modes": ("strict", "native"), "export": True, "train": True},
-            {"tp": 1, "cp": 2, "modes": ("strict", "native"), "packings": True}]
+    jobs = [
+        {"tp": 2, "cp": 1, "modes": ("strict", "native"), "export": True, "train": True},
+        {"tp": 1, "cp": 2, "modes": ("strict", "native"), "packings": True},
+    ]
     return _spawn(tmp_path_factory, tiny_qwen3_path, 2, jobs)
 
 

@@ -46,19 +46,20 @@ def spawn(world: int, jobs: list[dict], ckpt: Path, out: Path, device: str = "cp
     """Run `jobs` on a fresh world of `world` processes (gloo on CPU, NCCL on CUDA, one GPU per
     rank); returns rank 0's results. `canonical_tp`: the widest TP of the "deployment" the tests compare
     across spawns (TP1 against TP2), the same in every spawn (the Triton GEMM contract's K groups)."""
-    mp.spawn(_run, args=(world, jobs, str(ckpt), str(out), free_port(), device, canonical_tp), nprocs=world,
-             join=True)
+    mp.spawn(_run, args=(world, jobs, str(ckpt), str(out), free_port(), device, canonical_tp), nprocs=world, join=True)
     return torch.load(out, weights_only=False)
 
 
-def _run(rank: int, world: int, jobs: list[dict], ckpt: str, out: str, port: int, device: str,
-         canonical_tp: int) -> None:
+def _run(
+    rank: int, world: int, jobs: list[dict], ckpt: str, out: str, port: int, device: str, canonical_tp: int
+) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     if device == "cuda":
         torch.cuda.set_device(rank)
-    dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
-                            rank=rank, world_size=world)
+    dist.init_process_group(
+        "nccl" if device == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
     from megatron.core import parallel_state
 
     import rl_kernel as rk

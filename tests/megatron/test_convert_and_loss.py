@@ -40,11 +40,11 @@ def test_megatron_qkv_layout_is_interleaved_per_query_group(tiny_qwen3_path):
     q = hf["model.layers.0.self_attn.q_proj.weight"]
     k = hf["model.layers.0.self_attn.k_proj.weight"]
     v = hf["model.layers.0.self_attn.v_proj.weight"]
-    assert torch.equal(qkv, torch.cat([q[2 * d:4 * d], k[d:2 * d], v[d:2 * d]]))
+    assert torch.equal(qkv, torch.cat([q[2 * d : 4 * d], k[d : 2 * d], v[d : 2 * d]]))
     fc1 = hf_to_megatron(hf, shape, 1, 2)["decoder.layers.0.mlp.linear_fc1.weight"]
     inter = shape.intermediate_size
     gate, up = hf["model.layers.0.mlp.gate_proj.weight"], hf["model.layers.0.mlp.up_proj.weight"]
-    assert torch.equal(fc1, torch.cat([gate[inter // 2:], up[inter // 2:]]))
+    assert torch.equal(fc1, torch.cat([gate[inter // 2 :], up[inter // 2 :]]))
 
 
 def test_vocab_padding_is_cut_on_export(tiny_qwen3_path):

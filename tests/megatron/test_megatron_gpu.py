@@ -14,14 +14,16 @@ pytestmark = [pytest.mark.gpu, pytest.mark.megatron, pytest.mark.slow]
 
 
 def test_cuda_strict_parity(tmp_path, tiny_qwen3_path):
-    r1 = spawn(1, [{"tp": 1, "cp": 1, "modes": ("strict", "native")}], tiny_qwen3_path, tmp_path / "w1.pt",
-               device="cuda")["tp1cp1"]
+    r1 = spawn(
+        1, [{"tp": 1, "cp": 1, "modes": ("strict", "native")}], tiny_qwen3_path, tmp_path / "w1.pt", device="cuda"
+    )["tp1cp1"]
     assert bit_mismatches(r1["strict"], r1["ref"]) == 0
     assert bit_mismatches(r1["native"], r1["ref"]) > 0
     if torch.cuda.device_count() < 2:
         pytest.skip("TP2 on CUDA needs two GPUs (TP1 parity checked)")
-    r2 = spawn(2, [{"tp": 2, "cp": 1, "modes": ("strict", "native")}], tiny_qwen3_path, tmp_path / "w2.pt",
-               device="cuda")["tp2cp1"]
+    r2 = spawn(
+        2, [{"tp": 2, "cp": 1, "modes": ("strict", "native")}], tiny_qwen3_path, tmp_path / "w2.pt", device="cuda"
+    )["tp2cp1"]
     assert bit_mismatches(r2["strict"], r2["ref"]) == 0
     assert bit_mismatches(r2["strict"], r1["strict"]) == 0  # TP-invariance on CUDA
     assert bit_mismatches(r2["native"], r1["native"]) > 0
@@ -33,8 +35,13 @@ def test_cuda_strict_cp_triton(tmp_path, tiny_qwen3_path):
     if torch.cuda.device_count() < 2:
         pytest.skip("CP2 on CUDA needs two GPUs")
     r1 = spawn(1, [{"tp": 1, "cp": 1, "long": True}], tiny_qwen3_path, tmp_path / "w1.pt", device="cuda")["tp1cp1"]
-    r2 = spawn(2, [{"tp": 1, "cp": 2, "long": True, "modes": ("strict", "native")}, {"tp": 2, "cp": 1, "long": True}],
-               tiny_qwen3_path, tmp_path / "w2.pt", device="cuda")
+    r2 = spawn(
+        2,
+        [{"tp": 1, "cp": 2, "long": True, "modes": ("strict", "native")}, {"tp": 2, "cp": 1, "long": True}],
+        tiny_qwen3_path,
+        tmp_path / "w2.pt",
+        device="cuda",
+    )
     assert bit_mismatches(r1["strict"], r1["ref"]) == 0
     assert bit_mismatches(r2["tp1cp2"]["strict"], r1["strict"]) == 0
     assert bit_mismatches(r2["tp1cp2"]["strict"], r1["ref"]) == 0

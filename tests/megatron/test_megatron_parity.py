@@ -34,8 +34,14 @@ def test_tp1_native_mismatches_reference(world1):
 
 def test_evidence_names_the_path_that_ran(world1):
     r = world1["tp1cp1"]
-    assert {op for op, mode in r["strict_evidence"]} >= {"gemm", "rms_norm", "rope", "attention", "silu_and_mul",
-                                                          "logprobs"}
+    assert {op for op, mode in r["strict_evidence"]} >= {
+        "gemm",
+        "rms_norm",
+        "rope",
+        "attention",
+        "silu_and_mul",
+        "logprobs",
+    }
     assert {mode for _, mode in r["strict_evidence"]} == {"strict"}
     assert {mode for _, mode in r["native_evidence"]} == {"native"}  # Megatron's own modules record nothing
 
@@ -117,10 +123,11 @@ def test_train_step_tp2_matches_tp1(world1, world2, world4):
     for key, other in (("tp2", world2["tp2cp1"]), ("tp2cp2", world4["tp2cp2"])):
         rel = {name: _rel(other["train_main_grad"][name], g) for name, g in t1["train_main_grad"].items()}
         diff = {name: float((other["train_main"][name] - w).abs().max()) for name, w in t1["train_main"].items()}
-        same = sum(int(same_bits(other["train_model"][n], w))
-                   for n, w in t1["train_model"].items())
-        print(f"{key} vs tp1: max grad rel err {max(rel.values()):.2e}, max main-param diff {max(diff.values()):.2e}, "
-              f"bf16 weights bitwise equal in {same}/{len(t1['train_model'])} tensors")
+        same = sum(int(same_bits(other["train_model"][n], w)) for n, w in t1["train_model"].items())
+        print(
+            f"{key} vs tp1: max grad rel err {max(rel.values()):.2e}, max main-param diff {max(diff.values()):.2e}, "
+            f"bf16 weights bitwise equal in {same}/{len(t1['train_model'])} tensors"
+        )
         assert max(rel.values()) < 1e-2, rel
         assert max(diff.values()) <= 2 * LR, diff
         assert other["train_metrics"]["mismatch_count"] == 0
@@ -145,7 +152,7 @@ def test_train_step_matches_plain_fp32_pytorch(world1, tiny_qwen3_path):
     total = sum(len(s) - p for s, p in zip(seqs, prompts))
     for i, (s, p) in enumerate(zip(seqs, prompts)):
         ids = torch.tensor([s])
-        logits = model(ids).logits[0, p - 1:len(s) - 1].float() / TEMPERATURE
+        logits = model(ids).logits[0, p - 1 : len(s) - 1].float() / TEMPERATURE
         lp = torch.log_softmax(logits, -1).gather(-1, ids[0, p:].unsqueeze(-1)).squeeze(-1)
         adv = torch.full_like(lp, extra["advantages"][i])
         loss, _ = policy_loss(lp, old[i], adv, torch.ones_like(lp), cfg, extra["ref_logprobs"][i], normalizer=total)
@@ -166,6 +173,8 @@ def test_train_step_matches_plain_fp32_pytorch(world1, tiny_qwen3_path):
         total_n += d.numel()
         assert not torch.equal(p.detach(), before[name]) or name.endswith("embed_tokens.weight"), name
     rel = {name: _rel(r["train_main_grad"][name], g) for name, g in grads.items()}
-    print(f"vs fp32 PyTorch: grad norm {r['train_metrics']['grad_norm']:.4f} vs {norm:.4f}, max grad rel err "
-          f"{max(rel.values()):.2e}, updates within lr/2: {close / total_n:.4f}")
+    print(
+        f"vs fp32 PyTorch: grad norm {r['train_metrics']['grad_norm']:.4f} vs {norm:.4f}, max grad rel err "
+        f"{max(rel.values()):.2e}, updates within lr/2: {close / total_n:.4f}"
+    )
     assert close / total_n > 0.99

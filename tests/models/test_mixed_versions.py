@@ -24,8 +24,9 @@ def _versions(path) -> tuple[Qwen3Reference, dict[int, dict[str, torch.Tensor]]]
     model = Qwen3Reference.from_pretrained(path, dtype=torch.bfloat16)
     w0 = model.state_dict_hf()
     g = torch.Generator().manual_seed(7)
-    w1 = {k: (v.float() + 0.05 * v.float().std() * torch.randn(v.shape, generator=g)).to(v.dtype)
-          for k, v in w0.items()}
+    w1 = {
+        k: (v.float() + 0.05 * v.float().std() * torch.randn(v.shape, generator=g)).to(v.dtype) for k, v in w0.items()
+    }
     return model, {0: w0, 1: w1}
 
 
@@ -33,8 +34,10 @@ def _rollout_with_update(model, weights, update_at: int):
     """Six requests (prefill chunked); before engine step `update_at` (once no prompt is half-computed),
     version 1 lands in flight."""
     g = torch.Generator().manual_seed(3)
-    reqs = [Request(torch.randint(4, 500, (n,), generator=g).tolist(), 8, temp)
-            for n, temp in [(5, 1.0), (19, 0.8), (9, 1.2), (3, 1.0), (12, 1.0), (7, 0.9)]]
+    reqs = [
+        Request(torch.randint(4, 500, (n,), generator=g).tolist(), 8, temp)
+        for n, temp in [(5, 1.0), (19, 0.8), (9, 1.2), (3, 1.0), (12, 1.0), (7, 0.9)]
+    ]
     engine = RolloutEngine(model, num_blocks=64, block_size=8, max_num_batched_tokens=16)
     state = {"step": 0, "version": 0}
 

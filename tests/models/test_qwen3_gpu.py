@@ -25,7 +25,8 @@ def test_rollout_equals_teacher_forcing_cuda(backend, tiny_qwen3_path):
         tf = _teacher_forcing(model, reqs, outs)
         with rk.mode("native"):
             native_outs = RolloutEngine(model, num_blocks=64, block_size=16, max_num_batched_tokens=13).generate(
-                reqs, seed=3)
+                reqs, seed=3
+            )
             native_tf = _teacher_forcing(model, reqs, native_outs)
     finally:
         rk.set_backend(saved)

@@ -10,9 +10,19 @@ from rl_kernel.models.qwen3_layout import TPShape, check_tp, padded_vocab, weigh
 
 
 def _config(**kw) -> Qwen3Config:
-    base = dict(vocab_size=500, hidden_size=64, intermediate_size=128, num_layers=1, num_heads=4, num_kv_heads=2,
-                head_dim=16, rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=False,
-                max_position_embeddings=64)
+    base = dict(
+        vocab_size=500,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=1,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        rms_norm_eps=1e-6,
+        rope_theta=1e6,
+        tie_word_embeddings=False,
+        max_position_embeddings=64,
+    )
     return Qwen3Config(**(base | kw))
 
 
@@ -39,7 +49,7 @@ def test_shard_unshard_round_trip(tp):
         assert [int(k.shard(full, r, 4)[0, 0]) for r in range(4)] == [0, 0, 16, 16]
     vocab = weight_layout(config)["lm_head.weight"]
     last = vocab.shard(torch.ones(500, 64), tp - 1, tp)
-    assert last.shape[0] == 512 // tp and not last[500 - 512:].any()  # zero padding rows at the end
+    assert last.shape[0] == 512 // tp and not last[500 - 512 :].any()  # zero padding rows at the end
 
 
 def test_tp_shape_and_checks():

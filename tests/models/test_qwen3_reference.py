@@ -189,8 +189,9 @@ def test_rejects_other_architectures(tiny_qwen3_path, tmp_path):
     moe = _copy_with_config(tiny_qwen3_path, tmp_path / "moe", num_experts=8)
     with pytest.raises(ValueError, match="MoE"):
         Qwen3Reference.from_pretrained(moe)
-    llama = _copy_with_config(tiny_qwen3_path, tmp_path / "llama", architectures=["LlamaForCausalLM"],
-                              model_type="llama")
+    llama = _copy_with_config(
+        tiny_qwen3_path, tmp_path / "llama", architectures=["LlamaForCausalLM"], model_type="llama"
+    )
     with pytest.raises(ValueError, match="not a dense Qwen3ForCausalLM"):
         Qwen3Reference.from_pretrained(llama)
     wider = _copy_with_config(tiny_qwen3_path, tmp_path / "wider", intermediate_size=512)

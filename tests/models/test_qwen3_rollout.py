@@ -18,15 +18,19 @@ def _requests(seed: int = 1) -> list[Request]:
     """Staggered arrivals, mixed temperatures; one prompt longer than a 64-key attention chunk."""
     g = torch.Generator().manual_seed(seed)
     spec = [(5, 10, 1.0, 0), (70, 6, 0.7, 0), (13, 12, 1.3, 2), (33, 8, 1.0, 5), (1, 8, 0.9, 7), (21, 10, 1.1, 9)]
-    return [Request(torch.randint(4, 512, (n,), generator=g).tolist(), new, temp, arrival)
-            for n, new, temp, arrival in spec]
+    return [
+        Request(torch.randint(4, 512, (n,), generator=g).tolist(), new, temp, arrival) for n, new, temp, arrival in spec
+    ]
 
 
 def _teacher_forcing(model: Qwen3Reference, reqs: list[Request], outs: list[Completion]) -> list[torch.Tensor]:
     """Teacher-forcing logprobs of the rollouts, all packed in one batch in reversed order."""
     order = list(reversed(range(len(reqs))))
-    tf = model.sequence_logprobs([reqs[i].prompt_ids + outs[i].token_ids for i in order],
-                                 [len(reqs[i].prompt_ids) for i in order], [reqs[i].temperature for i in order])
+    tf = model.sequence_logprobs(
+        [reqs[i].prompt_ids + outs[i].token_ids for i in order],
+        [len(reqs[i].prompt_ids) for i in order],
+        [reqs[i].temperature for i in order],
+    )
     return [tf[order.index(i)] for i in range(len(reqs))]
 
 
@@ -66,8 +70,12 @@ def test_rollout_is_schedule_invariant_strict(tiny_qwen3_fp32_path):
     (each request samples with its own generator)."""
     with rk.mode("strict"):
         model = Qwen3Reference.from_pretrained(tiny_qwen3_fp32_path, dtype=torch.float32)
-        runs = [RolloutEngine(model, num_blocks=n, block_size=bs, max_num_batched_tokens=b, block_seed=s)
-                .generate(_requests(), seed=3) for n, bs, b, s in ((64, 8, 13, 0), (16, 32, 96, 7))]
+        runs = [
+            RolloutEngine(model, num_blocks=n, block_size=bs, max_num_batched_tokens=b, block_seed=s).generate(
+                _requests(), seed=3
+            )
+            for n, bs, b, s in ((64, 8, 13, 0), (16, 32, 96, 7))
+        ]
     assert all(x.token_ids == y.token_ids for x, y in zip(*runs))
     assert mismatch_stats([o.logprobs for o in runs[0]], [o.logprobs for o in runs[1]]) == (0, 54, 0.0)
 
@@ -82,14 +90,23 @@ _reference_cache: dict = {}
 
 
 @settings(max_examples=8, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(budget=st.integers(2, 48), block_size=st.sampled_from([1, 3, 8, 16, 64]),
-       arrivals=st.lists(st.integers(0, 6), min_size=3, max_size=3), block_seed=st.integers(0, 9))
+@given(
+    budget=st.integers(2, 48),
+    block_size=st.sampled_from([1, 3, 8, 16, 64]),
+    arrivals=st.lists(st.integers(0, 6), min_size=3, max_size=3),
+    block_seed=st.integers(0, 9),
+)
 def test_any_schedule_gives_teacher_forcing_bits(bf16_model, budget, block_size, arrivals, block_seed):
     """Strict, over generated schedules (token budget, page size incl. 1 and odd, arrival steps, block
     order): the same tokens, and logprobs equal to teacher forcing bit for bit."""
     reqs = [Request(r.prompt_ids, r.max_new_tokens, r.temperature, a) for r, a in zip(_SMALL, arrivals)]
-    engine = RolloutEngine(bf16_model, num_blocks=-(-70 // block_size), block_size=block_size,
-                           max_num_batched_tokens=budget, block_seed=block_seed)
+    engine = RolloutEngine(
+        bf16_model,
+        num_blocks=-(-70 // block_size),
+        block_size=block_size,
+        max_num_batched_tokens=budget,
+        block_seed=block_seed,
+    )
     outs = engine.generate(reqs, seed=11)
     if not _reference_cache:
         _reference_cache["tokens"] = [o.token_ids for o in outs]

@@ -33,8 +33,10 @@ def _sequences() -> tuple[list[list[int]], list[int]]:
 
 def _requests() -> list[Request]:
     g = torch.Generator().manual_seed(6)
-    return [Request(torch.randint(4, VOCAB, (n,), generator=g).tolist(), new, temp, arrival)
-            for n, new, temp, arrival in ((7, 8, 1.0, 0), (66, 5, 0.8, 0), (12, 9, 1.2, 3))]
+    return [
+        Request(torch.randint(4, VOCAB, (n,), generator=g).tolist(), new, temp, arrival)
+        for n, new, temp, arrival in ((7, 8, 1.0, 0), (66, 5, 0.8, 0), (12, 9, 1.2, 3))
+    ]
 
 
 def _run(model: Qwen3Reference) -> dict:
@@ -45,14 +47,19 @@ def _run(model: Qwen3Reference) -> dict:
         out = {"tf": model.sequence_logprobs(seqs, prompt_lens)}
         engine = RolloutEngine(model, num_blocks=32, block_size=8, max_num_batched_tokens=11)
         rollouts = engine.generate(reqs, seed=2)
-        out["rollout_tf"] = model.sequence_logprobs([r.prompt_ids + o.token_ids for r, o in zip(reqs, rollouts)],
-                                                    [len(r.prompt_ids) for r in reqs], [r.temperature for r in reqs])
+        out["rollout_tf"] = model.sequence_logprobs(
+            [r.prompt_ids + o.token_ids for r, o in zip(reqs, rollouts)],
+            [len(r.prompt_ids) for r in reqs],
+            [r.temperature for r in reqs],
+        )
     out["tokens"] = [o.token_ids for o in rollouts]
     out["rollout"] = [o.logprobs.cpu() for o in rollouts]
     with rk.mode("native"), rk.evidence.recording() as native_ops:
         out["native_tf"] = model.sequence_logprobs(seqs, prompt_lens)
-    out["ops"] = {name: sorted({(r["op"], r["mode"]) for r in ran})
-                  for name, ran in (("strict", strict_ops), ("native", native_ops))}
+    out["ops"] = {
+        name: sorted({(r["op"], r["mode"]) for r in ran})
+        for name, ran in (("strict", strict_ops), ("native", native_ops))
+    }
     return out
 
 
@@ -77,11 +84,19 @@ def _worker(rank: int, backend: str, init_file: str, path: str, out_dir: str) ->
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("backend", [
-    "gloo",
-    pytest.param("nccl", marks=[pytest.mark.gpu, pytest.mark.skipif(
-        torch.cuda.device_count() < WORLD, reason=f"needs {WORLD} CUDA devices")]),
-])
+@pytest.mark.parametrize(
+    "backend",
+    [
+        "gloo",
+        pytest.param(
+            "nccl",
+            marks=[
+                pytest.mark.gpu,
+                pytest.mark.skipif(torch.cuda.device_count() < WORLD, reason=f"needs {WORLD} CUDA devices"),
+            ],
+        ),
+    ],
+)
 def test_tp2_equals_tp1_bitwise(backend, tmp_path):
     path = make_tiny_qwen3(tmp_path / "model", vocab_size=VOCAB, seed=1)
     args = (backend, str(tmp_path / "init"), str(path), str(tmp_path))

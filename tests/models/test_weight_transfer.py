@@ -47,8 +47,12 @@ def _wire(receiver: WeightReceiver, **kw) -> LoopSender:
 
 
 def _tensors(gen: torch.Generator) -> list[tuple[str, torch.Tensor]]:
-    return [("a", torch.randn(3, 5, generator=gen).to(torch.bfloat16)), ("b", torch.randn(7, generator=gen)),
-            ("c", torch.randint(0, 9, (4, 4), generator=gen)), ("d", torch.randn(1000, generator=gen).half())]
+    return [
+        ("a", torch.randn(3, 5, generator=gen).to(torch.bfloat16)),
+        ("b", torch.randn(7, generator=gen)),
+        ("c", torch.randint(0, 9, (4, 4), generator=gen)),
+        ("d", torch.randn(1000, generator=gen).half()),
+    ]
 
 
 def test_plan_buckets_covers_every_tensor_once_in_order():
@@ -77,8 +81,9 @@ def test_push_roundtrip_versions_and_ack():
     got: dict[str, torch.Tensor] = {}
     named = _tensors(torch.Generator().manual_seed(1))
     expected = {n: TensorMeta.of(n, t) for n, t in named}
-    rx = LoopReceiver(lambda pairs: got.update((n, t.clone()) for n, t in pairs), torch.device("cpu"),
-                      expected=expected)
+    rx = LoopReceiver(
+        lambda pairs: got.update((n, t.clone()) for n, t in pairs), torch.device("cpu"), expected=expected
+    )
     tx = _wire(rx, bucket_bytes=1024)
     ack = tx.push(named, 1)
     assert ack["version"] == 1 and ack["tensors"] == 4 and ack["buckets"] > 1 and rx.version == 1
@@ -95,8 +100,9 @@ def test_receiver_rejects_mismatches():
     named = _tensors(torch.Generator().manual_seed(2))
     expected = {n: TensorMeta.of(n, t) for n, t in named}
     loaded: list[str] = []
-    rx = LoopReceiver(lambda pairs: loaded.extend(n for n, _ in pairs), torch.device("cpu"), expected=expected,
-                      version=3)
+    rx = LoopReceiver(
+        lambda pairs: loaded.extend(n for n, _ in pairs), torch.device("cpu"), expected=expected, version=3
+    )
     tx = _wire(rx)
     with pytest.raises(WeightVersionError, match="lacks 1 weights"):
         tx.push(named[:3], 4)

@@ -23,8 +23,15 @@ import torch
 import rl_kernel as rk
 from rl_kernel.selftest.accuracy import measure_accuracy
 
-ULP_BOUND = {"linear (+bias)": 0.51, "silu_and_mul": 0.51, "rope": 0.51, "attention_varlen": 0.51,
-             "rms_norm": 1.5, "rms_norm+residual": 1.5, "logprobs (fp32 out)": 2.0}
+ULP_BOUND = {
+    "linear (+bias)": 0.51,
+    "silu_and_mul": 0.51,
+    "rope": 0.51,
+    "attention_varlen": 0.51,
+    "rms_norm": 1.5,
+    "rms_norm+residual": 1.5,
+    "logprobs (fp32 out)": 2.0,
+}
 
 
 @pytest.fixture(scope="module")
@@ -50,6 +57,7 @@ def test_strict_not_worse_than_native(accuracy, op):
 
 # --- gradients ----------------------------------------------------------------------------------------------------
 
+
 def _grads(fn, inputs: list[torch.Tensor], grad_out: torch.Tensor | list[torch.Tensor]):
     leaves = [t.detach().clone().requires_grad_() for t in inputs]
     out = fn(*leaves)
@@ -59,8 +67,11 @@ def _grads(fn, inputs: list[torch.Tensor], grad_out: torch.Tensor | list[torch.T
 
 def _check(strict_fn, ref_fn, inputs: list[torch.Tensor], grad_out, rtol: float = 2e-6) -> None:
     got = _grads(strict_fn, inputs, grad_out)
-    want = _grads(ref_fn, [t.double() for t in inputs],
-                  [g.double() for g in grad_out] if isinstance(grad_out, list) else grad_out.double())
+    want = _grads(
+        ref_fn,
+        [t.double() for t in inputs],
+        [g.double() for g in grad_out] if isinstance(grad_out, list) else grad_out.double(),
+    )
     for i, (a, b) in enumerate(zip(got, want)):
         assert a.dtype == inputs[i].dtype
         err, scale = float((a.double() - b).abs().max()), float(b.abs().max())
@@ -90,8 +101,12 @@ def test_rms_norm_grad(gen):
 def test_rms_norm_residual_grad(gen):
     """Both outputs (y and the sum s = x + residual) carry gradient to x and residual."""
     x, w, res = _r(gen, 6, 200), _r(gen, 200), _r(gen, 6, 200)
-    _check(lambda x, w, r: rk.rms_norm(x, w, 1e-6, r), lambda x, w, r: (_rms_ref(x + r, w), x + r),
-           [x, w, res], [_r(gen, 6, 200), _r(gen, 6, 200)])
+    _check(
+        lambda x, w, r: rk.rms_norm(x, w, 1e-6, r),
+        lambda x, w, r: (_rms_ref(x + r, w), x + r),
+        [x, w, res],
+        [_r(gen, 6, 200), _r(gen, 6, 200)],
+    )
 
 
 def test_silu_and_mul_grad(gen):

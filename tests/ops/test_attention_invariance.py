@@ -37,6 +37,7 @@ def _assert_same(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
 
 # --- packing: a sequence alone vs packed with others ----------------------------------------------------------
 
+
 def _alone_and_packed(lens: list[int], order: list[int], dtype: torch.dtype, seed: int):
     g = torch.Generator().manual_seed(seed)
     seqs = [qkv(g, n, dtype, "cpu") for n in lens]
@@ -63,6 +64,7 @@ def test_packing_native_holds_by_construction():
 
 # --- padding: packed vs right-padded to a common length -------------------------------------------------------
 
+
 def _packed_and_padded(lens: list[int], width: int, dtype: torch.dtype, seed: int):
     g = torch.Generator().manual_seed(seed)
     q, k, v = (t.view(len(lens), width, *t.shape[1:]) for t in qkv(g, len(lens) * width, dtype, "cpu"))
@@ -79,6 +81,7 @@ def test_padding_strict(lens, extra, dtype):
 
 
 # --- prefill vs decode vs chunked prefill (one continuous batch) --------------------------------------------
+
 
 def _prefill_vs_steps(lens: list[int], cuts: list[int], decode_tail: int, page: int, dtype, seed: int):
     """Reference: full causal prefill of every sequence. Steps: sequence 0 prefilled in chunks ending at
@@ -122,11 +125,15 @@ def test_decode_vs_chunk_across_split_boundary():
     k_cache, v_cache, table = paged_cache(k, v, [n], 16, g)
     chunk = paged_step([q], k_cache, v_cache, table, SCALE, [(0, first, first + 6)])
     for j in range(first, first + 6):
-        _assert_same(chunk[j - first : j - first + 1], paged_step([q], k_cache, v_cache, table, SCALE, [(0, j, j + 1)]),
-                     f"position {j}")
+        _assert_same(
+            chunk[j - first : j - first + 1],
+            paged_step([q], k_cache, v_cache, table, SCALE, [(0, j, j + 1)]),
+            f"position {j}",
+        )
 
 
 # --- page size and block-table order ----------------------------------------------------------------------------
+
 
 def _varlen_vs_paged(lens: list[int], page: int, dtype, seed: int):
     g = torch.Generator().manual_seed(seed)
@@ -138,8 +145,11 @@ def _varlen_vs_paged(lens: list[int], page: int, dtype, seed: int):
 
 
 @SETTINGS
-@given(lens=st.lists(st.integers(1, 140), min_size=1, max_size=3), dtype=DTYPES,
-       page=st.one_of(st.sampled_from([1, 3, 8, 16, 64]), st.integers(1, 100)))
+@given(
+    lens=st.lists(st.integers(1, 140), min_size=1, max_size=3),
+    dtype=DTYPES,
+    page=st.one_of(st.sampled_from([1, 3, 8, 16, 64]), st.integers(1, 100)),
+)
 def test_page_size_and_block_order_strict(lens, dtype, page):
     _assert_same(*_varlen_vs_paged(lens, page, dtype, seed=page), f"lens {lens} page {page}")
 
@@ -154,6 +164,7 @@ def test_page_size_and_block_order_native_holds_by_construction(page):
 
 # --- threads -------------------------------------------------------------------------------------------------------
 
+
 def _threads(dtype):
     g = torch.Generator().manual_seed(0)
     lens = [100, 30]
@@ -161,8 +172,11 @@ def _threads(dtype):
     k_cache, v_cache, table = paged_cache(k, v, lens, 8, g)
 
     def run():
-        return [_varlen(q, k, v, lens),
-                paged_step(list(q.split(lens)), k_cache, v_cache, table, SCALE, [(0, 60, 100), (1, 29, 30)])]
+        return [
+            _varlen(q, k, v, lens),
+            paged_step(list(q.split(lens)), k_cache, v_cache, table, SCALE, [(0, 60, 100), (1, 29, 30)]),
+        ]
+
     torch.set_num_threads(1)
     one = run()
     torch.set_num_threads(2)  # restored by the conftest fixture
@@ -179,14 +193,16 @@ def test_native_paged_decode_batch_equals_one_sequence_at_a_time():
     """The native paged form's batched decode path (one SDPA call, keys past each length masked) computes what its
     per-sequence path computes (native: no bit promise, so within fp32 rounding)."""
     from rl_kernel.ops.attention import _sdpa
+
     g = torch.Generator().manual_seed(3)
     lens = [70, 5, 129, 1]
     q, k, v = qkv(g, sum(lens), torch.float32, "cpu", heads=8)
     k_cache, v_cache, table = paged_cache(k, v, lens, 16, g)
     last = torch.tensor(lens).cumsum(0) - 1
     with rk.mode("native"):
-        batched = rk.paged_attention(q[last], k_cache, v_cache, table, torch.tensor(lens),
-                                     torch.arange(len(lens) + 1, dtype=torch.int32), SCALE)
+        batched = rk.paged_attention(
+            q[last], k_cache, v_cache, table, torch.tensor(lens), torch.arange(len(lens) + 1, dtype=torch.int32), SCALE
+        )
     starts = [0, *torch.tensor(lens).cumsum(0).tolist()]
-    ref = torch.cat([_sdpa(q[e - 1:e], k[a:e], v[a:e], SCALE, e - a - 1) for a, e in zip(starts[:-1], starts[1:])])
+    ref = torch.cat([_sdpa(q[e - 1 : e], k[a:e], v[a:e], SCALE, e - a - 1) for a, e in zip(starts[:-1], starts[1:])])
     assert batched.shape == ref.shape and float((batched - ref).abs().max()) < 1e-5

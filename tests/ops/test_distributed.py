@@ -46,8 +46,9 @@ def test_row_parallel_linear_tp_invariant_strict(ranks, world):
 @pytest.mark.parametrize("world", [2, 4])
 def test_row_parallel_linear_native_breaks(ranks, world):
     """Native rounds each rank's partial to bf16 and all-reduces in bf16."""
-    assert all(not same_bits(o["native"]["row_parallel/full"], o["native"]["row_parallel/sharded"])
-               for o in ranks[world])
+    assert all(
+        not same_bits(o["native"]["row_parallel/full"], o["native"]["row_parallel/sharded"]) for o in ranks[world]
+    )
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -22,8 +22,10 @@ def kernel_copies(tmp_path, monkeypatch):
     its K group count 8 -> 4), importable from tmp_path."""
     source = open(torch_gemm.__file__).read()
     assert "\nK_GROUPS = 8\n" in source
-    for name, text in (("same_kernels", source), ("changed_kernels", source.replace("\nK_GROUPS = 8\n",
-                                                                                     "\nK_GROUPS = 4\n"))):
+    for name, text in (
+        ("same_kernels", source),
+        ("changed_kernels", source.replace("\nK_GROUPS = 8\n", "\nK_GROUPS = 4\n")),
+    ):
         (tmp_path / name).mkdir()
         (tmp_path / name / "__init__.py").write_text("")
         (tmp_path / name / "gemm.py").write_text(text)
@@ -37,8 +39,10 @@ def kernel_copies(tmp_path, monkeypatch):
 def test_kernel_source_change_changes_the_fingerprint(kernel_copies):
     assert GEMM.contracts["torch"].sources == ("rl_kernel.ops.gemm", "rl_kernel.backends.torch.gemm")
     contract = dataclasses.replace(GEMM.contracts["torch"], sources=("rl_kernel.backends.torch.gemm",))
-    served_by = {name: dataclasses.replace(contract, sources=(f"{name}.gemm",)).fingerprint
-                 for name in ("same_kernels", "changed_kernels")}
+    served_by = {
+        name: dataclasses.replace(contract, sources=(f"{name}.gemm",)).fingerprint
+        for name in ("same_kernels", "changed_kernels")
+    }
     assert served_by["same_kernels"] == contract.fingerprint  # the text counts, not the module's name
     assert served_by["changed_kernels"] != contract.fingerprint  # same prose, one constant changed
     assert dataclasses.replace(contract, sources=()).fingerprint != contract.fingerprint  # prose alone differs

@@ -27,8 +27,12 @@ def test_even_parts_cover_within_bound_and_align(total, most, align):
 
 
 @settings(max_examples=200, deadline=None)
-@given(rows=st.integers(1, 65_536), vocab_tiles=st.integers(1, 4096), d=st.sampled_from([128, 1024, 4096]),
-       fraction=st.sampled_from([4, 12, 64]))
+@given(
+    rows=st.integers(1, 65_536),
+    vocab_tiles=st.integers(1, 4096),
+    d=st.sampled_from([128, 1024, 4096]),
+    fraction=st.sampled_from([4, 12, 64]),
+)
 def test_forward_geometry_keeps_the_state_under_its_budget(rows, vocab_tiles, d, fraction):
     vocab = vocab_tiles * logprob.VOCAB_TILE
     weight = torch.empty(vocab, d, dtype=torch.bfloat16, device="meta")

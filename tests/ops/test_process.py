@@ -46,29 +46,45 @@ SCRIPT = textwrap.dedent("""
 def _inputs(g: torch.Generator) -> dict[str, torch.Tensor]:
     def r(*shape, dtype=torch.float32):
         return torch.randn(shape, generator=g).to(dtype)
+
     q, k, v = qkv(g, 90, torch.float32, "cpu")
-    return {"x": r(7, 256), "w": r(80, 256), "xn": r(7, 1024, dtype=torch.bfloat16),
-            "wn": r(1024, dtype=torch.bfloat16), "xs": r(7, 512, dtype=torch.bfloat16),
-            "xr": r(7, 4, 64, dtype=torch.bfloat16),
-            "pos": torch.randint(0, 30000, (7,), generator=g), "h": r(7, 64), "wl": r(500, 64),
-            "t": torch.randint(0, 500, (7,), generator=g), "q": q, "k": k, "v": v}
+    return {
+        "x": r(7, 256),
+        "w": r(80, 256),
+        "xn": r(7, 1024, dtype=torch.bfloat16),
+        "wn": r(1024, dtype=torch.bfloat16),
+        "xs": r(7, 512, dtype=torch.bfloat16),
+        "xr": r(7, 4, 64, dtype=torch.bfloat16),
+        "pos": torch.randint(0, 30000, (7,), generator=g),
+        "h": r(7, 64),
+        "wl": r(500, 64),
+        "t": torch.randint(0, 500, (7,), generator=g),
+        "q": q,
+        "k": k,
+        "v": v,
+    }
 
 
 def _here(inp: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """This process: 2 threads, whole batches, full prefill."""
     torch.set_num_threads(2)
-    return {"linear": rk.linear(inp["x"], inp["w"]), "rms_norm": rk.rms_norm(inp["xn"], inp["wn"], 1e-6),
-            "silu_and_mul": rk.silu_and_mul(inp["xs"]), "rope": rk.rope(inp["xr"], inp["pos"], 1e6),
-            "logprobs": rk.logprobs(inp["h"], inp["wl"], inp["t"]),
-            "attention": rk.attention_varlen(inp["q"], inp["k"], inp["v"], cu_seqlens([90], "cpu"), 0.2)}
+    return {
+        "linear": rk.linear(inp["x"], inp["w"]),
+        "rms_norm": rk.rms_norm(inp["xn"], inp["wn"], 1e-6),
+        "silu_and_mul": rk.silu_and_mul(inp["xs"]),
+        "rope": rk.rope(inp["xr"], inp["pos"], 1e6),
+        "logprobs": rk.logprobs(inp["h"], inp["wl"], inp["t"]),
+        "attention": rk.attention_varlen(inp["q"], inp["k"], inp["v"], cu_seqlens([90], "cpu"), 0.2),
+    }
 
 
 def _run(tmp_path, inp, **env) -> dict[str, torch.Tensor]:
     src, dst = tmp_path / "in.pt", tmp_path / "out.pt"
     torch.save(inp, src)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "RL_KERNEL_BACKEND": "torch", **env}
-    done = subprocess.run([sys.executable, "-c", SCRIPT, str(src), str(dst)], env=env, capture_output=True,
-                          text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(src), str(dst)], env=env, capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return torch.load(dst)
 
@@ -85,10 +101,17 @@ def test_subprocess_same_bits_strict(tmp_path, gen):
 
 
 def test_env_pinned_triton_backend_fails_closed_on_cpu(tmp_path):
-    code = ("import torch, rl_kernel as rk\n"
-            "try:\n    rk.linear(torch.ones(2, 8), torch.ones(3, 8))\n"
-            "except rk.StrictModeError as e:\n    print(e.op, e.backend, e.reason, sep='|')\n")
-    done = subprocess.run([sys.executable, "-c", code], env={**os.environ, "RL_KERNEL_BACKEND": "triton",
-                          "RL_KERNEL_MODE": "strict"}, capture_output=True, text=True, timeout=120)
+    code = (
+        "import torch, rl_kernel as rk\n"
+        "try:\n    rk.linear(torch.ones(2, 8), torch.ones(3, 8))\n"
+        "except rk.StrictModeError as e:\n    print(e.op, e.backend, e.reason, sep='|')\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, "RL_KERNEL_BACKEND": "triton", "RL_KERNEL_MODE": "strict"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     op, backend, reason = done.stdout.strip().split("|")
     assert (op, backend) == ("gemm", "triton") and "cpu" in reason and "CUDA" in reason

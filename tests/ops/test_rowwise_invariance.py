@@ -41,8 +41,12 @@ def _make_cases() -> dict[str, tuple[RowFn, int]]:
         cases[f"linear_bias_{tag}"] = (lambda i, x=x, w=w, b=b: rk.linear(x[i], w, b), 24)
         h, wl = r(24, 64, dtype=dtype), r(512, 64, dtype=dtype)
         t, temps = torch.randint(0, 490, (24,), generator=g), torch.rand(24, generator=g) + 0.5
-        cases[f"logprobs_{tag}"] = (lambda i, h=h, wl=wl, t=t, temps=temps: rk.logprobs(
-            h[i.reshape(-1)], wl, t[i.reshape(-1)], temps[i.reshape(-1)], vocab_size=490).reshape(i.shape), 24)
+        cases[f"logprobs_{tag}"] = (
+            lambda i, h=h, wl=wl, t=t, temps=temps: rk.logprobs(
+                h[i.reshape(-1)], wl, t[i.reshape(-1)], temps[i.reshape(-1)], vocab_size=490
+            ).reshape(i.shape),
+            24,
+        )
     xn, wn, res = r(24, 1024, scale=2.0), r(1024), r(24, 1024)
     cases["rms_norm_bf16"] = (lambda i: rk.rms_norm(xn[i], wn, 1e-6), 24)
     cases["rms_norm_residual_bf16"] = (lambda i: torch.stack(rk.rms_norm(xn[i], wn, 1e-6, res[i]), -2), 24)
@@ -52,8 +56,10 @@ def _make_cases() -> dict[str, tuple[RowFn, int]]:
     cases["silu_and_mul_bf16"] = (lambda i: rk.silu_and_mul(xs[i]), 24)
     xr, pos = r(24, 4, 64), torch.randint(0, 40000, (24,), generator=g)
     cases["rope_bf16"] = (lambda i: rk.rope(xr[i.reshape(-1)], pos[i.reshape(-1)], 1e6).reshape(*i.shape, 4, 64), 24)
-    cases["rope_partial_bf16"] = (lambda i: rk.rope(xr[i.reshape(-1)], pos[i.reshape(-1)], 1e4, rotary_dim=32)
-                                  .reshape(*i.shape, 4, 64), 24)
+    cases["rope_partial_bf16"] = (
+        lambda i: rk.rope(xr[i.reshape(-1)], pos[i.reshape(-1)], 1e4, rotary_dim=32).reshape(*i.shape, 4, 64),
+        24,
+    )
     return cases
 
 
@@ -70,6 +76,7 @@ NOT_FREE = {
 
 
 # --- batch size and row position ------------------------------------------------------------------------
+
 
 def _in_batch(fn: RowFn, row: int, rows: torch.Tensor, pos: int) -> tuple[torch.Tensor, torch.Tensor]:
     rows = rows.clone()
@@ -111,6 +118,7 @@ def test_batch_and_position_native(name):
 
 # --- padding and packing ----------------------------------------------------------------------------------
 
+
 def _padded_vs_packed(fn: RowFn, n: int, lens: list[int], width: int, fill: torch.Tensor):
     padded = fill.view(len(lens), width) % n
     packed = torch.cat([padded[b, :k] for b, k in enumerate(lens)])
@@ -126,8 +134,9 @@ def test_padding_and_packing_strict(name, data):
     fn, n = CASES[name]
     lens = data.draw(st.lists(st.integers(1, 6), min_size=1, max_size=4), label="lengths")
     width = max(lens) + data.draw(st.integers(0, 3), label="extra padding")
-    fill = torch.tensor(data.draw(st.lists(st.integers(0, 10**6), min_size=len(lens) * width,
-                                           max_size=len(lens) * width), label="rows"))
+    fill = torch.tensor(
+        data.draw(st.lists(st.integers(0, 10**6), min_size=len(lens) * width, max_size=len(lens) * width), label="rows")
+    )
     packed, unpadded = _padded_vs_packed(fn, n, lens, width, fill)
     assert same_bits(packed, unpadded), f"{name} lens {lens} width {width}: {max_abs_diff(packed, unpadded)}"
 
@@ -144,11 +153,14 @@ def test_padding_and_packing_native(name):
 
 # --- thread count -------------------------------------------------------------------------------------------
 
+
 def _one_and_two_threads(fn: RowFn, n: int, alone: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The whole batch and the first `alone` rows alone, with 1 thread and with 2 (restored by the
     conftest fixture)."""
+
     def run():
         return [fn(torch.arange(n))] + [fn(torch.tensor([i])) for i in range(alone)]
+
     torch.set_num_threads(1)
     one = run()
     torch.set_num_threads(2)

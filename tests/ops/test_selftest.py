@@ -29,9 +29,11 @@ def test_selftest_cpu_subset(tmp_path, capsys):
 
 def test_selftest_exit_code_on_a_strict_failure(monkeypatch, capsys):
     """A strict cell whose layouts differ by one ulp makes the run fail (exit 1) and is shown as FAIL."""
+
     def differs(device, gen):
         x = torch.ones(3)
         return [(x, torch.nextafter(x, torch.full_like(x, 2.0)))]
+
     monkeypatch.setattr(matrix, "rowwise_cells", lambda: [matrix.Cell("linear", "broken", "fp32", differs)])
     monkeypatch.setattr(matrix, "attention_cells", list)
     assert selftest.main(["--no-distributed"]) == 1

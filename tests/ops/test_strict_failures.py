@@ -14,8 +14,10 @@ from rl_kernel.backends.torch.logprob import MAX_VOCAB
 
 def _calls(dtype: torch.dtype) -> dict[str, tuple[str, object]]:
     """op -> (contract op name, a call of it on CPU tensors of `dtype`)."""
+
     def t(*shape):
         return torch.ones(shape).to(dtype)
+
     cu = torch.tensor([0, 4], dtype=torch.int32)
     return {
         "linear": ("gemm", lambda: rk.linear(t(4, 16), t(8, 16))),
@@ -25,8 +27,12 @@ def _calls(dtype: torch.dtype) -> dict[str, tuple[str, object]]:
         "silu_and_mul": ("silu_and_mul", lambda: rk.silu_and_mul(t(4, 16))),
         "rope": ("rope", lambda: rk.rope(t(4, 2, 8), torch.arange(4), 1e4)),
         "attention_varlen": ("attention", lambda: rk.attention_varlen(t(4, 2, 8), t(4, 1, 8), t(4, 1, 8), cu, 0.3)),
-        "paged_attention": ("attention", lambda: rk.paged_attention(
-            t(4, 2, 8), t(2, 4, 1, 8), t(2, 4, 1, 8), torch.tensor([[0]]), torch.tensor([4]), cu, 0.3)),
+        "paged_attention": (
+            "attention",
+            lambda: rk.paged_attention(
+                t(4, 2, 8), t(2, 4, 1, 8), t(2, 4, 1, 8), torch.tensor([[0]]), torch.tensor([4]), cu, 0.3
+            ),
+        ),
         "logprobs": ("logprobs", lambda: rk.logprobs(t(4, 16), t(8, 16), torch.tensor([0, 1, 2, 3]))),
     }
 

@@ -22,8 +22,10 @@ KERNELS = Path(__file__).resolve().parents[2] / "rl_kernel" / "backends" / "trit
 
 def _is_jit(fn: ast.FunctionDef) -> bool:
     """Decorated with triton.jit (or jit), with or without arguments."""
+
     def jit(d: ast.expr) -> bool:
         return isinstance(d, ast.Attribute) and d.attr == "jit" or isinstance(d, ast.Name) and d.id == "jit"
+
     return any(jit(d.func if isinstance(d, ast.Call) else d) for d in fn.decorator_list)
 
 
@@ -80,8 +82,9 @@ class Addressing:
                     values = node.value.elts if isinstance(node.value, ast.Tuple) else [node.value]
                     states = [self._eval(v, env, name) for v in values]
                     old = self.returns.get(name)
-                    self.returns[name] = states if old is None or len(old) != len(states) else \
-                        [_join(a, b) for a, b in zip(old, states)]
+                    self.returns[name] = (
+                        states if old is None or len(old) != len(states) else [_join(a, b) for a, b in zip(old, states)]
+                    )
 
     def _assign(self, target: ast.expr, value: ast.expr, env: dict, fn: str) -> None:
         if isinstance(target, ast.Tuple):

@@ -50,8 +50,13 @@ class StrictRun(NamedTuple):
     pid: int  # its driver's pid
 
 
-def _sample_listeners(pid: int, listeners: dict[Listener, str], done: threading.Event,
-                      temp_seen: set[str] | None = None, pids: set[int] | None = None) -> None:
+def _sample_listeners(
+    pid: int,
+    listeners: dict[Listener, str],
+    done: threading.Event,
+    temp_seen: set[str] | None = None,
+    pids: set[int] | None = None,
+) -> None:
     """Every 0.5 s until `done`: each listening inet socket of process `pid` and its descendants (and, when
     given, the names in its run temporary directory and the pids of its tree)."""
     import psutil
@@ -84,12 +89,16 @@ def strict_run(tmp_path_factory) -> StrictRun:
     listeners: dict[Listener, str] = {}
     temp_seen: set[str] = set()
     pids: set[int] = set()
-    proc = subprocess.Popen(train_cmd("steps=2", "compare=native", f"output_dir={out}"), cwd=REPO,
-                            env=os.environ | TRAIN_ENV,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        train_cmd("steps=2", "compare=native", f"output_dir={out}"),
+        cwd=REPO,
+        env=os.environ | TRAIN_ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     done = threading.Event()
-    sampler = threading.Thread(target=_sample_listeners, args=(proc.pid, listeners, done, temp_seen, pids),
-                               daemon=True)
+    sampler = threading.Thread(target=_sample_listeners, args=(proc.pid, listeners, done, temp_seen, pids), daemon=True)
     sampler.start()
     try:
         stdout, stderr = proc.communicate(timeout=840)  # two runs: the native twin, then the strict one
@@ -99,8 +108,14 @@ def strict_run(tmp_path_factory) -> StrictRun:
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
-    return StrictRun(out, subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr), listeners,
-                     temp_seen, pids, proc.pid)
+    return StrictRun(
+        out,
+        subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr),
+        listeners,
+        temp_seen,
+        pids,
+        proc.pid,
+    )
 
 
 def alive(pids: set[int]) -> list[str]:
@@ -138,11 +153,11 @@ def wandb_exit_codes(out: Path) -> list[int | None]:
         assert data[:4] == b":W&B", path
         while pos + 7 <= len(data):
             left = 32768 - pos % 32768
-            size, kind = struct.unpack("<HB", data[pos + 4:pos + 7]) if left >= 7 else (0, 0)
+            size, kind = struct.unpack("<HB", data[pos + 4 : pos + 7]) if left >= 7 else (0, 0)
             if left < 7 or (size == 0 and kind == 0):  # block trailer / zero padding
                 pos += left
                 continue
-            chunk, pos = chunk + data[pos + 7:pos + 7 + size], pos + 7 + size
+            chunk, pos = chunk + data[pos + 7 : pos + 7 + size], pos + 7 + size
             if kind in (1, 4):  # a full record, or the last chunk of one
                 record = pb.Record()
                 record.ParseFromString(chunk)

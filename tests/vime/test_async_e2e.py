@@ -35,8 +35,17 @@ REPO = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.megatron]
 ASYNC = ("algo.max_staleness=1", "algo.correction=tis")
 # keys an asynchronous row adds (or measures differently: the re-scoring pass has its own time)
-ASYNC_KEYS = {"stale_groups", "requeued_groups", "mixed_samples", "stale_samples", "behaviour_checked_tokens",
-              "behaviour_check_rate", "rollout_staleness_max", "lag_share_1", *TIMING_KEYS}
+ASYNC_KEYS = {
+    "stale_groups",
+    "requeued_groups",
+    "mixed_samples",
+    "stale_samples",
+    "behaviour_checked_tokens",
+    "behaviour_check_rate",
+    "rollout_staleness_max",
+    "lag_share_1",
+    *TIMING_KEYS,
+}
 
 
 def _rows(out: Path) -> list[dict]:
@@ -45,8 +54,9 @@ def _rows(out: Path) -> list[dict]:
 
 def _vime(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
     env = os.environ | {"WANDB_MODE": "offline", "TOKENIZERS_PARALLELISM": "false"}
-    return subprocess.run([sys.executable, "-m", "vime.train", *args], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "vime.train", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def _train(out: Path, *overrides: str) -> list[dict]:
@@ -174,8 +184,9 @@ def test_in_flight_updates_over_gloo_stopped_and_resumed_equal_the_object_store_
     assert [r["step"] for r in rows] == [0, 1] and all(r["sync_transports"] == ["gloo"] for r in rows)
     assert rows[1]["mixed_samples"] > 0 and all(r["mismatch_count"] == 0 and r["tokens"] > 0 for r in rows)
     drop = set(TIMING_KEYS) | SYNC_KEYS
-    assert [{k: v for k, v in r.items() if k not in drop} for r in rows] == \
-        [{k: v for k, v in r.items() if k not in drop} for r in base_rows]
+    assert [{k: v for k, v in r.items() if k not in drop} for r in rows] == [
+        {k: v for k, v in r.items() if k not in drop} for r in base_rows
+    ]
     weights, base_weights = _weights(out), _weights(base)
     assert weights.keys() == base_weights.keys()
     for name, t in weights.items():

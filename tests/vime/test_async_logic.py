@@ -19,8 +19,15 @@ from vime.trainer.grpo import LossConfig, behaviour_weight, policy_loss
 
 def _sample(group: int, versions: list[int]) -> Sample:
     n = len(versions)
-    return Sample(group=group, prompt_ids=[1, 2], response_ids=list(range(3, 3 + n)), logprobs=[-1.0] * n,
-                  versions=versions, engine=0, temperature=1.0)
+    return Sample(
+        group=group,
+        prompt_ids=[1, 2],
+        response_ids=list(range(3, 3 + n)),
+        logprobs=[-1.0] * n,
+        versions=versions,
+        engine=0,
+        temperature=1.0,
+    )
 
 
 def test_lags_and_their_metrics():
@@ -90,8 +97,9 @@ def test_stale_tokens_are_weighted_and_the_lag0_check_sees_a_wrong_bit():
     lp = torch.tensor([-1.0, -2.0, -0.5], requires_grad=True)
     behaviour = torch.tensor([-1.0, -2.0 + 1e-3, -3.0])  # token 0 exact, token 1 one step off, token 2 stale
     fresh = torch.tensor([True, True, False])
-    loss, m = policy_loss(lp, behaviour, torch.ones(3), torch.ones(3), LossConfig(correction="tis", is_cap=2.0),
-                          fresh=fresh)
+    loss, m = policy_loss(
+        lp, behaviour, torch.ones(3), torch.ones(3), LossConfig(correction="tis", is_cap=2.0), fresh=fresh
+    )
     loss.backward()
     assert float(m["lag0_ratio_off"]) == 1 and float(m["lag0_tokens"]) == 2
     assert float(m["is_ratio_max"]) == pytest.approx(torch.exp(torch.tensor(2.5)).item())
@@ -99,17 +107,23 @@ def test_stale_tokens_are_weighted_and_the_lag0_check_sees_a_wrong_bit():
     assert lp.grad.tolist() == pytest.approx([-1 / 3, -torch.exp(torch.tensor(-1e-3)).item() / 3, -2 / 3])
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["algo.max_staleness=-1"], "algo.max_staleness=-1"),
-    (["algo.max_staleness=1"], "without an off-policy correction.*decoupled, tis or icepop"),
-    (["rollout.partial=true"], "rollout.partial=true with algo.max_staleness=0"),
-    (["algo.max_staleness=1", "algo.correction=vtrace"], "'vtrace' does not exist.*none, decoupled, tis, icepop"),
-    (["algo.max_staleness=2", "algo.correction=tis", "trainer.kept_versions=2"], "cannot cover algo.max_staleness=2"),
-    (["algo.max_staleness=1", "algo.correction=tis", "algo.is_cap=0.5"], "algo.is_cap"),
-    (["algo.max_staleness=1", "algo.correction=icepop", "algo.icepop_low=1.5"], "icepop_low"),
-    (["algo.max_staleness=1", "algo.correction=tis", "algo.behaviour_check=0"], "behaviour_check"),
-    (["algo.max_staleness=1", "algo.correction=tis", "trainer.scoring_pass=true"], "scoring_pass"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["algo.max_staleness=-1"], "algo.max_staleness=-1"),
+        (["algo.max_staleness=1"], "without an off-policy correction.*decoupled, tis or icepop"),
+        (["rollout.partial=true"], "rollout.partial=true with algo.max_staleness=0"),
+        (["algo.max_staleness=1", "algo.correction=vtrace"], "'vtrace' does not exist.*none, decoupled, tis, icepop"),
+        (
+            ["algo.max_staleness=2", "algo.correction=tis", "trainer.kept_versions=2"],
+            "cannot cover algo.max_staleness=2",
+        ),
+        (["algo.max_staleness=1", "algo.correction=tis", "algo.is_cap=0.5"], "algo.is_cap"),
+        (["algo.max_staleness=1", "algo.correction=icepop", "algo.icepop_low=1.5"], "icepop_low"),
+        (["algo.max_staleness=1", "algo.correction=tis", "algo.behaviour_check=0"], "behaviour_check"),
+        (["algo.max_staleness=1", "algo.correction=tis", "trainer.scoring_pass=true"], "scoring_pass"),
+    ],
+)
 def test_bad_async_settings_get_one_line_errors(compose_cfg, overrides, message):
     with pytest.raises(ConfigError, match=message) as info:
         validate(to_object(compose_cfg(*overrides)))
@@ -120,36 +134,74 @@ def test_kept_versions_default_covers_the_bound(compose_cfg):
     assert kept_versions(validate(to_object(compose_cfg()))) == 0
     cfg = validate(to_object(compose_cfg("algo.max_staleness=2", "algo.correction=icepop")))
     assert kept_versions(cfg) == 3
-    cfg = validate(to_object(compose_cfg("algo.max_staleness=1", "algo.correction=tis", "rollout.partial=true",
-                                         "trainer.kept_versions=4")))
+    cfg = validate(
+        to_object(
+            compose_cfg(
+                "algo.max_staleness=1", "algo.correction=tis", "rollout.partial=true", "trainer.kept_versions=4"
+            )
+        )
+    )
     assert kept_versions(cfg) == 4
 
 
 def test_the_h200_preset_takes_the_async_loop(compose_cfg):
-    cfg = validate(to_object(compose_cfg("+experiment=h200_8b_layers", "output_dir=/tmp/x", "algo.max_staleness=1",
-                                         "algo.correction=tis")))
+    cfg = validate(
+        to_object(
+            compose_cfg(
+                "+experiment=h200_8b_layers", "output_dir=/tmp/x", "algo.max_staleness=1", "algo.correction=tis"
+            )
+        )
+    )
     assert cfg.device == "cuda" and cfg.algo.max_staleness == 1 and kept_versions(cfg) == 2
     with pytest.raises(ConfigError, match="weights.transport=ipc on cuda.*no staging buffer.*object_store or gloo"):
-        validate(to_object(compose_cfg("+experiment=h200_8b_layers", "output_dir=/tmp/x", "algo.max_staleness=1",
-                                       "algo.correction=tis", "rollout.partial=true")))
+        validate(
+            to_object(
+                compose_cfg(
+                    "+experiment=h200_8b_layers",
+                    "output_dir=/tmp/x",
+                    "algo.max_staleness=1",
+                    "algo.correction=tis",
+                    "rollout.partial=true",
+                )
+            )
+        )
 
 
 @pytest.mark.parametrize("transport", ["object_store", "gloo", "auto"])
 def test_in_flight_updates_take_either_cpu_weight_path(compose_cfg, transport):
-    cfg = validate(to_object(compose_cfg("algo.max_staleness=1", "algo.correction=tis", "rollout.partial=true",
-                                         f"weights.transport={transport}")))
+    cfg = validate(
+        to_object(
+            compose_cfg(
+                "algo.max_staleness=1", "algo.correction=tis", "rollout.partial=true", f"weights.transport={transport}"
+            )
+        )
+    )
     assert cfg.rollout.partial and str(cfg.weights.transport) == transport
 
 
 def test_offpolicy_metrics_have_their_wandb_group():
     from vime.loop.record import StepRecord
 
-    out = StepRecord.from_row({"step": 0, "staleness_mean": 0.5, "lag_share_0": 0.5, "lag_share_3": 0.25,
-                               "is_ratio_max": 1.5, "lag0_ratio_off": 0, "behaviour_check_rate": 1.0}).wandb()
+    out = StepRecord.from_row(
+        {
+            "step": 0,
+            "staleness_mean": 0.5,
+            "lag_share_0": 0.5,
+            "lag_share_3": 0.25,
+            "is_ratio_max": 1.5,
+            "lag0_ratio_off": 0,
+            "behaviour_check_rate": 1.0,
+        }
+    ).wandb()
     offpolicy = {k: v for k, v in out.items() if k.startswith("offpolicy/")}
-    assert offpolicy == {"offpolicy/staleness_mean": 0.5, "offpolicy/lag_share_0": 0.5, "offpolicy/lag_share_3": 0.25,
-                         "offpolicy/is_ratio_max": 1.5, "offpolicy/lag0_ratio_off": 0,
-                         "offpolicy/behaviour_check_rate": 1.0}
+    assert offpolicy == {
+        "offpolicy/staleness_mean": 0.5,
+        "offpolicy/lag_share_0": 0.5,
+        "offpolicy/lag_share_3": 0.25,
+        "offpolicy/is_ratio_max": 1.5,
+        "offpolicy/lag0_ratio_off": 0,
+        "offpolicy/behaviour_check_rate": 1.0,
+    }
 
 
 def test_the_behaviour_gate_refuses_a_re_score_under_other_versions():
@@ -157,11 +209,22 @@ def test_the_behaviour_gate_refuses_a_re_score_under_other_versions():
     from vime.loop.async_loop import check_behaviour_comparable
 
     s = _sample(0, [3, 4])
-    good = Scored(token_ids=[3, 4], positions=[2, 3], logprobs=torch.zeros(2), version=4, temperature=1.0,
-                  vocab_size=0, versions=[3, 4])
+    good = Scored(
+        token_ids=[3, 4],
+        positions=[2, 3],
+        logprobs=torch.zeros(2),
+        version=4,
+        temperature=1.0,
+        vocab_size=0,
+        versions=[3, 4],
+    )
     check_behaviour_comparable([s], [good])
-    for bad, message in [({"versions": [4, 4]}, "re-scored under versions"), ({"positions": [1, 2]}, "positions"),
-                         ({"token_ids": [3, 5]}, "other token ids"), ({"temperature": 0.5}, "temperature")]:
+    for bad, message in [
+        ({"versions": [4, 4]}, "re-scored under versions"),
+        ({"positions": [1, 2]}, "positions"),
+        ({"token_ids": [3, 5]}, "other token ids"),
+        ({"temperature": 0.5}, "temperature"),
+    ]:
         with pytest.raises(ComparabilityError, match=message):
             check_behaviour_comparable([s], [Scored(**{**good.__dict__, **bad})])
 
@@ -175,11 +238,17 @@ def test_a_checkpoint_must_hold_what_the_asynchronous_loop_continues_from(compos
     lag2 = validate(to_object(compose_cfg("algo.max_staleness=2", "algo.correction=tis")))
     sync = validate(to_object(compose_cfg()))
     saved = {"version": 3, "async": {"max_staleness": 1, "inflight": {}}}
-    for cfg, state, message in [(lag1, {"version": 3}, "holds no rollouts in flight.*start a new run"),
-                                (lag2, saved, "saved by a run with algo.max_staleness=1, this run has "
-                                              "algo.max_staleness=2.*set algo.max_staleness=1 back"),
-                                (sync, saved, "algo.max_staleness=1, this run has algo.max_staleness=0"),
-                                (lag1, saved, r"lacks the kept weight versions \[2\]")]:
+    for cfg, state, message in [
+        (lag1, {"version": 3}, "holds no rollouts in flight.*start a new run"),
+        (
+            lag2,
+            saved,
+            "saved by a run with algo.max_staleness=1, this run has "
+            "algo.max_staleness=2.*set algo.max_staleness=1 back",
+        ),
+        (sync, saved, "algo.max_staleness=1, this run has algo.max_staleness=0"),
+        (lag1, saved, r"lacks the kept weight versions \[2\]"),
+    ]:
         with pytest.raises(CheckpointError, match=message) as info:
             check_resumable(cfg, state, tmp_path)
         assert "\n" not in str(info.value)

@@ -87,14 +87,23 @@ def test_strict_audit_names_the_trainer_logprob_boundary(strict_audit):
 
 def test_sides_differ_on_a_checkpoint_with_trainer_cp2(strict_audit, tmp_path):
     out, _, _ = strict_audit
-    report, stdout = _audit(tmp_path / "differ", f"model.path={out / 'model'}", "trainer.cp=2",
-                            "+trainer.boundary_modes.logprob=native", "audit.boundaries=[attention]")
+    report, stdout = _audit(
+        tmp_path / "differ",
+        f"model.path={out / 'model'}",
+        "trainer.cp=2",
+        "+trainer.boundary_modes.logprob=native",
+        "audit.boundaries=[attention]",
+    )
     base = report["rungs"][0]
     assert report["model_path"] == str(out / "model") and "cp=2" in report["trainer_engine"]
     assert base["mismatch_count"] > 0 and report["base_parity"] is False
     assert report["configured_native"] == {"rollout": [], "trainer": ["logprob"]}
     assert report["verdict"].startswith("BROKEN") and "configured native: trainer: logprob" in report["verdict"]
     assert base["contracts"]["logprobs"] == "native"
-    assert [r["rung"] for r in report["rungs"]] == ["base", "rollout re-score", "rollout:attention",
-                                                    "trainer:attention"]
+    assert [r["rung"] for r in report["rungs"]] == [
+        "base",
+        "rollout re-score",
+        "rollout:attention",
+        "trainer:attention",
+    ]
     assert "verdict: BROKEN" in stdout

@@ -51,8 +51,11 @@ def _cfg(compose_cfg, *overrides: str) -> VimeConfig:
 def test_weight_paths_follow_the_engines_nodes_not_shared_memory(compose_cfg):
     cpu = _cfg(compose_cfg)
     assert cpu.weights.transport == Transport.auto
-    assert engine_transports(cpu, "A", ["A", "B", "A"]) == [Transport.object_store, Transport.gloo,
-                                                            Transport.object_store]
+    assert engine_transports(cpu, "A", ["A", "B", "A"]) == [
+        Transport.object_store,
+        Transport.gloo,
+        Transport.object_store,
+    ]
     assert engine_transports(cpu, "A", ["A"]) == [Transport.object_store]  # one node: today's path
     forced = _cfg(compose_cfg, "weights.transport=object_store")
     assert engine_transports(forced, "A", ["B"]) == [Transport.object_store]  # an explicit path is kept
@@ -66,31 +69,47 @@ def _node(cpus: float, gpus: float = 0, **marks: float) -> dict[str, float]:
     return {"CPU": cpus, "GPU": gpus, **marks}
 
 
-@pytest.mark.parametrize("overrides, nodes, message", [
-    ((), [_node(4), _node(4, vime_trainer=1)], "no alive node of the cluster declares the resource 'vime_rollout'"),
-    (("rollout.num_engines=3",), [_node(2, vime_trainer=1), _node(2, vime_rollout=1)],
-     r"the rollout actors need 3 CPUs on the nodes that declare 'vime_rollout', which have 2 \(1 node"),
-    (("ray.cpus_per_actor=3",), [_node(4, vime_trainer=1), _node(2, vime_rollout=1), _node(2, vime_rollout=1)],
-     "one rollout actor needs 3 CPUs on one node that declares 'vime_rollout'; the largest has 2"),
-    (("weights.colocate=true", "ray.rollout_resource=null", "rollout.num_engines=2"),
-     [_node(2, vime_trainer=1), _node(8, vime_rollout=1)],
-     "the trainer and rollout actors need 3 CPUs on the nodes that declare 'vime_trainer', which have 2"),
-])
-def test_a_cluster_that_cannot_hold_a_role_is_refused_naming_what_is_missing(compose_cfg, overrides, nodes,
-                                                                            message):
+@pytest.mark.parametrize(
+    "overrides, nodes, message",
+    [
+        ((), [_node(4), _node(4, vime_trainer=1)], "no alive node of the cluster declares the resource 'vime_rollout'"),
+        (
+            ("rollout.num_engines=3",),
+            [_node(2, vime_trainer=1), _node(2, vime_rollout=1)],
+            r"the rollout actors need 3 CPUs on the nodes that declare 'vime_rollout', which have 2 \(1 node",
+        ),
+        (
+            ("ray.cpus_per_actor=3",),
+            [_node(4, vime_trainer=1), _node(2, vime_rollout=1), _node(2, vime_rollout=1)],
+            "one rollout actor needs 3 CPUs on one node that declares 'vime_rollout'; the largest has 2",
+        ),
+        (
+            ("weights.colocate=true", "ray.rollout_resource=null", "rollout.num_engines=2"),
+            [_node(2, vime_trainer=1), _node(8, vime_rollout=1)],
+            "the trainer and rollout actors need 3 CPUs on the nodes that declare 'vime_trainer', which have 2",
+        ),
+    ],
+)
+def test_a_cluster_that_cannot_hold_a_role_is_refused_naming_what_is_missing(compose_cfg, overrides, nodes, message):
     cfg = _cfg(compose_cfg, "+placement=disaggregated", *overrides)
     with pytest.raises(ConfigError, match=message):
         check_roles(cfg, nodes)
 
 
 def test_gpu_roles_are_placed_on_their_marked_nodes(compose_cfg):
-    cfg = _cfg(compose_cfg, "+experiment=qwen3_8b_grpo_tp2x4", "+placement=disaggregated", "model.path=/ckpt",
-               "ray.address=auto")
+    cfg = _cfg(
+        compose_cfg,
+        "+experiment=qwen3_8b_grpo_tp2x4",
+        "+placement=disaggregated",
+        "model.path=/ckpt",
+        "ray.address=auto",
+    )
     nodes = [_node(64, 8, vime_rollout=1), _node(64, 8, vime_trainer=1)]  # the rollout node listed first
     plan = check_layout(cfg, ray_node_gpus([{"Resources": n} for n in nodes]), QWEN3_8B, nodes)
     assert {n for n, _ in plan.trainer} == {1} and {n for e in plan.engines for n, _ in e} == {0}
-    with pytest.raises(ConfigError, match="the rollout actors need 8 GPUs on the nodes that declare 'vime_rollout', "
-                       "which have 2"):
+    with pytest.raises(
+        ConfigError, match="the rollout actors need 8 GPUs on the nodes that declare 'vime_rollout', which have 2"
+    ):
         check_layout(cfg, [8, 2], QWEN3_8B, [_node(64, 8, vime_trainer=1), _node(64, 2, vime_rollout=1)])
     assert role_resources(cfg) == {"trainer": "vime_trainer", "rollout": "vime_rollout"}
 
@@ -111,8 +130,11 @@ def test_role_marks_need_a_cluster_and_colocation_shares_the_trainers_nodes(comp
 def _listening(port: int) -> set[str]:
     import psutil
 
-    return {c.laddr.ip for c in psutil.Process().net_connections(kind="inet")
-            if c.status == psutil.CONN_LISTEN and c.laddr.port == port}
+    return {
+        c.laddr.ip
+        for c in psutil.Process().net_connections(kind="inet")
+        if c.status == psutil.CONN_LISTEN and c.laddr.port == port
+    }
 
 
 def test_a_store_listens_on_the_node_address_only():
@@ -162,11 +184,23 @@ def test_a_trainer_world_of_two_nodes_forms_over_the_node_addresses():
     rank 1 joins it there, and both put gloo on the interface of their node address (`lo` here)."""
     env = os.environ | {"PYTHONPATH": str(REPO)}
     env.pop("GLOO_SOCKET_IFNAME", None)
-    r0 = subprocess.Popen([sys.executable, "-c", RANK, "127.0.0.2", "0", "127.0.0.2", "0"], env=env,
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.PIPE, text=True)
+    r0 = subprocess.Popen(
+        [sys.executable, "-c", RANK, "127.0.0.2", "0", "127.0.0.2", "0"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        stdin=subprocess.PIPE,
+        text=True,
+    )
     port = r0.stdout.readline().split()[1]
-    r1 = subprocess.Popen([sys.executable, "-c", RANK, "127.0.0.3", "1", "127.0.0.2", "0"], env=env,
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.PIPE, text=True)
+    r1 = subprocess.Popen(
+        [sys.executable, "-c", RANK, "127.0.0.3", "1", "127.0.0.2", "0"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        stdin=subprocess.PIPE,
+        text=True,
+    )
     out1, err1 = r1.communicate(port + "\n", timeout=120)
     out0, err0 = r0.communicate(timeout=120)
     assert r0.returncode == 0 and r1.returncode == 0, err0[-2000:] + err1[-2000:]
@@ -227,9 +261,13 @@ def cluster(tmp_path_factory):
     """Head node = node A (the trainer's: `vime_trainer`, 2 CPUs, the host's address), rollout nodes B
     (127.0.0.3) and C (127.0.0.4), 2 CPUs each; the test process is connected as a driver."""
 
-    yield from _connected({"num_cpus": 2, "resources": {"vime_trainer": 1}},
-                          {"B": {"num_cpus": 2, "resources": {"vime_rollout": 1}, "node_ip_address": "127.0.0.3"},
-                           "C": {"num_cpus": 2, "resources": {"vime_rollout": 1}, "node_ip_address": "127.0.0.4"}})
+    yield from _connected(
+        {"num_cpus": 2, "resources": {"vime_trainer": 1}},
+        {
+            "B": {"num_cpus": 2, "resources": {"vime_rollout": 1}, "node_ip_address": "127.0.0.3"},
+            "C": {"num_cpus": 2, "resources": {"vime_rollout": 1}, "node_ip_address": "127.0.0.4"},
+        },
+    )
 
 
 def _connected(head: dict, workers: dict):
@@ -249,8 +287,11 @@ def _actor_on(cls, node_id: str, *args):
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    return ray.remote(cls).options(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)
-                                   ).remote(*args)
+    return (
+        ray.remote(cls)
+        .options(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False))
+        .remote(*args)
+    )
 
 
 def _mismatches(a: list[list[float]], b) -> int:
@@ -280,14 +321,14 @@ def test_one_sync_serves_a_local_and_a_remote_engine_each_over_its_path(cluster,
     cfg = VimeConfig()
     paths = engine_transports(cfg, node_a, [node_a, node_b])
     assert paths == [Transport.object_store, Transport.gloo]
-    engines = [_actor_on(RolloutWorker, n, i, rcfg, str(tiny_qwen3_path), "bfloat16", "cpu", strict, 0, str(p))
-               for i, (n, p) in enumerate(zip((node_a, node_b), paths))]
-    trainer = _actor_on(TrainerWorker, node_a, 0, 1, tcfg, str(tiny_qwen3_path), "bfloat16", "cpu", strict, 0,
-                        0.0, 0.2)
+    engines = [
+        _actor_on(RolloutWorker, n, i, rcfg, str(tiny_qwen3_path), "bfloat16", "cpu", strict, 0, str(p))
+        for i, (n, p) in enumerate(zip((node_a, node_b), paths))
+    ]
+    trainer = _actor_on(TrainerWorker, node_a, 0, 1, tcfg, str(tiny_qwen3_path), "bfloat16", "cpu", strict, 0, 0.0, 0.2)
     try:
         ray.get(trainer.start.remote("file:///unused"))
-        where = ray.get([e.__ray_call__.remote(lambda self: ray.get_runtime_context().get_node_id())
-                         for e in engines])
+        where = ray.get([e.__ray_call__.remote(lambda self: ray.get_runtime_context().get_node_id()) for e in engines])
         assert where == [node_a, node_b]
         prompts = [(g, [3 + g, 7, 11 + g, 5]) for g in range(2)]
         samples = ray.get(engines[0].generate.remote(prompts, 4, 6, 1.0, [], 0))
@@ -297,8 +338,9 @@ def test_one_sync_serves_a_local_and_a_remote_engine_each_over_its_path(cluster,
         assert ray.get(trainer.train_step.remote(samples))["version"] == 1
         timeline = Timeline(num_engines=2)
         timeline.trained()
-        stats = sync_weights([trainer], engines, 1, 1 << 20, timeline, lambda refs, what, names: ray.get(refs),
-                             paths, "reference")
+        stats = sync_weights(
+            [trainer], engines, 1, 1 << 20, timeline, lambda refs, what, names: ray.get(refs), paths, "reference"
+        )
         assert stats["sync_transports"] == ["object_store", "gloo"] and stats["sync_bytes"] > 0
         assert timeline.engine_versions == [1, 1]
         trained = ray.get(trainer.score.remote(samples))
@@ -317,9 +359,22 @@ def _rows(path: Path) -> list[dict]:
 
 
 def _train(out: Path, address: str, *overrides: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "vime.train", "+placement=disaggregated", f"ray.address={address}",
-                             f"output_dir={out}", *overrides], cwd=REPO, env=os.environ | TRAIN_ENV,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "vime.train",
+            "+placement=disaggregated",
+            f"ray.address={address}",
+            f"output_dir={out}",
+            *overrides,
+        ],
+        cwd=REPO,
+        env=os.environ | TRAIN_ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def _wait_rows(proc: subprocess.Popen, metrics: Path, n: int, timeout_s: float = 1800) -> None:
@@ -352,8 +407,15 @@ def test_two_node_run_strict_over_gloo_survives_the_loss_of_its_rollout_node(clu
     import ray
 
     out = tmp_path / "run"
-    proc = _train(out, cluster.address, "rollout.num_engines=2", "steps=4", "checkpoint.every=1",
-                  "compare=native", "ray.restart_wait_s=120")
+    proc = _train(
+        out,
+        cluster.address,
+        "rollout.num_engines=2",
+        "steps=4",
+        "checkpoint.every=1",
+        "compare=native",
+        "ray.restart_wait_s=120",
+    )
     try:
         _wait_rows(proc, out / "metrics.jsonl", 2)
         engine_node = _engine_node("rollout-0")
@@ -369,8 +431,10 @@ def test_two_node_run_strict_over_gloo_survives_the_loss_of_its_rollout_node(clu
             proc.communicate()
     assert proc.returncode == 0, text[-8000:]
     remaining = next(iter(cluster.nodes.values()))
-    assert f"placement: trainer rank 0 on node {placement.node_address(trainer_node)}; rollout engine 0 on node " \
-           f"{placement.node_address(engine_node)} (weights over gloo)" in text, text[-8000:]
+    assert (
+        f"placement: trainer rank 0 on node {placement.node_address(trainer_node)}; rollout engine 0 on node "
+        f"{placement.node_address(engine_node)} (weights over gloo)" in text
+    ), text[-8000:]
     for i in (0, 1):
         assert f"rollout engine {i} moves to node {remaining.node_ip_address} (weights over gloo)" in text
     assert "Traceback" not in text, text[-8000:]
@@ -392,14 +456,25 @@ def opt_cluster(request):
 
     if "cluster" not in (request.config.option.markexpr or ""):
         pytest.skip("opt-in: several vime.train runs on a simulated cluster (minutes); run with -m cluster")
-    yield from _connected({"num_cpus": 0},
-                          {"A": {"num_cpus": 1, "resources": {"vime_trainer": 1}, "node_ip_address": "127.0.0.2"},
-                           "B": {"num_cpus": 1, "resources": {"vime_rollout": 1}, "node_ip_address": "127.0.0.3"}})
+    yield from _connected(
+        {"num_cpus": 0},
+        {
+            "A": {"num_cpus": 1, "resources": {"vime_trainer": 1}, "node_ip_address": "127.0.0.2"},
+            "B": {"num_cpus": 1, "resources": {"vime_rollout": 1}, "node_ip_address": "127.0.0.3"},
+        },
+    )
 
 
 def _resume(out: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "vime.train", f"resume={out}"], cwd=REPO, env=os.environ | TRAIN_ENV,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=900)
+    return subprocess.run(
+        [sys.executable, "-m", "vime.train", f"resume={out}"],
+        cwd=REPO,
+        env=os.environ | TRAIN_ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=900,
+    )
 
 
 def _lose_after_step(proc: subprocess.Popen, out: Path, cluster, name: str, step: int) -> str:
@@ -427,12 +502,16 @@ def test_a_lost_rollout_node_without_capacity_left_stops_the_run_and_resume_fini
     proc = _train(out, opt_cluster.address, "steps=4", "checkpoint.every=1", "ray.restart_wait_s=10")
     text = _lose_after_step(proc, out, opt_cluster, "B", 0)
     assert proc.returncode == 1, text[-6000:]
-    assert "EngineDiedError: rollout engine 0 died, its node 127.0.0.3 is gone, and no alive node took its bundle " \
-        "{'CPU': 1.0, 'vime_rollout': 0.001} within ray.restart_wait_s=10 s" in text \
-        and "(a node must declare 'vime_rollout'); add capacity to the cluster and resume" in text, text[-6000:]
+    assert (
+        "EngineDiedError: rollout engine 0 died, its node 127.0.0.3 is gone, and no alive node took its bundle "
+        "{'CPU': 1.0, 'vime_rollout': 0.001} within ray.restart_wait_s=10 s"
+        in text
+        and "(a node must declare 'vime_rollout'); add capacity to the cluster and resume" in text
+    ), text[-6000:]
     assert f"with: python -m vime.train resume={out}" in text and "Traceback" not in text, text[-6000:]
-    opt_cluster.nodes["B2"] = add_node(opt_cluster.cluster, num_cpus=1, resources={"vime_rollout": 1},
-                                       node_ip_address="127.0.0.4")
+    opt_cluster.nodes["B2"] = add_node(
+        opt_cluster.cluster, num_cpus=1, resources={"vime_rollout": 1}, node_ip_address="127.0.0.4"
+    )
     done = _resume(out)
     assert done.returncode == 0, done.stdout[-6000:]
     rows = _rows(out / "metrics.jsonl")
@@ -450,8 +529,9 @@ def test_a_lost_trainer_node_stops_the_run_and_resume_on_a_new_one_finishes_it(o
     assert proc.returncode == 1, text[-6000:]
     assert "EngineDiedError: trainer rank 0 died during" in text and "Traceback" not in text, text[-6000:]
     assert f"with: python -m vime.train resume={out}" in text, text[-6000:]
-    opt_cluster.nodes["A2"] = add_node(opt_cluster.cluster, num_cpus=1, resources={"vime_trainer": 1},
-                                       node_ip_address="127.0.0.5")
+    opt_cluster.nodes["A2"] = add_node(
+        opt_cluster.cluster, num_cpus=1, resources={"vime_trainer": 1}, node_ip_address="127.0.0.5"
+    )
     done = _resume(out)
     assert done.returncode == 0, done.stdout[-6000:]
     rows = _rows(out / "metrics.jsonl")

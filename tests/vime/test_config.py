@@ -19,8 +19,13 @@ def test_default_config_is_the_cpu_tiny_run(compose_cfg):
 
 
 def test_overrides_and_boundary_modes(compose_cfg):
-    cfg = validate(to_object(compose_cfg("rollout.mode=native", "trainer.mode=native", "steps=2",
-                                         "+rollout.boundary_modes.attention=strict")))
+    cfg = validate(
+        to_object(
+            compose_cfg(
+                "rollout.mode=native", "trainer.mode=native", "steps=2", "+rollout.boundary_modes.attention=strict"
+            )
+        )
+    )
     assert cfg.steps == 2
     modes = side_modes(cfg.rollout.mode, cfg.rollout.boundary_modes)
     assert modes["attention"] == "strict" and modes["gemm"] == "native"
@@ -36,27 +41,33 @@ def test_experiment_overlay_needs_a_model_path(compose_cfg, monkeypatch):
     assert (cfg.weights.transport, cfg.weights.colocate) == ("ipc", True)
 
 
-@pytest.mark.parametrize("override, message", [
-    ("rollout.mode=bogus", "expected one of"),
-    ("steps=many", "steps"),
-    ("no_such_key=1", "no_such_key"),
-    ("trainer.engine=deepspeed", "expected one of"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("rollout.mode=bogus", "expected one of"),
+        ("steps=many", "steps"),
+        ("no_such_key=1", "no_such_key"),
+        ("trainer.engine=deepspeed", "expected one of"),
+    ],
+)
 def test_malformed_overrides_are_rejected(compose_cfg, override, message):
     with pytest.raises(ConfigCompositionException) as info:
         compose_cfg(override)
     assert message in str(info.value) + str(info.value.__cause__)
 
 
-@pytest.mark.parametrize("override, message", [
-    ("algo.group_size=1", "group_size"),
-    ("algo.temperature=0", "temperature"),
-    ("trainer.tp=3", "TP must divide 8"),
-    ("steps=0", "steps"),
-    ("+trainer.boundary_modes.softmax=native", "unknown boundaries"),
-    ("algo.prompts_per_step=64", "max_num_seqs"),
-    ("trainer.lr=-1", "lr"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("algo.group_size=1", "group_size"),
+        ("algo.temperature=0", "temperature"),
+        ("trainer.tp=3", "TP must divide 8"),
+        ("steps=0", "steps"),
+        ("+trainer.boundary_modes.softmax=native", "unknown boundaries"),
+        ("algo.prompts_per_step=64", "max_num_seqs"),
+        ("trainer.lr=-1", "lr"),
+    ],
+)
 def test_values_that_cannot_run_are_rejected(compose_cfg, override, message):
     with pytest.raises(ConfigError, match=message):
         validate(to_object(compose_cfg(override)))

@@ -28,8 +28,8 @@ def test_identical_bits_have_no_mismatch():
 def test_one_ulp_is_a_mismatch_and_the_worst_token_is_located():
     a = [-torch.rand(4) - 0.5, -torch.rand(6) - 0.5]
     b = [t.clone() for t in a]
-    b[1][2] = _next_up(b[1][2:3])[0]                 # 1 ulp
-    b[1][4] = b[1][4] + 0.25                          # the worst
+    b[1][2] = _next_up(b[1][2:3])[0]  # 1 ulp
+    b[1][4] = b[1][4] + 0.25  # the worst
     b[0][0] = _next_up(b[0][0:1])[0]
     r = compare(a, b, positions=[[10, 11, 12, 13], [7, 8, 9, 10, 11, 12]], token_ids=[[1, 2, 3, 4], list(range(6))])
     assert r.mismatch_count == 3 and r.tokens == 10
@@ -51,11 +51,14 @@ def test_nan_is_the_worst_mismatch():
     assert r.mismatch_count == 2 and r.worst["index"] == 1
 
 
-@pytest.mark.parametrize("a, b, message", [
-    ([torch.zeros(3)], [torch.zeros(4)], "3 rollout logprobs vs 4"),
-    ([torch.zeros(3)], [torch.zeros(3, dtype=torch.float64)], "must be fp32"),
-    ([torch.zeros(3)], [], "1 rollout samples vs 0"),
-])
+@pytest.mark.parametrize(
+    "a, b, message",
+    [
+        ([torch.zeros(3)], [torch.zeros(4)], "3 rollout logprobs vs 4"),
+        ([torch.zeros(3)], [torch.zeros(3, dtype=torch.float64)], "must be fp32"),
+        ([torch.zeros(3)], [], "1 rollout samples vs 0"),
+    ],
+)
 def test_incomparable_shapes_are_errors(a, b, message):
     with pytest.raises(ComparabilityError, match=message):
         compare(a, b)
@@ -69,10 +72,24 @@ def test_rollout_floats_must_be_exact_fp32():
 
 
 def _pair(rollout: dict | None = None, trainer: dict | None = None) -> tuple[Sample, Scored]:
-    s = Sample(group=0, prompt_ids=[5, 6, 7], response_ids=[8, 9], logprobs=[-1.0, -2.0], versions=[3, 3], engine=0,
-               temperature=0.7, vocab_size=512)
-    t = Scored(token_ids=[8, 9], positions=[3, 4], logprobs=torch.tensor([-1.0, -2.0]), version=3, temperature=0.7,
-               vocab_size=512)
+    s = Sample(
+        group=0,
+        prompt_ids=[5, 6, 7],
+        response_ids=[8, 9],
+        logprobs=[-1.0, -2.0],
+        versions=[3, 3],
+        engine=0,
+        temperature=0.7,
+        vocab_size=512,
+    )
+    t = Scored(
+        token_ids=[8, 9],
+        positions=[3, 4],
+        logprobs=torch.tensor([-1.0, -2.0]),
+        version=3,
+        temperature=0.7,
+        vocab_size=512,
+    )
     return dataclasses.replace(s, **(rollout or {})), dataclasses.replace(t, **(trainer or {}))
 
 
@@ -81,16 +98,19 @@ def test_gate_passes_a_comparable_pair():
     check_comparable([s], [t], version=3)
 
 
-@pytest.mark.parametrize("rollout, trainer, message", [
-    ({"versions": [3, 2]}, {}, "weight versions \\[2\\]"),
-    ({}, {"version": 4}, "trainer scored with version 4"),
-    ({}, {"token_ids": [8, 10]}, "other token ids"),
-    ({}, {"positions": [2, 3]}, "positions"),
-    ({}, {"temperature": 1.0}, "temperature"),
-    ({}, {"vocab_size": 640}, "vocab range"),
-    ({"top_k": 50}, {}, "top_k=50"),
-    ({"logprobs": [-1.0]}, {}, "2 tokens but 1 logprobs"),
-])
+@pytest.mark.parametrize(
+    "rollout, trainer, message",
+    [
+        ({"versions": [3, 2]}, {}, "weight versions \\[2\\]"),
+        ({}, {"version": 4}, "trainer scored with version 4"),
+        ({}, {"token_ids": [8, 10]}, "other token ids"),
+        ({}, {"positions": [2, 3]}, "positions"),
+        ({}, {"temperature": 1.0}, "temperature"),
+        ({}, {"vocab_size": 640}, "vocab range"),
+        ({"top_k": 50}, {}, "top_k=50"),
+        ({"logprobs": [-1.0]}, {}, "2 tokens but 1 logprobs"),
+    ],
+)
 def test_gate_failures_are_errors_not_mismatches(rollout, trainer, message):
     s, t = _pair(rollout, trainer)
     with pytest.raises(ComparabilityError, match=message):
@@ -147,8 +167,9 @@ def test_sampling_log_softmax_pairs_with_the_trainers_logprobs():
     verdict = check_contracts(rollout, trainer, STRICT, STRICT)
     assert verdict["log_softmax"] == verdict["logprobs"] == "paired"
     with pytest.raises(ComparabilityError, match="'log_softmax' / 'logprobs'"):
-        check_contracts([r | {"device_type": "cuda"} if r["op"] == "log_softmax" else r for r in rollout], trainer,
-                        STRICT, STRICT)
+        check_contracts(
+            [r | {"device_type": "cuda"} if r["op"] == "log_softmax" else r for r in rollout], trainer, STRICT, STRICT
+        )
 
 
 def test_a_rollout_that_records_the_trainers_op_samples_with_its_partner_on_any_backend():
@@ -195,8 +216,19 @@ def test_a_cpu_driver_checks_the_gpu_gemm_contract_of_its_deployment(driver_tp, 
     from rl_kernel.ops.gemm import triton_contract
 
     contract = triton_contract(2)
-    record = {"op": "gemm", "contract_id": contract.id, "fingerprint": contract.fingerprint, "mode": "strict",
-              "device_type": "cuda", "backend": "triton"}
-    out = subprocess.run([sys.executable, "-c", GPU_GEMM_RECORD, str(driver_tp), json.dumps(record)],
-                         capture_output=True, text=True, timeout=120, check=True).stdout
+    record = {
+        "op": "gemm",
+        "contract_id": contract.id,
+        "fingerprint": contract.fingerprint,
+        "mode": "strict",
+        "device_type": "cuda",
+        "backend": "triton",
+    }
+    out = subprocess.run(
+        [sys.executable, "-c", GPU_GEMM_RECORD, str(driver_tp), json.dumps(record)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout
     assert out.startswith(verdict), out

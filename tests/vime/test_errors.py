@@ -21,8 +21,14 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _cli(*overrides: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "vime.train", *overrides], cwd=REPO, capture_output=True, text=True,
-                          timeout=120, env=os.environ | {"WANDB_MODE": "offline"})
+    return subprocess.run(
+        [sys.executable, "-m", "vime.train", *overrides],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=os.environ | {"WANDB_MODE": "offline"},
+    )
 
 
 @pytest.mark.slow

@@ -17,8 +17,10 @@ import time
 import psutil
 import pytest
 
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's"),
+]
 
 PARENT = textwrap.dedent("""
     import os, sys, time

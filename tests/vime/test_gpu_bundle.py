@@ -21,6 +21,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.slow  # the bundle is packed with the xz binary and staged by the stage script
 
+
 def _load(name: str):
     spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
@@ -60,8 +61,14 @@ def bundle(tmp_path: Path) -> dict:
     manifest = vb.pack(_fake_site(tmp_path), built, 60_000, {"vllm": "0.26.0", "torch_pin": TORCH}, level="1")
     assert len(manifest["parts"]) == 3
     (repo / ".bundle").mkdir()
-    return {"repo": repo, "built": built, "manifest": manifest, "store": tmp_path / "store",
-            "site": tmp_path / "vsite", "env": repo / ".bundle" / "env.sh"}
+    return {
+        "repo": repo,
+        "built": built,
+        "manifest": manifest,
+        "store": tmp_path / "store",
+        "site": tmp_path / "vsite",
+        "env": repo / ".bundle" / "env.sh",
+    }
 
 
 def _carry(b: dict, *indices: int) -> None:
@@ -97,18 +104,27 @@ def test_parts_arrive_one_per_transfer_then_unpack(bundle: dict) -> None:
     assert os.access(site / "ray" / "core" / "raylet", os.X_OK)
     eps = (site / "vime-0.1.0.dist-info" / "entry_points.txt").read_text()
     assert "[vllm.general_plugins]" in eps and "rl_kernel = rl_kernel.integrations.vllm:register" in eps
-    expected = (f"export PYTHONPATH={bundle['repo'].resolve()}:{site.resolve()}${{PYTHONPATH:+:$PYTHONPATH}} "
-                "VLLM_USE_FLASHINFER_SAMPLER=0")  # FlashInfer is not in the bundle
+    expected = (
+        f"export PYTHONPATH={bundle['repo'].resolve()}:{site.resolve()}${{PYTHONPATH:+:$PYTHONPATH}} "
+        "VLLM_USE_FLASHINFER_SAMPLER=0"
+    )  # FlashInfer is not in the bundle
     assert lines[-1] == expected and bundle["env"].read_text().strip() == expected
 
 
 def test_entry_point_is_found_through_importlib_metadata(bundle: dict) -> None:
     _carry(bundle, 0, 1, 2)
     assert _stage(bundle)[0] == vb.READY
-    code = ("from importlib.metadata import entry_points; "
-            "print([e.value for e in entry_points(group='vllm.general_plugins') if e.name == 'rl_kernel'])")
-    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(bundle["site"])},
-                         capture_output=True, text=True, check=True).stdout
+    code = (
+        "from importlib.metadata import entry_points; "
+        "print([e.value for e in entry_points(group='vllm.general_plugins') if e.name == 'rl_kernel'])"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, "PYTHONPATH": str(bundle["site"])},
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     assert "rl_kernel.integrations.vllm:register" in out
 
 
@@ -143,8 +159,13 @@ def test_corrupt_part_is_refused_by_name_and_good_parts_are_kept(bundle: dict) -
 
 
 def test_part_of_another_bundle_is_refused(bundle: dict, tmp_path: Path) -> None:
-    other = vb.pack(_fake_site(tmp_path / "other"), tmp_path / "other_built", 60_000,
-                    {"vllm": "0.26.0", "torch_pin": TORCH}, level="1")
+    other = vb.pack(
+        _fake_site(tmp_path / "other"),
+        tmp_path / "other_built",
+        60_000,
+        {"vllm": "0.26.0", "torch_pin": TORCH},
+        level="1",
+    )
     _carry(bundle)
     stray = other["parts"][0]["name"]
     shutil.copy(tmp_path / "other_built" / stray, bundle["repo"] / ".bundle" / stray)
@@ -203,9 +224,22 @@ def test_stage_script_exit_codes(bundle: dict) -> None:
     script = REPO / "scripts" / "vime_bundle.py"
 
     def run(*extra: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, str(script), "--store", str(bundle["store"]), "--site",
-                               str(bundle["site"]), "--torch-version", "2.11.0+cu130", *extra],
-                              cwd=bundle["repo"], capture_output=True, text=True)
+        return subprocess.run(
+            [
+                sys.executable,
+                str(script),
+                "--store",
+                str(bundle["store"]),
+                "--site",
+                str(bundle["site"]),
+                "--torch-version",
+                "2.11.0+cu130",
+                *extra,
+            ],
+            cwd=bundle["repo"],
+            capture_output=True,
+            text=True,
+        )
 
     _carry(bundle, 0)
     assert run().returncode == vb.MORE_PARTS
@@ -217,8 +251,10 @@ def test_stage_script_exit_codes(bundle: dict) -> None:
     assert (bundle["repo"] / ".bundle" / "env.sh").is_file()
 
 
-@pytest.mark.parametrize(("machine", "ok"), [("2.11.0+cu130", True), ("2.11", True), ("2.11.0", True),
-                                             ("2.11.1+cu130", False), ("2.13.0", False)])
+@pytest.mark.parametrize(
+    ("machine", "ok"),
+    [("2.11.0+cu130", True), ("2.11", True), ("2.11.0", True), ("2.11.1+cu130", False), ("2.13.0", False)],
+)
 def test_torch_pin_compares_release_numbers(machine: str, ok: bool) -> None:
     manifest = {"versions": {"vllm": "0.26.0", "torch_pin": "2.11.0"}}
     if ok:
@@ -233,12 +269,15 @@ def test_build_helpers_read_pins_and_requirements(tmp_path: Path) -> None:
     assert gb.torch_pin(VLLM_META) == TORCH
     assert gb.torch_pin("Requires-Dist: torch>=2.0\nRequires-Dist: torch==9; extra == 'x'\n") is None
     site = tmp_path / "s"
-    for name, version, reqs in [("a", "1.0", ["b>=2", "numpy", "mistral_common[image]>=1", "c; python_version<'3'"]),
-                                ("b", "2.1", [])]:
+    for name, version, reqs in [
+        ("a", "1.0", ["b>=2", "numpy", "mistral_common[image]>=1", "c; python_version<'3'"]),
+        ("b", "2.1", []),
+    ]:
         d = site / f"{name}-{version}.dist-info"
         d.mkdir(parents=True)
-        (d / "METADATA").write_text(f"Name: {name}\nVersion: {version}\n"
-                                    + "".join(f"Requires-Dist: {r}\n" for r in reqs))
+        (d / "METADATA").write_text(
+            f"Name: {name}\nVersion: {version}\n" + "".join(f"Requires-Dist: {r}\n" for r in reqs)
+        )
     assert gb.check_requirements(gb.installed(site), "3.12") == ["numpy"]
     (site / "a-1.0.dist-info" / "METADATA").write_text("Name: a\nVersion: 1.0\nRequires-Dist: b>=3\n")
     with pytest.raises(SystemExit, match="a needs b>=3, the bundle has b 2.1"):

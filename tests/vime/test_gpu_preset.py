@@ -18,17 +18,35 @@ from vime.config.schema import Mode, RolloutBackend, TrainerBackend, to_object, 
 
 PRESET = "+experiment=h200_8b_layers"
 TWO_GPUS = ("ray.num_gpus=2", "ray.gpus_per_actor=1", "weights.transport=nccl", "weights.colocate=false")
-CPU = ("device=cpu", "ray.num_gpus=0", "ray.gpus_per_actor=0", "ray.num_cpus=2", "ray.cpus_per_actor=1",
-       "weights.transport=object_store", "weights.colocate=false",
-       "model.tiny.vocab_size=512", "model.tiny.hidden_size=64", "model.tiny.intermediate_size=128",
-       "model.tiny.num_layers=2", "model.tiny.num_heads=2", "model.tiny.num_kv_heads=2", "model.tiny.head_dim=32",
-       "algo.prompts_per_step=2", "algo.group_size=4", "algo.max_new_tokens=4")
+CPU = (
+    "device=cpu",
+    "ray.num_gpus=0",
+    "ray.gpus_per_actor=0",
+    "ray.num_cpus=2",
+    "ray.cpus_per_actor=1",
+    "weights.transport=object_store",
+    "weights.colocate=false",
+    "model.tiny.vocab_size=512",
+    "model.tiny.hidden_size=64",
+    "model.tiny.intermediate_size=128",
+    "model.tiny.num_layers=2",
+    "model.tiny.num_heads=2",
+    "model.tiny.num_kv_heads=2",
+    "model.tiny.head_dim=32",
+    "algo.prompts_per_step=2",
+    "algo.group_size=4",
+    "algo.max_new_tokens=4",
+)
 
 
 def _hf_config(cfg) -> dict:
     t = cfg.model.tiny
-    return {"num_attention_heads": t.num_heads, "num_key_value_heads": t.num_kv_heads,
-            "intermediate_size": t.intermediate_size, "vocab_size": t.vocab_size}
+    return {
+        "num_attention_heads": t.num_heads,
+        "num_key_value_heads": t.num_kv_heads,
+        "intermediate_size": t.intermediate_size,
+        "vocab_size": t.vocab_size,
+    }
 
 
 def test_h200_preset_composes_validates_and_places_on_one_and_two_gpus(compose_cfg):
@@ -37,8 +55,14 @@ def test_h200_preset_composes_validates_and_places_on_one_and_two_gpus(compose_c
     assert cfg.rollout.engine == RolloutBackend.reference and cfg.trainer.engine == TrainerBackend.megatron
     assert cfg.rollout.mode == cfg.trainer.mode == Mode.strict and cfg.model.dtype == "bfloat16"
     t = cfg.model.tiny
-    assert (t.vocab_size, t.hidden_size, t.intermediate_size, t.num_heads, t.num_kv_heads, t.head_dim) == \
-        (151936, 4096, 12288, 32, 8, 128)
+    assert (t.vocab_size, t.hidden_size, t.intermediate_size, t.num_heads, t.num_kv_heads, t.head_dim) == (
+        151936,
+        4096,
+        12288,
+        32,
+        8,
+        128,
+    )
     assert cfg.wandb.mode == "disabled" and not cfg.checkpoint.final and not cfg.checkpoint.export_hf
     one = check_layout(cfg, [1], _hf_config(cfg))  # trainer and engine share GPU 0
     assert one.gpus_used == 1 and one.engines == [one.trainer]
@@ -47,8 +71,13 @@ def test_h200_preset_composes_validates_and_places_on_one_and_two_gpus(compose_c
     plan = check_layout(two, [2], _hf_config(two))  # trainer on GPU 0, engine on GPU 1
     assert plan.trainer == [(0, 0)] and plan.engines == [[(0, 1)]] and plan.gpus_used == 2
     preflight.check_local_resources(two)
-    native = validate(to_object(compose_cfg(PRESET, "output_dir=/tmp/x", "rollout.mode=native",
-                                            "trainer.mode=native", "fail_on_mismatch=false")))
+    native = validate(
+        to_object(
+            compose_cfg(
+                PRESET, "output_dir=/tmp/x", "rollout.mode=native", "trainer.mode=native", "fail_on_mismatch=false"
+            )
+        )
+    )
     assert native.rollout.mode == native.trainer.mode == Mode.native
     cpu = validate(to_object(compose_cfg(PRESET, "output_dir=/tmp/x", *CPU)))
     assert check_layout(cpu, [0], _hf_config(cpu)).gpus_used == 0
@@ -58,8 +87,14 @@ def test_h200_preset_composes_validates_and_places_on_one_and_two_gpus(compose_c
 @pytest.mark.megatron
 def test_h200_preset_runs_on_cpu_with_reference_rollout_and_megatron(tmp_path):
     out = tmp_path / "run"
-    proc = subprocess.run(train_cmd(PRESET, *CPU, "steps=2", f"output_dir={out}"), cwd=REPO,
-                          env=os.environ | TRAIN_ENV, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        train_cmd(PRESET, *CPU, "steps=2", f"output_dir={out}"),
+        cwd=REPO,
+        env=os.environ | TRAIN_ENV,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1]

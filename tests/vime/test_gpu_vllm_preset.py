@@ -14,8 +14,16 @@ from vime.errors import ConfigError
 
 PRESET = "+experiment=h200_vllm"
 H200_BYTES = 143771 * 2**20
-QWEN3_8B = {"hidden_size": 4096, "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8,
-            "head_dim": 128, "intermediate_size": 12288, "vocab_size": 151936, "tie_word_embeddings": False}
+QWEN3_8B = {
+    "hidden_size": 4096,
+    "num_hidden_layers": 36,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "intermediate_size": 12288,
+    "vocab_size": 151936,
+    "tie_word_embeddings": False,
+}
 
 
 def test_vllm_preset_composes_with_vllm_rollout_sleep_and_ipc(compose_cfg):
@@ -42,11 +50,14 @@ def test_gpu_memory_check_names_the_layers_that_fit(compose_cfg):
     preflight.check_gpu_memory(tp8, QWEN3_8B, H200_BYTES)  # an eighth of the state per rank
 
 
-@pytest.mark.parametrize("overrides, match", [
-    (("rollout.sleep_level=3",), "use 0 \\(never sleep\\), 1"),
-    (("device=cpu", "rollout.sleep_level=1"), "sleep mode is vLLM's, on CUDA"),
-    (("rollout.engine=reference", "rollout.sleep_level=1"), "sleep mode is vLLM's, on CUDA"),
-])
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        (("rollout.sleep_level=3",), "use 0 \\(never sleep\\), 1"),
+        (("device=cpu", "rollout.sleep_level=1"), "sleep mode is vLLM's, on CUDA"),
+        (("rollout.engine=reference", "rollout.sleep_level=1"), "sleep mode is vLLM's, on CUDA"),
+    ],
+)
 def test_sleep_level_is_refused_where_it_cannot_run(compose_cfg, overrides, match):
     with pytest.raises(ConfigError, match=match):
         validate(to_object(compose_cfg(PRESET, "output_dir=/tmp/x", *overrides)))

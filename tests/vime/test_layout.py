@@ -38,19 +38,32 @@ def test_tp2x4_preset_on_a_second_node(compose_cfg):
     assert {n for n, _ in plan.trainer} == {0} and all(len(e) == 2 and e[0][0] == 1 for e in plan.engines)
 
 
-@pytest.mark.parametrize("preset, overrides, nodes, model, message", [
-    ("qwen3_8b_grpo", (), [8 - 1], QWEN3_8B, "no node with 4 free GPUs"),  # 7 GPUs: the second TP group lacks one
-    ("qwen3_8b_grpo_tp2x4", (), [8], QWEN3_8B, "rollout engine 0"),  # engines need a second node
-    ("qwen3_8b_grpo", (), [4, 4], QWEN3_8B | {"num_attention_heads": 30}, "does not divide the model's "
-     "num_attention_heads=30"),
-    ("qwen3_8b_grpo_tp2x4", ("rollout.tp=8", *ONE), [8, 8], QWEN3_8B | {"num_key_value_heads": 4},
-     "rollout.tp=8 does not divide the model's num_key_value_heads=4"),
-    ("qwen3_8b_grpo", ONE, [8], QWEN3_8B, "must cover exactly the trainer's GPUs"),
-    ("qwen3_8b_grpo", ("weights.transport=nccl",), [8], QWEN3_8B, "CUDA IPC serves engines colocated"),
-    ("qwen3_8b_grpo_tp2x4", ("weights.transport=object_store",), [8, 8], QWEN3_8B, "object_store on GPUs"),
-    ("qwen3_8b_grpo", (), [0], QWEN3_8B, "no GPUs"),
-    ("qwen3_8b_grpo", ("trainer.cp=1", *ONE), [2, 2], QWEN3_8B, "trainer TP group of 4"),
-])
+@pytest.mark.parametrize(
+    "preset, overrides, nodes, model, message",
+    [
+        ("qwen3_8b_grpo", (), [8 - 1], QWEN3_8B, "no node with 4 free GPUs"),  # 7 GPUs: the second TP group lacks one
+        ("qwen3_8b_grpo_tp2x4", (), [8], QWEN3_8B, "rollout engine 0"),  # engines need a second node
+        (
+            "qwen3_8b_grpo",
+            (),
+            [4, 4],
+            QWEN3_8B | {"num_attention_heads": 30},
+            "does not divide the model's num_attention_heads=30",
+        ),
+        (
+            "qwen3_8b_grpo_tp2x4",
+            ("rollout.tp=8", *ONE),
+            [8, 8],
+            QWEN3_8B | {"num_key_value_heads": 4},
+            "rollout.tp=8 does not divide the model's num_key_value_heads=4",
+        ),
+        ("qwen3_8b_grpo", ONE, [8], QWEN3_8B, "must cover exactly the trainer's GPUs"),
+        ("qwen3_8b_grpo", ("weights.transport=nccl",), [8], QWEN3_8B, "CUDA IPC serves engines colocated"),
+        ("qwen3_8b_grpo_tp2x4", ("weights.transport=object_store",), [8, 8], QWEN3_8B, "object_store on GPUs"),
+        ("qwen3_8b_grpo", (), [0], QWEN3_8B, "no GPUs"),
+        ("qwen3_8b_grpo", ("trainer.cp=1", *ONE), [2, 2], QWEN3_8B, "trainer TP group of 4"),
+    ],
+)
 def test_layouts_that_cannot_run_fail_before_any_engine(compose_cfg, preset, overrides, nodes, model, message):
     cfg = _preset(compose_cfg, preset, *overrides)
     with pytest.raises(ConfigError, match=message):

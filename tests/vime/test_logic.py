@@ -32,7 +32,7 @@ def test_group_advantages_normalise_within_each_group():
 
 def test_policy_loss_clips_and_adds_k3_kl():
     lp = torch.tensor([-1.0, -1.0, -1.0], requires_grad=True)
-    old = torch.tensor([-1.0, -1.5, -0.5])   # ratios 1, e^0.5 (clipped for A > 0), e^-0.5
+    old = torch.tensor([-1.0, -1.5, -0.5])  # ratios 1, e^0.5 (clipped for A > 0), e^-0.5
     adv = torch.tensor([1.0, 1.0, -1.0])
     loss, stats = policy_loss(lp, old, adv, torch.ones(3), LossConfig(clip_low=0.2, clip_high=0.2))
     expected = -(1.0 + 1.2 * 1.0 + torch.exp(torch.tensor(-0.5)).clamp(0.8, 1.2) * -1.0) / 3

@@ -34,8 +34,16 @@ def test_single_node_trainer_world_listens_on_loopback_only():
     env = os.environ | placement.single_node_env(cfg)
     assert rendezvous.startswith("/tmp/vime_rdzv_") and env["GLOO_SOCKET_IFNAME"] == "lo"
     try:
-        ranks = [subprocess.Popen([sys.executable, "-c", RANK, f"file://{rendezvous}", str(r)], env=env,
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+        ranks = [
+            subprocess.Popen(
+                [sys.executable, "-c", RANK, f"file://{rendezvous}", str(r)],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for r in range(2)
+        ]
         outs = [p.communicate(timeout=120) for p in ranks]
     finally:
         if os.path.exists(rendezvous):

@@ -26,8 +26,9 @@ def _both(path) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     trainer.micro_batch_size = None  # the scoring pass packs all sequences together
     scored, _ = trainer.score(SEQS, PLENS, 1.0)
     trainer.micro_batch_size = 1  # the training step packs one sequence per micro-batch
-    stats = trainer.train_step(TrainBatch(SEQS, PLENS, [1.0, -0.5, 0.25], [s.clone() for s in scored],
-                                          keep_logprobs=True))
+    stats = trainer.train_step(
+        TrainBatch(SEQS, PLENS, [1.0, -0.5, 0.25], [s.clone() for s in scored], keep_logprobs=True)
+    )
     return scored, stats["logprobs"]
 
 
@@ -36,4 +37,3 @@ def test_the_training_forward_scores_in_the_scoring_pass_bits(tiny_qwen3_path):
         scored, trained = _both(tiny_qwen3_path)
     assert [t.shape for t in trained] == [torch.Size([len(s) - p]) for s, p in zip(SEQS, PLENS)]
     assert bit_mismatches(scored, trained) == 0
-

@@ -24,8 +24,9 @@ REPO = Path(__file__).resolve().parents[2]
 
 def _cli(*overrides: str) -> subprocess.CompletedProcess:
     env = os.environ | {"WANDB_MODE": "offline"}
-    return subprocess.run([sys.executable, "-m", "vime.train", *overrides], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "vime.train", *overrides], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
+    )
 
 
 def test_unknown_plus_key_under_a_group_is_rejected(compose_cfg):
@@ -48,8 +49,11 @@ def test_unknown_key_on_the_command_line_leaves_no_directory(tmp_path):
 
 def test_response_longer_than_max_model_len_is_rejected(compose_cfg):
     cfg = validate(to_object(compose_cfg("algo.max_new_tokens=10000")))
-    with pytest.raises(ConfigError, match=r"max_new_tokens=10000 \+ the longest prompt \(12 tokens\) = 10012 > "
-                                          r"rollout.max_model_len=256; lower algo.max_new_tokens to at most 244"):
+    with pytest.raises(
+        ConfigError,
+        match=r"max_new_tokens=10000 \+ the longest prompt \(12 tokens\) = 10012 > "
+        r"rollout.max_model_len=256; lower algo.max_new_tokens to at most 244",
+    ):
         preflight.check_lengths(cfg, [[1] * 5, [2] * 12])
     preflight.check_lengths(validate(to_object(compose_cfg("algo.max_new_tokens=244"))), [[2] * 12])
 
@@ -61,7 +65,8 @@ def test_a_context_longer_than_the_model_is_refused_before_any_directory(tmp_pat
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1] == (
         "config error: rollout.max_model_len=8192 > the model's context (max_position_embeddings=4096 in the tiny "
-        "model vime makes (model.path unset)); set rollout.max_model_len <= 4096")
+        "model vime makes (model.path unset)); set rollout.max_model_len <= 4096"
+    )
     assert not out.exists()
     model = tmp_path / "m"
     model.mkdir()
@@ -77,12 +82,21 @@ def test_a_mistyped_key_is_answered_in_one_line_with_the_nearest_key(tmp_path):
     assert proc.returncode == 1 and "+stpes" not in proc.stderr and "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines() == [
         "config error: unknown config key stpes (did you mean steps?); `python -m vime.train --cfg job` lists every "
-        "key (vime/config/schema.py documents them)"]
+        "key (vime/config/schema.py documents them)"
+    ]
     keys, free = rundir.schema_keys()
     groups = rundir._config_groups()  # read from the repository's configs/
     assert {"experiment", "placement"} <= groups and "trainer.lr" in keys and "rollout.boundary_modes" in free
-    for good in ("steps=3", "trainer.lr=0.1", "+rollout.boundary_modes.attention=native", "+experiment=qwen3_8b_grpo",
-                 "hydra.verbose=true", "hydra/job_logging=disabled", "--cfg", "resume=/x"):
+    for good in (
+        "steps=3",
+        "trainer.lr=0.1",
+        "+rollout.boundary_modes.attention=native",
+        "+experiment=qwen3_8b_grpo",
+        "hydra.verbose=true",
+        "hydra/job_logging=disabled",
+        "--cfg",
+        "resume=/x",
+    ):
         assert rundir.unknown_override(good, keys, free, groups) is None, good
     assert "(did you mean trainer.lr?)" in rundir.unknown_override("trainer.lrr=1", keys, free, groups)
     assert "unknown config key algo.nope" in rundir.unknown_override("+algo.nope=1", keys, free, groups)
@@ -104,8 +118,9 @@ def test_unsupported_architecture_and_truncated_weights_are_named(tmp_path):
     model = Path(make_tiny_qwen3(tmp_path / "m", seed=0))
     preflight.check_checkpoint(model)
     config = json.loads((model / "config.json").read_text())
-    (model / "config.json").write_text(json.dumps(config | {"model_type": "llama",
-                                                            "architectures": ["LlamaForCausalLM"]}))
+    (model / "config.json").write_text(
+        json.dumps(config | {"model_type": "llama", "architectures": ["LlamaForCausalLM"]})
+    )
     with pytest.raises(DataError, match=rf"{model / 'config.json'}: model_type='llama'.*not supported.*Qwen3"):
         preflight.check_checkpoint(model)
     (model / "config.json").write_text(json.dumps(config))
@@ -183,8 +198,9 @@ def test_resume_runs_the_recorded_config_and_refuses_changes(compose_cfg, tmp_pa
         rundir.prepare(cfg)
         assert cfg.trainer.lr == 0.5 and cfg.steps == 6 and cfg.output_dir == str(tmp_path)
         assert cfg.hydra.output_subdir.startswith(".hydra/resume-")
-        cfg = compose(config_name="config", overrides=[f"resume={tmp_path}", "trainer.lr=0.1"],
-                      return_hydra_config=True)
+        cfg = compose(
+            config_name="config", overrides=[f"resume={tmp_path}", "trainer.lr=0.1"], return_hydra_config=True
+        )
         with pytest.raises(ConfigError, match=r"trainer.lr cannot be set"):
             rundir.prepare(cfg)
         cfg = compose(config_name="config", overrides=[f"resume={tmp_path / 'none'}"], return_hydra_config=True)
@@ -207,12 +223,16 @@ def test_resume_of_a_complete_run_says_so_and_how_to_extend_it(compose_cfg, tmp_
     (tmp_path / "hf_model" / "model.safetensors").write_bytes(b"")
     with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
         cfg = compose(config_name="config", overrides=[f"resume={tmp_path}"], return_hydra_config=True)
-        with pytest.raises(ConfigError, match=rf"resume={tmp_path}: that run is complete \(4 steps done, steps=4\); "
-                                              rf"to train it further give more steps: .*python -m vime.train "
-                                              rf"resume={tmp_path.resolve()} steps=8"):
+        with pytest.raises(
+            ConfigError,
+            match=rf"resume={tmp_path}: that run is complete \(4 steps done, steps=4\); "
+            rf"to train it further give more steps: .*python -m vime.train "
+            rf"resume={tmp_path.resolve()} steps=8",
+        ):
             rundir.prepare(cfg)
-        rundir.prepare(compose(config_name="config", overrides=[f"resume={tmp_path}", "steps=6"],
-                               return_hydra_config=True))
+        rundir.prepare(
+            compose(config_name="config", overrides=[f"resume={tmp_path}", "steps=6"], return_hydra_config=True)
+        )
         (tmp_path / "hf_model" / "model.safetensors").unlink()  # stopped between the last checkpoint and the export
         rundir.prepare(compose(config_name="config", overrides=[f"resume={tmp_path}"], return_hydra_config=True))
 
@@ -255,8 +275,9 @@ def test_stale_temporary_files_are_swept_and_live_ones_kept(tmp_path):
         d.mkdir(parents=True)
     (orphan_tmp / "vllm_dist_0123").write_text("")
     with held.open() as keep_open:
-        removed = stops.sweep_stale({str(tmp_path / "vllm_dist_*"): 120.0}, str(tmp_path / "vime_rdzv_*"),
-                                     str(tmp_path / "vime_tmp_*"))
+        removed = stops.sweep_stale(
+            {str(tmp_path / "vllm_dist_*"): 120.0}, str(tmp_path / "vime_rdzv_*"), str(tmp_path / "vime_tmp_*")
+        )
         assert keep_open.readable()
     assert sorted(removed) == sorted([str(stale), str(orphan), str(orphan_tmp)])
     assert not stale.exists() and fresh.exists() and held.exists() and live.exists()
@@ -265,18 +286,39 @@ def test_stale_temporary_files_are_swept_and_live_ones_kept(tmp_path):
 
 def test_vllm_on_gpus_takes_ipc_and_nccl(compose_cfg):
     # the seed's layout: 2 vLLM engines x TP4 colocated on the trainer's 8 GPUs, each rank shipping its GPU's handles
-    preflight.check_weight_transport(validate(to_object(compose_cfg("+experiment=qwen3_8b_grpo",
-                                                                    "model.path=/ckpt/Qwen3-8B"))))
-    preflight.check_weight_transport(validate(to_object(compose_cfg("+experiment=h200_8b_layers",
-                                                                    "rollout.engine=vllm"))))
+    preflight.check_weight_transport(
+        validate(to_object(compose_cfg("+experiment=qwen3_8b_grpo", "model.path=/ckpt/Qwen3-8B")))
+    )
+    preflight.check_weight_transport(
+        validate(to_object(compose_cfg("+experiment=h200_8b_layers", "rollout.engine=vllm")))
+    )
     # 4 vLLM engines x TP2 on a second node, weights through vLLM's own nccl engine
-    preflight.check_weight_transport(validate(to_object(compose_cfg("+experiment=qwen3_8b_grpo_tp2x4",
-                                                                    "model.path=/ckpt/Qwen3-8B"))))
-    preflight.check_weight_transport(validate(to_object(compose_cfg(
-        "+experiment=h200_8b_layers", "rollout.engine=vllm", "weights.transport=nccl", "weights.colocate=false"))))
-    with pytest.raises(ConfigError, match="rollout.engine=vllm with weights.transport=object_store on GPUs: a vLLM "
-                                          "engine on CUDA takes weights only as a push of trainer rank 0"):
-        preflight.check_weight_transport(validate(to_object(compose_cfg(
-            "+experiment=h200_8b_layers", "rollout.engine=vllm", "weights.transport=object_store"))))
+    preflight.check_weight_transport(
+        validate(to_object(compose_cfg("+experiment=qwen3_8b_grpo_tp2x4", "model.path=/ckpt/Qwen3-8B")))
+    )
+    preflight.check_weight_transport(
+        validate(
+            to_object(
+                compose_cfg(
+                    "+experiment=h200_8b_layers",
+                    "rollout.engine=vllm",
+                    "weights.transport=nccl",
+                    "weights.colocate=false",
+                )
+            )
+        )
+    )
+    with pytest.raises(
+        ConfigError,
+        match="rollout.engine=vllm with weights.transport=object_store on GPUs: a vLLM "
+        "engine on CUDA takes weights only as a push of trainer rank 0",
+    ):
+        preflight.check_weight_transport(
+            validate(
+                to_object(
+                    compose_cfg("+experiment=h200_8b_layers", "rollout.engine=vllm", "weights.transport=object_store")
+                )
+            )
+        )
     preflight.check_weight_transport(validate(to_object(compose_cfg("+experiment=h200_8b_layers"))))
     preflight.check_weight_transport(validate(to_object(compose_cfg())))  # vLLM on CPU: the object store

@@ -11,12 +11,32 @@ from hypothesis import strategies as st
 
 from vime.loop.record import StepRecord
 
-ROW = {"step": 3, "version": 3, "next_version": 4, "reward_mean": 0.5, "tokens": 255, "mismatch_count": 0,
-       "max_abs_diff": 0.0, "mean_abs_diff": 0.0, "loss": 1e-9, "grad_norm": 0.5, "sync_s": 0.1,
-       "sync_transports": ["object_store"], "staleness_mean": 0.25, "staleness_max": 1, "lag_share_0": 0.75,
-       "lag_share_1": 0.25, "rollout_s": 1.0, "step_s": 2.0, "contracts": {"gemm": "same"}, "strict": True,
-       "engine_restarts": 0, "rollout_engine": "vllm", "trainer_engine": "megatron",
-       "samples": [["a=", "a", 1.0]]}
+ROW = {
+    "step": 3,
+    "version": 3,
+    "next_version": 4,
+    "reward_mean": 0.5,
+    "tokens": 255,
+    "mismatch_count": 0,
+    "max_abs_diff": 0.0,
+    "mean_abs_diff": 0.0,
+    "loss": 1e-9,
+    "grad_norm": 0.5,
+    "sync_s": 0.1,
+    "sync_transports": ["object_store"],
+    "staleness_mean": 0.25,
+    "staleness_max": 1,
+    "lag_share_0": 0.75,
+    "lag_share_1": 0.25,
+    "rollout_s": 1.0,
+    "step_s": 2.0,
+    "contracts": {"gemm": "same"},
+    "strict": True,
+    "engine_restarts": 0,
+    "rollout_engine": "vllm",
+    "trainer_engine": "megatron",
+    "samples": [["a=", "a", 1.0]],
+}
 
 
 def test_a_row_reads_back_into_the_same_row_through_json():
@@ -47,7 +67,8 @@ def test_an_undeclared_metric_is_refused_by_name():
 
 @given(st.floats(allow_nan=True, allow_infinity=True), st.floats(allow_nan=False, allow_infinity=True, width=32))
 def test_non_finite_values_survive_the_json_row(loss, max_abs_diff):
-    back = StepRecord.from_row(json.loads(json.dumps(StepRecord.from_row(
-        ROW | {"loss": loss, "max_abs_diff": max_abs_diff}).row())))
-    assert (math.isnan(back.train.loss) if math.isnan(loss) else back.train.loss == loss)
+    back = StepRecord.from_row(
+        json.loads(json.dumps(StepRecord.from_row(ROW | {"loss": loss, "max_abs_diff": max_abs_diff}).row()))
+    )
+    assert math.isnan(back.train.loss) if math.isnan(loss) else back.train.loss == loss
     assert back.consistency.max_abs_diff == max_abs_diff

@@ -21,16 +21,47 @@ def _records(rows: list[dict]) -> list[StepRecord]:
 
 
 def _rows(n: int, mismatch: int = 0, strict: bool = True) -> list[dict]:
-    return [{"step": i, "version": i, "next_version": i + 1, "reward_mean": 0.1 + 0.8 * i / max(1, n - 1),
-             "reward_std": 0.1, "tokens": 128, "mismatch_count": mismatch, "max_abs_diff": 1e-3 * mismatch,
-             "step_s": 1.0 + i, "strict": strict, "loss": 0.0, "grad_norm": 0.5,
-             **({"worst_sample": 3, "worst_position": 4, "worst_token_id": 77, "worst_rollout": -1.25,
-                 "worst_trainer": -1.5} if mismatch else {})} for i in range(n)]
+    return [
+        {
+            "step": i,
+            "version": i,
+            "next_version": i + 1,
+            "reward_mean": 0.1 + 0.8 * i / max(1, n - 1),
+            "reward_std": 0.1,
+            "tokens": 128,
+            "mismatch_count": mismatch,
+            "max_abs_diff": 1e-3 * mismatch,
+            "step_s": 1.0 + i,
+            "strict": strict,
+            "loss": 0.0,
+            "grad_norm": 0.5,
+            **(
+                {
+                    "worst_sample": 3,
+                    "worst_position": 4,
+                    "worst_token_id": 77,
+                    "worst_rollout": -1.25,
+                    "worst_trainer": -1.5,
+                }
+                if mismatch
+                else {}
+            ),
+        }
+        for i in range(n)
+    ]
 
 
 def test_wandb_keys_are_grouped():
-    row = _rows(1)[0] | {"sync_s": 0.2, "sync_bytes": 10.0, "rollout_s": 1.0, "contracts": {"gemm": "same"},
-                         "strict": True, "samples": [("a=", "a", 1.0)], "clip_frac": 0.0, "tied_groups": 2}
+    row = _rows(1)[0] | {
+        "sync_s": 0.2,
+        "sync_bytes": 10.0,
+        "rollout_s": 1.0,
+        "contracts": {"gemm": "same"},
+        "strict": True,
+        "samples": [("a=", "a", 1.0)],
+        "clip_frac": 0.0,
+        "tied_groups": 2,
+    }
     out = StepRecord.from_row(row).wandb()
     assert out["consistency/mismatch_count"] == 0 and out["consistency/max_abs_diff"] == 0.0
     assert out["rollout/reward_mean"] == row["reward_mean"] and out["rollout/tied_groups"] == 2
@@ -64,11 +95,24 @@ def test_summary_says_what_zero_means_and_where_outputs_are(tmp_path):
 
 
 def test_summary_has_a_per_step_table_of_phase_timings_and_sync_rate(tmp_path):
-    rows = [r | {"rollout_s": 1.5, "score_s": 0.25, "train_s": 0.5, "sync_s": 2.0, "sync_bytes": 4.0e9,
-                 "sync_gbps": 2.0} for r in _rows(3)]
+    rows = [
+        r | {"rollout_s": 1.5, "score_s": 0.25, "train_s": 0.5, "sync_s": 2.0, "sync_bytes": 4.0e9, "sync_gbps": 2.0}
+        for r in _rows(3)
+    ]
     table = report.step_table(_records(rows))
-    assert table[0].split() == ["step", "tokens", "mismatch", "max|diff|", "rollout_s", "score_s", "train_s",
-                                "sync_s", "sync_GB", "sync_GB/s", "step_s"]
+    assert table[0].split() == [
+        "step",
+        "tokens",
+        "mismatch",
+        "max|diff|",
+        "rollout_s",
+        "score_s",
+        "train_s",
+        "sync_s",
+        "sync_GB",
+        "sync_GB/s",
+        "step_s",
+    ]
     assert table[2].split() == ["1", "128", "0", "0.00e+00", "1.50", "0.25", "0.50", "2.00", "4.000", "2.00", "2.00"]
     assert "\n".join(table) in "\n".join(report.summary_lines(_records(rows), tmp_path, None, "/m"))
     long = report.step_table(_records(_rows(30)), max_rows=4)  # a long run's first and last steps; missing: '-'
@@ -92,8 +136,16 @@ def test_summary_of_a_complete_run_says_so_and_how_to_extend_it(tmp_path):
     text = "\n".join(lines)
     assert "run complete     all 10 steps done; to train further: " in text
     assert f"-m vime.train resume={tmp_path.resolve()} steps=20" in text and "continue with" not in text
-    stopped = "\n".join(report.summary_lines(_records(_rows(10)), tmp_path, None, "/m", steps=40,  # stop_after
-                                              last_checkpoint=last))
+    stopped = "\n".join(
+        report.summary_lines(
+            _records(_rows(10)),
+            tmp_path,
+            None,
+            "/m",
+            steps=40,  # stop_after
+            last_checkpoint=last,
+        )
+    )
     assert f"(continue with: {report.python_command()} -m vime.train resume={tmp_path.resolve()})" in stopped
     assert "run complete" not in stopped
 
@@ -118,36 +170,48 @@ def test_console_lines_are_short_and_carry_no_colour_codes():
     assert re.fullmatch(r"\d\d:\d\d:\d\d warning: rollout engine 0 died", fmt.format(warn))
 
 
-RAY_INIT_FAILURE = "\n".join([
-    "The actor died because of an error raised in its creation task, "
-    "\x1b[36mray::rollout-0:RolloutWorker.__init__()"
-    "\x1b[39m (pid=20149, ip=127.0.0.1, actor_id=73d2, repr=<vime.rollout.actor.RolloutWorker object at 0x7f2d>)",
-    '  File "/x/vllm/engine/arg_utils.py", line 1955, in create_model_config',
-    "    return ModelConfig(",
-    "           ^^^^^^^^^^^^",
-    "TypeError: cannot pickle 'ArgsKwargs' object",
-    '  File "/x/pydantic/_internal/_dataclasses.py", line 121, in __init__',
-    "    s.__pydantic_validator__.validate_python(ArgsKwargs(args, kwargs), self_instance=s)",
-    "pydantic_core._pydantic_core.ValidationError: 1 validation error for ModelConfig",
-    "  Value error, User-specified max_model_len (8192) is greater than the derived max_model_len "
-    "(max_position_embeddings=4096.0 or model_max_length=None in model's config.json). To allow overriding this "
-    "maximum, set the env var VLLM_ALLOW_LONG_MAX_MODEL_LEN=1. [type=value_error]",
-    "    For further information visit https://errors.pydantic.dev/2.14/v/value_error"])
-RAY_PROCESS_DEATH = "\n".join([
-    "The actor died unexpectedly before finishing this task.", "\tclass_name: RolloutWorker", "\tactor_id: 8f3a",
-    "\tpid: 4242", "\tname: rollout-0",
-    "The actor is dead because its worker process has died. Worker exit type: SYSTEM_ERROR Worker exit detail: "
-    "Worker unexpectedly exits with a connection error code 2. End of LOG stream is reached. The process may have "
-    "been killed by SIGKILL by the OOM killer or by a user; check the raylet logs for more details."])
+RAY_INIT_FAILURE = "\n".join(
+    [
+        "The actor died because of an error raised in its creation task, "
+        "\x1b[36mray::rollout-0:RolloutWorker.__init__()"
+        "\x1b[39m (pid=20149, ip=127.0.0.1, actor_id=73d2, repr=<vime.rollout.actor.RolloutWorker object at 0x7f2d>)",
+        '  File "/x/vllm/engine/arg_utils.py", line 1955, in create_model_config',
+        "    return ModelConfig(",
+        "           ^^^^^^^^^^^^",
+        "TypeError: cannot pickle 'ArgsKwargs' object",
+        '  File "/x/pydantic/_internal/_dataclasses.py", line 121, in __init__',
+        "    s.__pydantic_validator__.validate_python(ArgsKwargs(args, kwargs), self_instance=s)",
+        "pydantic_core._pydantic_core.ValidationError: 1 validation error for ModelConfig",
+        "  Value error, User-specified max_model_len (8192) is greater than the derived max_model_len "
+        "(max_position_embeddings=4096.0 or model_max_length=None in model's config.json). To allow overriding this "
+        "maximum, set the env var VLLM_ALLOW_LONG_MAX_MODEL_LEN=1. [type=value_error]",
+        "    For further information visit https://errors.pydantic.dev/2.14/v/value_error",
+    ]
+)
+RAY_PROCESS_DEATH = "\n".join(
+    [
+        "The actor died unexpectedly before finishing this task.",
+        "\tclass_name: RolloutWorker",
+        "\tactor_id: 8f3a",
+        "\tpid: 4242",
+        "\tname: rollout-0",
+        "The actor is dead because its worker process has died. Worker exit type: SYSTEM_ERROR Worker exit detail: "
+        "Worker unexpectedly exits with a connection error code 2. End of LOG stream is reached. The process may have "
+        "been killed by SIGKILL by the OOM killer or by a user; check the raylet logs for more details.",
+    ]
+)
 
 
 def test_an_actor_death_is_one_line_with_its_own_cause_first_and_the_log_last(tmp_path):
     cause = report.death_cause(RAY_INIT_FAILURE)
-    assert cause.startswith("ValidationError: 1 validation error for ModelConfig Value error, User-specified "
-                            "max_model_len (8192) is greater than the derived max_model_len")
+    assert cause.startswith(
+        "ValidationError: 1 validation error for ModelConfig Value error, User-specified "
+        "max_model_len (8192) is greater than the derived max_model_len"
+    )
     assert len(cause) <= 300 and "\x1b" not in cause and "errors.pydantic.dev" not in cause
-    assert report.death_cause(RAY_PROCESS_DEATH) == ("its process ended (exit detail: Worker unexpectedly exits "
-                                                     "with a connection error code 2)")
+    assert report.death_cause(RAY_PROCESS_DEATH) == (
+        "its process ended (exit detail: Worker unexpectedly exits with a connection error code 2)"
+    )
     report.ENGINE_LOG[0] = tmp_path / "engines.log"
     try:
         msg = report.actor_died_message("rollout engine 0", "start", RuntimeError(RAY_INIT_FAILURE))
@@ -176,8 +240,7 @@ def test_the_printed_python_command_runs_as_printed(monkeypatch, tmp_path):
 @pytest.mark.parametrize("compare", [False, True])
 def test_plot_run_writes_one_figure(tmp_path, compare):
     twin = _records(_rows(6, mismatch=100, strict=False)) if compare else None
-    path = report.plot_run(_records(_rows(6)), tmp_path / "c.png", twin,
-                           task="copy")
+    path = report.plot_run(_records(_rows(6)), tmp_path / "c.png", twin, task="copy")
     assert path.stat().st_size > 10_000
 
 
@@ -197,21 +260,43 @@ def test_modes_label():
 
 
 def _rung(name, side, boundary, mismatch, tokens=10):
-    return {"rung": name, "side": side, "boundary": boundary, "mismatch_count": mismatch, "tokens": tokens,
-            "max_abs_diff": 0.01 * mismatch, "worst": None, "ran": ["gemm:strict:rl_kernel.gemm.torch.v1[ab]"],
-            "error": None}
+    return {
+        "rung": name,
+        "side": side,
+        "boundary": boundary,
+        "mismatch_count": mismatch,
+        "tokens": tokens,
+        "max_abs_diff": 0.01 * mismatch,
+        "worst": None,
+        "ran": ["gemm:strict:rl_kernel.gemm.torch.v1[ab]"],
+        "error": None,
+    }
 
 
 def _report(base_mismatch: int) -> dict:
-    rungs = [_rung("base", None, None, base_mismatch), _rung("rollout re-score", "rollout", None, 0),
-             _rung("rollout:attention", "rollout", "attention", 3), _rung("trainer:logprob", "trainer", "logprob", 10),
-             _rung("trainer:norm", "trainer", "norm", 0)]
+    rungs = [
+        _rung("base", None, None, base_mismatch),
+        _rung("rollout re-score", "rollout", None, 0),
+        _rung("rollout:attention", "rollout", "attention", 3),
+        _rung("trainer:logprob", "trainer", "logprob", 10),
+        _rung("trainer:norm", "trainer", "norm", 0),
+    ]
     modes = {"rollout": {"attention": "strict"}, "trainer": {"attention": "strict"}}
     breaking = {"rollout": ["attention"], "trainer": ["logprob"]}
     configured = {"rollout": [], "trainer": ["logprob"] if base_mismatch else []}
-    return {"samples": 4, "tokens": 10, "version": 0, "model_path": "/m", "rollout_engine": "r", "trainer_engine": "t",
-            "base_modes": modes, "base_parity": base_mismatch == 0, "breaking": breaking, "rungs": rungs,
-            "verdict": audit.verdict_text(rungs[0], breaking, configured)}
+    return {
+        "samples": 4,
+        "tokens": 10,
+        "version": 0,
+        "model_path": "/m",
+        "rollout_engine": "r",
+        "trainer_engine": "t",
+        "base_modes": modes,
+        "base_parity": base_mismatch == 0,
+        "breaking": breaking,
+        "rungs": rungs,
+        "verdict": audit.verdict_text(rungs[0], breaking, configured),
+    }
 
 
 def test_audit_verdict_names_breaking_boundaries(tmp_path):

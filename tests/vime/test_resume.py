@@ -45,15 +45,22 @@ def _weights(out: Path) -> dict[str, torch.Tensor]:
 
 def _start(out: Path, *overrides: str) -> subprocess.Popen:
     """`python -m vime.train` into `out`, console (stdout and stderr together) captured."""
-    return subprocess.Popen(train_cmd(*overrides, f"output_dir={out}"), cwd=REPO, env=os.environ | TRAIN_ENV,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(
+        train_cmd(*overrides, f"output_dir={out}"),
+        cwd=REPO,
+        env=os.environ | TRAIN_ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def _printed_python() -> str:
     """The interpreter a command printed by a run started from REPO names: this one, runnable as printed."""
     rel = os.path.relpath(sys.executable, REPO)
-    return "python" if shutil.which("python") == sys.executable else (rel if not rel.startswith("..") else
-                                                                       sys.executable)
+    return (
+        "python" if shutil.which("python") == sys.executable else (rel if not rel.startswith("..") else sys.executable)
+    )
 
 
 def _stop_after_first_checkpoint(out: Path) -> tuple[int, str]:
@@ -80,14 +87,23 @@ def test_stopped_then_resumed_run_is_identical_in_bits(strict_run, tmp_path):
     assert wandb_exit_codes(out) == [143]  # W&B records the stop's exit code, not 0
 
     log_size = (out / "train.log").stat().st_size
-    again = subprocess.run(train_cmd("steps=2", f"output_dir={out}"), cwd=REPO, env=os.environ | TRAIN_ENV,
-                           capture_output=True, text=True, timeout=120)
-    assert again.returncode == 1 and f"continue that run with `{_printed_python()} -m vime.train resume={out}`" \
-        in again.stderr, again.stderr
+    again = subprocess.run(
+        train_cmd("steps=2", f"output_dir={out}"),
+        cwd=REPO,
+        env=os.environ | TRAIN_ENV,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert (
+        again.returncode == 1
+        and f"continue that run with `{_printed_python()} -m vime.train resume={out}`" in again.stderr
+    ), again.stderr
     assert (out / "train.log").stat().st_size == log_size  # refused before Hydra wrote anything
 
-    resumed = subprocess.run(train_cmd(f"resume={out}"), cwd=REPO, env=os.environ | TRAIN_ENV,
-                             capture_output=True, text=True, timeout=420)
+    resumed = subprocess.run(
+        train_cmd(f"resume={out}"), cwd=REPO, env=os.environ | TRAIN_ENV, capture_output=True, text=True, timeout=420
+    )
     assert resumed.returncode == 0, resumed.stderr[-6000:]
     assert "resumed from" in resumed.stderr + resumed.stdout
     assert wandb_exit_codes(out)[0] == 143 and wandb_exit_codes(out)[-1] == 0  # the resumed run finished
@@ -120,8 +136,11 @@ def _actor_pids(pid: int, actor: str) -> list[int]:
 
 def _wait_rows(proc: subprocess.Popen, metrics: Path, n: int) -> None:
     deadline = time.monotonic() + 600
-    while proc.poll() is None and time.monotonic() < deadline and \
-            not (metrics.is_file() and metrics.read_text().count("\n") >= n):
+    while (
+        proc.poll() is None
+        and time.monotonic() < deadline
+        and not (metrics.is_file() and metrics.read_text().count("\n") >= n)
+    ):
         time.sleep(0.2)
 
 
@@ -162,8 +181,11 @@ def _tp_worker(engine_pid: int, rank: int) -> int:
     """The pid of vLLM's TP worker `rank` of the engine in process `engine_pid` (title `VLLM::Worker_TP<rank>`)."""
     import psutil
 
-    found = [p.pid for p in psutil.Process(engine_pid).children(recursive=True)
-             if f"Worker_TP{rank}" in " ".join(p.cmdline())]
+    found = [
+        p.pid
+        for p in psutil.Process(engine_pid).children(recursive=True)
+        if f"Worker_TP{rank}" in " ".join(p.cmdline())
+    ]
     assert len(found) == 1, found
     return found[0]
 
@@ -174,9 +196,13 @@ def _engine_temp_files(pids: list[int]) -> set[str]:
     return _mapped_temp_files(pids)
 
 
-@pytest.mark.skipif(os.environ.get("VIME_HEAVY_TESTS") != "1", reason=(
-    "a full run with a TP2 vLLM engine beside the Megatron trainer takes minutes per step on 2 cores (the TP "
-    "workers' shared-memory all-reduce spins); run with VIME_HEAVY_TESTS=1 on a machine with 4+ cores"))
+@pytest.mark.skipif(
+    os.environ.get("VIME_HEAVY_TESTS") != "1",
+    reason=(
+        "a full run with a TP2 vLLM engine beside the Megatron trainer takes minutes per step on 2 cores (the TP "
+        "workers' shared-memory all-reduce spins); run with VIME_HEAVY_TESTS=1 on a machine with 4+ cores"
+    ),
+)
 def test_a_killed_vllm_tp_worker_restarts_its_engine(tmp_path):
     """rollout.tp=2: kill -9 of the engine's TP rank 1 process after step 0. The death is reported as
     "rollout engine 0, TP rank 1 died" and handled like the engine's death: a fresh engine on weight
@@ -204,6 +230,7 @@ def test_a_killed_vllm_tp_worker_restarts_its_engine(tmp_path):
     assert [r["engine_restarts"] for r in rows] == [0, 1, 1]
     assert all(r["mismatch_count"] == 0 and r["max_abs_diff"] == 0.0 and r["tokens"] > 0 for r in rows), rows
     assert wandb_exit_codes(out) == [0]
+
     def left() -> set[str]:
         return {f for f in files if os.path.exists(f)} | ({f for p in dist for f in glob.glob(p)} - dist_before)
 
@@ -303,8 +330,14 @@ def test_an_engine_that_dies_at_start_is_named_with_its_own_error_and_its_log(tm
     (exit 1) with one line naming the engine, vLLM's own error first and `<output_dir>/engines.log` last; no
     raw `(raylet)` line, no colour codes, no pointer to a shared Ray session directory."""
     out = tmp_path / "dead"
-    proc = subprocess.run(train_cmd("rollout.max_num_batched_tokens=64", f"output_dir={out}"), cwd=REPO,
-                          env=os.environ | TRAIN_ENV, capture_output=True, text=True, timeout=420)
+    proc = subprocess.run(
+        train_cmd("rollout.max_num_batched_tokens=64", f"output_dir={out}"),
+        cwd=REPO,
+        env=os.environ | TRAIN_ENV,
+        capture_output=True,
+        text=True,
+        timeout=420,
+    )
     text = proc.stdout + proc.stderr
     assert proc.returncode == 1, text[-4000:]
     died = [line for line in text.splitlines() if "rollout engine 0 died during 'start'" in line]

@@ -24,8 +24,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.megatron]
 NO_SAVE = ("checkpoint.final=false", "checkpoint.export_hf=false")  # a run whose checkpoints no test reads
 
 
-def _train(out: Path, *overrides: str, timeout: int = 420, proc: subprocess.CompletedProcess | None = None,
-           figure: bool = True) -> list[dict]:
+def _train(
+    out: Path, *overrides: str, timeout: int = 420, proc: subprocess.CompletedProcess | None = None, figure: bool = True
+) -> list[dict]:
     """The rows of the 2-step run in `out` (made here with `overrides`, or `proc` made it already), after
     the checks every such run passes. `figure=False`: a `compare=native` twin, whose rows are plotted in
     the figure of the run that made it (asserted for `strict_run`), not in one of its own."""
@@ -93,5 +94,7 @@ def test_native_twin_shows_mismatches_every_step(strict_run):
     for r in rows:
         assert "native kernels" in r["rollout_engine"] and r["strict"] is False
         assert r["mismatch_count"] > 0 and r["max_abs_diff"] > 0, r
-        print(f"native step {r['step']}: {r['mismatch_count']} / {r['tokens']} tokens differ, "
-              f"max |diff| {r['max_abs_diff']:.3e}")
+        print(
+            f"native step {r['step']}: {r['mismatch_count']} / {r['tokens']} tokens differ, "
+            f"max |diff| {r['max_abs_diff']:.3e}"
+        )

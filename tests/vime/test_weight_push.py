@@ -33,19 +33,39 @@ def _call(refs, what, names):
 @pytest.fixture(scope="module")
 def actors(tiny_qwen3_path):
     loopback_node("127.0.0.1")
-    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", configure_logging=False,
-             runtime_env={"env_vars": single_node_env(RayConfig())}, log_to_driver=False)
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        _node_ip_address="127.0.0.1",
+        configure_logging=False,
+        runtime_env={"env_vars": single_node_env(RayConfig())},
+        log_to_driver=False,
+    )
     try:
         strict = {b: "strict" for b in rk.BOUNDARIES}
         rcfg = RolloutConfig(engine=RolloutBackend.reference, mode=Mode.strict)
         tcfg = TrainerConfig(engine=TrainerBackend.reference, mode=Mode.strict, lr=1e-2)
-        engines = [ray.remote(RolloutWorker).options(num_cpus=0).remote(i, rcfg, str(tiny_qwen3_path), "bfloat16",
-                                                                       "cpu", strict, 0) for i in range(2)]
-        trainer = ray.remote(TrainerWorker).options(num_cpus=0).remote(0, 1, tcfg, str(tiny_qwen3_path), "bfloat16",
-                                                                      "cpu", strict, 0, 0.0, 0.2)
+        engines = [
+            ray.remote(RolloutWorker)
+            .options(num_cpus=0)
+            .remote(i, rcfg, str(tiny_qwen3_path), "bfloat16", "cpu", strict, 0)
+            for i in range(2)
+        ]
+        trainer = (
+            ray.remote(TrainerWorker)
+            .options(num_cpus=0)
+            .remote(0, 1, tcfg, str(tiny_qwen3_path), "bfloat16", "cpu", strict, 0, 0.0, 0.2)
+        )
         ray.get(trainer.start.remote("unused"))
-        yield trainer, engines, lambda i: ray.remote(RolloutWorker).options(num_cpus=0).remote(
-            i, rcfg, str(tiny_qwen3_path), "bfloat16", "cpu", strict, 0)
+        yield (
+            trainer,
+            engines,
+            lambda i: (
+                ray.remote(RolloutWorker)
+                .options(num_cpus=0)
+                .remote(i, rcfg, str(tiny_qwen3_path), "bfloat16", "cpu", strict, 0)
+            ),
+        )
     finally:
         ray.shutdown()
 
@@ -117,11 +137,22 @@ def test_an_engine_killed_before_a_push_is_restarted_and_the_sync_completes(acto
     version = ray.get(trainer.train_step.remote(samples))["version"]
     timeline = Timeline(num_engines=2, trainer_version=version, engine_versions=[version - 1] * 2)
     cfg = VimeConfig(rollout=RolloutConfig(engine=RolloutBackend.reference))  # the fixture's engines
-    driver = SimpleNamespace(engines=engines, new_engine=new_engine, cfg=cfg, engine_restarts=0,
-                             timeline=timeline, trainer=[trainer], weight_paths=["nccl"] * 2)
+    driver = SimpleNamespace(
+        engines=engines,
+        new_engine=new_engine,
+        cfg=cfg,
+        engine_restarts=0,
+        timeline=timeline,
+        trainer=[trainer],
+        weight_paths=["nccl"] * 2,
+    )
     ray.kill(engines[0])
-    restart.sync(driver, lambda: sync_weights([trainer], driver.engines, version, 1 << 20, timeline, call,
-                                              transport=driver.weight_paths))
+    restart.sync(
+        driver,
+        lambda: sync_weights(
+            [trainer], driver.engines, version, 1 << 20, timeline, call, transport=driver.weight_paths
+        ),
+    )
     assert driver.engine_restarts == 1 and timeline.engine_versions == [version] * 2
     trained = ray.get(trainer.score.remote(samples))
     for engine in driver.engines:

@@ -16,8 +16,15 @@ from rl_kernel.integrations.vllm import compat
 # vLLM 0.26.0, vllm/distributed/weight_transfer/ipc_engine.py: the init info has no fields; the update info
 # carries `packed` (0.32 moved it to the init info).
 IPC_INIT_FIELDS_026: set[str] = set()
-IPC_UPDATE_FIELDS_026 = {"names", "dtype_names", "shapes", "ipc_handles", "ipc_handles_pickled", "tensor_sizes",
-                         "packed"}
+IPC_UPDATE_FIELDS_026 = {
+    "names",
+    "dtype_names",
+    "shapes",
+    "ipc_handles",
+    "ipc_handles_pickled",
+    "tensor_sizes",
+    "packed",
+}
 BUCKET = (["a.weight", "b.weight"], ["bfloat16", "bfloat16"], [[2, 3], [4]], {"GPU-0": ("h",)}, [12, 8])
 
 
@@ -51,9 +58,18 @@ class LLM032(LLM026):
         return self.version
 
 
-@pytest.mark.parametrize(("version", "ok"), [("0.32.0", True), ("0.32.0+cpu", True), ("0.26.0", True),
-                                             ("0.26.1", True), ("0.30.1", False), ("0.33.0", False),
-                                             ("1.0.0", False)])
+@pytest.mark.parametrize(
+    ("version", "ok"),
+    [
+        ("0.32.0", True),
+        ("0.32.0+cpu", True),
+        ("0.26.0", True),
+        ("0.26.1", True),
+        ("0.30.1", False),
+        ("0.33.0", False),
+        ("1.0.0", False),
+    ],
+)
 def test_supported_versions(version: str, ok: bool) -> None:
     if ok:
         assert compat.check_vllm_version(version) == version
@@ -120,8 +136,7 @@ def test_nccl_transport_refused_where_vllm_lacks_the_trainer_engine(monkeypatch)
     from rl_kernel.integrations.vllm import nccl
 
     assert compat.has_nccl_trainer_engine()  # 0.32
-    assert rkv.native_llm_kwargs("/m", device="cuda", transport="nccl")["weight_transfer_config"] == {
-        "backend": "nccl"}
+    assert rkv.native_llm_kwargs("/m", device="cuda", transport="nccl")["weight_transfer_config"] == {"backend": "nccl"}
     monkeypatch.setattr(rkv, "has_nccl_trainer_engine", lambda: False)
     with pytest.raises(ValueError, match="use transport='ipc'"):
         rkv.native_llm_kwargs("/m", device="cuda", transport="nccl")

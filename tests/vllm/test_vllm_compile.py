@@ -28,11 +28,24 @@ VIEWS = {"reshape", "view", "split", "transpose", "contiguous", "size", "__getit
 
 
 def _config() -> Qwen3Config:
-    return Qwen3Config.from_hf(dict(vocab_size=128, hidden_size=HIDDEN, intermediate_size=INTER,
-                                    num_hidden_layers=1, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
-                                    head_dim=HEAD_DIM, rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=False,
-                                    max_position_embeddings=4096, architectures=["Qwen3ForCausalLM"],
-                                    model_type="qwen3"), "test")
+    return Qwen3Config.from_hf(
+        dict(
+            vocab_size=128,
+            hidden_size=HIDDEN,
+            intermediate_size=INTER,
+            num_hidden_layers=1,
+            num_attention_heads=HEADS,
+            num_key_value_heads=KV_HEADS,
+            head_dim=HEAD_DIM,
+            rms_norm_eps=1e-6,
+            rope_theta=1e6,
+            tie_word_embeddings=False,
+            max_position_embeddings=4096,
+            architectures=["Qwen3ForCausalLM"],
+            model_type="qwen3",
+        ),
+        "test",
+    )
 
 
 @pytest.fixture(scope="module")
@@ -61,12 +74,14 @@ def _inputs():
 
 
 def _strict_forward(block):
-    scale = HEAD_DIM ** -0.5
+    scale = HEAD_DIM**-0.5
 
     def forward(h, residual, positions, cu):
         def attn(layer, q, k, v):
             return rk.attention_varlen(q, k, v, cu, scale)
+
         return block(h, residual, positions, attn)
+
     return forward
 
 
@@ -82,9 +97,14 @@ def test_compiled_strict_layer_is_one_graph_of_rl_kernel_nodes(layer):
     assert len(graphs) == 1
     ops = [n.target for n in graphs[0].graph.nodes if n.op == "call_function"]
     rl_ops = {str(t) for t in ops if str(t).startswith("rl_kernel.")}
-    assert {"rl_kernel.rms_norm_residual.default", "rl_kernel.linear.default", "rl_kernel.rope.default",
-            "rl_kernel.attention_varlen.default", "rl_kernel.silu_and_mul.default",
-            "rl_kernel.rms_norm.default"} <= rl_ops, rl_ops
+    assert {
+        "rl_kernel.rms_norm_residual.default",
+        "rl_kernel.linear.default",
+        "rl_kernel.rope.default",
+        "rl_kernel.attention_varlen.default",
+        "rl_kernel.silu_and_mul.default",
+        "rl_kernel.rms_norm.default",
+    } <= rl_ops, rl_ops
     others = [str(t) for t in ops if not str(t).startswith("rl_kernel.") and t is not operator.getitem]
     assert not others, others  # every computation is an rl_kernel node; the rest are views
     methods = {n.target for n in graphs[0].graph.nodes if n.op == "call_method"}
@@ -115,11 +135,12 @@ def _native_forward(block):
         q, k, v = F.linear(x, attn_mod.qkv_proj.weight).split([HEADS * d, KV_HEADS * d, KV_HEADS * d], dim=-1)
         q = native_rope(native_rms_norm(q.reshape(-1, HEADS, d), attn_mod.q_norm.weight, eps), positions, 1e6, d)
         k = native_rope(native_rms_norm(k.reshape(-1, KV_HEADS, d), attn_mod.k_norm.weight, eps), positions, 1e6, d)
-        o = _sdpa(q, k, v.reshape(-1, KV_HEADS, d), d ** -0.5, 0)
+        o = _sdpa(q, k, v.reshape(-1, KV_HEADS, d), d**-0.5, 0)
         s = F.linear(o.reshape(-1, HEADS * d), attn_mod.o_proj.weight) + s
         x = native_rms_norm(s, block.post_attention_layernorm.weight, eps)
         gate, up = F.linear(x, mlp.gate_up_proj.weight).chunk(2, dim=-1)
         return F.linear(F.silu(gate) * up, mlp.down_proj.weight), s
+
     return forward
 
 

@@ -54,9 +54,13 @@ def test_cpu_kwargs_are_unchanged(tiny_qwen3_path):
     assert strict["weight_transfer_config"] == {"backend": WEIGHT_TRANSFER_BACKEND}
     assert strict["logits_processors"] == [LOGITS_PROCESSOR] and strict["worker_extension_cls"] == WORKER_EXTENSION
     assert native_llm_kwargs(tiny_qwen3_path, seed=3) == {
-        "model": str(tiny_qwen3_path), "logprobs_mode": "processed_logprobs", "enforce_eager": True,
-        "weight_transfer_config": {"backend": WEIGHT_TRANSFER_BACKEND}, "worker_extension_cls": WORKER_EXTENSION,
-        "seed": 3}
+        "model": str(tiny_qwen3_path),
+        "logprobs_mode": "processed_logprobs",
+        "enforce_eager": True,
+        "weight_transfer_config": {"backend": WEIGHT_TRANSFER_BACKEND},
+        "worker_extension_cls": WORKER_EXTENSION,
+        "seed": 3,
+    }
     with pytest.raises(ValueError, match="enforce_eager=True"):
         strict_llm_kwargs(tiny_qwen3_path, enforce_eager=False)
     with pytest.raises(ValueError, match="on CPU weights go through 'rl_kernel_cpu'"):
@@ -80,8 +84,9 @@ def test_cuda_kwargs(tiny_qwen3_path, transport, backend):
 
 def test_cuda_kwargs_refuse_what_strict_mode_cannot_run(tiny_qwen3_path):
     assert strict_llm_kwargs(tiny_qwen3_path, device="cuda", enforce_eager=True)["enforce_eager"] is True
-    assert strict_llm_kwargs(tiny_qwen3_path, device="cuda", compilation_config={"cudagraph_mode": "NONE"}
-                             )["compilation_config"] == {"cudagraph_mode": "NONE"}
+    assert strict_llm_kwargs(tiny_qwen3_path, device="cuda", compilation_config={"cudagraph_mode": "NONE"})[
+        "compilation_config"
+    ] == {"cudagraph_mode": "NONE"}
     with pytest.raises(ValueError, match="pure-decode batches only.*'PIECEWISE'"):
         strict_llm_kwargs(tiny_qwen3_path, device="cuda", compilation_config={"cudagraph_mode": "PIECEWISE"})
     with pytest.raises(ValueError, match="one of \\('ipc', 'nccl'\\), got 'object_store'"):
@@ -132,12 +137,15 @@ def test_ipc_push_becomes_vllm_weight_update_calls():
     assert (up1[1].names, up1[1].tensor_sizes) == (["c"], [256])
 
 
-@pytest.mark.parametrize("weights, version, error", [
-    (WEIGHTS, 0, "version 0 offered to an engine serving 0"),
-    ({"a": WEIGHTS["a"], "b": WEIGHTS["b"]}, 1, "lacks 1 weights, e.g. \\['c'\\]"),
-    (WEIGHTS | {"d": torch.ones(64)}, 1, "no weight 'd'"),
-    (WEIGHTS | {"c": torch.ones(64, dtype=torch.float16)}, 1, "c: pushed float16\\[64\\], engine holds float32"),
-])
+@pytest.mark.parametrize(
+    "weights, version, error",
+    [
+        (WEIGHTS, 0, "version 0 offered to an engine serving 0"),
+        ({"a": WEIGHTS["a"], "b": WEIGHTS["b"]}, 1, "lacks 1 weights, e.g. \\['c'\\]"),
+        (WEIGHTS | {"d": torch.ones(64)}, 1, "no weight 'd'"),
+        (WEIGHTS | {"c": torch.ones(64, dtype=torch.float16)}, 1, "c: pushed float16\\[64\\], engine holds float32"),
+    ],
+)
 def test_ipc_push_that_does_not_fit_fails_before_vllm_sees_it(weights, version, error):
     llm = ipc_llm()
     with pytest.raises((WeightVersionError, KeyError, ValueError), match=error):
@@ -152,12 +160,26 @@ def test_padded_or_handleless_buckets_are_refused():
         _wire(VllmIPCReceiver(llm, {"n": TensorMeta.of("n", odd["n"])}).handle).push(odd.items(), version=1)
     receiver = VllmIPCReceiver(ipc_llm(), EXPECTED)
     meta = EXPECTED["a"]
-    start = {"op": "start", "version": 1, "names": list(EXPECTED), "dtype_names": [m.dtype_name for m in
-             EXPECTED.values()], "shapes": [list(m.shape) for m in EXPECTED.values()]}
+    start = {
+        "op": "start",
+        "version": 1,
+        "names": list(EXPECTED),
+        "dtype_names": [m.dtype_name for m in EXPECTED.values()],
+        "shapes": [list(m.shape) for m in EXPECTED.values()],
+    }
     receiver.handle(start)
     with pytest.raises(ValueError, match="bucket 0 has no ipc_handle: vLLM engines take the ipc transport only"):
-        receiver.handle({"op": "bucket", "version": 1, "bucket": 0, "names": ["a"], "dtype_names": ["float32"],
-                         "shapes": [[8, 8]], "tensor_sizes": [meta.nbytes]})
+        receiver.handle(
+            {
+                "op": "bucket",
+                "version": 1,
+                "bucket": 0,
+                "names": ["a"],
+                "dtype_names": ["float32"],
+                "shapes": [[8, 8]],
+                "tensor_sizes": [meta.nbytes],
+            }
+        )
 
 
 def _cuda_rollout(model_path):
@@ -169,16 +191,28 @@ def test_vllm_rollout_on_cuda_fails_closed_with_weight_sync_errors(tiny_qwen3_pa
 
     rollout = _cuda_rollout(tiny_qwen3_path)
     state = load_hf_state_dict(tiny_qwen3_path)
-    start = {"op": "start", "version": 1, "names": list(state), "dtype_names": ["bfloat16"] * len(state),
-             "shapes": [list(t.shape) for t in state.values()]}
+    start = {
+        "op": "start",
+        "version": 1,
+        "names": list(state),
+        "dtype_names": ["bfloat16"] * len(state),
+        "shapes": [list(t.shape) for t in state.values()],
+    }
     with pytest.raises(WeightSyncError, match="rollout engine 0: weight push refused: version 1 lacks 1 weights"):
-        rollout.receive_weights({**start, "names": start["names"][1:], "dtype_names": start["dtype_names"][1:],
-                                 "shapes": start["shapes"][1:]})
+        rollout.receive_weights(
+            {
+                **start,
+                "names": start["names"][1:],
+                "dtype_names": start["dtype_names"][1:],
+                "shapes": start["shapes"][1:],
+            }
+        )
     assert rollout.receive_weights(start) is None and rollout.llm.calls[-1] == ("start",)
     with pytest.raises(WeightSyncError, match="push of version 2 started while version 1"):
         rollout.receive_weights({**start, "version": 2})
-    with pytest.raises(WeightSyncError, match="asked to serve weight version 1; the last ipc push was version 0 "
-                                              "and vLLM serves 0"):
+    with pytest.raises(
+        WeightSyncError, match="asked to serve weight version 1; the last ipc push was version 0 and vLLM serves 0"
+    ):
         rollout.set_version(1)
     with pytest.raises(WeightSyncError, match="only as trainer rank 0's ipc push \\(receive_weights\\)"):
         rollout.update_weights({}, 1)
@@ -207,9 +241,12 @@ def _caches(backend: str, dtype: torch.dtype, layout: KVCacheLayout | None = Non
     layout = layout or get_supported_kv_cache_layouts([BACKENDS[backend]])[0]
     spec = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=KV_HEADS, head_size=HEAD_DIM, dtype=dtype)
     page = spec.page_size_bytes
-    tensor = KVCacheTensor(size=2 * BLOCKS * page, layers=["l0", "l1"],
-                           layer_stride=BLOCKS * page if layout.is_layer_compact else page,
-                           block_stride=page if layout.is_layer_compact else 2 * page)
+    tensor = KVCacheTensor(
+        size=2 * BLOCKS * page,
+        layers=["l0", "l1"],
+        layer_stride=BLOCKS * page if layout.is_layer_compact else page,
+        block_stride=page if layout.is_layer_compact else 2 * page,
+    )
     g = torch.Generator().manual_seed(seed)
     raw = torch.randint(-128, 128, (tensor.size,), dtype=torch.int8, generator=g)
     return raw, create_kv_cache_views(raw, spec, BLOCKS, layout, tensor)
@@ -241,11 +278,14 @@ def _expected_write(layer: torch.Tensor, backend: str, k, v, slots) -> None:
 
 @pytest.mark.parametrize("backend", ["FLASH_ATTN", "CPU_ATTN"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("slots", [
-    [5, -1, 40, 17, -1, -1],  # real tokens, then vLLM's CUDA-graph padding (and one in between)
-    [-1, 33, 2, 0],           # a padded token first; a real write to slot 0
-    [-1, -1, -1],             # CUDA-graph capture: every slot -1
-])
+@pytest.mark.parametrize(
+    "slots",
+    [
+        [5, -1, 40, 17, -1, -1],  # real tokens, then vLLM's CUDA-graph padding (and one in between)
+        [-1, 33, 2, 0],  # a padded token first; a real write to slot 0
+        [-1, -1, -1],  # CUDA-graph capture: every slot -1
+    ],
+)
 def test_writer_puts_the_bits_where_the_views_read_them_and_nothing_else(backend, dtype, slots):
     raw, layers = _caches(backend, dtype)
     expected_raw, expected_layers = _caches(backend, dtype)
@@ -277,14 +317,20 @@ def _decode_batch(dtype: torch.dtype, seed: int = 0):
     physical = (torch.randperm(BLOCKS - 1, generator=g) + 1).to(torch.int32)
     for row, n in enumerate(need):
         table[row, :n], physical = physical[:n], physical[n:]
-    table[len(seqs):] = NULL_BLOCK_ID
+    table[len(seqs) :] = NULL_BLOCK_ID
     q_lens = [q for _, q in seqs] + [0, 0]
     qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
     seq_lens = torch.tensor([n for n, _ in seqs] + [0, 0], dtype=torch.int32)
     tokens = int(qsl[-1])
-    meta = FlashAttentionMetadata(num_actual_tokens=tokens, max_query_len=max(q_lens), query_start_loc=qsl,
-                                  max_seq_len=int(seq_lens.max()), seq_lens=seq_lens, block_table=table,
-                                  slot_mapping=torch.full((tokens,), -1, dtype=torch.int64))
+    meta = FlashAttentionMetadata(
+        num_actual_tokens=tokens,
+        max_query_len=max(q_lens),
+        query_start_loc=qsl,
+        max_seq_len=int(seq_lens.max()),
+        seq_lens=seq_lens,
+        block_table=table,
+        slot_mapping=torch.full((tokens,), -1, dtype=torch.int64),
+    )
     q = torch.randn(tokens, HEADS, HEAD_DIM, generator=g).to(dtype)
     return q, layers[0], meta
 
@@ -333,8 +379,12 @@ def test_model_attention_writes_then_reads_the_flash_attn_cache(monkeypatch):
     slots = torch.randperm(BLOCKS * BLOCK_SIZE, generator=g)[: q.shape[0]]
     meta.slot_mapping = slots
     monkeypatch.setattr(vllm_attention, "get_attention_context", lambda name: (meta, _Layer(), layer, None))
-    model = SimpleNamespace(attn=[_Layer()], shape=SimpleNamespace(head_dim=HEAD_DIM),  # what _attention reads
-                            model=SimpleNamespace(scale=SCALE), _flash_writer=None)  # no vLLM CUDA op on CPU
+    model = SimpleNamespace(
+        attn=[_Layer()],
+        shape=SimpleNamespace(head_dim=HEAD_DIM),  # what _attention reads
+        model=SimpleNamespace(scale=SCALE),
+        _flash_writer=None,
+    )  # no vLLM CUDA op on CPU
     with rk.mode("strict"):
         out = RLKernelQwen3ForCausalLM._attention(model, 0, q, k, v)
         expected = _paged_attention_compact(q, k_cache, v_cache, meta, SCALE)
@@ -343,13 +393,25 @@ def test_model_attention_writes_then_reads_the_flash_attn_cache(monkeypatch):
     assert same_bits(out, expected)
 
 
-@pytest.mark.parametrize("backend, layout, shape, error", [
-    ("TRITON_ATTN", None, None, "the TRITON_ATTN KV cache .*: unknown backend; supported: CPU_ATTN, and FLASH_ATTN"),
-    ("FLASH_ATTN", KVCacheLayout.LBHNC, None, "FLASH_ATTN KV cache .*: its blocks are not contiguous"),
-    ("FLASH_ATTN", KVCacheLayout.BLNHC, None, "FLASH_ATTN KV cache .*: its blocks are not contiguous"),
-    ("FLASH_ATTN", None, (2, BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM),  # the FlashAttention layout of older vLLMs
-     "expected \\[num_blocks, kv_heads, block_size, 64\\]"),
-])
+@pytest.mark.parametrize(
+    "backend, layout, shape, error",
+    [
+        (
+            "TRITON_ATTN",
+            None,
+            None,
+            "the TRITON_ATTN KV cache .*: unknown backend; supported: CPU_ATTN, and FLASH_ATTN",
+        ),
+        ("FLASH_ATTN", KVCacheLayout.LBHNC, None, "FLASH_ATTN KV cache .*: its blocks are not contiguous"),
+        ("FLASH_ATTN", KVCacheLayout.BLNHC, None, "FLASH_ATTN KV cache .*: its blocks are not contiguous"),
+        (
+            "FLASH_ATTN",
+            None,
+            (2, BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM),  # the FlashAttention layout of older vLLMs
+            "expected \\[num_blocks, kv_heads, block_size, 64\\]",
+        ),
+    ],
+)
 def test_other_layouts_are_refused_in_one_line(backend, layout, shape, error):
     cache = torch.zeros(shape) if shape else _caches("FLASH_ATTN", torch.float32, layout)[1][1]
     with pytest.raises(ValueError, match=error) as refused:

@@ -17,33 +17,38 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.vllm_decode_profile import CATEGORY_NAMES, categorize, summarize  # noqa: E402
 
 
-@pytest.mark.parametrize("name, category", [
-    ("_attn_kernel", "attention"),
-    ("void flash::FlashAttnFwdSm90<...>", "attention"),
-    ("_rms_norm_kernel", "norm"),
-    ("void vllm::fused_add_rms_norm_kernel<c10::BFloat16, 8>", "norm"),
-    ("triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0", "norm"),
-    ("_rope_kernel", "rope/kv-write"),
-    ("void vllm::reshape_and_cache_flash_kernel<...>", "rope/kv-write"),
-    ("_stats_kernel", "logprob/sampling"),
-    ("_topk_log_softmax_kernel", "logprob/sampling"),
-    ("aten::exponential_", "logprob/sampling"),
-    ("nvjet_tst_128x64_64x8_2x1_v_bz_coopA_TNT", "gemm"),
-    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n", "gemm"),
-    ("aten::mm", "gemm"),
-    ("void at::native::vectorized_elementwise_kernel<4, ...>", "elementwise"),
-    ("triton_poi_fused_mul_silu_0", "elementwise"),
-    ("_silu_and_mul_kernel", "elementwise"),
-    ("Memset (Device)", "other"),
-])
+@pytest.mark.parametrize(
+    "name, category",
+    [
+        ("_attn_kernel", "attention"),
+        ("void flash::FlashAttnFwdSm90<...>", "attention"),
+        ("_rms_norm_kernel", "norm"),
+        ("void vllm::fused_add_rms_norm_kernel<c10::BFloat16, 8>", "norm"),
+        ("triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0", "norm"),
+        ("_rope_kernel", "rope/kv-write"),
+        ("void vllm::reshape_and_cache_flash_kernel<...>", "rope/kv-write"),
+        ("_stats_kernel", "logprob/sampling"),
+        ("_topk_log_softmax_kernel", "logprob/sampling"),
+        ("aten::exponential_", "logprob/sampling"),
+        ("nvjet_tst_128x64_64x8_2x1_v_bz_coopA_TNT", "gemm"),
+        ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n", "gemm"),
+        ("aten::mm", "gemm"),
+        ("void at::native::vectorized_elementwise_kernel<4, ...>", "elementwise"),
+        ("triton_poi_fused_mul_silu_0", "elementwise"),
+        ("_silu_and_mul_kernel", "elementwise"),
+        ("Memset (Device)", "other"),
+    ],
+)
 def test_categorize(name, category):
     assert categorize(name) == category
 
 
 def test_summarize_per_step():
-    kernels = [{"kernel": "_attn_kernel", "calls": 8, "total_us": 800.0},
-               {"kernel": "nvjet_tst_x", "calls": 32, "total_us": 3200.0},
-               {"kernel": "mystery", "calls": 4, "total_us": 40.0}]
+    kernels = [
+        {"kernel": "_attn_kernel", "calls": 8, "total_us": 800.0},
+        {"kernel": "nvjet_tst_x", "calls": 32, "total_us": 3200.0},
+        {"kernel": "mystery", "calls": 4, "total_us": 40.0},
+    ]
     s = summarize(kernels, steps=4, host_launches=12, top=2)
     assert set(s["category_ms_per_step"]) == set(CATEGORY_NAMES)
     assert s["category_ms_per_step"]["attention"] == 0.2 and s["category_ms_per_step"]["gemm"] == 0.8
@@ -57,9 +62,28 @@ def test_summarize_per_step():
 def test_profile_script_runs_each_mode_in_its_own_process(tmp_path):
     out = tmp_path / "profile.json"
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1")
-    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "vllm_decode_profile.py"), "--device", "cpu",
-                          "--layers", "1", "--batch", "2", "--context", "8", "--new-tokens", "2", "--out", str(out)],
-                         env=env, capture_output=True, text=True, timeout=1500)
+    run = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "vllm_decode_profile.py"),
+            "--device",
+            "cpu",
+            "--layers",
+            "1",
+            "--batch",
+            "2",
+            "--context",
+            "8",
+            "--new-tokens",
+            "2",
+            "--out",
+            str(out),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1500,
+    )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     result = json.loads(out.read_text())
     assert [r["mode"] for r in result["results"]] == ["strict", "native"]

@@ -37,15 +37,17 @@ def _prompt_logprobs(llm, prompts: list[list[int]]) -> torch.Tensor:
     sampling, so two calls with the same weights see the same inputs), one flat fp32 tensor."""
     params = native_sampling_params(temperature=1.0, max_tokens=1, prompt_logprobs=0)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    return torch.tensor([step[tok].logprob for p, o in zip(prompts, outs)
-                         for step, tok in zip(o.prompt_logprobs[1:], p[1:])], dtype=torch.float32)
+    return torch.tensor(
+        [step[tok].logprob for p, o in zip(prompts, outs) for step, tok in zip(o.prompt_logprobs[1:], p[1:])],
+        dtype=torch.float32,
+    )
 
 
 def _buckets(weights: dict[str, torch.Tensor], size: int) -> list[dict[str, torch.Tensor]]:
     """HF-named tensors in buckets of `size` tensors: q/k/v and gate/up of a layer (fused in vLLM's
     model) land in different buckets, so one layer's weights arrive over several chunks."""
     names = sorted(weights)
-    return [{n: weights[n] for n in names[i:i + size]} for i in range(0, len(names), size)]
+    return [{n: weights[n] for n in names[i : i + size]} for i in range(0, len(names), size)]
 
 
 def test_native_engine_serves_pushed_weights(llm, reference):
@@ -81,8 +83,10 @@ def test_native_engine_serves_pushed_weights(llm, reference):
         assert worker_weight_versions(llm) == [version] and llm.get_weight_version() == str(version)
         now = _prompt_logprobs(llm, prompts)
         to_new, to_old = distance(now, weights), distance(now, served)
-        print(f"native v{version}: max |diff| vs reference with the pushed weights {to_new:.3e}, "
-              f"with the previous weights {to_old:.3e}")
+        print(
+            f"native v{version}: max |diff| vs reference with the pushed weights {to_new:.3e}, "
+            f"with the previous weights {to_old:.3e}"
+        )
         assert not torch.equal(now, before), f"version {version}: the engine's logprobs did not move"
         assert to_new < to_old, f"version {version}: the engine does not serve the pushed weights"
         served = weights
@@ -90,5 +94,6 @@ def test_native_engine_serves_pushed_weights(llm, reference):
     push_weights(llm, original, version=3)
     assert worker_weight_versions(llm) == [3]
     after = _prompt_logprobs(llm, prompts)
-    assert same_bits(after, before), \
+    assert same_bits(after, before), (
         f"original weights pushed back: max |diff| {float((after - before).abs().max()):.3e} from the first run"
+    )

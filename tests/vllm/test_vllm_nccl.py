@@ -73,8 +73,9 @@ def _sender(engines, sent: list | None = None, **kw) -> VllmNCCLSender:
             sent.append([m["op"] for m in msgs])
         return [e.receive_weights(m) for e, m in zip(engines, msgs)]
 
-    return VllmNCCLSender(send, len(engines), HOST, dtype="bfloat16", buffer_bytes=4096,
-                          trainer_init=NoDataPlane.trainer_init, **kw)
+    return VllmNCCLSender(
+        send, len(engines), HOST, dtype="bfloat16", buffer_bytes=4096, trainer_init=NoDataPlane.trainer_init, **kw
+    )
 
 
 @pytest.fixture(scope="module")
@@ -106,8 +107,11 @@ def test_a_source_whose_iteration_disagrees_is_refused_by_vllm():
             yield from self._items
 
     with pytest.raises(ValueError, match="disagrees with iteration at index 1: declared 'a' torch.bfloat16"):
-        list(NCCLTrainerWeightTransferEngine._checked_iter(Uncast(WEIGHTS, "bfloat16"),
-                                                           Uncast(WEIGHTS, "bfloat16").metadata()))
+        list(
+            NCCLTrainerWeightTransferEngine._checked_iter(
+                Uncast(WEIGHTS, "bfloat16"), Uncast(WEIGHTS, "bfloat16").metadata()
+            )
+        )
 
 
 def test_update_payload_is_what_vllm_sends():
@@ -162,8 +166,12 @@ def test_a_push_forms_the_group_once_and_every_engine_serves_its_version(tiny_qw
     sender = _sender(engines, sent)
     ack = sender.push(state, 1)
     nbytes = sum(t.numel() * 2 for t in state.values())  # bfloat16 on the wire
-    assert ack == {"version": 1, "tensors": len(state), "bytes": nbytes,
-                   "buckets": packed_chunks(TensorDictSource(state, "bfloat16").metadata(), 4096)}
+    assert ack == {
+        "version": 1,
+        "tensors": len(state),
+        "bytes": nbytes,
+        "buckets": packed_chunks(TensorDictSource(state, "bfloat16").metadata(), 4096),
+    }
     assert ack["buckets"] > 1
     assert [i.world_size for i in no_endpoint] == [5] and no_endpoint[0].master_address == HOST
     assert sent[:3] == [["start"] * 2, ["ranks"] * 2, ["init_weight_transfer_engine"] * 2]  # checked, then NCCL
@@ -182,8 +190,9 @@ def test_a_stale_version_is_refused_before_any_nccl_call(tiny_qwen3_path, state,
     engines = _engines(tiny_qwen3_path, version=3)
     sent: list = []
     sender = _sender(engines, sent)
-    with pytest.raises(WeightSyncError, match="rollout engine 0: weight push refused: weight version 2 offered to an "
-                                              "engine serving 3"):
+    with pytest.raises(
+        WeightSyncError, match="rollout engine 0: weight push refused: weight version 2 offered to an engine serving 3"
+    ):
         sender.push(state, 2)
     assert sent == [["start", "start"]] and no_endpoint == [] and sender.engine is None
     assert all(e.llm.calls == [] for e in engines)
@@ -208,8 +217,13 @@ def test_a_push_of_other_weights_is_refused_before_any_nccl_call(tiny_qwen3_path
         _sender(engines).push({k: v for k, v in state.items() if k != first}, 1)
     engines = _engines(tiny_qwen3_path)
     with pytest.raises(WeightSyncError, match=f"{first}: pushed float32.*engine holds bfloat16"):
-        VllmNCCLSender(lambda msgs: [e.receive_weights(m) for e, m in zip(engines, msgs)], 2, HOST,
-                       dtype="float32", trainer_init=NoDataPlane.trainer_init).push(state, 1)
+        VllmNCCLSender(
+            lambda msgs: [e.receive_weights(m) for e, m in zip(engines, msgs)],
+            2,
+            HOST,
+            dtype="float32",
+            trainer_init=NoDataPlane.trainer_init,
+        ).push(state, 1)
     assert no_endpoint == []
 
 
@@ -243,8 +257,9 @@ def test_messages_out_of_order_are_refused(tiny_qwen3_path, state):
         engine.receive_weights({"op": "update_weights", "version": 2, "update_info": payload})
     short = {k: v[1:] for k, v in payload.items()}
     engine.receive_weights({"op": "update_weights", "version": 1, "update_info": short})
-    with pytest.raises(WeightSyncError, match=f"vLLM was sent {len(state) - 1} tensors, not the {len(state)} "
-                                              "tensors checked at start"):
+    with pytest.raises(
+        WeightSyncError, match=f"vLLM was sent {len(state) - 1} tensors, not the {len(state)} tensors checked at start"
+    ):
         engine.receive_weights({"op": "finish", "version": 1})
     with pytest.raises(WeightVersionError, match="finish of weight version '3' during the push of 1"):
         client = EngineClient(lambda msgs: msgs, [1])
@@ -254,5 +269,8 @@ def test_messages_out_of_order_are_refused(tiny_qwen3_path, state):
 
 def test_vllm_engines_on_nccl_get_vllms_push():
     assert push_transport("nccl", "vllm") == VLLM_NCCL
-    assert [push_transport(t, e) for t, e in [("ipc", "vllm"), ("nccl", "reference"), ("object_store", "vllm")]] == \
-        ["ipc", "nccl", "object_store"]
+    assert [push_transport(t, e) for t, e in [("ipc", "vllm"), ("nccl", "reference"), ("object_store", "vllm")]] == [
+        "ipc",
+        "nccl",
+        "object_store",
+    ]

@@ -48,11 +48,14 @@ def test_strict_llm_kwargs(tiny_qwen3_path):
 
 def test_strict_llm_kwargs_carry_every_boundarys_mode(tiny_qwen3_path):
     """Modes reach the engine's processes in its config, every boundary named: strict unless given."""
-    assert strict_llm_kwargs(tiny_qwen3_path)["additional_config"] == {MODES_KEY: dict.fromkeys(rk.BOUNDARIES,
-                                                                                               "strict")}
+    assert strict_llm_kwargs(tiny_qwen3_path)["additional_config"] == {
+        MODES_KEY: dict.fromkeys(rk.BOUNDARIES, "strict")
+    }
     kwargs = strict_llm_kwargs(tiny_qwen3_path, {"attention": "native"}, additional_config={"other": 1})
-    assert kwargs["additional_config"] == {"other": 1, MODES_KEY: dict.fromkeys(rk.BOUNDARIES, "strict")
-                                           | {"attention": "native"}}
+    assert kwargs["additional_config"] == {
+        "other": 1,
+        MODES_KEY: dict.fromkeys(rk.BOUNDARIES, "strict") | {"attention": "native"},
+    }
     with pytest.raises(ValueError, match="boundary 'attn'"):
         strict_llm_kwargs(tiny_qwen3_path, {"attn": "native"})
     with pytest.raises(ValueError, match="mode 'fast'"):
@@ -75,15 +78,18 @@ def test_strict_sampling_params_carry_temperature():
         strict_sampling_params(temperature=0.0)
 
 
-@pytest.mark.parametrize("params, message", [
-    (SamplingParams(temperature=0.7, logprobs=0), "rl_kernel_temperature'] is missing"),
-    (SamplingParams(temperature=0.7, logprobs=0, extra_args={TEMPERATURE_KEY: 0.7}), "temperature=0.7 must be 1.0"),
-    (SamplingParams(logprobs=0, extra_args={TEMPERATURE_KEY: -1.0}), "must be a number > 0"),
-    (SamplingParams(logprobs=0, top_k=20, extra_args={TEMPERATURE_KEY: 1.0}), "top_k=20"),
-    (SamplingParams(logprobs=0, min_p=0.1, extra_args={TEMPERATURE_KEY: 1.0}), "min_p=0.1"),
-    (SamplingParams(logprobs=0, logit_bias={3: 1.0}, extra_args={TEMPERATURE_KEY: 1.0}), "logit_bias is set"),
-    (SamplingParams(prompt_logprobs=0, extra_args={TEMPERATURE_KEY: 1.0}), "prompt_logprobs is set"),
-])
+@pytest.mark.parametrize(
+    "params, message",
+    [
+        (SamplingParams(temperature=0.7, logprobs=0), "rl_kernel_temperature'] is missing"),
+        (SamplingParams(temperature=0.7, logprobs=0, extra_args={TEMPERATURE_KEY: 0.7}), "temperature=0.7 must be 1.0"),
+        (SamplingParams(logprobs=0, extra_args={TEMPERATURE_KEY: -1.0}), "must be a number > 0"),
+        (SamplingParams(logprobs=0, top_k=20, extra_args={TEMPERATURE_KEY: 1.0}), "top_k=20"),
+        (SamplingParams(logprobs=0, min_p=0.1, extra_args={TEMPERATURE_KEY: 1.0}), "min_p=0.1"),
+        (SamplingParams(logprobs=0, logit_bias={3: 1.0}, extra_args={TEMPERATURE_KEY: 1.0}), "logit_bias is set"),
+        (SamplingParams(prompt_logprobs=0, extra_args={TEMPERATURE_KEY: 1.0}), "prompt_logprobs is set"),
+    ],
+)
 def test_strict_processor_rejects(params, message):
     with pytest.raises(ValueError, match=message):
         StrictLogprobsProcessor.validate_params(params)

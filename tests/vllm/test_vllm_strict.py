@@ -74,15 +74,19 @@ def test_strict_evidence_shows_only_strict_ops(llm):
     assert llm.collective_rpc("rl_kernel_modes") == [dict.fromkeys(rk.BOUNDARIES, "strict")]
 
 
-@pytest.mark.parametrize("change, message", [
-    (dict(top_k=5), "top_k=5"),
-    (dict(top_p=0.9), "top_p=0.9"),
-    (dict(repetition_penalty=1.2), "repetition_penalty=1.2"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(top_k=5), "top_k=5"),
+        (dict(top_p=0.9), "top_p=0.9"),
+        (dict(repetition_penalty=1.2), "repetition_penalty=1.2"),
+    ],
+)
 def test_strict_rejects_filters_and_penalties(llm, change, message):
     with pytest.raises(VLLMValidationError, match=message):
-        llm.generate([{"prompt_token_ids": [5, 6, 7]}], strict_sampling_params(temperature=0.7, **change),
-                     use_tqdm=False)
+        llm.generate(
+            [{"prompt_token_ids": [5, 6, 7]}], strict_sampling_params(temperature=0.7, **change), use_tqdm=False
+        )
 
 
 def test_strict_rejects_plain_sampling_params(llm):
@@ -97,8 +101,10 @@ def test_weight_update_through_weight_transfer(llm, reference, tiny_qwen3_path):
     from rl_kernel.models.qwen3 import Qwen3Reference
 
     g = torch.Generator().manual_seed(7)
-    perturbed = {name: (w.float() + 0.02 * torch.randn(w.shape, generator=g)).to(w.dtype)
-                 for name, w in reference.state_dict_hf().items()}
+    perturbed = {
+        name: (w.float() + 0.02 * torch.randn(w.shape, generator=g)).to(w.dtype)
+        for name, w in reference.state_dict_hf().items()
+    }
     updated = Qwen3Reference.from_pretrained(tiny_qwen3_path)
     updated.load_hf_weights(perturbed, strict=True)
 

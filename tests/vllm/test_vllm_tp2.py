@@ -62,8 +62,9 @@ def test_tp2_workers_run_the_modes_of_the_engine_config(tiny_qwen3_path, monkeyp
     inherit: here that environment says native everywhere, the config says native attention only."""
     monkeypatch.setenv("RL_KERNEL_MODE", "native")
     modes = dict.fromkeys(rk.BOUNDARIES, "strict") | {"attention": "native"}
-    with running_llm(**strict_llm_kwargs(tiny_qwen3_path, {"attention": "native"}, tensor_parallel_size=2,
-                                         **ENGINE_ARGS)) as llm:
+    with running_llm(
+        **strict_llm_kwargs(tiny_qwen3_path, {"attention": "native"}, tensor_parallel_size=2, **ENGINE_ARGS)
+    ) as llm:
         assert llm.collective_rpc("rl_kernel_modes") == [modes, modes]
         reset_evidence(llm)
         llm.generate([{"prompt_token_ids": [5, 6, 7, 8]}], strict_sampling_params(max_tokens=2), use_tqdm=False)
@@ -75,12 +76,15 @@ def test_tp2_workers_run_the_modes_of_the_engine_config(tiny_qwen3_path, monkeyp
 def test_strict_model_without_modes_refuses_to_start(tiny_qwen3_path):
     """Fail closed: an engine whose arguments select the strict model but carry no rl_kernel modes does
     not start (in a fresh process: its workers would otherwise fall back to whatever their environment says)."""
-    code = ("import sys, vllm\nfrom rl_kernel.integrations.vllm import MODES_KEY, strict_llm_kwargs\n"
-            "kwargs = strict_llm_kwargs(sys.argv[1], max_model_len=128, gpu_memory_utilization=0.3)\n"
-            "del kwargs['additional_config'][MODES_KEY]\nvllm.LLM(**kwargs)\n")
+    code = (
+        "import sys, vllm\nfrom rl_kernel.integrations.vllm import MODES_KEY, strict_llm_kwargs\n"
+        "kwargs = strict_llm_kwargs(sys.argv[1], max_model_len=128, gpu_memory_utilization=0.3)\n"
+        "del kwargs['additional_config'][MODES_KEY]\nvllm.LLM(**kwargs)\n"
+    )
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    done = subprocess.run([sys.executable, "-c", code, str(tiny_qwen3_path)], env=env, capture_output=True,
-                          text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(tiny_qwen3_path)], env=env, capture_output=True, text=True, timeout=300
+    )
     assert done.returncode != 0 and "started without explicit rl_kernel modes" in done.stderr, done.stderr[-3000:]
 
 

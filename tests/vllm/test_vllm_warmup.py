@@ -35,8 +35,15 @@ from rl_kernel.integrations.vllm.warmup import warm_up, warm_up_tokens  # noqa: 
 from rl_kernel.models.layers import Qwen3Model  # noqa: E402
 from rl_kernel.models.qwen3 import Qwen3Config  # noqa: E402
 
-KERNELS = [(norm, "_rms_norm_kernel"), (activation, "_silu_and_mul_kernel"), (rope, "_rope_kernel"),
-           (attention, "_attn_kernel"), (gemm, "_fused_kernel"), (gemm, "_split_kernel"), (gemm, "_tree_kernel")]
+KERNELS = [
+    (norm, "_rms_norm_kernel"),
+    (activation, "_silu_and_mul_kernel"),
+    (rope, "_rope_kernel"),
+    (attention, "_attn_kernel"),
+    (gemm, "_fused_kernel"),
+    (gemm, "_split_kernel"),
+    (gemm, "_tree_kernel"),
+]
 # An engine's limits (scheduler token budget past the norm's and the attention schedule's size thresholds).
 LIMITS = dict(max_tokens=4096, max_seqs=64, block_size=16, max_model_len=4112)
 
@@ -54,8 +61,10 @@ class Recorder:
         everything = [copy.copy(p) for p in kernel.params]
         for p in everything:
             p.do_not_specialize = False
-        self.binders = {"keys": create_function_from_signature(kernel.signature, kernel.params, BaseBackend),
-                        "keys_all": create_function_from_signature(kernel.signature, everything, BaseBackend)}
+        self.binders = {
+            "keys": create_function_from_signature(kernel.signature, kernel.params, BaseBackend),
+            "keys_all": create_function_from_signature(kernel.signature, everything, BaseBackend),
+        }
         self.keys, self.keys_all = set(), set()
 
     def __getitem__(self, grid):
@@ -77,10 +86,24 @@ def recorded():
         recorders[name] = Recorder(getattr(module, name))
         mp.setattr(module, name, recorders[name])
     mp.setattr(backends, "strict_backend", lambda op, device: "triton")
-    config = Qwen3Config.from_hf(dict(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=1,
-                                      num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6,
-                                      rope_theta=1e6, tie_word_embeddings=False, max_position_embeddings=8192,
-                                      architectures=["Qwen3ForCausalLM"], model_type="qwen3"), "test")
+    config = Qwen3Config.from_hf(
+        dict(
+            vocab_size=256,
+            hidden_size=256,
+            intermediate_size=512,
+            num_hidden_layers=1,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=128,
+            rms_norm_eps=1e-6,
+            rope_theta=1e6,
+            tie_word_embeddings=False,
+            max_position_embeddings=8192,
+            architectures=["Qwen3ForCausalLM"],
+            model_type="qwen3",
+        ),
+        "test",
+    )
     model = Qwen3Model(config, None, torch.bfloat16)
     yield recorders, model
     mp.undo()
@@ -109,7 +132,7 @@ class Serving:
 
         b, t = len(q_lens), sum(q_lens)
         n = padded or t
-        self.qsl[1: b + 1] = torch.cumsum(torch.tensor(q_lens, dtype=torch.int32), 0)
+        self.qsl[1 : b + 1] = torch.cumsum(torch.tensor(q_lens, dtype=torch.int32), 0)
         self.lens[:b] = torch.tensor(ctx_lens, dtype=torch.int32)
         meta = SimpleNamespace(query_start_loc=self.qsl[: b + 1], seq_lens=self.lens[:b], block_table=self.table[:b])
         k_cache, v_cache = kv_cache_views(self.kv, "FLASH_ATTN", self.model.config.head_dim)
@@ -153,8 +176,10 @@ def _decode_and_prefill_steps() -> list:
     seqs, budget, ctx = LIMITS["max_seqs"], LIMITS["max_tokens"], LIMITS["max_model_len"] - 16
     steps = [([1] * b, [ctx - b] * b, None) for b in range(1, seqs + 1)]  # decode, every batch size
     steps += [([1] * b, [17 + i for i in range(b)], p) for b, p in ((3, 4), (5, 8), (13, 16), (50, 56))]  # padded
-    steps += [([t], [t], None) for t in sorted({*range(1, 70), 127, 128, 129, 1000, 1985, 1986, 2047, 2048, 2049,
-                                                3001, budget})]  # one prompt
+    steps += [
+        ([t], [t], None)
+        for t in sorted({*range(1, 70), 127, 128, 129, 1000, 1985, 1986, 2047, 2048, 2049, 3001, budget})
+    ]  # one prompt
     steps += [([t, 1, 1], [t + 100, 7, 4000], None) for t in (61, 2045, budget - 2)]  # chunked prefill beside decodes
     return steps
 
@@ -196,6 +221,7 @@ def vllm_warmed(recorded):
             model(serving.ids[:n], serving.pos[:n], lambda layer, q, k, v: torch.zeros_like(q))
         for size in captures:
             serving.run([1] * size, [ctx] * size)
+
     return _record(recorders, run)
 
 

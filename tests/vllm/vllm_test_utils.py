@@ -20,8 +20,13 @@ from rl_kernel.bits import bits
 
 MAX_BATCHED_TOKENS = 64
 ENGINE_ARGS = dict(
-    gpu_memory_utilization=0.3, max_model_len=512, max_num_batched_tokens=MAX_BATCHED_TOKENS,
-    enable_prefix_caching=True, block_size=32, seed=0, max_num_seqs=32,
+    gpu_memory_utilization=0.3,
+    max_model_len=512,
+    max_num_batched_tokens=MAX_BATCHED_TOKENS,
+    enable_prefix_caching=True,
+    block_size=32,
+    seed=0,
+    max_num_seqs=32,
 )
 
 
@@ -37,10 +42,13 @@ def running_llm(**kwargs) -> Iterator[vllm.LLM]:
     tp = kwargs.get("tensor_parallel_size", 1)
     cpus = sorted(os.sched_getaffinity(0))
     saved = dict(os.environ)  # vLLM also sets variables of its own (VLLM_DIST_IDENT, ...)
-    os.environ.update({
-        "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-        "VLLM_CPU_OMP_THREADS_BIND": "|".join(str(cpus[i % len(cpus)]) for i in range(tp)) if tp > 1 else "auto",
-    })
+    os.environ.update(
+        {
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+            "VLLM_CPU_OMP_THREADS_BIND": "|".join(str(cpus[i % len(cpus)]) for i in range(tp)) if tp > 1 else "auto",
+        }
+    )
     llm = None
     try:
         llm = vllm.LLM(**kwargs)
@@ -83,8 +91,11 @@ def compare_with_reference(outputs, prompts: list[list[int]], temperatures: list
     got = torch.tensor(got, dtype=torch.float32)  # Python floats hold fp32 values exactly
     assert got.shape == want.shape
     differ = bits(got) != bits(want)
-    return {"tokens": got.numel(), "mismatches": int(differ.sum()),
-            "max_abs_diff": float((got.double() - want.double()).abs().max()) if got.numel() else 0.0}
+    return {
+        "tokens": got.numel(),
+        "mismatches": int(differ.sum()),
+        "max_abs_diff": float((got.double() - want.double()).abs().max()) if got.numel() else 0.0,
+    }
 
 
 class RecordingLLM:

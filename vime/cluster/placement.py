@@ -59,10 +59,17 @@ def start_ray(cfg: RayConfig, env: dict[str, str], log_to_driver: bool = True, l
                     os.environ.setdefault("RAY_prestart_worker_first_driver", "0")
                     # "local": a Ray of its own, also where `ray start` left a cluster on this host (which a
                     # plain ray.init() would join, and then refuses num_cpus)
-                    ray.init(address="local", num_cpus=cfg.num_cpus, num_gpus=cfg.num_gpus, include_dashboard=False,
-                             runtime_env=runtime_env, log_to_driver=log_to_driver, configure_logging=False,
-                             _node_ip_address=cfg.bind_address,  # every Ray listener: loopback by default
-                             object_store_memory=object_store_bytes())
+                    ray.init(
+                        address="local",
+                        num_cpus=cfg.num_cpus,
+                        num_gpus=cfg.num_gpus,
+                        include_dashboard=False,
+                        runtime_env=runtime_env,
+                        log_to_driver=log_to_driver,
+                        configure_logging=False,
+                        _node_ip_address=cfg.bind_address,  # every Ray listener: loopback by default
+                        object_store_memory=object_store_bytes(),
+                    )
             break
         except Exception as e:  # noqa: BLE001 - Ray raises a bare Exception when its raylet starts slowly
             # Ray waits a fixed 30 s for a local raylet to register; on a busy machine it can take longer.
@@ -71,8 +78,9 @@ def start_ray(cfg: RayConfig, env: dict[str, str], log_to_driver: bool = True, l
             _stop_started_ray_processes()  # the failed start leaves its GCS, dashboard and monitors running
             if attempt == START_ATTEMPTS:
                 raise
-            log.warning("ray: local node start timed out (busy machine?); retrying (%d/%d)", attempt + 1,
-                        START_ATTEMPTS)
+            log.warning(
+                "ray: local node start timed out (busy machine?); retrying (%d/%d)", attempt + 1, START_ATTEMPTS
+            )
     resources = {k: v for k, v in ray.cluster_resources().items() if not k.startswith("node:")}
     # a cluster's resources are what a user checks a run's placement against; a local Ray's are this machine's
     log.log(logging.INFO if cfg.address else logging.DEBUG, "ray: %s", resources)
@@ -112,8 +120,7 @@ def _stop_started_ray_processes() -> None:
     import psutil
 
     ray.shutdown()
-    children = [c for c in psutil.Process().children(recursive=True)
-                if any("ray" in part for part in _cmdline(c)[:3])]
+    children = [c for c in psutil.Process().children(recursive=True) if any("ray" in part for part in _cmdline(c)[:3])]
     for c in children:
         with contextlib.suppress(psutil.Error):
             c.terminate()
@@ -185,9 +192,11 @@ def make_group(name: str, bundles: list[dict[str, float]], timeout_s: float = 12
     ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
     if not ready:
         have = ray.available_resources()
-        raise ConfigError(f"Ray cannot place the {name} actors {bundles} (available: {have}); lower "
-                          "ray.cpus_per_actor / ray.gpus_per_actor, trainer.tp / cp or rollout.num_engines, "
-                          "or raise ray.num_cpus / ray.num_gpus")
+        raise ConfigError(
+            f"Ray cannot place the {name} actors {bundles} (available: {have}); lower "
+            "ray.cpus_per_actor / ray.gpus_per_actor, trainer.tp / cp or rollout.num_engines, "
+            "or raise ray.num_cpus / ray.num_gpus"
+        )
     return pg
 
 
@@ -260,8 +269,10 @@ def bind_node_interface() -> str | None:
     if "GLOO_SOCKET_IFNAME" not in os.environ:
         iface = node_interface(ray.util.get_node_ip_address())
         if iface is None:
-            log.warning("no interface holds this node's address %s: gloo picks one from the host name",
-                        ray.util.get_node_ip_address())
+            log.warning(
+                "no interface holds this node's address %s: gloo picks one from the host name",
+                ray.util.get_node_ip_address(),
+            )
             return None
         os.environ["GLOO_SOCKET_IFNAME"] = iface
         os.environ.setdefault("NCCL_SOCKET_IFNAME", iface)
@@ -285,9 +296,15 @@ def tcp_store(host: str, port: int, world: int, listen: socket.socket | None = N
 
     import torch.distributed as dist
 
-    return dist.TCPStore(host, port, world, is_master=listen is not None,
-                         timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False,
-                         master_listen_fd=listen.detach() if listen is not None else None)
+    return dist.TCPStore(
+        host,
+        port,
+        world,
+        is_master=listen is not None,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+        master_listen_fd=listen.detach() if listen is not None else None,
+    )
 
 
 def trainer_store(init_method: str, rank: int, world: int, listen: socket.socket | None):
@@ -312,7 +329,12 @@ def weight_paths(cfg, trainer_pg: PlacementGroup, rollout_pg: PlacementGroup) ->
     trainer_node, engine_nodes = bundle_nodes(trainer_pg)[0], bundle_nodes(rollout_pg)
     paths = engine_transports(cfg, trainer_node, engine_nodes)
     if cfg.ray.address:
-        log.info("placement: trainer rank 0 on node %s; %s", node_address(trainer_node),
-                 "; ".join(f"rollout engine {i} on node {node_address(n)} (weights over {p})"
-                           for i, (n, p) in enumerate(zip(engine_nodes, paths))))
+        log.info(
+            "placement: trainer rank 0 on node %s; %s",
+            node_address(trainer_node),
+            "; ".join(
+                f"rollout engine {i} on node {node_address(n)} (weights over {p})"
+                for i, (n, p) in enumerate(zip(engine_nodes, paths))
+            ),
+        )
     return trainer_node, engine_nodes, paths

@@ -86,19 +86,23 @@ def death_cause(text: str, limit: int = 300) -> str:
     indented lines that continue its message), or why its process ended; colour codes and Ray's
     boilerplate removed."""
     lines = [ANSI.sub("", line).rstrip() for line in text.splitlines()]
-    last = max((i for i, line in enumerate(lines) if _ERROR_LINE.match(line) and not line.startswith(" ")),
-               default=None)
+    last = max(
+        (i for i, line in enumerate(lines) if _ERROR_LINE.match(line) and not line.startswith(" ")), default=None
+    )
     if last is not None:
         head = _ERROR_LINE.match(lines[last]).group(1)
         name, sep, rest = head.partition(":")
         parts = [f"{name.rsplit('.', 1)[-1]}{sep}{rest}"]
-        for line in lines[last + 1:]:
+        for line in lines[last + 1 :]:
             if not line.startswith((" ", "\t")) or "For further information visit" in line:
                 break
             parts.append(line.strip())
         cause = " ".join(p for p in parts if p)
     else:
         why = _WHY.search(ANSI.sub("", text))
-        cause = f"its process ended ({why.group(1).strip()})" if why else \
-            (next((line.strip() for line in lines if line.strip()), "") or "its process ended")
-    return cause if len(cause) <= limit else cause[:limit - 3] + "..."
+        cause = (
+            f"its process ended ({why.group(1).strip()})"
+            if why
+            else (next((line.strip() for line in lines if line.strip()), "") or "its process ended")
+        )
+    return cause if len(cause) <= limit else cause[: limit - 3] + "..."

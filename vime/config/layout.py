@@ -58,11 +58,13 @@ def _fail(what: str, fix: str) -> None:
 def check_model_tp(model: dict[str, Any], tp: int, side: str) -> None:
     """`tp` must split the heads, the KV heads and the MLP width of `model` (HF config.json keys) evenly."""
     heads = model["num_attention_heads"]
-    for key, n in (("num_attention_heads", heads), ("num_key_value_heads", model.get("num_key_value_heads", heads)),
-                   ("intermediate_size", model["intermediate_size"])):
+    for key, n in (
+        ("num_attention_heads", heads),
+        ("num_key_value_heads", model.get("num_key_value_heads", heads)),
+        ("intermediate_size", model["intermediate_size"]),
+    ):
         if n % tp:
-            _fail(f"{side}.tp={tp} does not divide the model's {key}={n}",
-                  f"choose a {side}.tp that divides {key}")
+            _fail(f"{side}.tp={tp} does not divide the model's {key}={n}", f"choose a {side}.tp that divides {key}")
 
 
 def role_resources(cfg: VimeConfig) -> dict[str, str | None]:
@@ -76,8 +78,10 @@ def role_needs(cfg: VimeConfig) -> dict[str, tuple[int, dict[str, float]]]:
     """Actors and the resources of one actor's bundle, per role."""
     gpus = cfg.ray.gpus_per_actor if cfg.device == "cuda" else 0.0
     one = lambda g: {"CPU": cfg.ray.cpus_per_actor} | ({"GPU": g} if g else {})  # noqa: E731
-    return {"trainer": (cfg.trainer.tp * cfg.trainer.cp, one(gpus)),
-            "rollout": (cfg.rollout.num_engines, one(gpus * cfg.rollout.tp))}
+    return {
+        "trainer": (cfg.trainer.tp * cfg.trainer.cp, one(gpus)),
+        "rollout": (cfg.rollout.num_engines, one(gpus * cfg.rollout.tp)),
+    }
 
 
 def check_roles(cfg: VimeConfig, nodes: list[dict[str, float]]) -> None:
@@ -92,24 +96,32 @@ def check_roles(cfg: VimeConfig, nodes: list[dict[str, float]]) -> None:
         flag = f"ray start --resources='{{\"{mark}\": 1}}'"
         marked = [n for n in nodes if n.get(mark, 0) > 0]
         if not marked:
-            _fail(f"no alive node of the cluster declares the resource '{mark}' that the {who} actors need",
-                  f"start the {who} nodes with {flag}, or unset ray.{roles[0]}_resource")
+            _fail(
+                f"no alive node of the cluster declares the resource '{mark}' that the {who} actors need",
+                f"start the {who} nodes with {flag}, or unset ray.{roles[0]}_resource",
+            )
         for key in ("CPU", "GPU"):
             want = sum(needs[role][0] * needs[role][1].get(key, 0.0) for role in roles)
             have = sum(n.get(key, 0.0) for n in marked)
             if want > have:
-                _fail(f"the {who} actors need {want:g} {key}s on the nodes that declare '{mark}', which have "
-                      f"{have:g} ({len(marked)} node(s))", f"add such nodes ({flag}) or lower the layout")
+                _fail(
+                    f"the {who} actors need {want:g} {key}s on the nodes that declare '{mark}', which have "
+                    f"{have:g} ({len(marked)} node(s))",
+                    f"add such nodes ({flag}) or lower the layout",
+                )
             for role in roles:
                 per = needs[role][1].get(key, 0.0)
                 if per > max(n.get(key, 0.0) for n in marked):
-                    _fail(f"one {role} actor needs {per:g} {key}s on one node that declares '{mark}'; the largest "
-                          f"has {max(n.get(key, 0.0) for n in marked):g}",
-                          "lower ray.cpus_per_actor / ray.gpus_per_actor or the TP degree")
+                    _fail(
+                        f"one {role} actor needs {per:g} {key}s on one node that declares '{mark}'; the largest "
+                        f"has {max(n.get(key, 0.0) for n in marked):g}",
+                        "lower ray.cpus_per_actor / ray.gpus_per_actor or the TP degree",
+                    )
 
 
-def check_layout(cfg: VimeConfig, node_gpus: list[int], model: dict[str, Any],
-                 node_resources: list[dict[str, float]] | None = None) -> Placement:
+def check_layout(
+    cfg: VimeConfig, node_gpus: list[int], model: dict[str, Any], node_resources: list[dict[str, float]] | None = None
+) -> Placement:
     """Place the run on the cluster (`node_gpus`: GPUs per node; `node_resources`: each node's resources,
     for the role marks, see `check_roles`) or raise ConfigError; `model` is the HF config.json of the
     checkpoint (head counts)."""
@@ -121,24 +133,31 @@ def check_layout(cfg: VimeConfig, node_gpus: list[int], model: dict[str, Any],
     transport = Transport(w.transport)
     if cfg.device == "cpu":  # colocate: the engines on the trainer's nodes (no GPU to share)
         if transport not in CPU_TRANSPORTS:
-            _fail(f"weights.transport={transport.value} on CPU",
-                  "use weights.transport=auto (object_store on the trainer's node, gloo to other nodes), "
-                  "object_store or gloo (IPC and NCCL move CUDA memory)")
+            _fail(
+                f"weights.transport={transport.value} on CPU",
+                "use weights.transport=auto (object_store on the trainer's node, gloo to other nodes), "
+                "object_store or gloo (IPC and NCCL move CUDA memory)",
+            )
         return Placement([], [], 0)
     if transport in (Transport.object_store, Transport.gloo):
-        _fail(f"weights.transport={transport.value} on GPUs",
-              "use auto, ipc (colocated engines) or nccl (separate GPUs)")
+        _fail(
+            f"weights.transport={transport.value} on GPUs", "use auto, ipc (colocated engines) or nccl (separate GPUs)"
+        )
     if transport != Transport.auto and (transport == Transport.ipc) != w.colocate:
-        _fail(f"weights.transport={transport.value} with colocate={w.colocate}",
-              "CUDA IPC serves engines colocated on the trainer's GPUs (colocate=true); separate GPUs use nccl")
+        _fail(
+            f"weights.transport={transport.value} with colocate={w.colocate}",
+            "CUDA IPC serves engines colocated on the trainer's GPUs (colocate=true); separate GPUs use nccl",
+        )
     if not node_gpus or sum(node_gpus) == 0:
         _fail("the cluster reports no GPUs", "start Ray on GPU nodes (or run device=cpu)")
     need_t, need_r = t.tp * t.cp, r.num_engines * r.tp
     free = list(node_gpus)
     used = [0] * len(node_gpus)
     marks = role_resources(cfg)
-    allowed = {role: [node_resources is None or not mark or node_resources[i].get(mark, 0) > 0
-                      for i in range(len(node_gpus))] for role, mark in marks.items()}
+    allowed = {
+        role: [node_resources is None or not mark or node_resources[i].get(mark, 0) > 0 for i in range(len(node_gpus))]
+        for role, mark in marks.items()
+    }
 
     def take(n: int, what: str, fix: str, role: str = "trainer") -> list[tuple[int, int]]:
         for node, left in enumerate(free):
@@ -155,14 +174,18 @@ def check_layout(cfg: VimeConfig, node_gpus: list[int], model: dict[str, Any],
     trainer = [g for _ in range(t.cp) for g in take(t.tp, f"a trainer TP group of {t.tp}", fix_t)]
     if w.colocate:
         if need_r != need_t:
-            _fail(f"colocated engines use {r.num_engines} x TP{r.tp} = {need_r} GPUs, the trainer {need_t}",
-                  "colocated engines must cover exactly the trainer's GPUs: set rollout.num_engines x rollout.tp "
-                  "= trainer.tp x trainer.cp")
-        engines = [trainer[i * r.tp:(i + 1) * r.tp] for i in range(r.num_engines)]
+            _fail(
+                f"colocated engines use {r.num_engines} x TP{r.tp} = {need_r} GPUs, the trainer {need_t}",
+                "colocated engines must cover exactly the trainer's GPUs: set rollout.num_engines x rollout.tp "
+                "= trainer.tp x trainer.cp",
+            )
+        engines = [trainer[i * r.tp : (i + 1) * r.tp] for i in range(r.num_engines)]
         for i, e in enumerate(engines):
             if len({node for node, _ in e}) != 1:
-                _fail(f"colocated engine {i} spans nodes {sorted({n for n, _ in e})}",
-                      "an engine's TP group (and CUDA IPC) stays inside one node: lower rollout.tp")
+                _fail(
+                    f"colocated engine {i} spans nodes {sorted({n for n, _ in e})}",
+                    "an engine's TP group (and CUDA IPC) stays inside one node: lower rollout.tp",
+                )
         return Placement(trainer, engines, need_t)
     fix_r = "lower rollout.num_engines / rollout.tp, or add GPUs"
     engines = [take(r.tp, f"rollout engine {i} (TP{r.tp})", fix_r, "rollout") for i in range(r.num_engines)]
@@ -173,6 +196,7 @@ def read_config_json(model_path: str) -> dict[str, Any]:
     """The checkpoint's HF config.json."""
     import json
     from pathlib import Path
+
     return json.loads((Path(model_path) / "config.json").read_text())
 
 

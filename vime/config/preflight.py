@@ -21,9 +21,11 @@ def check_lengths(cfg: VimeConfig, prompts: list[list[int]]) -> None:
     longest = max((len(p) for p in prompts), default=0)
     need = longest + cfg.algo.max_new_tokens
     if need > cfg.rollout.max_model_len:
-        raise ConfigError(f"algo.max_new_tokens={cfg.algo.max_new_tokens} + the longest prompt ({longest} tokens) = "
-                          f"{need} > rollout.max_model_len={cfg.rollout.max_model_len}; lower algo.max_new_tokens "
-                          f"to at most {cfg.rollout.max_model_len - longest} or raise rollout.max_model_len")
+        raise ConfigError(
+            f"algo.max_new_tokens={cfg.algo.max_new_tokens} + the longest prompt ({longest} tokens) = "
+            f"{need} > rollout.max_model_len={cfg.rollout.max_model_len}; lower algo.max_new_tokens "
+            f"to at most {cfg.rollout.max_model_len - longest} or raise rollout.max_model_len"
+        )
 
 
 def model_max_positions(cfg: VimeConfig) -> tuple[int | None, str]:
@@ -46,8 +48,10 @@ def check_context(cfg: VimeConfig) -> None:
     refuses it only once its engine is up."""
     limit, where = model_max_positions(cfg)
     if limit is not None and cfg.rollout.max_model_len > limit:
-        raise ConfigError(f"rollout.max_model_len={cfg.rollout.max_model_len} > the model's context "
-                          f"(max_position_embeddings={limit} in {where}); set rollout.max_model_len <= {limit}")
+        raise ConfigError(
+            f"rollout.max_model_len={cfg.rollout.max_model_len} > the model's context "
+            f"(max_position_embeddings={limit} in {where}); set rollout.max_model_len <= {limit}"
+        )
 
 
 def required_resources(cfg: VimeConfig) -> dict[str, float]:
@@ -67,18 +71,23 @@ def check_resources(cfg: VimeConfig, available: dict[str, float], where: str) ->
     short = {k: (v, float(available.get(k, 0.0))) for k, v in need.items() if v > available.get(k, 0.0)}
     if short:
         what = ", ".join(f"{v:g} {k}s (has {h:g})" for k, (v, h) in short.items())
-        raise ConfigError(f"the layout needs {what} for {actors} actors ({cfg.trainer.tp * cfg.trainer.cp} trainer "
-                          f"rank(s) + {cfg.rollout.num_engines} rollout engine(s), ray.cpus_per_actor="
-                          f"{cfg.ray.cpus_per_actor:g}) but {where}; raise ray.num_cpus / ray.num_gpus, or lower "
-                          "ray.cpus_per_actor, trainer.tp x cp or rollout.num_engines")
+        raise ConfigError(
+            f"the layout needs {what} for {actors} actors ({cfg.trainer.tp * cfg.trainer.cp} trainer "
+            f"rank(s) + {cfg.rollout.num_engines} rollout engine(s), ray.cpus_per_actor="
+            f"{cfg.ray.cpus_per_actor:g}) but {where}; raise ray.num_cpus / ray.num_gpus, or lower "
+            "ray.cpus_per_actor, trainer.tp x cp or rollout.num_engines"
+        )
 
 
 def check_local_resources(cfg: VimeConfig) -> None:
     """For a Ray this run starts itself (`ray.address` unset): the numbers are in the config."""
     if cfg.ray.address:
         return
-    check_resources(cfg, {"CPU": float(cfg.ray.num_cpus), "GPU": float(cfg.ray.num_gpus)},
-                    f"ray.num_cpus={cfg.ray.num_cpus}, ray.num_gpus={cfg.ray.num_gpus}")
+    check_resources(
+        cfg,
+        {"CPU": float(cfg.ray.num_cpus), "GPU": float(cfg.ray.num_gpus)},
+        f"ray.num_cpus={cfg.ray.num_cpus}, ray.num_gpus={cfg.ray.num_gpus}",
+    )
 
 
 def check_weight_transport(cfg: VimeConfig) -> None:
@@ -87,11 +96,16 @@ def check_weight_transport(cfg: VimeConfig) -> None:
     with several trainer ranks each ships its own GPU's handles, vime.weights.sync), or `nccl`, vLLM's own
     nccl trainer engine driven from trainer rank 0 (rl_kernel.integrations.vllm.nccl). Which GPUs each serves
     (`ipc`: engines colocated on the trainer's; `nccl`: GPUs of their own) is `vime.config.layout`'s check."""
-    if cfg.device == "cuda" and RolloutBackend(cfg.rollout.engine) == RolloutBackend.vllm \
-            and cfg.weights.transport not in ("auto", "ipc", "nccl"):
-        raise ConfigError(f"rollout.engine=vllm with weights.transport={cfg.weights.transport} on GPUs: a vLLM engine "
-                          "on CUDA takes weights only as a push of trainer rank 0; use weights.transport=ipc with "
-                          "weights.colocate=true, or nccl with weights.colocate=false")
+    if (
+        cfg.device == "cuda"
+        and RolloutBackend(cfg.rollout.engine) == RolloutBackend.vllm
+        and cfg.weights.transport not in ("auto", "ipc", "nccl")
+    ):
+        raise ConfigError(
+            f"rollout.engine=vllm with weights.transport={cfg.weights.transport} on GPUs: a vLLM engine "
+            "on CUDA takes weights only as a push of trainer rank 0; use weights.transport=ipc with "
+            "weights.colocate=true, or nccl with weights.colocate=false"
+        )
 
 
 def check_checkpoint(path: Path) -> None:
@@ -105,12 +119,16 @@ def check_checkpoint(path: Path) -> None:
         raise DataError(f"cannot read {config}: {e}; point model.path at an HF checkpoint directory") from None
     archs = meta.get("architectures") or []
     if meta.get("model_type") != "qwen3" or not archs or not set(archs) <= set(SUPPORTED_ARCHITECTURES):
-        raise DataError(f"{config}: model_type={meta.get('model_type')!r}, architectures={archs} is not supported; "
-                        f"vime runs Qwen3 dense checkpoints ({', '.join(SUPPORTED_ARCHITECTURES)}): use one")
+        raise DataError(
+            f"{config}: model_type={meta.get('model_type')!r}, architectures={archs} is not supported; "
+            f"vime runs Qwen3 dense checkpoints ({', '.join(SUPPORTED_ARCHITECTURES)}): use one"
+        )
     files = sorted(path.glob("*.safetensors"))
     if not files:
-        raise DataError(f"{path} has no *.safetensors weights; save the checkpoint with safetensors "
-                        "(save_pretrained(..., safe_serialization=True))")
+        raise DataError(
+            f"{path} has no *.safetensors weights; save the checkpoint with safetensors "
+            "(save_pretrained(..., safe_serialization=True))"
+        )
     for f in files:
         check_safetensors(f)
 
@@ -139,7 +157,6 @@ def check_safetensors(file: Path) -> None:
         raise DataError(f"{file} is truncated: its tensors need {8 + n + end} bytes, the file has {size}; {fix}")
 
 
-
 TRAINER_BYTES_PER_PARAM = 18  # bf16 weights, fp32 gradients, fp32 main weights, two fp32 Adam moments
 
 
@@ -148,8 +165,13 @@ def qwen3_parameters(config: dict) -> int:
     d_model, layers = config["hidden_size"], config["num_hidden_layers"]
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     head_dim = config.get("head_dim") or d_model // heads
-    per_layer = (d_model * (heads + 2 * kv_heads) * head_dim + heads * head_dim * d_model
-                 + 3 * d_model * config["intermediate_size"] + 2 * d_model + 2 * head_dim)
+    per_layer = (
+        d_model * (heads + 2 * kv_heads) * head_dim
+        + heads * head_dim * d_model
+        + 3 * d_model * config["intermediate_size"]
+        + 2 * d_model
+        + 2 * head_dim
+    )
     embeddings = config["vocab_size"] * d_model * (1 if config.get("tie_word_embeddings") else 2)
     return embeddings + layers * per_layer + d_model
 
@@ -159,8 +181,11 @@ def check_gpu_memory(cfg: VimeConfig, config: dict, gpu_bytes: int) -> None:
     `rollout.gpu_memory_utilization` share vLLM claims must fit one GPU of `gpu_bytes`; fail before any engine
     starts, naming how many layers would fit."""
     ranks = cfg.trainer.tp * cfg.trainer.cp
-    vllm_share = cfg.rollout.gpu_memory_utilization if (
-        cfg.rollout.engine == RolloutBackend.vllm and cfg.weights.colocate) else 0.0
+    vllm_share = (
+        cfg.rollout.gpu_memory_utilization
+        if (cfg.rollout.engine == RolloutBackend.vllm and cfg.weights.colocate)
+        else 0.0
+    )
     room = gpu_bytes * (1 - vllm_share)
     need = TRAINER_BYTES_PER_PARAM * qwen3_parameters(config) / ranks
     if need <= room:
@@ -172,7 +197,8 @@ def check_gpu_memory(cfg: VimeConfig, config: dict, gpu_bytes: int) -> None:
     raise ConfigError(
         f"the trainer's state for {config['num_hidden_layers']} layers ({need / 1e9:.0f} GB per rank: "
         f"{TRAINER_BYTES_PER_PARAM} B per parameter) does not fit the {room / 1e9:.0f} GB a GPU of "
-        f"{gpu_bytes / 1e9:.0f} GB leaves" + (f" beside vLLM's share (rollout.gpu_memory_utilization={vllm_share})"
-                                              if vllm_share else "")
+        f"{gpu_bytes / 1e9:.0f} GB leaves"
+        + (f" beside vLLM's share (rollout.gpu_memory_utilization={vllm_share})" if vllm_share else "")
         + f"; use at most {fit} layers (model.tiny.num_layers={fit}), more trainer ranks (trainer.tp), or a smaller "
-        "rollout.gpu_memory_utilization")
+        "rollout.gpu_memory_utilization"
+    )

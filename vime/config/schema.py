@@ -28,19 +28,20 @@ class Mode(StrEnum):
 
 
 class RolloutBackend(StrEnum):
-    vllm = "vllm"            # vllm.LLM with the rl_kernel plugin (strict) or vLLM's own kernels (native)
+    vllm = "vllm"  # vllm.LLM with the rl_kernel plugin (strict) or vLLM's own kernels (native)
     reference = "reference"  # FALLBACK: rl_kernel.models.rollout over Qwen3Reference
 
 
 class TrainerBackend(StrEnum):
-    megatron = "megatron"    # megatron-core GPTModel via rl_kernel.integrations.megatron
+    megatron = "megatron"  # megatron-core GPTModel via rl_kernel.integrations.megatron
     reference = "reference"  # FALLBACK: Qwen3Reference + a plain torch optimizer
 
 
 class StaleSamples(StrEnum):
     """What the asynchronous loop does with a GRPO group that has a token more than `algo.max_staleness`
     weight versions behind the trainer (the whole group goes: its advantages are normalised together)."""
-    drop = "drop"        # not trained on; counted
+
+    drop = "drop"  # not trained on; counted
     requeue = "requeue"  # its prompt is sampled again with the next rollout; counted
 
 
@@ -56,17 +57,17 @@ CORRECTIONS = {
 
 
 class Task(StrEnum):
-    copy = "copy"              # "g=" -> "g": the embedded default, learnable by a tiny model in minutes
+    copy = "copy"  # "g=" -> "g": the embedded default, learnable by a tiny model in minutes
     arithmetic = "arithmetic"
     reverse = "reverse"
 
 
 class Transport(StrEnum):
-    auto = "auto"                  # per engine, by locality (`engine_transports`)
+    auto = "auto"  # per engine, by locality (`engine_transports`)
     object_store = "object_store"  # Ray's object store (CPU runs; the trainer's rank 0 exports buckets)
-    ipc = "ipc"                    # CUDA IPC handles (vLLM `ipc` / rl_kernel.models.weight_transfer): colocated
-    nccl = "nccl"                  # NCCL broadcast from the trainer's rank 0 (vLLM `nccl`): separate GPUs
-    gloo = "gloo"                  # rl_kernel's push group on CPU (gloo broadcast over TCP): engines on other nodes
+    ipc = "ipc"  # CUDA IPC handles (vLLM `ipc` / rl_kernel.models.weight_transfer): colocated
+    nccl = "nccl"  # NCCL broadcast from the trainer's rank 0 (vLLM `nccl`): separate GPUs
+    gloo = "gloo"  # rl_kernel's push group on CPU (gloo broadcast over TCP): engines on other nodes
 
 
 CPU_TRANSPORTS = (Transport.auto, Transport.object_store, Transport.gloo)
@@ -75,13 +76,14 @@ CPU_TRANSPORTS = (Transport.auto, Transport.object_store, Transport.gloo)
 @dataclass
 class WeightsConfig:
     transport: Transport = Transport.auto
-    colocate: bool = False         # rollout engines on the trainer's nodes; on GPUs on its GPUs (time-shared, CUDA IPC)
-    bucket_bytes: int = 1 << 30    # packed bucket size (vLLM's default packed buffer: 1 GiB)
+    colocate: bool = False  # rollout engines on the trainer's nodes; on GPUs on its GPUs (time-shared, CUDA IPC)
+    bucket_bytes: int = 1 << 30  # packed bucket size (vLLM's default packed buffer: 1 GiB)
 
 
 @dataclass
 class TinyModelConfig:
     """The Qwen3 checkpoint made on the fly when `model.path` is null (rl_kernel.models.tiny)."""
+
     seed: int = 0
     vocab_size: int = 512
     hidden_size: int = 128
@@ -94,7 +96,8 @@ class TinyModelConfig:
 
 class LogitsDtype(StrEnum):
     """The logprob contracts' logits (rl_kernel.set_logits_dtype), the same on every engine of a run."""
-    float32 = "float32"    # the LM head's fp32 result as it is
+
+    float32 = "float32"  # the LM head's fp32 result as it is
     bfloat16 = "bfloat16"  # rounded once to bf16, as native F.linear returns them (less logits traffic on the GPU)
 
 
@@ -106,17 +109,20 @@ class ModelConfig:
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
 
     def __post_init__(self) -> None:
-        _require(self.dtype in ("bfloat16", "float32", "float16"), f"model.dtype={self.dtype!r}",
-                 "use bfloat16, float16 or float32")
+        _require(
+            self.dtype in ("bfloat16", "float32", "float16"),
+            f"model.dtype={self.dtype!r}",
+            "use bfloat16, float16 or float32",
+        )
 
 
 @dataclass
 class DataConfig:
     task: Task = Task.arithmetic
-    num_prompts: int = 512     # size of the generated prompt pool (cycled through in order)
-    letters: int = 8           # copy: letters a.. in the prompts
-    max_operand: int = 99      # arithmetic: operands in [0, max_operand]
-    min_len: int = 3           # reverse: string lengths in [min_len, max_len]
+    num_prompts: int = 512  # size of the generated prompt pool (cycled through in order)
+    letters: int = 8  # copy: letters a.. in the prompts
+    max_operand: int = 99  # arithmetic: operands in [0, max_operand]
+    min_len: int = 3  # reverse: string lengths in [min_len, max_len]
     max_len: int = 6
     seed: int = 0
 
@@ -124,31 +130,38 @@ class DataConfig:
 @dataclass
 class AlgoConfig:
     """GRPO: `prompts_per_step` prompts x `group_size` samples per step, one optimizer step per batch."""
+
     prompts_per_step: int = 4
     group_size: int = 4
     max_new_tokens: int = 8
     temperature: float = 1.0
     clip_eps: float = 0.2
-    kl_coef: float = 0.0       # k3 KL to the initial policy; 0 disables the reference forward
-    adv_eps: float = 1e-6      # advantages = (r - mean) / (std + adv_eps) within a group
+    kl_coef: float = 0.0  # k3 KL to the initial policy; 0 disables the reference forward
+    adv_eps: float = 1e-6  # advantages = (r - mean) / (std + adv_eps) within a group
     # Asynchronous RL (vime/loop/async_loop.py). 0: the synchronous on-policy loop. N >= 1: the rollouts of the
     # next N steps run while the trainer trains and syncs; a token may be up to N weight versions old.
     max_staleness: int = 0
     stale_samples: StaleSamples = StaleSamples.drop  # a group older than max_staleness: drop or requeue it
-    correction: str = "none"   # none | decoupled | tis | icepop (CORRECTIONS); async needs one other than none
-    is_cap: float = 2.0        # tis: w truncated at is_cap; decoupled: tokens with w > is_cap masked
-    icepop_low: float = 0.5    # icepop: tokens with w outside [icepop_low, icepop_high] masked
+    correction: str = "none"  # none | decoupled | tis | icepop (CORRECTIONS); async needs one other than none
+    is_cap: float = 2.0  # tis: w truncated at is_cap; decoupled: tokens with w > is_cap masked
+    icepop_low: float = 0.5  # icepop: tokens with w outside [icepop_low, icepop_high] masked
     icepop_high: float = 2.0
     behaviour_check: float = 1.0  # share of stale samples whose behaviour logprobs the trainer reproduces
-                                  # (1.0: every token of every step; less: a seeded sample, rate logged)
+    # (1.0: every token of every step; less: a seeded sample, rate logged)
 
     def __post_init__(self) -> None:
         _require(self.prompts_per_step >= 1, f"algo.prompts_per_step={self.prompts_per_step}", "set it >= 1")
-        _require(self.group_size >= 2, f"algo.group_size={self.group_size}",
-                 "GRPO normalises rewards within a group: set algo.group_size >= 2")
+        _require(
+            self.group_size >= 2,
+            f"algo.group_size={self.group_size}",
+            "GRPO normalises rewards within a group: set algo.group_size >= 2",
+        )
         _require(self.max_new_tokens >= 1, f"algo.max_new_tokens={self.max_new_tokens}", "set it >= 1")
-        _require(math.isfinite(self.temperature) and self.temperature > 0, f"algo.temperature={self.temperature}",
-                 "use a finite temperature > 0 (greedy decoding has no logprob to compare)")
+        _require(
+            math.isfinite(self.temperature) and self.temperature > 0,
+            f"algo.temperature={self.temperature}",
+            "use a finite temperature > 0 (greedy decoding has no logprob to compare)",
+        )
         _require(0 <= self.clip_eps < 1, f"algo.clip_eps={self.clip_eps}", "use 0 <= clip_eps < 1")
         _require(self.kl_coef >= 0, f"algo.kl_coef={self.kl_coef}", "use kl_coef >= 0")
 
@@ -160,33 +173,36 @@ class RolloutConfig:
     boundary_modes: dict[str, Mode] = field(default_factory=dict)  # e.g. {attention: native}
     num_engines: int = 1
     tp: int = 1
-    max_restarts: int = 3          # rollout engines that die are restarted (vime/faults/restart.py), this many a run
+    max_restarts: int = 3  # rollout engines that die are restarted (vime/faults/restart.py), this many a run
     max_model_len: int = 256
     max_num_batched_tokens: int = 256
     max_num_seqs: int = 64
     gpu_memory_utilization: float = 0.3
-    kv_cache_space_gib: int = 1    # VLLM_CPU_KVCACHE_SPACE on CPU
+    kv_cache_space_gib: int = 1  # VLLM_CPU_KVCACHE_SPACE on CPU
     enforce_eager: bool = True
     # vLLM on CUDA: release the GPU while the trainer works (vLLM's sleep mode), woken for the weight push.
     # 0: never; 1: weights offloaded to host memory and KV cache discarded; 2: both discarded (the push
     # reloads every weight)
     sleep_level: int = 0
-    block_size: int = 16           # reference engine: page size
+    block_size: int = 16  # reference engine: page size
     # In-flight weight updates (algo.max_staleness >= 1): a weight push lands between engine steps without
     # waiting for running requests, which go on under the new version over their KV cache of the old one
     # (their tokens carry mixed versions); prefix caching is off.
     partial: bool = False
-    partial_wait: int = 0          # k >= 1 (with partial): every rollout after the first waits, once each of its
-                                   # requests has k tokens, for the next version: mixed versions at a fixed token,
-                                   # reproducible runs (tests, studies); 0: an update lands whenever it arrives
-    num_blocks: int = 256          # reference engine: KV pages per engine
+    partial_wait: int = 0  # k >= 1 (with partial): every rollout after the first waits, once each of its
+    # requests has k tokens, for the next version: mixed versions at a fixed token,
+    # reproducible runs (tests, studies); 0: an update lands whenever it arrives
+    num_blocks: int = 256  # reference engine: KV pages per engine
 
     def __post_init__(self) -> None:
         _check_side("rollout", self.boundary_modes, self.tp)
         _require(self.num_engines >= 1, f"rollout.num_engines={self.num_engines}", "use num_engines >= 1")
         _require(self.max_restarts >= 0, f"rollout.max_restarts={self.max_restarts}", "use 0 (never restart) or more")
-        _require(self.sleep_level in (0, 1, 2), f"rollout.sleep_level={self.sleep_level}",
-                 "use 0 (never sleep), 1 (offload weights, drop the KV cache) or 2 (drop both)")
+        _require(
+            self.sleep_level in (0, 1, 2),
+            f"rollout.sleep_level={self.sleep_level}",
+            "use 0 (never sleep), 1 (offload weights, drop the KV cache) or 2 (drop both)",
+        )
 
 
 @dataclass
@@ -199,7 +215,7 @@ class TrainerConfig:
     lr: float = 1e-4
     weight_decay: float = 0.0
     grad_clip: float = 1.0
-    micro_batch_size: int = 0      # sequences per micro-batch; 0 = the whole step in one micro-batch
+    micro_batch_size: int = 0  # sequences per micro-batch; 0 = the whole step in one micro-batch
     # The step's consistency metric comes from the training forward (on-policy: the same weights, the
     # same logprobs). true: also run the separate no-grad scoring forward first and compare that one
     # (it checks the trainer's inference path too, for one more forward per step).
@@ -212,23 +228,24 @@ class TrainerConfig:
         _check_side("trainer", self.boundary_modes, self.tp)
         _require(self.cp >= 1, f"trainer.cp={self.cp}", "use cp >= 1")
         _require(self.lr > 0 and math.isfinite(self.lr), f"trainer.lr={self.lr}", "use a finite lr > 0")
-        _require(self.micro_batch_size >= 0, f"trainer.micro_batch_size={self.micro_batch_size}",
-                 "use 0 (whole step) or > 0")
+        _require(
+            self.micro_batch_size >= 0, f"trainer.micro_batch_size={self.micro_batch_size}", "use 0 (whole step) or > 0"
+        )
 
 
 @dataclass
 class RayConfig:
-    address: str | None = None    # null: start a local Ray
+    address: str | None = None  # null: start a local Ray
     bind_address: str = "127.0.0.1"  # local Ray (address null): Ray and the trainer's gloo bind here only
-    num_cpus: int = 4              # logical CPUs given to the local Ray (bundles reserve these)
+    num_cpus: int = 4  # logical CPUs given to the local Ray (bundles reserve these)
     num_gpus: int = 0
     cpus_per_actor: float = 1.0
     gpus_per_actor: float = 0.0
     # Across nodes (`ray.address`): a custom node resource marking the nodes each role may run on
     # (`ray start --resources='{"vime_trainer": 1}'`); null: any node. configs/placement/*.yaml set them.
     trainer_resource: str | None = None
-    rollout_resource: str | None = None    # colocated engines (weights.colocate) take the trainer's nodes
-    restart_wait_s: float = 60.0   # how long a lost engine waits for capacity to be restarted on before the run stops
+    rollout_resource: str | None = None  # colocated engines (weights.colocate) take the trainer's nodes
+    restart_wait_s: float = 60.0  # how long a lost engine waits for capacity to be restarted on before the run stops
 
     def __post_init__(self) -> None:
         _require(self.restart_wait_s > 0, f"ray.restart_wait_s={self.restart_wait_s}", "use a time > 0 (seconds)")
@@ -236,25 +253,29 @@ class RayConfig:
 
 @dataclass
 class WandbConfig:
-    mode: str = "offline"          # offline | online | disabled
+    mode: str = "offline"  # offline | online | disabled
     project: str = "vime"
     name: str | None = None
     entity: str | None = None
 
     def __post_init__(self) -> None:
-        _require(self.mode in ("offline", "online", "disabled"), f"wandb.mode={self.mode!r}",
-                 "use offline, online or disabled")
+        _require(
+            self.mode in ("offline", "online", "disabled"),
+            f"wandb.mode={self.mode!r}",
+            "use offline, online or disabled",
+        )
 
 
 @dataclass
 class CheckpointConfig:
     """Checkpoints under `<output_dir>/checkpoints/` (vime/state/checkpoint.py); the end of a run saves one unless
     `final=false`."""
-    every: int = 0                 # also save after every `every` steps (0: only at the end)
+
+    every: int = 0  # also save after every `every` steps (0: only at the end)
     stop_after: int | None = None  # stop cleanly after this step (checkpoint saved), as a job limit; resume= goes on
-    export_hf: bool = True         # write <output_dir>/hf_model (HF safetensors) at the end of the run
-    final: bool = True             # save one after the last step (false: only `every` / `stop_after` ones; for
-                                   # throwaway runs of a large model, e.g. the H200 preset)
+    export_hf: bool = True  # write <output_dir>/hf_model (HF safetensors) at the end of the run
+    final: bool = True  # save one after the last step (false: only `every` / `stop_after` ones; for
+    # throwaway runs of a large model, e.g. the H200 preset)
 
     def __post_init__(self) -> None:
         _require(self.every >= 0, f"checkpoint.every={self.every}", "use 0 (end only) or >= 1")
@@ -263,22 +284,23 @@ class CheckpointConfig:
 @dataclass
 class AuditConfig:
     """`python -m vime.audit`: which rungs of the ablation ladder to run, or an earlier run to read."""
+
     boundaries: list[str] = field(default_factory=lambda: list(BOUNDARIES))
     sides: list[str] = field(default_factory=lambda: ["rollout", "trainer"])
-    run: str | None = None         # an earlier run's output_dir: summarise its per-step evidence instead
+    run: str | None = None  # an earlier run's output_dir: summarise its per-step evidence instead
 
 
 @dataclass
 class VimeConfig:
     steps: int = 3
     seed: int = 0
-    device: str = "cpu"            # cpu | cuda
+    device: str = "cpu"  # cpu | cuda
     output_dir: str = "outputs/run"
     fail_on_mismatch: bool = False  # strict run: raise if any step shows mismatch_count > 0
-    verbose: bool = False          # engine / framework logs on the console too (always in <output_dir>/engines.log),
-                                   # and actor errors with their Ray traceback
-    samples_every: int = 10        # print sample completions every N steps (0: never; W&B gets them every step)
-    compare: str | None = None     # "native": also run the native twin; or a sibling run's output_dir to plot beside
+    verbose: bool = False  # engine / framework logs on the console too (always in <output_dir>/engines.log),
+    # and actor errors with their Ray traceback
+    samples_every: int = 10  # print sample completions every N steps (0: never; W&B gets them every step)
+    compare: str | None = None  # "native": also run the native twin; or a sibling run's output_dir to plot beside
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
@@ -288,7 +310,7 @@ class VimeConfig:
     wandb: WandbConfig = field(default_factory=WandbConfig)
     weights: WeightsConfig = field(default_factory=WeightsConfig)  # weight sync transport (vime/config/layout.py)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    resume: str | None = None      # an earlier run's output_dir: continue it from its last checkpoint
+    resume: str | None = None  # an earlier run's output_dir: continue it from its last checkpoint
     audit: AuditConfig = field(default_factory=AuditConfig)
 
 
@@ -307,8 +329,9 @@ def unknown_keys(cfg: DictConfig, schema: type = None, prefix: str = "") -> list
         name = f"{prefix}{key}"
         if key not in fields:
             bad.append(name)
-        elif dataclasses.is_dataclass(fields[key].default_factory if fields[key].default_factory is not
-                                      dataclasses.MISSING else None):
+        elif dataclasses.is_dataclass(
+            fields[key].default_factory if fields[key].default_factory is not dataclasses.MISSING else None
+        ):
             node = cfg._get_node(key)
             if isinstance(node, DictConfig) and not node._is_none():
                 bad += unknown_keys(node, fields[key].default_factory, f"{name}.")
@@ -322,18 +345,23 @@ def to_object(cfg: DictConfig | VimeConfig) -> VimeConfig:
         return cfg
     bad = unknown_keys(cfg)
     if bad:
-        raise ConfigError(f"unknown config key(s) {', '.join(bad)}: not in the schema (vime/config/schema.py); "
-                          "check the spelling (`python -m vime.train --cfg job` lists every key)")
+        raise ConfigError(
+            f"unknown config key(s) {', '.join(bad)}: not in the schema (vime/config/schema.py); "
+            "check the spelling (`python -m vime.train --cfg job` lists every key)"
+        )
     try:
         missing = sorted(OmegaConf.missing_keys(cfg))
         if not missing:
             return OmegaConf.to_object(cfg)
     except InterpolationResolutionError as e:
         key = getattr(e, "full_key", "?")
-        raise ConfigError(f"cannot resolve {key}: {e.msg if hasattr(e, 'msg') else e}; set {key}=... on the "
-                          "command line (or the environment variable it reads)") from None
-    raise ConfigError(f"required but not set: {', '.join(missing)}; pass them on the command line, "
-                      f"e.g. {missing[0]}=...")
+        raise ConfigError(
+            f"cannot resolve {key}: {e.msg if hasattr(e, 'msg') else e}; set {key}=... on the "
+            "command line (or the environment variable it reads)"
+        ) from None
+    raise ConfigError(
+        f"required but not set: {', '.join(missing)}; pass them on the command line, e.g. {missing[0]}=..."
+    )
 
 
 def side_modes(mode: Mode, overrides: dict[str, Mode]) -> dict[str, str]:
@@ -360,8 +388,11 @@ def _require(ok: bool, what: str, fix: str) -> None:
 def _check_side(side: str, boundary_modes: dict, tp: int) -> None:
     bad = sorted(set(boundary_modes) - set(BOUNDARIES))
     _require(not bad, f"{side}.boundary_modes has unknown boundaries {bad}", f"use keys from {BOUNDARIES}")
-    _require(tp >= 1 and 8 % tp == 0, f"{side}.tp={tp}",
-             "strict GEMMs split K into 8 groups, so TP must divide 8 (1, 2, 4 or 8)")
+    _require(
+        tp >= 1 and 8 % tp == 0,
+        f"{side}.tp={tp}",
+        "strict GEMMs split K into 8 groups, so TP must divide 8 (1, 2, 4 or 8)",
+    )
 
 
 def validate(cfg: VimeConfig) -> VimeConfig:
@@ -370,23 +401,35 @@ def validate(cfg: VimeConfig) -> VimeConfig:
     a, r = cfg.algo, cfg.rollout
     _require(cfg.steps >= 1, f"steps={cfg.steps}", "set steps >= 1")
     _require(cfg.device in ("cpu", "cuda"), f"device={cfg.device!r}", "use device=cpu or device=cuda")
-    _require(a.prompts_per_step * a.group_size <= r.max_num_seqs * r.num_engines,
-             f"{a.prompts_per_step * a.group_size} samples per step > rollout.max_num_seqs x num_engines",
-             "raise rollout.max_num_seqs or lower algo.prompts_per_step / group_size")
-    _require(r.sleep_level == 0 or (cfg.device == "cuda" and r.engine == RolloutBackend.vllm),
-             f"rollout.sleep_level={r.sleep_level} with device={cfg.device}, rollout.engine={r.engine.value}",
-             "sleep mode is vLLM's, on CUDA: set rollout.sleep_level=0")
+    _require(
+        a.prompts_per_step * a.group_size <= r.max_num_seqs * r.num_engines,
+        f"{a.prompts_per_step * a.group_size} samples per step > rollout.max_num_seqs x num_engines",
+        "raise rollout.max_num_seqs or lower algo.prompts_per_step / group_size",
+    )
+    _require(
+        r.sleep_level == 0 or (cfg.device == "cuda" and r.engine == RolloutBackend.vllm),
+        f"rollout.sleep_level={r.sleep_level} with device={cfg.device}, rollout.engine={r.engine.value}",
+        "sleep mode is vLLM's, on CUDA: set rollout.sleep_level=0",
+    )
     marked = [k for k in ("trainer_resource", "rollout_resource") if getattr(cfg.ray, k)]
-    _require(not marked or cfg.ray.address, f"ray.{marked[0] if marked else ''} without ray.address",
-             "node resources mark the nodes of a running cluster: set ray.address (auto after `ray start`), or "
-             "unset them for a local run")
-    _require(not (cfg.weights.colocate and cfg.ray.rollout_resource not in (None, cfg.ray.trainer_resource)),
-             f"weights.colocate=true with ray.rollout_resource={cfg.ray.rollout_resource}",
-             "colocated engines run on the trainer's nodes: unset ray.rollout_resource (or set weights.colocate=false)")
+    _require(
+        not marked or cfg.ray.address,
+        f"ray.{marked[0] if marked else ''} without ray.address",
+        "node resources mark the nodes of a running cluster: set ray.address (auto after `ray start`), or "
+        "unset them for a local run",
+    )
+    _require(
+        not (cfg.weights.colocate and cfg.ray.rollout_resource not in (None, cfg.ray.trainer_resource)),
+        f"weights.colocate=true with ray.rollout_resource={cfg.ray.rollout_resource}",
+        "colocated engines run on the trainer's nodes: unset ray.rollout_resource (or set weights.colocate=false)",
+    )
     _validate_async(cfg)
     if cfg.device == "cpu":
-        _require(r.engine != RolloutBackend.vllm or r.tp <= 2, f"rollout.tp={r.tp} on CPU",
-                 "this CPU build runs at most TP2 per engine")
+        _require(
+            r.engine != RolloutBackend.vllm or r.tp <= 2,
+            f"rollout.tp={r.tp} on CPU",
+            "this CPU build runs at most TP2 per engine",
+        )
     return cfg
 
 
@@ -394,40 +437,66 @@ def _validate_async(cfg: VimeConfig) -> None:
     """The asynchronous loop's settings (algo.max_staleness, correction, rollout.partial, kept versions)."""
     a, n = cfg.algo, cfg.algo.max_staleness
     _require(n >= 0, f"algo.max_staleness={n}", "staleness counts weight versions: use 0 (synchronous) or N >= 1")
-    _require(a.correction in CORRECTIONS, f"algo.correction={a.correction!r} does not exist",
-             f"use one of {', '.join(CORRECTIONS)}")
-    _require(n == 0 or a.correction != "none", f"algo.max_staleness={n} with algo.correction=none (asynchronous "
-             "training without an off-policy correction)", "set algo.correction=decoupled, tis or icepop")
-    _require(not cfg.rollout.partial or n >= 1, "rollout.partial=true with algo.max_staleness=0",
-             "in-flight weight updates make tokens stale: set algo.max_staleness >= 1, or rollout.partial=false")
+    _require(
+        a.correction in CORRECTIONS,
+        f"algo.correction={a.correction!r} does not exist",
+        f"use one of {', '.join(CORRECTIONS)}",
+    )
+    _require(
+        n == 0 or a.correction != "none",
+        f"algo.max_staleness={n} with algo.correction=none (asynchronous training without an off-policy correction)",
+        "set algo.correction=decoupled, tis or icepop",
+    )
+    _require(
+        not cfg.rollout.partial or n >= 1,
+        "rollout.partial=true with algo.max_staleness=0",
+        "in-flight weight updates make tokens stale: set algo.max_staleness >= 1, or rollout.partial=false",
+    )
     wait = cfg.rollout.partial_wait
-    _require(wait == 0 or (cfg.rollout.partial and 1 <= wait < a.max_new_tokens),
-             f"rollout.partial_wait={cfg.rollout.partial_wait}", "use it with rollout.partial=true, below "
-             "algo.max_new_tokens (the token count at which a rollout waits for the next version)")
+    _require(
+        wait == 0 or (cfg.rollout.partial and 1 <= wait < a.max_new_tokens),
+        f"rollout.partial_wait={cfg.rollout.partial_wait}",
+        "use it with rollout.partial=true, below "
+        "algo.max_new_tokens (the token count at which a rollout waits for the next version)",
+    )
     # in-flight updates are staged in host memory and land at an engine-step boundary: from Ray's object store,
     # or from rl_kernel's gloo push group (`auto` on CPU is one of the two per engine)
     staged = str(cfg.weights.transport) in ("object_store", "gloo") or (
-        str(cfg.weights.transport) == "auto" and cfg.device == "cpu")
-    _require(not cfg.rollout.partial or staged,
-             f"rollout.partial=true with weights.transport={cfg.weights.transport} on {cfg.device}",
-             "in-flight updates are staged in host memory and swapped in between engine steps, but the CUDA pushes "
-             "(ipc, nccl) land through vLLM's weight-update API straight in the weights of the engine that runs "
-             "the rollout, with no staging buffer: use weights.transport=object_store or gloo on CPU")
+        str(cfg.weights.transport) == "auto" and cfg.device == "cpu"
+    )
+    _require(
+        not cfg.rollout.partial or staged,
+        f"rollout.partial=true with weights.transport={cfg.weights.transport} on {cfg.device}",
+        "in-flight updates are staged in host memory and swapped in between engine steps, but the CUDA pushes "
+        "(ipc, nccl) land through vLLM's weight-update API straight in the weights of the engine that runs "
+        "the rollout, with no staging buffer: use weights.transport=object_store or gloo on CPU",
+    )
     _require(a.is_cap >= 1.0 and math.isfinite(a.is_cap), f"algo.is_cap={a.is_cap}", "use a finite cap >= 1")
-    _require(0 < a.icepop_low <= 1.0 <= a.icepop_high and math.isfinite(a.icepop_high),
-             f"algo.icepop_low={a.icepop_low}, algo.icepop_high={a.icepop_high}",
-             "use 0 < icepop_low <= 1 <= icepop_high (a finite band around 1)")
-    _require(0 < a.behaviour_check <= 1.0, f"algo.behaviour_check={a.behaviour_check}",
-             "use a share in (0, 1]; 1.0 checks every token")
+    _require(
+        0 < a.icepop_low <= 1.0 <= a.icepop_high and math.isfinite(a.icepop_high),
+        f"algo.icepop_low={a.icepop_low}, algo.icepop_high={a.icepop_high}",
+        "use 0 < icepop_low <= 1 <= icepop_high (a finite band around 1)",
+    )
+    _require(
+        0 < a.behaviour_check <= 1.0,
+        f"algo.behaviour_check={a.behaviour_check}",
+        "use a share in (0, 1]; 1.0 checks every token",
+    )
     kept = cfg.trainer.kept_versions
     _require(kept >= 0, f"trainer.kept_versions={kept}", "use 0 (max_staleness + 1) or a count >= 1")
-    _require(kept == 0 or kept >= n + 1, f"trainer.kept_versions={kept} cannot cover algo.max_staleness={n} (a "
-             f"token {n} versions old needs its version kept beside the current one)",
-             f"keep at least {n + 1} versions or lower algo.max_staleness")
+    _require(
+        kept == 0 or kept >= n + 1,
+        f"trainer.kept_versions={kept} cannot cover algo.max_staleness={n} (a "
+        f"token {n} versions old needs its version kept beside the current one)",
+        f"keep at least {n + 1} versions or lower algo.max_staleness",
+    )
     if n >= 1:
-        _require(not cfg.trainer.scoring_pass, "trainer.scoring_pass=true with algo.max_staleness >= 1",
-                 "the asynchronous loop checks stale tokens by re-scoring them under their own versions: "
-                 "drop trainer.scoring_pass")
+        _require(
+            not cfg.trainer.scoring_pass,
+            "trainer.scoring_pass=true with algo.max_staleness >= 1",
+            "the asynchronous loop checks stale tokens by re-scoring them under their own versions: "
+            "drop trainer.scoring_pass",
+        )
 
 
 def kept_versions(cfg: VimeConfig) -> int:
@@ -438,12 +507,14 @@ def kept_versions(cfg: VimeConfig) -> int:
 
 def as_dict(cfg: VimeConfig) -> dict[str, Any]:
     """Plain JSON-able dict (enums as their values) for logs and W&B."""
+
     def plain(x):
         if isinstance(x, Enum):
             return x.value
         if isinstance(x, dict):
             return {k: plain(v) for k, v in x.items()}
         return x
+
     return plain(dataclasses.asdict(cfg))
 
 

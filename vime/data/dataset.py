@@ -21,8 +21,10 @@ class Prompt:
 def model_vocab_size(model_path: str | Path) -> int:
     config = Path(model_path) / "config.json"
     if not config.is_file():
-        raise DataError(f"no config.json in {model_path}: point model.path at an HF checkpoint directory "
-                        "(or leave it null to make a tiny one)")
+        raise DataError(
+            f"no config.json in {model_path}: point model.path at an HF checkpoint directory "
+            "(or leave it null to make a tiny one)"
+        )
     return int(json.loads(config.read_text())["vocab_size"])
 
 
@@ -35,11 +37,15 @@ def load_tokenizer(model_path: str | Path):
     try:
         tok = AutoTokenizer.from_pretrained(str(model_path))
     except (OSError, ValueError) as e:
-        raise DataError(f"cannot load a tokenizer from {model_path}: {e}; save one next to the checkpoint "
-                        "(tokenizer.json / tokenizer_config.json)") from e
+        raise DataError(
+            f"cannot load a tokenizer from {model_path}: {e}; save one next to the checkpoint "
+            "(tokenizer.json / tokenizer_config.json)"
+        ) from e
     if len(tok) > vocab:
-        raise DataError(f"tokenizer has {len(tok)} tokens but the model vocab is {vocab}: ids >= {vocab} would index "
-                        "past the embedding; use the tokenizer that belongs to this checkpoint")
+        raise DataError(
+            f"tokenizer has {len(tok)} tokens but the model vocab is {vocab}: ids >= {vocab} would index "
+            "past the embedding; use the tokenizer that belongs to this checkpoint"
+        )
     if tok.eos_token_id is None:
         raise DataError(f"the tokenizer in {model_path} has no eos token; generation could not stop")
     return tok
@@ -49,9 +55,11 @@ class PromptSet:
     """Generated problems, tokenized; `batch(step, n)` cycles through them in order."""
 
     def __init__(self, cfg: DataConfig, tokenizer, vocab_size: int):
-        make = {Task.copy: lambda: tasks.copy(cfg.num_prompts, cfg.letters),
-                Task.arithmetic: lambda: tasks.arithmetic(cfg.num_prompts, cfg.seed, cfg.max_operand),
-                Task.reverse: lambda: tasks.reverse(cfg.num_prompts, cfg.seed, cfg.min_len, cfg.max_len)}
+        make = {
+            Task.copy: lambda: tasks.copy(cfg.num_prompts, cfg.letters),
+            Task.arithmetic: lambda: tasks.arithmetic(cfg.num_prompts, cfg.seed, cfg.max_operand),
+            Task.reverse: lambda: tasks.reverse(cfg.num_prompts, cfg.seed, cfg.min_len, cfg.max_len),
+        }
         self.tokenizer = tokenizer
         self.prompts = []
         for i, p in enumerate(make[Task(cfg.task)]()):
@@ -69,5 +77,5 @@ class PromptSet:
 
     def reward(self, prompt: Prompt, response_ids: list[int]) -> float:
         eos = self.tokenizer.eos_token_id
-        ids = response_ids[:response_ids.index(eos)] if eos in response_ids else response_ids
+        ids = response_ids[: response_ids.index(eos)] if eos in response_ids else response_ids
         return tasks.reward(prompt.problem, self.tokenizer.decode(ids))

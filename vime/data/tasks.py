@@ -30,11 +30,13 @@ class Problem:
 
 
 def copy(n: int, letters: int = 8) -> list[Problem]:
-    """"x=" -> "x" for x cycling through the first `letters` lowercase letters (n problems)."""
+    """ "x=" -> "x" for x cycling through the first `letters` lowercase letters (n problems)."""
     if not 1 <= letters <= len(LETTERS):
         raise ValueError(f"letters must be in [1, {len(LETTERS)}], got {letters}")
-    return [Problem(f"{LETTERS[i % letters]}=", LETTERS[i % letters], LETTERS[:letters], format_weight=0.0)
-            for i in range(n)]
+    return [
+        Problem(f"{LETTERS[i % letters]}=", LETTERS[i % letters], LETTERS[:letters], format_weight=0.0)
+        for i in range(n)
+    ]
 
 
 def arithmetic(n: int, seed: int, max_operand: int = 99) -> list[Problem]:

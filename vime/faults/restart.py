@@ -39,14 +39,18 @@ def tp_worker_death(error: BaseException) -> TPWorkerDiedError | None:
 def died(error: BaseException) -> bool:
     """The error is an engine's death (its actor, or one of its TP worker processes), not an exception
     the engine raised and survived."""
-    return isinstance(error, EngineDiedError) and (isinstance(error.__cause__, ray.exceptions.RayActorError)
-                                                   or tp_worker_death(error) is not None)
+    return isinstance(error, EngineDiedError) and (
+        isinstance(error.__cause__, ray.exceptions.RayActorError) or tp_worker_death(error) is not None
+    )
 
 
 def _who(error: BaseException, engine: int) -> str:
     dead = tp_worker_death(error)
-    return f"rollout engine {engine}, TP rank {dead.tp_rank}" if dead and dead.engine == engine else \
-        f"rollout engine {engine}"
+    return (
+        f"rollout engine {engine}, TP rank {dead.tp_rank}"
+        if dead and dead.engine == engine
+        else f"rollout engine {engine}"
+    )
 
 
 def _alive(actor) -> bool:
@@ -67,8 +71,16 @@ def load_current_weights(driver, engine: int) -> None:
     from vime.cluster.remote import BUCKET_BYTES, call
     from vime.weights.sync import sync_weights
 
-    sync_weights(driver.trainer, driver.engines, driver.timeline.trainer_version, BUCKET_BYTES, driver.timeline,
-                 call, driver.weight_paths, driver.cfg.rollout.engine)
+    sync_weights(
+        driver.trainer,
+        driver.engines,
+        driver.timeline.trainer_version,
+        BUCKET_BYTES,
+        driver.timeline,
+        call,
+        driver.weight_paths,
+        driver.cfg.rollout.engine,
+    )
 
 
 def restart_engine(driver, engine: int, cause: str, who: str | None = None) -> None:
@@ -78,12 +90,19 @@ def restart_engine(driver, engine: int, cause: str, who: str | None = None) -> N
 
     limit = driver.cfg.rollout.max_restarts
     if driver.engine_restarts >= limit:
-        raise EngineDiedError(f"rollout engine {engine} died and the run has restarted engines "
-                              f"{driver.engine_restarts} time(s) already (rollout.max_restarts={limit}): {cause}")
+        raise EngineDiedError(
+            f"rollout engine {engine} died and the run has restarted engines "
+            f"{driver.engine_restarts} time(s) already (rollout.max_restarts={limit}): {cause}"
+        )
     driver.engine_restarts += 1
-    log.warning("%s died; restarting it on weight version %d (restart %d of at most %d). Cause: %s",
-                who or f"rollout engine {engine}", driver.timeline.trainer_version, driver.engine_restarts, limit,
-                cause)
+    log.warning(
+        "%s died; restarting it on weight version %d (restart %d of at most %d). Cause: %s",
+        who or f"rollout engine {engine}",
+        driver.timeline.trainer_version,
+        driver.engine_restarts,
+        limit,
+        cause,
+    )
     try:
         ray.kill(driver.engines[engine], no_restart=True)
     except Exception:  # noqa: BLE001 - it is dead already; kill only frees its name and bundle
@@ -94,8 +113,12 @@ def restart_engine(driver, engine: int, cause: str, who: str | None = None) -> N
     driver.timeline.engine_versions[engine] = info["version"]
     if info["version"] != driver.timeline.trainer_version:
         load_current_weights(driver, engine)
-    log.warning("rollout engine %d is back (pid %s), serving weight version %d", engine, info["pid"],
-                driver.timeline.trainer_version)
+    log.warning(
+        "rollout engine %d is back (pid %s), serving weight version %d",
+        engine,
+        info["pid"],
+        driver.timeline.trainer_version,
+    )
 
 
 def replace_on_capacity(driver, engine: int) -> None:
@@ -117,12 +140,18 @@ def replace_on_capacity(driver, engine: int) -> None:
         raise EngineDiedError(
             f"rollout engine {engine} died, its node {placement.node_address(before)} {fate}, and no alive node "
             f"took its bundle {bundle} within ray.restart_wait_s={cfg.ray.restart_wait_s:g} s"
-            + (f" (a node must declare '{mark}')" if mark else "") + "; add capacity to the cluster and resume")
+            + (f" (a node must declare '{mark}')" if mark else "")
+            + "; add capacity to the cluster and resume"
+        )
     if node != before:
         driver.engine_nodes[engine] = node
         driver.weight_paths[engine] = engine_transports(cfg, driver.trainer_node, [node])[0]
-        log.warning("rollout engine %d moves to node %s (weights over %s)", engine, placement.node_address(node),
-                    driver.weight_paths[engine])
+        log.warning(
+            "rollout engine %d moves to node %s (weights over %s)",
+            engine,
+            placement.node_address(node),
+            driver.weight_paths[engine],
+        )
 
 
 def generate(driver, submit, engines: int) -> tuple[list, list[dict]]:

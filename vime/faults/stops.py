@@ -42,8 +42,10 @@ def _exit_now(signum: int, frame) -> None:
     with contextlib.suppress(Exception):  # best effort: exiting now is what was asked
         n = kill_descendants()
         remove_own_temp_files()
-        os.write(2, f"{signal.Signals(signum).name} again: exiting now; killed the run's {n} remaining "
-                    "process(es)\n".encode())
+        os.write(
+            2,
+            f"{signal.Signals(signum).name} again: exiting now; killed the run's {n} remaining process(es)\n".encode(),
+        )
     os._exit(128 + signum)
 
 
@@ -86,9 +88,13 @@ def report_stop(driver, reason: str) -> None:
 
     if driver.logger is None:  # it stopped while setting up: no step ran
         if reason != "failed":
-            log.warning("%s during start-up (%s): no step ran, nothing was trained; stopping what started. Run "
-                        "the same command again to start over (output_dir=%s is reused)", reason.split(":")[0],
-                        starting_what(driver), driver.output_dir)
+            log.warning(
+                "%s during start-up (%s): no step ran, nothing was trained; stopping what started. Run "
+                "the same command again to start over (output_dir=%s is reused)",
+                reason.split(":")[0],
+                starting_what(driver),
+                driver.output_dir,
+            )
         return
     rows = list(driver.logger.rows)
     plot = None
@@ -97,9 +103,15 @@ def report_stop(driver, reason: str) -> None:
     except Exception as e:  # noqa: BLE001 - the plot is a courtesy here; the stop reason matters more
         log.warning("plot: %s", e)
     last = checkpoint.latest(driver.output_dir) if driver.output_dir.is_dir() else None
-    log.warning("%s after %d step(s) (%d tokens compared, %d mismatches); metrics %s, plot %s", reason, len(rows),
-                sum(r.consistency.tokens for r in rows), sum(r.consistency.mismatch_count for r in rows),
-                Path(driver.output_dir) / "metrics.jsonl", plot)
+    log.warning(
+        "%s after %d step(s) (%d tokens compared, %d mismatches); metrics %s, plot %s",
+        reason,
+        len(rows),
+        sum(r.consistency.tokens for r in rows),
+        sum(r.consistency.mismatch_count for r in rows),
+        Path(driver.output_dir) / "metrics.jsonl",
+        plot,
+    )
     if last is not None:
         log.warning("continue from %s with: %s", last.name, resume_command(driver.output_dir))
     else:
@@ -145,8 +157,7 @@ def forked_children_die_with_this_process() -> None:
     that inherit the rank's Ray connections, so writers outliving a killed rank keep it alive to Ray
     and the driver would wait on it forever instead of reporting the dead rank."""
     if sys.platform.startswith("linux"):
-        os.register_at_fork(before=lambda: _forking_pid.__setitem__(0, os.getpid()),
-                            after_in_child=_die_with_parent)
+        os.register_at_fork(before=lambda: _forking_pid.__setitem__(0, os.getpid()), after_in_child=_die_with_parent)
 
 
 # ---- temporary files ------------------------------------------------------------------------------
@@ -155,9 +166,13 @@ def forked_children_die_with_this_process() -> None:
 # a file must be (besides held open or mapped by no process) to count as stale. vLLM's FileStore
 # rendezvous files are opened per operation, not held, so only a long-idle one is taken as stale.
 # vime's own rendezvous file names its driver's pid: it is stale once that process is gone.
-STALE_PATTERNS = {"/tmp/vllm_dist_*": 6 * 3600.0, "/dev/shm/rl_kernel_weights_*": 600.0,
-                  "/dev/shm/vime_weights_*": 600.0, "/dev/shm/psm_*": 600.0,
-                  "/dev/shm/vllm_dist_*": 600.0}  # vLLM's CPU all-reduce segments (TP > 1), mapped while in use
+STALE_PATTERNS = {
+    "/tmp/vllm_dist_*": 6 * 3600.0,
+    "/dev/shm/rl_kernel_weights_*": 600.0,
+    "/dev/shm/vime_weights_*": 600.0,
+    "/dev/shm/psm_*": 600.0,
+    "/dev/shm/vllm_dist_*": 600.0,
+}  # vLLM's CPU all-reduce segments (TP > 1), mapped while in use
 RENDEZVOUS_PATTERN = "/tmp/vime_rdzv_*"
 # A run's own temporary directory (`vime_tmp_<driver pid>`): TMPDIR of its actors, so what they and the
 # libraries in them leave (multiprocessing's pymp-*, W&B's and vLLM's temporary files) goes with it.
@@ -178,8 +193,9 @@ def actor_temp_env() -> dict[str, str]:
     import getpass
     import tempfile
 
-    inductor = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or os.path.join(tempfile.gettempdir(),
-                                                                         f"torchinductor_{getpass.getuser()}")
+    inductor = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or os.path.join(
+        tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}"
+    )
     return {"TMPDIR": run_temp_dir(), "TORCHINDUCTOR_CACHE_DIR": inductor}
 
 
@@ -219,8 +235,9 @@ def _orphaned_rendezvous(pattern: str) -> list[str]:
     return found
 
 
-def sweep_stale(patterns: dict[str, float] | None = None, rendezvous: str = RENDEZVOUS_PATTERN,
-                run_temp: str = RUN_TEMP_PATTERN) -> list[str]:
+def sweep_stale(
+    patterns: dict[str, float] | None = None, rendezvous: str = RENDEZVOUS_PATTERN, run_temp: str = RUN_TEMP_PATTERN
+) -> list[str]:
     """Remove temporary files of earlier runs: files matching a pattern of `patterns` (pattern -> minimum
     age in seconds) that no process holds open or mapped and that are older than that, and vime
     rendezvous files and run temporary directories whose driver is gone. Returns what was removed."""

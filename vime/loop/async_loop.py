@@ -49,14 +49,17 @@ log = logging.getLogger("vime")
 
 # ---- pure logic ------------------------------------------------------------------------------------
 
+
 def token_lags(samples: list[Sample], version: int) -> list[list[int]]:
     """Per sample, how many versions behind `version` (the trainer's) each response token is; a token of
     a newer version than the trainer's is an error."""
     lags = [[version - v for v in s.versions] for s in samples]
     ahead = [(i, s.versions) for i, (s, lg) in enumerate(zip(samples, lags)) if any(x < 0 for x in lg)]
     if ahead:
-        raise ComparabilityError(f"sample {ahead[0][0]} has tokens of weight versions {sorted(set(ahead[0][1]))}, "
-                                 f"newer than the trainer's {version}")
+        raise ComparabilityError(
+            f"sample {ahead[0][0]} has tokens of weight versions {sorted(set(ahead[0][1]))}, "
+            f"newer than the trainer's {version}"
+        )
     return lags
 
 
@@ -65,8 +68,11 @@ def lag_metrics(samples: list[Sample], version: int, max_staleness: int) -> dict
     trainer's `version`), and lag_share_<k>, the share of tokens k versions behind, k = 0 .. max_staleness."""
     lags = [x for lg in token_lags(samples, version) for x in lg]
     n = max(len(lags), 1)
-    return {"staleness_mean": sum(lags) / n, "staleness_max": max(lags, default=0),
-            **{f"lag_share_{k}": sum(x == k for x in lags) / n for k in range(max_staleness + 1)}}
+    return {
+        "staleness_mean": sum(lags) / n,
+        "staleness_max": max(lags, default=0),
+        **{f"lag_share_{k}": sum(x == k for x in lags) / n for k in range(max_staleness + 1)},
+    }
 
 
 def stale_groups(samples: list[Sample], version: int, max_staleness: int) -> set[int]:
@@ -97,26 +103,32 @@ def check_behaviour_comparable(samples: list[Sample], scored: list[Scored]) -> N
     for i, (s, t) in enumerate(zip(samples, scored)):
         where = f"sample {i} (group {s.group}, engine {s.engine})"
         if list(t.versions) != list(s.versions):
-            raise ComparabilityError(f"{where}: the trainer re-scored under versions {t.versions}, the tokens "
-                                     f"were produced under {s.versions}")
+            raise ComparabilityError(
+                f"{where}: the trainer re-scored under versions {t.versions}, the tokens "
+                f"were produced under {s.versions}"
+            )
         if list(t.token_ids) != list(s.response_ids):
             raise ComparabilityError(f"{where}: the trainer re-scored other token ids than the rollout sampled")
         expected = list(range(len(s.prompt_ids), len(s.prompt_ids) + len(s.response_ids)))
         if list(t.positions) != expected:
             raise ComparabilityError(f"{where}: re-scored positions {list(t.positions)}, the tokens are at {expected}")
         if t.temperature != s.temperature or t.vocab_size != s.vocab_size:
-            raise ComparabilityError(f"{where}: re-scored at temperature {t.temperature} / vocab {t.vocab_size}, "
-                                     f"sampled at {s.temperature} / {s.vocab_size}")
+            raise ComparabilityError(
+                f"{where}: re-scored at temperature {t.temperature} / vocab {t.vocab_size}, "
+                f"sampled at {s.temperature} / {s.vocab_size}"
+            )
         if s.top_k not in (-1, 0) or s.top_p != 1.0:
             raise ComparabilityError(f"{where}: top_k={s.top_k}, top_p={s.top_p}: compare only full-softmax samples")
 
 
 # ---- the loop --------------------------------------------------------------------------------------
 
+
 @dataclasses.dataclass
 class Submitted:
     """A step's rollout in flight: its prompts (group g is `batch[g]`), each engine's share and Ray refs, and
     the (samples, rl_kernel evidence) of each engine whose share is in (`AsyncLoop.outputs`)."""
+
     batch: list[Prompt]
     per_engine: list[list[tuple[int, list[int]]]]
     refs: dict[int, object]
@@ -146,10 +158,16 @@ class AsyncLoop:
         The trainer's kept weight versions are saved by the trainer (`vime.state.checkpoint.save_kept`)."""
         for step in sorted(self.inflight):
             self.outputs(step)
-        return {"max_staleness": self.n, "next_submit": self.next_submit, "requeued": list(self.requeued),
-                "rng": self.rng.getstate(),
-                "inflight": {step: {"batch": sub.batch, "per_engine": sub.per_engine, "results": dict(sub.results)}
-                             for step, sub in sorted(self.inflight.items())}}
+        return {
+            "max_staleness": self.n,
+            "next_submit": self.next_submit,
+            "requeued": list(self.requeued),
+            "rng": self.rng.getstate(),
+            "inflight": {
+                step: {"batch": sub.batch, "per_engine": sub.per_engine, "results": dict(sub.results)}
+                for step, sub in sorted(self.inflight.items())
+            },
+        }
 
     def restore(self, state: dict) -> None:
         """Continue from `state()`: the saved rollouts are collected as if they had just finished (a step at
@@ -157,8 +175,11 @@ class AsyncLoop:
         self.next_submit = min(int(state["next_submit"]), self.cfg.steps)
         self.requeued = list(state["requeued"])
         self.rng.setstate(state["rng"])
-        self.inflight = {int(step): Submitted(sub["batch"], sub["per_engine"], {}, dict(sub["results"]))
-                         for step, sub in state["inflight"].items() if int(step) < self.cfg.steps}
+        self.inflight = {
+            int(step): Submitted(sub["batch"], sub["per_engine"], {}, dict(sub["results"]))
+            for step, sub in state["inflight"].items()
+            if int(step) < self.cfg.steps
+        }
 
     # ---- rollout -----------------------------------------------------------------------------------
 
@@ -166,8 +187,9 @@ class AsyncLoop:
         a, wait = self.cfg.algo, 0
         if self.cfg.rollout.partial and self.cfg.rollout.partial_wait:
             wait = max(0, step - self.n + 1)  # the version pushed after the step that runs beside this rollout
-        return self.d.engines[engine].generate.remote(share, a.group_size, a.max_new_tokens, a.temperature,
-                                                      [self.d.tokenizer.eos_token_id], step, wait, True)
+        return self.d.engines[engine].generate.remote(
+            share, a.group_size, a.max_new_tokens, a.temperature, [self.d.tokenizer.eos_token_id], step, wait, True
+        )
 
     def submit(self, step: int) -> None:
         """Queue step `step`'s rollout on the engines (requeued prompts first); returns at once."""
@@ -223,18 +245,34 @@ class AsyncLoop:
         lag_all = lag_metrics(samples, version, self.n)  # before the bound: what the rollout delivered
         stale = stale_groups(samples, version, self.n)
         if stale:
-            log.warning("step %d: %d group(s) more than %d versions behind the trainer: %s", step, len(stale), self.n,
-                        "requeued" if cfg.algo.stale_samples == StaleSamples.requeue else "dropped")
+            log.warning(
+                "step %d: %d group(s) more than %d versions behind the trainer: %s",
+                step,
+                len(stale),
+                self.n,
+                "requeued" if cfg.algo.stale_samples == StaleSamples.requeue else "dropped",
+            )
             if cfg.algo.stale_samples == StaleSamples.requeue:
                 self.requeued += [batch[g] for g in sorted(stale)]
             samples = [s for s in samples if s.group not in stale]
         if not samples:
-            raise TrainingError(f"step {step}: every group is more than algo.max_staleness={self.n} versions behind "
-                                "the trainer; raise algo.max_staleness")
+            raise TrainingError(
+                f"step {step}: every group is more than algo.max_staleness={self.n} versions behind "
+                "the trainer; raise algo.max_staleness"
+            )
         kinds = [sample_kind(s, version) for s in samples]
         checked = checked_samples(samples, version, cfg.algo.behaviour_check, self.rng)
-        behaviour = d._call(d.trainer, "score_behaviour", "re-score under behaviour versions",
-                            [samples[i] for i in checked], trainer=True)[0] if checked else []
+        behaviour = (
+            d._call(
+                d.trainer,
+                "score_behaviour",
+                "re-score under behaviour versions",
+                [samples[i] for i in checked],
+                trainer=True,
+            )[0]
+            if checked
+            else []
+        )
         t2 = time.perf_counter()
         fresh = [k == "fresh" for k in kinds]
         stats = d._call(d.trainer, "train_step", "train step", samples, True, fresh, trainer=True)[0]
@@ -252,21 +290,38 @@ class AsyncLoop:
             log.warning(warning)
         checked_tokens = sum(len(samples[i].response_ids) for i in checked)
         stale_tokens = sum(len(s.response_ids) for s, k in zip(samples, kinds) if k != "fresh")
-        row = {"step": step, "version": version, "next_version": d.timeline.trainer_version,
-               "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()),
-               "reward_min": float(rewards.min()), "reward_max": float(rewards.max()),
-               "tied_groups": report.tied_groups(rewards.tolist(), cfg.algo.group_size),
-               "correct_frac": float((rewards == 1.0).float().mean()),
-               "samples": report.completion_lines(samples, d.tokenizer.decode, 4, start=step),
-               "response_len_mean": sum(len(s.response_ids) for s in samples) / len(samples),
-               **result.metrics(), **stats, **sync, **lag_metrics(samples, version, self.n),
-               "rollout_staleness_max": lag_all["staleness_max"],
-               "stale_groups": len(stale), "requeued_groups": len(stale) * (cfg.algo.stale_samples == "requeue"),
-               "mixed_samples": kinds.count("mixed"), "stale_samples": kinds.count("stale"),
-               "behaviour_checked_tokens": checked_tokens,
-               "behaviour_check_rate": checked_tokens / stale_tokens if stale_tokens else 1.0,
-               "rollout_s": t1 - t0, "score_s": t2 - t1, "train_s": t3 - t2, "step_s": time.perf_counter() - t0,
-               "contracts": verdict, "strict": d.strict, "engine_restarts": d.engine_restarts, **d.labels}
+        row = {
+            "step": step,
+            "version": version,
+            "next_version": d.timeline.trainer_version,
+            "reward_mean": float(rewards.mean()),
+            "reward_std": float(rewards.std()),
+            "reward_min": float(rewards.min()),
+            "reward_max": float(rewards.max()),
+            "tied_groups": report.tied_groups(rewards.tolist(), cfg.algo.group_size),
+            "correct_frac": float((rewards == 1.0).float().mean()),
+            "samples": report.completion_lines(samples, d.tokenizer.decode, 4, start=step),
+            "response_len_mean": sum(len(s.response_ids) for s in samples) / len(samples),
+            **result.metrics(),
+            **stats,
+            **sync,
+            **lag_metrics(samples, version, self.n),
+            "rollout_staleness_max": lag_all["staleness_max"],
+            "stale_groups": len(stale),
+            "requeued_groups": len(stale) * (cfg.algo.stale_samples == "requeue"),
+            "mixed_samples": kinds.count("mixed"),
+            "stale_samples": kinds.count("stale"),
+            "behaviour_checked_tokens": checked_tokens,
+            "behaviour_check_rate": checked_tokens / stale_tokens if stale_tokens else 1.0,
+            "rollout_s": t1 - t0,
+            "score_s": t2 - t1,
+            "train_s": t3 - t2,
+            "step_s": time.perf_counter() - t0,
+            "contracts": verdict,
+            "strict": d.strict,
+            "engine_restarts": d.engine_restarts,
+            **d.labels,
+        }
         record = StepRecord.from_row(row)
         d.timeline.finish_step(record.parity_summary())
         return record
@@ -279,8 +334,19 @@ class AsyncLoop:
         d = self.d
         if self.cfg.rollout.partial:
             return restart.sync(d, lambda: self._stage(BUCKET_BYTES, call))
-        return restart.sync(d, lambda: sync_weights(d.trainer, d.engines, d.timeline.trainer_version, BUCKET_BYTES,
-                                                    d.timeline, call, d.weight_paths, self.cfg.rollout.engine))
+        return restart.sync(
+            d,
+            lambda: sync_weights(
+                d.trainer,
+                d.engines,
+                d.timeline.trainer_version,
+                BUCKET_BYTES,
+                d.timeline,
+                call,
+                d.weight_paths,
+                self.cfg.rollout.engine,
+            ),
+        )
 
     def _stage(self, bucket_bytes: int, call) -> dict:
         """In-flight update: every engine stages the trainer's new version in its actor's "weights" concurrency
@@ -299,20 +365,34 @@ class AsyncLoop:
         if store:
             exports = call([r.export_to_store.remote(bucket_bytes) for r in d.trainer], "export weights", ranks)
             ref, nbytes, nbuckets = exports[0]["buckets"][0], exports[0]["bytes"], exports[0]["count"]
-            acks = call([d.engines[i].stage_weights.options(concurrency_group="weights").remote(ref, version)
-                         for i in store], "stage weights", [f"rollout engine {i}" for i in store])
+            acks = call(
+                [d.engines[i].stage_weights.options(concurrency_group="weights").remote(ref, version) for i in store],
+                "stage weights",
+                [f"rollout engine {i}" for i in store],
+            )
             for i, v in zip(store, acks):
                 d.timeline.acknowledged(i, v)
         if pushed:
             wire = push_transport(paths[pushed[0]], self.cfg.rollout.engine)
-            ack = call([r.push_weights.remote([d.engines[i] for i in pushed], version, wire, DEFAULT_BUCKET_BYTES,
-                                              True) for r in d.trainer], "push weights", ranks)[0]
+            ack = call(
+                [
+                    r.push_weights.remote([d.engines[i] for i in pushed], version, wire, DEFAULT_BUCKET_BYTES, True)
+                    for r in d.trainer
+                ],
+                "push weights",
+                ranks,
+            )[0]
             nbytes, nbuckets = max(nbytes, ack["bytes"]), max(nbuckets, ack["buckets"])
             for i in pushed:  # each engine acknowledged the push once it had landed and it served the version
                 d.timeline.acknowledged(i, ack["version"])
         seconds = time.perf_counter() - t0
-        return {"sync_s": seconds, "sync_bytes": float(nbytes), "sync_buckets": float(nbuckets),
-                "sync_gbps": nbytes / seconds / 1e9 if seconds > 0 else 0.0, "sync_transports": paths}
+        return {
+            "sync_s": seconds,
+            "sync_bytes": float(nbytes),
+            "sync_buckets": float(nbuckets),
+            "sync_gbps": nbytes / seconds / 1e9 if seconds > 0 else 0.0,
+            "sync_transports": paths,
+        }
 
     def _consistency(self, samples, fresh, checked, behaviour, trained, version):
         """Compare every checked token: fresh samples against the training forward (version `version`),
@@ -326,9 +406,12 @@ class AsyncLoop:
         verdict = consistency.check_contracts(d.rollout_evidence, trainer_ev, d.rollout_modes, d.trainer_modes)
         by_index = {i: trained[i] for i in fresh_idx} | dict(zip(checked, behaviour))
         order = sorted(by_index)
-        result = consistency.compare([consistency.rollout_tensor(samples[i].logprobs) for i in order],
-                                     [by_index[i].logprobs for i in order], [by_index[i].positions for i in order],
-                                     [by_index[i].token_ids for i in order])
+        result = consistency.compare(
+            [consistency.rollout_tensor(samples[i].logprobs) for i in order],
+            [by_index[i].logprobs for i in order],
+            [by_index[i].positions for i in order],
+            [by_index[i].token_ids for i in order],
+        )
         if result.worst is not None:
             result.worst["sample"] = order[result.worst["sample"]]
         return result, verdict

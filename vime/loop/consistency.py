@@ -31,8 +31,12 @@ class Consistency:
     worst: dict | None  # {sample, position, token_id, rollout, trainer, abs_diff}; None when all bits agree
 
     def metrics(self) -> dict[str, float | int]:
-        m = {"mismatch_count": self.mismatch_count, "max_abs_diff": self.max_abs_diff,
-             "mean_abs_diff": self.mean_abs_diff, "tokens": self.tokens}
+        m = {
+            "mismatch_count": self.mismatch_count,
+            "max_abs_diff": self.max_abs_diff,
+            "mean_abs_diff": self.mean_abs_diff,
+            "tokens": self.tokens,
+        }
         if self.worst is not None:
             m |= {f"worst_{k}": v for k, v in self.worst.items()}
         return m
@@ -43,14 +47,19 @@ def rollout_tensor(values: Sequence[float]) -> torch.Tensor:
     t64 = torch.tensor(list(values), dtype=torch.float64)
     t32 = t64.to(torch.float32)
     if not torch.equal(t32.to(torch.float64), t64):
-        raise ComparabilityError("rollout logprobs are not fp32 values (some change when rounded to fp32): "
-                                 "the engine must return the fp32 logprobs it computed, not a rounded copy")
+        raise ComparabilityError(
+            "rollout logprobs are not fp32 values (some change when rounded to fp32): "
+            "the engine must return the fp32 logprobs it computed, not a rounded copy"
+        )
     return t32
 
 
-def compare(rollout: Sequence[torch.Tensor], trainer: Sequence[torch.Tensor],
-            positions: Sequence[Sequence[int]] | None = None,
-            token_ids: Sequence[Sequence[int]] | None = None) -> Consistency:
+def compare(
+    rollout: Sequence[torch.Tensor],
+    trainer: Sequence[torch.Tensor],
+    positions: Sequence[Sequence[int]] | None = None,
+    token_ids: Sequence[Sequence[int]] | None = None,
+) -> Consistency:
     """Per-token comparison of fp32 logprobs, sample by sample (all tokens given are active).
 
     mismatch_count counts tokens whose fp32 bit patterns differ (so -0.0 vs 0.0 and NaNs count by
@@ -77,10 +86,15 @@ def compare(rollout: Sequence[torch.Tensor], trainer: Sequence[torch.Tensor],
             d = torch.where(differ, diff.nan_to_num(nan=float("inf")), torch.tensor(-1.0, dtype=torch.float64))
             j = int(d.argmax())
             if worst is None or float(d[j]) > worst["abs_diff"]:
-                worst = {"sample": i, "index": j,
-                         "position": int(positions[i][j]) if positions is not None else j,
-                         "token_id": int(token_ids[i][j]) if token_ids is not None else -1,
-                         "rollout": float(a[j]), "trainer": float(b[j]), "abs_diff": float(d[j])}
+                worst = {
+                    "sample": i,
+                    "index": j,
+                    "position": int(positions[i][j]) if positions is not None else j,
+                    "token_id": int(token_ids[i][j]) if token_ids is not None else -1,
+                    "rollout": float(a[j]),
+                    "trainer": float(b[j]),
+                    "abs_diff": float(d[j]),
+                }
     return Consistency(mismatches, max_diff, diff_sum / tokens if tokens else 0.0, tokens, worst)
 
 
@@ -95,19 +109,24 @@ def check_comparable(samples: Sequence[Sample], scored: Sequence[Scored], versio
             raise ComparabilityError(f"{where}: {n} tokens but {len(s.logprobs)} logprobs / {len(s.versions)} versions")
         stale = sorted({v for v in s.versions if v != version})
         if stale:
-            raise ComparabilityError(f"{where}: tokens from weight versions {stale}, trainer is at version {version}: "
-                                     "weights were not synced before the rollout")
+            raise ComparabilityError(
+                f"{where}: tokens from weight versions {stale}, trainer is at version {version}: "
+                "weights were not synced before the rollout"
+            )
         if t.version != version:
             raise ComparabilityError(f"{where}: trainer scored with version {t.version}, expected {version}")
         if list(t.token_ids) != list(s.response_ids):
             raise ComparabilityError(f"{where}: the trainer scored other token ids than the rollout sampled")
         expected = list(range(len(s.prompt_ids), len(s.prompt_ids) + n))
         if list(t.positions) != expected:
-            raise ComparabilityError(f"{where}: trainer scored positions {list(t.positions)}, the rollout's "
-                                     f"tokens are at {expected}")
+            raise ComparabilityError(
+                f"{where}: trainer scored positions {list(t.positions)}, the rollout's tokens are at {expected}"
+            )
         if s.top_k not in (-1, 0) or s.top_p != 1.0:
-            raise ComparabilityError(f"{where}: top_k={s.top_k}, top_p={s.top_p}: the trainer scores the full "
-                                     "softmax; compare only samples drawn without top-k / top-p")
+            raise ComparabilityError(
+                f"{where}: top_k={s.top_k}, top_p={s.top_p}: the trainer scores the full "
+                "softmax; compare only samples drawn without top-k / top-p"
+            )
         if t.temperature != s.temperature:
             raise ComparabilityError(f"{where}: rollout temperature {s.temperature} vs trainer {t.temperature}")
         if t.vocab_size != s.vocab_size:
@@ -132,24 +151,33 @@ def contracts_by_op(records: Sequence[dict]) -> dict[str, set[tuple[str, str, st
 def _check_side(side: str, records: Sequence[dict], modes: dict[str, str]) -> None:
     known = contracts.all_contracts()
     if any(modes[b] == "strict" for b in BOUNDARIES) and not records:
-        raise ComparabilityError(f"the {side} reported no rl_kernel evidence although some of its boundaries are "
-                                 "strict: its forward did not run rl_kernel ops (is the strict plugin on?)")
+        raise ComparabilityError(
+            f"the {side} reported no rl_kernel evidence although some of its boundaries are "
+            "strict: its forward did not run rl_kernel ops (is the strict plugin on?)"
+        )
     for r in records:
         boundary = OP_BOUNDARY.get(r["op"])
         if r["mode"] != "strict":
             if boundary is not None and modes[boundary] == "strict":
-                raise ComparabilityError(f"the {side} ran op {r['op']!r} natively although boundary {boundary!r} "
-                                         "is strict")
+                raise ComparabilityError(
+                    f"the {side} ran op {r['op']!r} natively although boundary {boundary!r} is strict"
+                )
             continue
         mine = known.get(r["contract_id"])
         if mine is None or mine.fingerprint != r["fingerprint"]:
-            raise ComparabilityError(f"the {side} ran {r['contract_id']} [{r['fingerprint']}], which this driver's "
-                                     f"rl_kernel defines as [{mine.fingerprint if mine else 'unknown'}]: run the same "
-                                     "rl_kernel version in every process")
+            raise ComparabilityError(
+                f"the {side} ran {r['contract_id']} [{r['fingerprint']}], which this driver's "
+                f"rl_kernel defines as [{mine.fingerprint if mine else 'unknown'}]: run the same "
+                "rl_kernel version in every process"
+            )
 
 
-def check_contracts(rollout_records: Sequence[dict], trainer_records: Sequence[dict],
-                    rollout_modes: dict[str, str], trainer_modes: dict[str, str]) -> dict[str, str]:
+def check_contracts(
+    rollout_records: Sequence[dict],
+    trainer_records: Sequence[dict],
+    rollout_modes: dict[str, str],
+    trainer_modes: dict[str, str],
+) -> dict[str, str]:
     """The contract gate on rl_kernel evidence. Each side: a boundary configured strict shows no native
     op, some evidence exists, and every strict contract it ran is the driver's rl_kernel's (same id,
     same fingerprint). Across sides, for each op both ran under strict boundaries, the (fingerprint,
@@ -170,8 +198,10 @@ def check_contracts(rollout_records: Sequence[dict], trainer_records: Sequence[d
             r = {(f, d) for _, f, d, _ in r_ops[op]}
             t = {(f, d) for _, f, d, _ in t_ops[op]}
             if r != t:
-                raise ComparabilityError(f"op {op!r}: rollout ran contracts {sorted(r)}, trainer ran {sorted(t)}: "
-                                         "both sides must run the same backend on the same device type")
+                raise ComparabilityError(
+                    f"op {op!r}: rollout ran contracts {sorted(r)}, trainer ran {sorted(t)}: "
+                    "both sides must run the same backend on the same device type"
+                )
             verdict[op] = "same"
         elif PAIRED_OPS.get(op) in r_ops and PAIRED_OPS[op] in t_ops:
             verdict[op] = "sampling"  # its side also ran the partner, which the other side ran too ('same' above)
@@ -180,8 +210,10 @@ def check_contracts(rollout_records: Sequence[dict], trainer_records: Sequence[d
             a = {(d, b) for _, _, d, b in mine[op]}
             b_ = {(d, b) for _, _, d, b in other[PAIRED_OPS[op]]}
             if a != b_:
-                raise ComparabilityError(f"ops {op!r} / {PAIRED_OPS[op]!r} ran on (device, backend) {sorted(a)} vs "
-                                         f"{sorted(b_)}: both sides must use the same backend on the same device type")
+                raise ComparabilityError(
+                    f"ops {op!r} / {PAIRED_OPS[op]!r} ran on (device, backend) {sorted(a)} vs "
+                    f"{sorted(b_)}: both sides must use the same backend on the same device type"
+                )
             verdict[op] = "paired"
         else:
             verdict[op] = "one-side"  # e.g. all_reduce at trainer TP2 vs rollout TP1

@@ -41,13 +41,17 @@ from vime.trainer.grpo import group_advantages
 from vime.weights.sync import sync_weights
 
 log = logging.getLogger("vime")
+
+
 def make_model(cfg: VimeConfig, output_dir: Path) -> str:
     """The checkpoint path: `model.path`, or a tiny Qwen3 made under `<output_dir>/model`."""
     if cfg.model.path:
         path = Path(cfg.model.path)
         if not (path / "config.json").is_file():
-            raise VimeError(f"model.path={path} is not an HF checkpoint directory (no config.json); pass a Qwen3 "
-                            "checkpoint dir, or leave model.path unset to make a tiny one")
+            raise VimeError(
+                f"model.path={path} is not an HF checkpoint directory (no config.json); pass a Qwen3 "
+                "checkpoint dir, or leave model.path unset to make a tiny one"
+            )
         preflight.check_checkpoint(path)
         return str(path)
     from rl_kernel.models.tiny import make_tiny_qwen3
@@ -55,10 +59,19 @@ def make_model(cfg: VimeConfig, output_dir: Path) -> str:
     if cfg.resume and (output_dir / "model" / "config.json").is_file():
         return str(output_dir / "model")  # the run's own tiny checkpoint (the KL reference and initial weights)
     t = cfg.model.tiny
-    path = make_tiny_qwen3(output_dir / "model", seed=t.seed, vocab_size=t.vocab_size, hidden_size=t.hidden_size,
-                           intermediate_size=t.intermediate_size, num_layers=t.num_layers, num_heads=t.num_heads,
-                           num_kv_heads=t.num_kv_heads, head_dim=t.head_dim, dtype=cfg.model.dtype,
-                           device=cfg.device)
+    path = make_tiny_qwen3(
+        output_dir / "model",
+        seed=t.seed,
+        vocab_size=t.vocab_size,
+        hidden_size=t.hidden_size,
+        intermediate_size=t.intermediate_size,
+        num_layers=t.num_layers,
+        num_heads=t.num_heads,
+        num_kv_heads=t.num_kv_heads,
+        head_dim=t.head_dim,
+        dtype=cfg.model.dtype,
+        device=cfg.device,
+    )
     log.info("made a tiny Qwen3 checkpoint at %s", path)
     return str(path)
 
@@ -93,16 +106,22 @@ class Driver:
         self.prompts = PromptSet(cfg.data, self.tokenizer, self.vocab_size)
         preflight.check_lengths(cfg, [p.token_ids for p in self.prompts.prompts])
         if cfg.device == "cuda" and torch.cuda.is_available():
-            preflight.check_gpu_memory(cfg, read_config_json(self.model_path),
-                                       torch.cuda.get_device_properties(0).total_memory)
+            preflight.check_gpu_memory(
+                cfg, read_config_json(self.model_path), torch.cuda.get_device_properties(0).total_memory
+            )
         resume_from = checkpoint.resume_point(cfg, self.output_dir)
         # the GEMM contract's row-parallel K groups: the widest TP of any engine, the same on both sides and
         # in this process, which checks the contracts they ran
         rk.set_canonical_tp(max(cfg.trainer.tp, cfg.rollout.tp))
         rk.set_logits_dtype(cfg.model.logits_dtype.value)  # the logprob contracts' logits, on every engine
-        env = {"VLLM_CPU_KVCACHE_SPACE": str(cfg.rollout.kv_cache_space_gib), "TOKENIZERS_PARALLELISM": "false",
-               "RL_KERNEL_CANONICAL_TP": str(rk.canonical_tp()), "RL_KERNEL_LOGITS_DTYPE": rk.logits_dtype(),
-               "PYTHONUNBUFFERED": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": os.environ.get("VIME_VLLM_MP", "0")}
+        env = {
+            "VLLM_CPU_KVCACHE_SPACE": str(cfg.rollout.kv_cache_space_gib),
+            "TOKENIZERS_PARALLELISM": "false",
+            "RL_KERNEL_CANONICAL_TP": str(rk.canonical_tp()),
+            "RL_KERNEL_LOGITS_DTYPE": rk.logits_dtype(),
+            "PYTHONUNBUFFERED": "1",
+            "VLLM_ENABLE_V1_MULTIPROCESSING": os.environ.get("VIME_VLLM_MP", "0"),
+        }
         preflight.check_local_resources(cfg)
         preflight.check_weight_transport(cfg)
         env |= placement.single_node_env(cfg.ray)
@@ -113,40 +132,77 @@ class Driver:
         report.route_engine_output(Path(env["VIME_ENGINE_LOG"]) if "VIME_ENGINE_LOG" in env else None)
         placement.start_ray(cfg.ray, env, log_to_driver=cfg.verbose, log_file=env.get("VIME_ENGINE_LOG"))
         nodes = ray.nodes()
-        check_layout(cfg, ray_node_gpus(nodes), read_config_json(self.model_path),  # before any engine
-                     ray_node_resources(nodes))
+        check_layout(
+            cfg,
+            ray_node_gpus(nodes),
+            read_config_json(self.model_path),  # before any engine
+            ray_node_resources(nodes),
+        )
         stops.install_signal_handlers()  # after ray.init: its core worker sets its own SIGTERM handler
         if cfg.ray.address:
-            preflight.check_resources(cfg, ray.available_resources(), f"the cluster at {cfg.ray.address} has "
-                                      f"{ray.available_resources()}")
+            preflight.check_resources(
+                cfg, ray.available_resources(), f"the cluster at {cfg.ray.address} has {ray.available_resources()}"
+            )
         gpus = cfg.ray.gpus_per_actor if cfg.device == "cuda" else 0.0
         n_ranks = cfg.trainer.tp * cfg.trainer.cp
         marks = role_resources(cfg)  # the nodes each role may run on (any, on one node)
         trainer_pg = placement.make_group("trainer", [placement.bundle(cfg.ray, gpus, marks["trainer"])] * n_ranks)
         self.rollout_pg = rollout_pg = placement.make_group(
-            "rollout", [placement.bundle(cfg.ray, gpus * cfg.rollout.tp, marks["rollout"])] * cfg.rollout.num_engines)
+            "rollout", [placement.bundle(cfg.ray, gpus * cfg.rollout.tp, marks["rollout"])] * cfg.rollout.num_engines
+        )
         # each engine's weight path by its node (vime.config.layout.engine_transports); a restart may move it
         self.trainer_node, self.engine_nodes, self.weight_paths = placement.weight_paths(cfg, trainer_pg, rollout_pg)
         # in-flight weight updates (rollout.partial) arrive in their own concurrency group, beside a rollout
-        Rollout = ray.remote(concurrency_groups={"weights": 1})(RolloutWorker) if cfg.rollout.partial else \
-            ray.remote(RolloutWorker)
+        Rollout = (
+            ray.remote(concurrency_groups={"weights": 1})(RolloutWorker)
+            if cfg.rollout.partial
+            else ray.remote(RolloutWorker)
+        )
         Trainer = ray.remote(TrainerWorker)
         self.new_engine = lambda i: Rollout.options(  # noqa: E731 - also used to replace a dead engine
-            num_cpus=cfg.ray.cpus_per_actor, num_gpus=gpus * cfg.rollout.tp,
+            num_cpus=cfg.ray.cpus_per_actor,
+            num_gpus=gpus * cfg.rollout.tp,
             scheduling_strategy=placement.in_group(rollout_pg, i),
-            name=f"rollout-{i}" + (f"-restart{self.engine_restarts}" if self.engine_restarts else "")
-        ).remote(i, cfg.rollout, self.model_path, cfg.model.dtype, cfg.device, self.rollout_modes, cfg.seed,
-                 str(self.weight_paths[i]))
+            name=f"rollout-{i}" + (f"-restart{self.engine_restarts}" if self.engine_restarts else ""),
+        ).remote(
+            i,
+            cfg.rollout,
+            self.model_path,
+            cfg.model.dtype,
+            cfg.device,
+            self.rollout_modes,
+            cfg.seed,
+            str(self.weight_paths[i]),
+        )
         self.engines = [self.new_engine(i) for i in range(cfg.rollout.num_engines)]
-        self.trainer = [Trainer.options(num_cpus=cfg.ray.cpus_per_actor, num_gpus=gpus,
-                                        scheduling_strategy=placement.in_group(trainer_pg, r), name=f"trainer-{r}")
-                        .remote(r, n_ranks, cfg.trainer, self.model_path, cfg.model.dtype, cfg.device,
-                                self.trainer_modes, cfg.seed, cfg.algo.kl_coef, cfg.algo.clip_eps,
-                                correction_fields(cfg), kept_versions(cfg))
-                        for r in range(n_ranks)]
+        self.trainer = [
+            Trainer.options(
+                num_cpus=cfg.ray.cpus_per_actor,
+                num_gpus=gpus,
+                scheduling_strategy=placement.in_group(trainer_pg, r),
+                name=f"trainer-{r}",
+            ).remote(
+                r,
+                n_ranks,
+                cfg.trainer,
+                self.model_path,
+                cfg.model.dtype,
+                cfg.device,
+                self.trainer_modes,
+                cfg.seed,
+                cfg.algo.kl_coef,
+                cfg.algo.clip_eps,
+                correction_fields(cfg),
+                kept_versions(cfg),
+            )
+            for r in range(n_ranks)
+        ]
         self.rendezvous = placement.rendezvous_file(cfg.ray)
-        init = f"file://{self.rendezvous}" if self.rendezvous else placement.tcp_url(
-            *call([self.trainer[0].address.remote()], "rendezvous", ["trainer rank 0"])[0])
+        init = (
+            f"file://{self.rendezvous}"
+            if self.rendezvous
+            else placement.tcp_url(*call([self.trainer[0].address.remote()], "rendezvous", ["trainer rank 0"])[0])
+        )
         with tqdm(total=2, desc="starting engines", leave=False, disable=None) as bar:
             # trainer and rollout start together, except vLLM sharing the trainer's GPUs: vLLM sizes its KV
             # cache from the memory it measures while it starts, so the trainer loads after it
@@ -164,16 +220,23 @@ class Driver:
         log.info("trainer: %d rank(s), %s (modes %s)", n_ranks, tinfo[0]["label"], _modes_str(tinfo[0]["modes"]))
         for i in infos + tinfo:
             if i["vocab_size"] != self.vocab_size:
-                raise ComparabilityError(f"{i['label']} reports vocab {i['vocab_size']}, the checkpoint has "
-                                         f"{self.vocab_size}")
+                raise ComparabilityError(
+                    f"{i['label']} reports vocab {i['vocab_size']}, the checkpoint has {self.vocab_size}"
+                )
         self.labels = {"rollout_engine": infos[0]["label"], "trainer_engine": tinfo[0]["label"]}
         if resume_from is not None:
             self.resumed = checkpoint.restore(self, resume_from)
         else:
             checkpoint.save_config(self.output_dir, as_dict(cfg))
-        self.logger = MetricsLogger(self.output_dir, as_dict(cfg) | {"model_path": self.model_path} | self.labels,
-                                    cfg.wandb.mode, cfg.wandb.project, cfg.wandb.name, cfg.wandb.entity,
-                                    samples_every=cfg.samples_every)
+        self.logger = MetricsLogger(
+            self.output_dir,
+            as_dict(cfg) | {"model_path": self.model_path} | self.labels,
+            cfg.wandb.mode,
+            cfg.wandb.project,
+            cfg.wandb.name,
+            cfg.wandb.entity,
+            samples_every=cfg.samples_every,
+        )
         if self.resumed is not None:
             checkpoint.restore_metrics(self.logger, self.resumed["rows"])
 
@@ -188,7 +251,8 @@ class Driver:
         batch = self.prompts.batch(step, a.prompts_per_step)
         per_engine = [[(g, p.token_ids) for g, p in enumerate(batch) if g % n == e] for e in range(n)]
         submit = lambda i: self.engines[i].generate.remote(  # noqa: E731
-            per_engine[i], a.group_size, a.max_new_tokens, a.temperature, [self.tokenizer.eos_token_id], step)
+            per_engine[i], a.group_size, a.max_new_tokens, a.temperature, [self.tokenizer.eos_token_id], step
+        )
         outs, self.rollout_evidence = restart.generate(self, submit, n)  # a dead engine is restarted, its share redone
         samples = sorted((s for out in outs for s in out), key=lambda s: s.group)  # stable: group order
         for s in samples:
@@ -222,37 +286,71 @@ class Driver:
         rollout_ev = self.rollout_evidence
         trainer_ev = self._call(self.trainer, "evidence", "evidence", trainer=True)[0]
         verdict = consistency.check_contracts(rollout_ev, trainer_ev, self.rollout_modes, self.trainer_modes)
-        result = consistency.compare([consistency.rollout_tensor(s.logprobs) for s in samples],
-                                     [sc.logprobs for sc in scored], [sc.positions for sc in scored],
-                                     [sc.token_ids for sc in scored])
+        result = consistency.compare(
+            [consistency.rollout_tensor(s.logprobs) for s in samples],
+            [sc.logprobs for sc in scored],
+            [sc.positions for sc in scored],
+            [sc.token_ids for sc in scored],
+        )
         if cfg.rollout.sleep_level:
             self._call(self.engines, "wake_up", "wake up")
-        sync = restart.sync(self, lambda: sync_weights(self.trainer, self.engines, self.timeline.trainer_version,
-                                                       BUCKET_BYTES, self.timeline, call, self.weight_paths,
-                                                       cfg.rollout.engine))
+        sync = restart.sync(
+            self,
+            lambda: sync_weights(
+                self.trainer,
+                self.engines,
+                self.timeline.trainer_version,
+                BUCKET_BYTES,
+                self.timeline,
+                call,
+                self.weight_paths,
+                cfg.rollout.engine,
+            ),
+        )
         rewards = torch.tensor([s.reward for s in samples])
         tied = report.tied_groups(rewards.tolist(), cfg.algo.group_size)
         warning = report.no_signal_warning(step, rewards.tolist(), cfg.algo.group_size)
         if warning:
             log.warning(warning)
-        row = {"step": step, "version": version, "next_version": self.timeline.trainer_version,
-               "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()),
-               "reward_min": float(rewards.min()), "reward_max": float(rewards.max()), "tied_groups": tied,
-               "correct_frac": float((rewards == 1.0).float().mean()),
-               "samples": report.completion_lines(samples, self.tokenizer.decode, 4, start=step),
-               "response_len_mean": sum(len(s.response_ids) for s in samples) / len(samples),
-               **result.metrics(), **stats, **sync, **lag_metrics(samples, version, 0),
-               "rollout_s": t1 - t0, "score_s": t2 - t1, "train_s": t3 - t2, "step_s": time.perf_counter() - t0,
-               "contracts": verdict, "strict": self.strict, "engine_restarts": self.engine_restarts, **self.labels}
+        row = {
+            "step": step,
+            "version": version,
+            "next_version": self.timeline.trainer_version,
+            "reward_mean": float(rewards.mean()),
+            "reward_std": float(rewards.std()),
+            "reward_min": float(rewards.min()),
+            "reward_max": float(rewards.max()),
+            "tied_groups": tied,
+            "correct_frac": float((rewards == 1.0).float().mean()),
+            "samples": report.completion_lines(samples, self.tokenizer.decode, 4, start=step),
+            "response_len_mean": sum(len(s.response_ids) for s in samples) / len(samples),
+            **result.metrics(),
+            **stats,
+            **sync,
+            **lag_metrics(samples, version, 0),
+            "rollout_s": t1 - t0,
+            "score_s": t2 - t1,
+            "train_s": t3 - t2,
+            "step_s": time.perf_counter() - t0,
+            "contracts": verdict,
+            "strict": self.strict,
+            "engine_restarts": self.engine_restarts,
+            **self.labels,
+        }
         record = StepRecord.from_row(row)
         self.timeline.finish_step(record.parity_summary())
         return record
 
     def run(self) -> list[StepRecord]:
         self.setup()
-        log.info("run: %d steps x %d prompts x %d samples, rollout modes %s, trainer modes %s",
-                 self.cfg.steps, self.cfg.algo.prompts_per_step, self.cfg.algo.group_size,
-                 _modes_str(self.rollout_modes), _modes_str(self.trainer_modes))
+        log.info(
+            "run: %d steps x %d prompts x %d samples, rollout modes %s, trainer modes %s",
+            self.cfg.steps,
+            self.cfg.algo.prompts_per_step,
+            self.cfg.algo.group_size,
+            _modes_str(self.rollout_modes),
+            _modes_str(self.trainer_modes),
+        )
         rows = list(self.logger.rows)  # a resumed run's steps before its checkpoint
         loop = AsyncLoop(self) if self.cfg.algo.max_staleness else None  # else: the synchronous loop
         for step in tqdm(range(self.timeline.step, self.cfg.steps), desc="steps", disable=None):
@@ -261,11 +359,15 @@ class Driver:
             rows.append(row)
             c, off = row.consistency, row.offpolicy.lag0_ratio_off
             if self.cfg.fail_on_mismatch and self.strict and c.mismatch_count:
-                raise ComparabilityError(f"strict run, step {step}: {c.mismatch_count} of {c.tokens} tokens "
-                                         f"differ in bits (worst {result_worst(c)})")
+                raise ComparabilityError(
+                    f"strict run, step {step}: {c.mismatch_count} of {c.tokens} tokens "
+                    f"differ in bits (worst {result_worst(c)})"
+                )
             if self.cfg.fail_on_mismatch and self.strict and off:
-                raise ComparabilityError(f"strict run, step {step}: the importance ratio of {off:.0f} token(s) "
-                                         "produced by the current weights is not exactly 1.0")
+                raise ComparabilityError(
+                    f"strict run, step {step}: the importance ratio of {off:.0f} token(s) "
+                    "produced by the current weights is not exactly 1.0"
+                )
             if checkpoint.after_step(self, step, rows):
                 break
         self.rows = rows
@@ -309,8 +411,9 @@ def correction_fields(cfg: VimeConfig) -> dict:
 
 
 def result_worst(c: Parity) -> str:
-    return (f"sample {c.worst_sample} position {c.worst_position}: rollout {c.worst_rollout} vs "
-            f"trainer {c.worst_trainer}")
+    return (
+        f"sample {c.worst_sample} position {c.worst_position}: rollout {c.worst_rollout} vs trainer {c.worst_trainer}"
+    )
 
 
 def _modes_str(modes: dict[str, str]) -> str:

@@ -27,7 +27,7 @@ class Parity:
     mean_abs_diff: float = 0.0
     # the worst token, when any differs
     worst_sample: int | None = None
-    worst_index: int | None = None     # the token's index in its sample's response
+    worst_index: int | None = None  # the token's index in its sample's response
     worst_position: int | None = None
     worst_token_id: int | None = None
     worst_rollout: float | None = None
@@ -97,7 +97,7 @@ class OffPolicy:
     is_ratio_mean: float | None = None
     is_ratio_max: float | None = None
     is_clip_frac: float | None = None
-    lag0_ratio_off: float | None = None   # tokens of the current weights whose ratio is not exactly 1 (must be 0)
+    lag0_ratio_off: float | None = None  # tokens of the current weights whose ratio is not exactly 1 (must be 0)
     lag0_tokens: float | None = None
     # the asynchronous loop only
     rollout_staleness_max: int | None = None
@@ -142,9 +142,14 @@ class StepRecord:
                     out |= {f"lag_share_{k}": v for k, v in sorted(value.items())}
                 elif value is not None:
                     out[f.name] = _jsonable(value)
-        return out | {"samples": self.samples, "contracts": self.contracts, "strict": self.strict,
-                      "engine_restarts": self.engine_restarts, "rollout_engine": self.rollout_engine,
-                      "trainer_engine": self.trainer_engine}
+        return out | {
+            "samples": self.samples,
+            "contracts": self.contracts,
+            "strict": self.strict,
+            "engine_restarts": self.engine_restarts,
+            "rollout_engine": self.rollout_engine,
+            "trainer_engine": self.trainer_engine,
+        }
 
     @classmethod
     def from_row(cls, row: dict[str, Any]) -> StepRecord:
@@ -188,7 +193,13 @@ def _number(value: Any) -> Any:
     return float(value) if isinstance(value, str) and value in ("nan", "inf", "-inf") else value
 
 
-_GROUP_TYPES = {"consistency": Parity, "rollout": Rollout, "train": Train, "timing": Timing,
-                "weights": Weights, "offpolicy": OffPolicy}
+_GROUP_TYPES = {
+    "consistency": Parity,
+    "rollout": Rollout,
+    "train": Train,
+    "timing": Timing,
+    "weights": Weights,
+    "offpolicy": OffPolicy,
+}
 _OWNER = {f.name: name for name, cls in _GROUP_TYPES.items() for f in dataclasses.fields(cls) if f.name != "lag_share"}
 _TOP = {f.name for f in fields(StepRecord)} - set(StepRecord.GROUPS)

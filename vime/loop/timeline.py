@@ -34,16 +34,20 @@ class Timeline:
     def acknowledged(self, engine: int, version: int) -> None:
         """Engine `engine` reports that it now serves `version`."""
         if version != self.trainer_version:
-            raise WeightSyncError(f"rollout engine {engine} acknowledged weight version {version}, "
-                                  f"but the trainer is at version {self.trainer_version}")
+            raise WeightSyncError(
+                f"rollout engine {engine} acknowledged weight version {version}, "
+                f"but the trainer is at version {self.trainer_version}"
+            )
         self.engine_versions[engine] = version
 
     def check_ready_for_rollout(self) -> int:
         """Every engine serves the trainer's version (on-policy); returns that version."""
         behind = [(e, v) for e, v in enumerate(self.engine_versions) if v != self.trainer_version]
         if behind:
-            raise WeightSyncError(f"rollout engines {behind} (engine, version) are behind the trainer's version "
-                                  f"{self.trainer_version}: weight sync did not complete")
+            raise WeightSyncError(
+                f"rollout engines {behind} (engine, version) are behind the trainer's version "
+                f"{self.trainer_version}: weight sync did not complete"
+            )
         return self.trainer_version
 
     def finish_step(self, record: dict) -> None:

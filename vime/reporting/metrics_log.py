@@ -18,15 +18,18 @@ log = logging.getLogger("vime")
 
 # GRPO's loss is ~0 by construction (advantages have mean 0 per group), so it is shown in %e; the
 # learning signal is the reward, the tied groups (no signal) and the gradient norm.
-CONSOLE_COLUMNS = (("step", "{:>4d}", lambda r: r.step), ("ver", "{:>3d}", lambda r: r.weights.version),
-                   ("reward", "{:>7.3f}", lambda r: r.rollout.reward_mean),
-                   ("tied", "{:>4d}", lambda r: r.rollout.tied_groups),
-                   ("tokens", "{:>6d}", lambda r: r.consistency.tokens),
-                   ("mismatch", "{:>8d}", lambda r: r.consistency.mismatch_count),
-                   ("max|diff|", "{:>10.3e}", lambda r: r.consistency.max_abs_diff),
-                   ("loss", "{:>10.2e}", lambda r: r.train.loss),
-                   ("grad_norm", "{:>9.3e}", lambda r: r.train.grad_norm),
-                   ("step_s", "{:>7.1f}", lambda r: r.timing.step_s))
+CONSOLE_COLUMNS = (
+    ("step", "{:>4d}", lambda r: r.step),
+    ("ver", "{:>3d}", lambda r: r.weights.version),
+    ("reward", "{:>7.3f}", lambda r: r.rollout.reward_mean),
+    ("tied", "{:>4d}", lambda r: r.rollout.tied_groups),
+    ("tokens", "{:>6d}", lambda r: r.consistency.tokens),
+    ("mismatch", "{:>8d}", lambda r: r.consistency.mismatch_count),
+    ("max|diff|", "{:>10.3e}", lambda r: r.consistency.max_abs_diff),
+    ("loss", "{:>10.2e}", lambda r: r.train.loss),
+    ("grad_norm", "{:>9.3e}", lambda r: r.train.grad_norm),
+    ("step_s", "{:>7.1f}", lambda r: r.timing.step_s),
+)
 
 
 def read_rows(path: Path) -> list[StepRecord]:
@@ -40,8 +43,16 @@ def write_rows(path: Path, rows: list[StepRecord]) -> None:
 
 
 class MetricsLogger:
-    def __init__(self, output_dir: Path, config: dict, wandb_mode: str = "offline", project: str = "vime",
-                 name: str | None = None, entity: str | None = None, samples_every: int = 10):
+    def __init__(
+        self,
+        output_dir: Path,
+        config: dict,
+        wandb_mode: str = "offline",
+        project: str = "vime",
+        name: str | None = None,
+        entity: str | None = None,
+        samples_every: int = 10,
+    ):
         self.dir = Path(output_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.jsonl = self.dir / "metrics.jsonl"
@@ -53,8 +64,15 @@ class MetricsLogger:
             import wandb
 
             os.environ.setdefault("WANDB_SILENT", "true")
-            self.run = wandb.init(project=project, name=name, entity=entity, mode=wandb_mode, dir=str(self.dir),
-                                  config=config, settings=wandb.Settings(console="off", x_disable_stats=True))
+            self.run = wandb.init(
+                project=project,
+                name=name,
+                entity=entity,
+                mode=wandb_mode,
+                dir=str(self.dir),
+                config=config,
+                settings=wandb.Settings(console="off", x_disable_stats=True),
+            )
             log.info("W&B %s run in %s", wandb_mode, self.run.dir)
         self._header_printed = False
 
@@ -67,8 +85,9 @@ class MetricsLogger:
 
             data: dict = record.wandb()
             if record.samples:
-                data["rollout/samples"] = wandb.Table(columns=["step", "prompt", "response", "reward"],
-                                                      data=[[record.step, *s] for s in record.samples])
+                data["rollout/samples"] = wandb.Table(
+                    columns=["step", "prompt", "response", "reward"], data=[[record.step, *s] for s in record.samples]
+                )
             self.run.log(data, step=record.step)
             # the run's summary: the last step's parity and the totals over the run
             self.run.summary["mismatch_count"] = record.consistency.mismatch_count
@@ -82,12 +101,19 @@ class MetricsLogger:
         if not self._header_printed:
             log.info(" ".join(name.rjust(w) for (name, _, _), w in zip(CONSOLE_COLUMNS, widths)))
             self._header_printed = True
-        log.info(" ".join(report.table_cell(get(record), fmt).rjust(w)
-                          for (_, fmt, get), w in zip(CONSOLE_COLUMNS, widths)))
+        log.info(
+            " ".join(report.table_cell(get(record), fmt).rjust(w) for (_, fmt, get), w in zip(CONSOLE_COLUMNS, widths))
+        )
         c = record.consistency
         if c.worst_position is not None:
-            log.info("     worst token: sample %s position %s token %s rollout %r trainer %r",
-                     c.worst_sample, c.worst_position, c.worst_token_id, c.worst_rollout, c.worst_trainer)
+            log.info(
+                "     worst token: sample %s position %s token %s rollout %r trainer %r",
+                c.worst_sample,
+                c.worst_position,
+                c.worst_token_id,
+                c.worst_rollout,
+                c.worst_trainer,
+            )
         if self.samples_every and record.samples and record.step % self.samples_every == 0:
             for prompt, response, reward in record.samples[:2]:
                 log.info("     sample: %r -> %r  reward %.2f", prompt, response, reward)

@@ -23,7 +23,7 @@ from vime.reporting.commands import python_command, resume_command  # noqa: F401
 
 def tied_groups(rewards: Sequence[float], group_size: int) -> int:
     """How many GRPO groups have all-equal rewards (advantage exactly 0: no learning signal)."""
-    groups = [rewards[i:i + group_size] for i in range(0, len(rewards), group_size)]
+    groups = [rewards[i : i + group_size] for i in range(0, len(rewards), group_size)]
     return sum(1 for g in groups if max(g) == min(g))
 
 
@@ -32,10 +32,12 @@ def no_signal_warning(step: int, rewards: Sequence[float], group_size: int) -> s
     n_groups = len(rewards) // group_size
     if n_groups and tied_groups(rewards, group_size) == n_groups:
         values = sorted({round(r, 4) for r in rewards})
-        return (f"step {step}: no learning signal: every one of the {n_groups} groups has tied rewards "
-                f"(values {values[:4]}{' ...' if len(values) > 4 else ''}), so all advantages are 0 and this "
-                "update does not change the policy; if it persists, the task is too hard or already solved "
-                "at this temperature (try another task, more samples per group, or a higher temperature)")
+        return (
+            f"step {step}: no learning signal: every one of the {n_groups} groups has tied rewards "
+            f"(values {values[:4]}{' ...' if len(values) > 4 else ''}), so all advantages are 0 and this "
+            "update does not change the policy; if it persists, the task is too hard or already solved "
+            "at this temperature (try another task, more samples per group, or a higher temperature)"
+        )
     return None
 
 
@@ -66,8 +68,13 @@ def _label(rows: Sequence[StepRecord]) -> str:
     return "strict" if rows and rows[0].strict else "native"
 
 
-def plot_run(rows: Sequence[StepRecord], path: Path, compare: Sequence[StepRecord] | None = None,
-             task: str = "", title_extra: str = "") -> Path:
+def plot_run(
+    rows: Sequence[StepRecord],
+    path: Path,
+    compare: Sequence[StepRecord] | None = None,
+    task: str = "",
+    title_extra: str = "",
+) -> Path:
     """One figure for a run (and, when given, its twin in the other mode): reward per step (0..1),
     mismatch_count per step (integer axis from 0), max |diff| per step (log axis when any is
     non-zero; exact zeros drawn on the floor and labelled), and the worst token."""
@@ -91,14 +98,22 @@ def plot_run(rows: Sequence[StepRecord], path: Path, compare: Sequence[StepRecor
         ls = "-" if rs is rows else "--"
         ax_r.plot(steps, mean, ls, marker="o", ms=3, color=colors[label], label=f"{label}: mean reward")
         if rs is rows:  # one band only: two overlapping bands hide both curves
-            ax_r.fill_between(steps, [max(0, m - s) for m, s in zip(mean, std)],
-                              [min(1, m + s) for m, s in zip(mean, std)], color=colors[label], alpha=0.12)
+            ax_r.fill_between(
+                steps,
+                [max(0, m - s) for m, s in zip(mean, std)],
+                [min(1, m + s) for m, s in zip(mean, std)],
+                color=colors[label],
+                alpha=0.12,
+            )
     ax_r.set_ylim(0, 1.02)
     ax_r.set_ylabel("reward (0..1)")
     ax_r.set_xlabel("step")
     first, last = rows[0].rollout.reward_mean, rows[-1].rollout.reward_mean
-    ax_r.set_title(f"reward{f' on {task}' if task else ''}: {first:.2f} -> {last:.2f} "
-                   f"(band: ± std over the {_label(rows)} run's samples)", fontsize=10)
+    ax_r.set_title(
+        f"reward{f' on {task}' if task else ''}: {first:.2f} -> {last:.2f} "
+        f"(band: ± std over the {_label(rows)} run's samples)",
+        fontsize=10,
+    )
     ax_r.legend(loc="upper left", fontsize=8)
 
     max_tokens = 1
@@ -108,8 +123,7 @@ def plot_run(rows: Sequence[StepRecord], path: Path, compare: Sequence[StepRecor
         max_tokens = max(max_tokens, *(r.consistency.tokens for r in rs))
         ax_m.plot(steps, counts, marker="o", ms=3, color=colors[label], label=label)
         if label == "native":
-            ax_m.plot(steps, [r.consistency.tokens for r in rs], ":", color="grey", lw=1,
-                      label="tokens compared")
+            ax_m.plot(steps, [r.consistency.tokens for r in rs], ":", color="grey", lw=1, label="tokens compared")
     top = max(max(r.consistency.mismatch_count for r in rs) for rs, _ in runs)
     if any(label == "native" for _, label in runs):
         top = max(top, max_tokens)
@@ -121,16 +135,23 @@ def plot_run(rows: Sequence[StepRecord], path: Path, compare: Sequence[StepRecor
     ax_m.set_title("mismatch_count (0 = rollout == trainer, bit for bit)", fontsize=10)
     ax_m.legend(fontsize=8)
 
-    positive = [d for rs, _ in runs for d in _series(r.consistency.max_abs_diff for r in rs)
-                if d > 0 and math.isfinite(d)]
+    positive = [
+        d for rs, _ in runs for d in _series(r.consistency.max_abs_diff for r in rs) if d > 0 and math.isfinite(d)
+    ]
     floor = min(positive) / 10 if positive else None
     for rs, label in runs:
         steps = [r.step for r in rs]
         diffs = _series(r.consistency.max_abs_diff for r in rs)
         if floor is not None:
             zero = all(d == 0 for d in diffs)
-            ax_d.plot(steps, [d if d > 0 else floor for d in diffs], marker="o", ms=3, color=colors[label],
-                      label=f"{label}: exactly 0 (drawn on the floor)" if zero else label)
+            ax_d.plot(
+                steps,
+                [d if d > 0 else floor for d in diffs],
+                marker="o",
+                ms=3,
+                color=colors[label],
+                label=f"{label}: exactly 0 (drawn on the floor)" if zero else label,
+            )
         else:
             ax_d.plot(steps, diffs, marker="o", ms=3, color=colors[label], label=label)
     if floor is not None:
@@ -138,8 +159,15 @@ def plot_run(rows: Sequence[StepRecord], path: Path, compare: Sequence[StepRecor
         ax_d.set_ylim(floor / 2, max(positive) * 3)
     else:
         ax_d.set_ylim(-0.05, 1)
-        ax_d.text(0.5, 0.5, "0 on every step\n(no token differs)", transform=ax_d.transAxes, ha="center",
-                  fontsize=10, color=colors["strict"])
+        ax_d.text(
+            0.5,
+            0.5,
+            "0 on every step\n(no token differs)",
+            transform=ax_d.transAxes,
+            ha="center",
+            fontsize=10,
+            color=colors["strict"],
+        )
     ax_d.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax_d.set_xlabel("step")
     ax_d.set_title("max |rollout - trainer| logprob", fontsize=10)
@@ -148,8 +176,11 @@ def plot_run(rows: Sequence[StepRecord], path: Path, compare: Sequence[StepRecor
     worst = _worst_token(runs)
     total, mism = _tokens(rows), _mismatches(rows)
     twin = f"; {_label(compare)} twin: {_mismatches(compare)} of {_tokens(compare)}" if compare else ""
-    fig.suptitle(f"vime: {_label(rows)} run, {len(rows)} steps, {mism} of {total} tokens differ (rollout vs "
-                 f"trainer logprob bits){twin}{title_extra}", fontsize=11.5)
+    fig.suptitle(
+        f"vime: {_label(rows)} run, {len(rows)} steps, {mism} of {total} tokens differ (rollout vs "
+        f"trainer logprob bits){twin}{title_extra}",
+        fontsize=11.5,
+    )
     fig.text(0.5, 0.005, worst, ha="center", fontsize=8.5, family="monospace")
     fig.subplots_adjust(top=0.9, bottom=0.1, left=0.07, right=0.98)
     fig.savefig(path, dpi=110)
@@ -174,11 +205,11 @@ def _worst_token(runs) -> str:
             continue
         r = max(cands, key=lambda x: x.consistency.max_abs_diff)
         c = r.consistency
-        parts.append(f"{label} worst token: step {r.step} sample {c.worst_sample} position {c.worst_position} "
-                     f"token {c.worst_token_id}: rollout {c.worst_rollout:.7g} vs trainer {c.worst_trainer:.7g}")
+        parts.append(
+            f"{label} worst token: step {r.step} sample {c.worst_sample} position {c.worst_position} "
+            f"token {c.worst_token_id}: rollout {c.worst_rollout:.7g} vs trainer {c.worst_trainer:.7g}"
+        )
     return "   |   ".join(parts)
-
-
 
 
 class ConsoleFormatter(logging.Formatter):
@@ -198,20 +229,25 @@ class ConsoleFormatter(logging.Formatter):
 
 # ---- the end-of-run summary ----------------------------------------------------------------------
 
+
 def _gb(nbytes: float | None) -> float | None:
     return None if nbytes is None else nbytes / 1e9
 
 
 # The per-step table of the summary: (header, format, value of a record).
-STEP_COLUMNS = (("step", "{:>4d}", lambda r: r.step), ("tokens", "{:>6d}", lambda r: r.consistency.tokens),
-                ("mismatch", "{:>8d}", lambda r: r.consistency.mismatch_count),
-                ("max|diff|", "{:>9.2e}", lambda r: r.consistency.max_abs_diff),
-                ("rollout_s", "{:>9.2f}", lambda r: r.timing.rollout_s),
-                ("score_s", "{:>7.2f}", lambda r: r.timing.score_s),
-                ("train_s", "{:>7.2f}", lambda r: r.timing.train_s), ("sync_s", "{:>6.2f}", lambda r: r.timing.sync_s),
-                ("sync_GB", "{:>7.3f}", lambda r: _gb(r.weights.sync_bytes)),
-                ("sync_GB/s", "{:>9.2f}", lambda r: r.weights.sync_gbps),
-                ("step_s", "{:>6.2f}", lambda r: r.timing.step_s))
+STEP_COLUMNS = (
+    ("step", "{:>4d}", lambda r: r.step),
+    ("tokens", "{:>6d}", lambda r: r.consistency.tokens),
+    ("mismatch", "{:>8d}", lambda r: r.consistency.mismatch_count),
+    ("max|diff|", "{:>9.2e}", lambda r: r.consistency.max_abs_diff),
+    ("rollout_s", "{:>9.2f}", lambda r: r.timing.rollout_s),
+    ("score_s", "{:>7.2f}", lambda r: r.timing.score_s),
+    ("train_s", "{:>7.2f}", lambda r: r.timing.train_s),
+    ("sync_s", "{:>6.2f}", lambda r: r.timing.sync_s),
+    ("sync_GB", "{:>7.3f}", lambda r: _gb(r.weights.sync_bytes)),
+    ("sync_GB/s", "{:>9.2f}", lambda r: r.weights.sync_gbps),
+    ("step_s", "{:>6.2f}", lambda r: r.timing.step_s),
+)
 
 
 def table_cell(value, fmt: str) -> str:
@@ -226,20 +262,28 @@ def step_table(rows: Sequence[StepRecord], max_rows: int = 12) -> list[str]:
     steps of a longer run); a missing value shows as '-'."""
     widths = [max(len(h), len(f.format(0))) for h, f, _ in STEP_COLUMNS]
     lines = ["  " + " ".join(h.rjust(w) for (h, _, _), w in zip(STEP_COLUMNS, widths))]
-    shown = list(rows) if len(rows) <= max_rows else [*rows[:max_rows // 2], None, *rows[-(max_rows // 2):]]
+    shown = list(rows) if len(rows) <= max_rows else [*rows[: max_rows // 2], None, *rows[-(max_rows // 2) :]]
     for r in shown:
-        lines.append("  ..." if r is None else
-                     "  " + " ".join(table_cell(get(r), f).rjust(w) for (_, f, get), w in zip(STEP_COLUMNS, widths)))
+        lines.append(
+            "  ..."
+            if r is None
+            else "  " + " ".join(table_cell(get(r), f).rjust(w) for (_, f, get), w in zip(STEP_COLUMNS, widths))
+        )
     return lines
-
 
 
 SUMMARY_WIDTH = 110  # the summary's lines fit 120 columns with the console's `HH:MM:SS ` prefix
 
 
-def summary_lines(rows: Sequence[StepRecord], output_dir: Path, plot: Path | None, model_path: str | None,
-                  compare: Sequence[StepRecord] | None = None, steps: int | None = None,
-                  last_checkpoint: Path | None = None) -> list[str]:
+def summary_lines(
+    rows: Sequence[StepRecord],
+    output_dir: Path,
+    plot: Path | None,
+    model_path: str | None,
+    compare: Sequence[StepRecord] | None = None,
+    steps: int | None = None,
+    last_checkpoint: Path | None = None,
+) -> list[str]:
     """The closing block: steps, tokens compared, mismatches and what 0 means, reward first -> last,
     time per step, engine restarts, where the outputs are, and what to do next: a run that did all its
     `steps` is complete (extend it with more `steps`); one stopped early continues from its last checkpoint
@@ -256,8 +300,10 @@ def summary_lines(rows: Sequence[StepRecord], output_dir: Path, plot: Path | Non
     if mism == 0:
         meaning = "0: the trainer recomputed the exact fp32 bits the engine sampled with (ratios exactly 1)"
     else:
-        meaning = (f"{mism} tokens' rollout and trainer logprobs differ in bits (max |diff| {worst:.3e}): the "
-                   "update's importance ratios carry that numeric drift")
+        meaning = (
+            f"{mism} tokens' rollout and trainer logprobs differ in bits (max |diff| {worst:.3e}): the "
+            "update's importance ratios carry that numeric drift"
+        )
     lines = [
         f"run summary ({mode})",
         f"  steps            {len(rows)} (weight versions 0 -> {rows[-1].weights.next_version})",
@@ -275,17 +321,23 @@ def summary_lines(rows: Sequence[StepRecord], output_dir: Path, plot: Path | Non
         lines.append(f"  engine restarts  {restarts} (dead rollout engines restarted, their share of the step redone)")
     lines += ["  per step (seconds; sync in GB of weights and GB/s):", *step_table(rows, max_rows=4)]
     if compare:
-        lines.append(f"  {_label(compare)} twin      {_mismatches(compare)} of {_tokens(compare)} tokens differ "
-                     f"over {len(compare)} steps")
-    lines += [f"  outputs          {output_dir} (metrics.jsonl, train.log, wandb/)",
-              f"  figure           {plot}" if plot else "  figure           -",
-              f"  model            {model_path} (the starting weights)"]
+        lines.append(
+            f"  {_label(compare)} twin      {_mismatches(compare)} of {_tokens(compare)} tokens differ "
+            f"over {len(compare)} steps"
+        )
+    lines += [
+        f"  outputs          {output_dir} (metrics.jsonl, train.log, wandb/)",
+        f"  figure           {plot}" if plot else "  figure           -",
+        f"  model            {model_path} (the starting weights)",
+    ]
     last = last_checkpoint
     done = rows[-1].step + 1
     if last is not None and steps is not None and done >= steps:
         lines.append(f"  checkpoint       {last}")
-        lines.append(f"  run complete     all {steps} steps done; to train further: "
-                     f"{resume_command(output_dir)} steps={done + done}")
+        lines.append(
+            f"  run complete     all {steps} steps done; to train further: "
+            f"{resume_command(output_dir)} steps={done + done}"
+        )
     elif last is not None:
         lines.append(f"  checkpoint       {last} (continue with: {resume_command(output_dir)})")
     return lines

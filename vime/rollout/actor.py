@@ -71,8 +71,17 @@ def _engine_call(method):
 class RolloutWorker:
     """Wrapped with `ray.remote` by the driver; plain class so it is testable in-process."""
 
-    def __init__(self, engine_id: int, cfg: RolloutConfig, model_path: str, dtype: str, device: str,
-                 modes: dict[str, str], seed: int, transport: str = "ipc"):
+    def __init__(
+        self,
+        engine_id: int,
+        cfg: RolloutConfig,
+        model_path: str,
+        dtype: str,
+        device: str,
+        modes: dict[str, str],
+        seed: int,
+        transport: str = "ipc",
+    ):
         """`transport` (this engine's weight path, vime.config.layout.engine_transports): how a vLLM engine on CUDA
         takes weights, `ipc` or `nccl`; `gloo` on CPU: rl_kernel's push group, received here (GroupReceiver)."""
         redirect_output()
@@ -82,9 +91,11 @@ class RolloutWorker:
         self.engine: Rollout
         if RolloutBackend(cfg.engine) == RolloutBackend.vllm:
             from vime.rollout.vllm_engine import VllmRollout
+
             self.engine = VllmRollout(cfg, model_path, dtype, device, modes, seed + engine_id, engine_id, transport)
         else:
             from vime.rollout.reference import ReferenceRollout
+
             self.engine = ReferenceRollout(cfg, model_path, dtype, device)
         self._evidence: list[dict] = []
         # in-flight weight updates (rollout.partial): a version staged by `stage_weights` (the actor's
@@ -97,18 +108,34 @@ class RolloutWorker:
         self._group_receiver = None
         if str(transport) == "gloo" and (RolloutBackend(cfg.engine) == RolloutBackend.vllm or cfg.partial):
             from vime.weights.sync import GroupReceiver
-            self._group_receiver = GroupReceiver(self.engine, model_path, dtype,
-                                                 stage=self.stage_weights if cfg.partial else None)
+
+            self._group_receiver = GroupReceiver(
+                self.engine, model_path, dtype, stage=self.stage_weights if cfg.partial else None
+            )
 
     @_engine_call
     def info(self) -> dict:
-        return {"engine": self.engine_id, "label": self.engine.label, "vocab_size": self.engine.vocab_size,
-                "version": self.engine.version, "modes": self.modes, "pid": os.getpid()}
+        return {
+            "engine": self.engine_id,
+            "label": self.engine.label,
+            "vocab_size": self.engine.vocab_size,
+            "version": self.engine.version,
+            "modes": self.modes,
+            "pid": os.getpid(),
+        }
 
     @_engine_call
-    def generate(self, groups: list[tuple[int, list[int]]], group_size: int, max_new_tokens: int,
-                 temperature: float, stop_token_ids: list[int], step: int, wait_version: int = 0,
-                 with_evidence: bool = False) -> list[Sample] | tuple[list[Sample], list[dict]]:
+    def generate(
+        self,
+        groups: list[tuple[int, list[int]]],
+        group_size: int,
+        max_new_tokens: int,
+        temperature: float,
+        stop_token_ids: list[int],
+        step: int,
+        wait_version: int = 0,
+        with_evidence: bool = False,
+    ) -> list[Sample] | tuple[list[Sample], list[dict]]:
         """`groups`: (group index, prompt ids); each prompt is sampled `group_size` times on this engine.
         `wait_version` (rollout.partial_wait): the version this rollout waits for in flight (0: none);
         `with_evidence`: also return this rollout's rl_kernel evidence (the asynchronous loop queues the
@@ -123,10 +150,21 @@ class RolloutWorker:
         self._evidence = self.engine.evidence(reset=True)
         samples = []
         for (g, ids), (tokens, logprobs, versions) in zip([gp for gp in groups for _ in range(group_size)], outs):
-            samples.append(Sample(group=g, prompt_ids=list(ids), response_ids=list(tokens), logprobs=list(logprobs),
-                                  versions=list(versions), engine=self.engine_id, temperature=temperature,
-                                  top_k=self.engine.top_k, top_p=self.engine.top_p, vocab_size=self.engine.vocab_size,
-                                  finish_reason="stop" if tokens and tokens[-1] in stop_token_ids else "length"))
+            samples.append(
+                Sample(
+                    group=g,
+                    prompt_ids=list(ids),
+                    response_ids=list(tokens),
+                    logprobs=list(logprobs),
+                    versions=list(versions),
+                    engine=self.engine_id,
+                    temperature=temperature,
+                    top_k=self.engine.top_k,
+                    top_p=self.engine.top_p,
+                    vocab_size=self.engine.vocab_size,
+                    finish_reason="stop" if tokens and tokens[-1] in stop_token_ids else "length",
+                )
+            )
         return (samples, self._evidence) if with_evidence else samples
 
     def _generate_partial(self, prompts, max_new_tokens, temperature, stop_token_ids, seed, wait_version):
@@ -140,13 +178,16 @@ class RolloutWorker:
             nonlocal waited
             with self._cv:
                 if not waited and sampled >= self.cfg.partial_wait and not mid_prefill:
+
                     def arrived() -> bool:  # the version waited for: loaded, or staged to land here
                         staged = self._staged is not None and self._staged[1] >= wait_version
                         return self.engine.version >= wait_version or staged
 
                     if not self._cv.wait_for(arrived, timeout=600):
-                        raise TimeoutError(f"rollout engine {self.engine_id}: weight version {wait_version} did not "
-                                           "arrive within 600 s (rollout.partial_wait)")
+                        raise TimeoutError(
+                            f"rollout engine {self.engine_id}: weight version {wait_version} did not "
+                            "arrive within 600 s (rollout.partial_wait)"
+                        )
                     waited = True
                 # with rollout.partial_wait, not before the wait: the version lands at that token, however early it
                 # arrives (the first version a rollout can receive is the one it waits for)
@@ -157,8 +198,9 @@ class RolloutWorker:
         with self._cv:
             self._generating = True
         try:
-            return self.engine.generate(prompts, max_new_tokens, temperature, stop_token_ids, seed,
-                                        between_steps=between_steps)
+            return self.engine.generate(
+                prompts, max_new_tokens, temperature, stop_token_ids, seed, between_steps=between_steps
+            )
         finally:
             with self._cv:
                 self._generating = False
@@ -186,8 +228,9 @@ class RolloutWorker:
             if not self._generating:
                 self._apply_staged()
             elif not self._cv.wait_for(lambda: self._staged is None, timeout=600):
-                raise TimeoutError(f"rollout engine {self.engine_id}: weight version {version} did not land within "
-                                   "600 s")
+                raise TimeoutError(
+                    f"rollout engine {self.engine_id}: weight version {version} did not land within 600 s"
+                )
             return self.engine.version
 
     @_engine_call
@@ -203,8 +246,9 @@ class RolloutWorker:
         """The engine's fp32 logprobs of each sample's fixed response tokens (forced decoding), under
         the current modes; the rl_kernel evidence of this pass replaces that of the last rollout."""
         self.engine.evidence(reset=True)
-        out = self.engine.rescore([s.prompt_ids for s in samples], [s.response_ids for s in samples],
-                                  one_temperature(samples))
+        out = self.engine.rescore(
+            [s.prompt_ids for s in samples], [s.response_ids for s in samples], one_temperature(samples)
+        )
         self._evidence = self.engine.evidence(reset=True)
         return out
 

@@ -25,19 +25,27 @@ class ReferenceRollout:
         self.version = 0
         self._group = self._receiver = None  # the weight-push group (nccl) and receiver, from the first push
 
-    def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float,
-                 stop_token_ids: list[int], seed: int, between_steps=None
-                 ) -> list[tuple[list[int], list[float], list[int]]]:
+    def generate(
+        self,
+        prompts: list[list[int]],
+        max_new_tokens: int,
+        temperature: float,
+        stop_token_ids: list[int],
+        seed: int,
+        between_steps=None,
+    ) -> list[tuple[list[int], list[float], list[int]]]:
         """Returns (response token ids, fp32 logprobs as floats, weight version per token) per prompt;
         request i samples from a generator seeded by (seed, i). `between_steps` (in-flight weight updates):
         `RolloutEngine.generate`'s hook, which may load a new version between engine steps."""
-        engine = RolloutEngine(self.model, self.cfg.num_blocks, self.cfg.block_size, self.cfg.max_num_batched_tokens,
-                               block_seed=seed)
+        engine = RolloutEngine(
+            self.model, self.cfg.num_blocks, self.cfg.block_size, self.cfg.max_num_batched_tokens, block_seed=seed
+        )
         requests = [Request(p, max_new_tokens, temperature, stop_token_ids=tuple(stop_token_ids)) for p in prompts]
         if between_steps is None:
             out = engine.generate(requests, seed=seed)
-            return [(c.token_ids, c.logprobs.to(torch.float32).tolist(), [self.version] * len(c.token_ids))
-                    for c in out]
+            return [
+                (c.token_ids, c.logprobs.to(torch.float32).tolist(), [self.version] * len(c.token_ids)) for c in out
+            ]
         out = engine.generate(requests, seed=seed, between_steps=between_steps)
         return [(c.token_ids, c.logprobs.to(torch.float32).tolist(), list(c.versions)) for c in out]
 
@@ -49,8 +57,9 @@ class ReferenceRollout:
         from vime.trainer import grpo
         from vime.trainer.reference import Forward
 
-        lp = grpo.score(Forward(self.model), [p + r for p, r in zip(prompts, responses)], [len(p) for p in prompts],
-                        temperature)
+        lp = grpo.score(
+            Forward(self.model), [p + r for p, r in zip(prompts, responses)], [len(p) for p in prompts], temperature
+        )
         return [t.to(torch.float32).tolist() for t in lp]
 
     def update_weights(self, weights: dict[str, torch.Tensor], version: int) -> None:

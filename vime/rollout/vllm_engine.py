@@ -129,8 +129,9 @@ def _versions(output, n: int, served: str) -> list[int]:
     for vLLMs whose completions carry no spans)."""
     spans = compat.weight_version_spans(output, served)
     if not spans:
-        raise WeightSyncError("vLLM returned no weight-version spans for a completion: cannot attribute its tokens "
-                              "to a weight version")
+        raise WeightSyncError(
+            "vLLM returned no weight-version spans for a completion: cannot attribute its tokens to a weight version"
+        )
     versions = [None] * n
     for span in spans:
         for j in range(span.start, min(span.end, n)):
@@ -141,8 +142,17 @@ def _versions(output, n: int, served: str) -> list[int]:
 
 
 class VllmRollout:
-    def __init__(self, cfg: RolloutConfig, model_path: str, dtype: str, device: str, modes: dict[str, str], seed: int,
-                 engine_id: int = 0, transport: str = "ipc"):
+    def __init__(
+        self,
+        cfg: RolloutConfig,
+        model_path: str,
+        dtype: str,
+        device: str,
+        modes: dict[str, str],
+        seed: int,
+        engine_id: int = 0,
+        transport: str = "ipc",
+    ):
         import vllm
 
         from rl_kernel.integrations import vllm as rkv
@@ -150,9 +160,16 @@ class VllmRollout:
         self.rkv = rkv
         self.strict = any(m == "strict" for m in modes.values())
         self.label = f"vllm {vllm.__version__} ({'rl_kernel strict plugin' if self.strict else 'native kernels'})"
-        engine_kwargs = dict(dtype=dtype, seed=seed, tensor_parallel_size=cfg.tp, max_model_len=cfg.max_model_len,
-                             max_num_batched_tokens=cfg.max_num_batched_tokens, max_num_seqs=cfg.max_num_seqs,
-                             gpu_memory_utilization=cfg.gpu_memory_utilization, enforce_eager=cfg.enforce_eager)
+        engine_kwargs = dict(
+            dtype=dtype,
+            seed=seed,
+            tensor_parallel_size=cfg.tp,
+            max_model_len=cfg.max_model_len,
+            max_num_batched_tokens=cfg.max_num_batched_tokens,
+            max_num_seqs=cfg.max_num_seqs,
+            gpu_memory_utilization=cfg.gpu_memory_utilization,
+            enforce_eager=cfg.enforce_eager,
+        )
         self.partial = bool(getattr(cfg, "partial", False))
         if self.partial:  # in-flight updates: no cached block may hold K/V of an older version for a new request
             engine_kwargs["enable_prefix_caching"] = False
@@ -184,9 +201,15 @@ class VllmRollout:
         self._receiver = None  # CUDA: the push's receiver (rl_kernel.integrations.vllm.ipc / .nccl), made on first use
         compat.update_weight_version(self.llm, "0")
 
-    def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float,
-                 stop_token_ids: list[int], seed: int, between_steps=None
-                 ) -> list[tuple[list[int], list[float], list[int]]]:
+    def generate(
+        self,
+        prompts: list[list[int]],
+        max_new_tokens: int,
+        temperature: float,
+        stop_token_ids: list[int],
+        seed: int,
+        between_steps=None,
+    ) -> list[tuple[list[int], list[float], list[int]]]:
         """(token ids, fp32 logprobs, weight version per token) per prompt. `between_steps(mid_prefill,
         sampled)` (in-flight weight updates, rollout.partial): the engine is stepped here and the hook runs
         before every engine step, where it may load a new version (vime.rollout.actor)."""
@@ -197,8 +220,10 @@ class VllmRollout:
         # step's samples depend on (seed, step, engine) and not on what the engine sampled before: a
         # resumed run or a restarted engine draws the same samples.
         self.llm.collective_rpc(_reseed_worker, args=(int(seed),))
-        params = [make(temperature=temperature, max_tokens=max_new_tokens, logprobs=0,
-                       stop_token_ids=list(stop_token_ids)) for _ in prompts]
+        params = [
+            make(temperature=temperature, max_tokens=max_new_tokens, logprobs=0, stop_token_ids=list(stop_token_ids))
+            for _ in prompts
+        ]
         self.top_k, self.top_p = int(params[0].top_k), float(params[0].top_p)  # recorded on every sample
         served = compat.get_weight_version(self.llm)
         if between_steps is None:
@@ -210,8 +235,10 @@ class VllmRollout:
             c = out.outputs[0]
             ids = list(c.token_ids)
             if c.logprobs is None or len(c.logprobs) != len(ids):
-                raise RuntimeError(f"vLLM returned {0 if c.logprobs is None else len(c.logprobs)} logprob entries for "
-                                   f"{len(ids)} tokens (request logprobs=0)")
+                raise RuntimeError(
+                    f"vLLM returned {0 if c.logprobs is None else len(c.logprobs)} logprob entries for "
+                    f"{len(ids)} tokens (request logprobs=0)"
+                )
             logprobs = [float(c.logprobs[j][t].logprob) for j, t in enumerate(ids)]
             results.append((ids, logprobs, _versions(c, len(ids), served)))
         return results
@@ -236,15 +263,19 @@ class VllmRollout:
                 if out.finished:
                     done[out.request_id] = out
         if any(not hasattr(o.outputs[0], "weight_versions") for o in done.values()):
-            raise WeightSyncError("rollout.partial needs vLLM's per-token weight-version spans (vLLM 0.32); this vLLM "
-                                  f"{compat.vllm_version()} records none: set rollout.partial=false")
+            raise WeightSyncError(
+                "rollout.partial needs vLLM's per-token weight-version spans (vLLM 0.32); this vLLM "
+                f"{compat.vllm_version()} records none: set rollout.partial=false"
+            )
         return [done[r] for r in ids]
 
     def set_modes(self, modes: dict[str, str]) -> None:
         """Per-boundary rl_kernel modes of later forwards, in every worker (strict engines only)."""
         if not self.strict:
-            raise ValueError("an all-native vLLM engine runs vLLM's own model: it has no rl_kernel boundary to "
-                             "switch; start it with a strict boundary")
+            raise ValueError(
+                "an all-native vLLM engine runs vLLM's own model: it has no rl_kernel boundary to "
+                "switch; start it with a strict boundary"
+            )
         self.rkv.set_worker_modes(self.llm, modes)
 
     def rescore(self, prompts: list[list[int]], responses: list[list[int]], temperature: float) -> list[list[float]]:
@@ -265,20 +296,26 @@ class VllmRollout:
     def update_weights(self, weights: dict[str, torch.Tensor], version: int) -> None:
         """Load one bucket of version `version`; the first bucket of a version opens the update session."""
         if self.cuda:
-            raise WeightSyncError(f"a vLLM engine on CUDA takes weights only as trainer rank 0's {self.transport} "
-                                  "push (receive_weights), not as tensors from Ray's object store (restart and "
-                                  "resume load that way)")
+            raise WeightSyncError(
+                f"a vLLM engine on CUDA takes weights only as trainer rank 0's {self.transport} "
+                "push (receive_weights), not as tensors from Ray's object store (restart and "
+                "resume load that way)"
+            )
         if self._updating is None:
             self.llm.start_weight_update()
             self._updating = version
         elif self._updating != version:
-            raise WeightSyncError(f"got a weight bucket of version {version} while version {self._updating} is "
-                                  f"still being loaded (set_version({self._updating}) was not called)")
+            raise WeightSyncError(
+                f"got a weight bucket of version {version} while version {self._updating} is "
+                f"still being loaded (set_version({self._updating}) was not called)"
+            )
         self.rkv.send_weights(self.llm, weights, version)
 
     def join_weight_group(self, host: str, port: int, rank: int, world: int) -> None:
-        raise WeightSyncError("vLLM engines join no rl_kernel NCCL group: weights.transport=nccl into vLLM goes "
-                              "through vLLM's own nccl engine (receive_weights from trainer rank 0's vllm_nccl push)")
+        raise WeightSyncError(
+            "vLLM engines join no rl_kernel NCCL group: weights.transport=nccl into vLLM goes "
+            "through vLLM's own nccl engine (receive_weights from trainer rank 0's vllm_nccl push)"
+        )
 
     def receive_weights(self, msg: dict) -> dict | int | None:
         """One message of trainer rank 0's push, passed to vLLM's weight-update API: with `ipc` rl_kernel's push
@@ -309,14 +346,17 @@ class VllmRollout:
             pushed = None if self._receiver is None else self._receiver.version
             served = int(compat.get_weight_version(self.llm))
             if pushed != version or served != version:
-                raise WeightSyncError(f"asked to serve weight version {version}; the last {self.transport} push was "
-                                      f"version {pushed} and vLLM serves {served}")
+                raise WeightSyncError(
+                    f"asked to serve weight version {version}; the last {self.transport} push was "
+                    f"version {pushed} and vLLM serves {served}"
+                )
             self.version = served
             return served
         if self._updating is not None:
             if self._updating != version:
-                raise WeightSyncError(f"asked to serve version {version}, but the buckets loaded are version "
-                                      f"{self._updating}")
+                raise WeightSyncError(
+                    f"asked to serve version {version}, but the buckets loaded are version {self._updating}"
+                )
             if self.partial:  # requests may be running: no prefix cache to reset (it is off)
                 self.llm.finish_weight_update(weight_version=str(version))
             else:
@@ -382,8 +422,11 @@ class VllmRollout:
         if not self._died.wait(wait_s) or self._death is None:
             return None
         rank, code, pid = self._death
-        return TPWorkerDiedError(f"rollout engine {self.engine_id}, TP rank {rank} died ({_how(pid, code)})",
-                                 engine=self.engine_id, tp_rank=rank)
+        return TPWorkerDiedError(
+            f"rollout engine {self.engine_id}, TP rank {rank} died ({_how(pid, code)})",
+            engine=self.engine_id,
+            tp_rank=rank,
+        )
 
     def remove_temp_files(self) -> list[str]:
         """Remove the engine's temporary files (after its workers are gone): what its workers mapped, its

@@ -54,8 +54,16 @@ KEPT = "kept"  # an asynchronous run's kept weight versions
 HF_DIR = "hf_model"
 # metrics that measure wall time: they differ between any two runs, resumed or not
 TIMING_KEYS = ("rollout_s", "score_s", "train_s", "step_s", "sync_s", "sync_gbps")
-_HF_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-                  "special_tokens_map.json", "vocab.json", "merges.txt", "chat_template.jinja")
+_HF_SIDE_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+)
 
 
 class CheckpointError(VimeError):
@@ -73,8 +81,10 @@ def latest(output_dir: Path) -> Path | None:
         return None
     path = pointer.parent / pointer.read_text().strip()
     if not (path / STATE).is_file():
-        raise CheckpointError(f"{pointer} names {path}, which has no {STATE}: the checkpoint is damaged; "
-                              "point it at an earlier step_* directory or start a new run")
+        raise CheckpointError(
+            f"{pointer} names {path}, which has no {STATE}: the checkpoint is damaged; "
+            "point it at an earlier step_* directory or start a new run"
+        )
     return path
 
 
@@ -84,6 +94,7 @@ def is_due(every: int, step: int, steps: int, final: bool = True) -> bool:
 
 
 # ---- driver side ------------------------------------------------------------------------------
+
 
 def rng_state() -> dict[str, Any]:
     """Python, numpy and torch (CPU, and CUDA when present) RNG states of this process."""
@@ -120,8 +131,10 @@ def saved_config(output_dir: Path) -> dict:
 
     path = Path(output_dir) / CHECKPOINTS / "config.yaml"
     if not path.is_file():
-        raise CheckpointError(f"resume={output_dir}: no {path} (not a vime run dir, or it stopped before its "
-                              "first step); pass the output_dir of a run that saved a checkpoint")
+        raise CheckpointError(
+            f"resume={output_dir}: no {path} (not a vime run dir, or it stopped before its "
+            "first step); pass the output_dir of a run that saved a checkpoint"
+        )
     return OmegaConf.to_container(OmegaConf.load(path))
 
 
@@ -135,8 +148,13 @@ def save(driver, step: int, rows: list[StepRecord], wandb_id: str | None) -> Pat
     loop = getattr(driver, "async_loop", None)
     in_flight = loop.state() if loop is not None else None  # waits for the rollouts in flight
     driver._call(driver.trainer, "save_checkpoint", "save checkpoint", str(path), trainer=True)
-    state = {"next_step": step + 1, "version": driver.timeline.trainer_version, "rows": [r.row() for r in rows],
-             "rng": rng_state(), "wandb_id": wandb_id}
+    state = {
+        "next_step": step + 1,
+        "version": driver.timeline.trainer_version,
+        "rows": [r.row() for r in rows],
+        "rng": rng_state(),
+        "wandb_id": wandb_id,
+    }
     if in_flight is not None:
         state["async"] = in_flight
     torch.save(state, path / STATE)
@@ -155,8 +173,10 @@ def resume_point(cfg, output_dir: Path) -> Path | None:
         return None
     path = latest(output_dir)
     if path is None:
-        raise CheckpointError(f"resume={cfg.resume}: {Path(output_dir) / CHECKPOINTS} holds no complete checkpoint "
-                              "(the run stopped before its first save); start a new run instead")
+        raise CheckpointError(
+            f"resume={cfg.resume}: {Path(output_dir) / CHECKPOINTS} holds no complete checkpoint "
+            "(the run stopped before its first save); start a new run instead"
+        )
     state = load_state(path)
     check_resumable(cfg, state, path)
     wandb_id = state.get("wandb_id")
@@ -173,22 +193,29 @@ def check_resumable(cfg, state: dict[str, Any], path: Path) -> None:
 
     n, saved = cfg.algo.max_staleness, state.get("async")
     if saved is None and n >= 1:
-        raise CheckpointError(f"{path} holds no rollouts in flight (saved by a synchronous run, or by a vime that did "
-                              f"not save them), so this run with algo.max_staleness={n} cannot continue from it "
-                              "exactly: start a new run")
+        raise CheckpointError(
+            f"{path} holds no rollouts in flight (saved by a synchronous run, or by a vime that did "
+            f"not save them), so this run with algo.max_staleness={n} cannot continue from it "
+            "exactly: start a new run"
+        )
     if saved is not None and saved["max_staleness"] != n:
-        raise CheckpointError(f"{path} was saved by a run with algo.max_staleness={saved['max_staleness']}, this run "
-                              f"has algo.max_staleness={n}: its rollouts in flight were scheduled for that bound; "
-                              f"set algo.max_staleness={saved['max_staleness']} back in "
-                              f"{Path(path).parent / 'config.yaml'} or start a new run")
+        raise CheckpointError(
+            f"{path} was saved by a run with algo.max_staleness={saved['max_staleness']}, this run "
+            f"has algo.max_staleness={n}: its rollouts in flight were scheduled for that bound; "
+            f"set algo.max_staleness={saved['max_staleness']} back in "
+            f"{Path(path).parent / 'config.yaml'} or start a new run"
+        )
     if n >= 1:
         version = int(state["version"])
-        missing = [v for v in range(max(0, version + 1 - kept_versions(cfg)), version)
-                   if not kept_path(path, v).is_file()]
+        missing = [
+            v for v in range(max(0, version + 1 - kept_versions(cfg)), version) if not kept_path(path, v).is_file()
+        ]
         if missing:
-            raise CheckpointError(f"{path} lacks the kept weight versions {missing} ({Path(path) / KEPT}) that its "
-                                  "rollouts in flight are re-scored under: the checkpoint is incomplete; resume from "
-                                  f"an earlier step_* dir (edit {Path(path).parent / LATEST}) or start a new run")
+            raise CheckpointError(
+                f"{path} lacks the kept weight versions {missing} ({Path(path) / KEPT}) that its "
+                "rollouts in flight are re-scored under: the checkpoint is incomplete; resume from "
+                f"an earlier step_* dir (edit {Path(path).parent / LATEST}) or start a new run"
+            )
 
 
 def after_step(driver, step: int, rows: list[StepRecord]) -> bool:
@@ -205,8 +232,12 @@ def after_step(driver, step: int, rows: list[StepRecord]) -> bool:
         export_hf(tensors, driver.model_path, driver.output_dir)
     if stop:
         driver.stopped_after = step
-        log.info("stopped after step %d (checkpoint.stop_after=%d); continue with: %s", step, step,
-                 resume_command(driver.output_dir))
+        log.info(
+            "stopped after step %d (checkpoint.stop_after=%d); continue with: %s",
+            step,
+            step,
+            resume_command(driver.output_dir),
+        )
     return stop
 
 
@@ -214,8 +245,10 @@ def load_state(path: Path) -> dict[str, Any]:
     try:
         return torch.load(Path(path) / STATE, weights_only=False)
     except (OSError, EOFError, RuntimeError) as e:
-        raise CheckpointError(f"cannot read {Path(path) / STATE}: {e}; resume from an earlier step_* dir (edit "
-                              f"{Path(path).parent / LATEST}) or start a new run") from e
+        raise CheckpointError(
+            f"cannot read {Path(path) / STATE}: {e}; resume from an earlier step_* dir (edit "
+            f"{Path(path).parent / LATEST}) or start a new run"
+        ) from e
 
 
 def restore(driver, path: Path) -> dict[str, Any]:
@@ -227,17 +260,29 @@ def restore(driver, path: Path) -> dict[str, Any]:
     state = load_state(path)
     versions = driver._call(driver.trainer, "load_checkpoint", "load checkpoint", str(path), trainer=True)
     if any(v != state["version"] for v in versions):
-        raise CheckpointError(f"{path}: trainer ranks restored versions {versions}, the driver state says "
-                              f"{state['version']}")
+        raise CheckpointError(
+            f"{path}: trainer ranks restored versions {versions}, the driver state says {state['version']}"
+        )
     driver.timeline.trainer_version = state["version"]
     driver.timeline.step = state["next_step"]
     # over each engine's weight path, as a step's sync: a vLLM engine on CUDA takes no object-store weights
-    sync_weights(driver.trainer, driver.engines, state["version"], BUCKET_BYTES, driver.timeline, call,
-                 driver.weight_paths, driver.cfg.rollout.engine)
+    sync_weights(
+        driver.trainer,
+        driver.engines,
+        state["version"],
+        BUCKET_BYTES,
+        driver.timeline,
+        call,
+        driver.weight_paths,
+        driver.cfg.rollout.engine,
+    )
     set_rng_state(state["rng"])
     log.info("resumed from %s: weight version %d, next step %d", path, state["version"], state["next_step"])
-    if state["next_step"] >= driver.cfg.steps and driver.cfg.checkpoint.export_hf and \
-            not hf_exported(driver.output_dir):
+    if (
+        state["next_step"] >= driver.cfg.steps
+        and driver.cfg.checkpoint.export_hf
+        and not hf_exported(driver.output_dir)
+    ):
         # the run was stopped between its last checkpoint and the export: only the export is left
         tensors = driver._call(driver.trainer, "export_hf", "export weights", trainer=True)[0]
         export_hf(tensors, driver.model_path, driver.output_dir)
@@ -258,8 +303,9 @@ HF_MAX_SHARD_SIZE = "5GB"  # transformers' save_pretrained default: checkpoints 
 HF_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")  # one file, or the shards' index
 
 
-def export_hf(tensors: dict[str, torch.Tensor], model_path: str, output_dir: Path,
-              max_shard_size: int | str = HF_MAX_SHARD_SIZE) -> Path:
+def export_hf(
+    tensors: dict[str, torch.Tensor], model_path: str, output_dir: Path, max_shard_size: int | str = HF_MAX_SHARD_SIZE
+) -> Path:
     """Write `tensors` (HF names, full, the trainer's bits) to `<output_dir>/hf_model` as Hugging Face
     writes a checkpoint (`huggingface_hub.save_torch_state_dict`): `model.safetensors`, or shards of at
     most `max_shard_size` (bytes, or a string such as "5GB") with `model.safetensors.index.json`; the
@@ -284,6 +330,7 @@ def hf_exported(output_dir: Path) -> bool:
 
 
 # ---- trainer side (inside the trainer actors) ---------------------------------------------------
+
 
 @contextlib.contextmanager
 def _cpu_checkpointing() -> Iterator[None]:

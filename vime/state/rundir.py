@@ -37,14 +37,35 @@ from vime.errors import ConfigError, VimeError
 from vime.reporting.commands import resume_command
 from vime.state import checkpoint
 
-RESUMABLE = ("steps", "checkpoint.stop_after", "checkpoint.every", "checkpoint.export_hf", "checkpoint.final",
-             "verbose", "wandb.mode")
+RESUMABLE = (
+    "steps",
+    "checkpoint.stop_after",
+    "checkpoint.every",
+    "checkpoint.export_hf",
+    "checkpoint.final",
+    "verbose",
+    "wandb.mode",
+)
 
 
 # What a run writes in its output_dir. A directory holding only these, with no logged step and no
 # checkpoint, is what a start that failed (or was stopped) before its first step left behind.
-RUN_ENTRIES = frozenset({".hydra", "train.log", "engines.log", "model", "wandb", "metrics.jsonl", "checkpoints",
-                         "consistency.png", "hf_model", "native", "audit.json", "audit.png"})
+RUN_ENTRIES = frozenset(
+    {
+        ".hydra",
+        "train.log",
+        "engines.log",
+        "model",
+        "wandb",
+        "metrics.jsonl",
+        "checkpoints",
+        "consistency.png",
+        "hf_model",
+        "native",
+        "audit.json",
+        "audit.png",
+    }
+)
 
 
 def logged_steps(output_dir: Path) -> int:
@@ -65,21 +86,29 @@ def refuse_existing(output_dir: Path) -> None:
     entries = sorted(p.name for p in output_dir.iterdir())
     held = ", ".join(entries[:6])
     if (output_dir / checkpoint.CHECKPOINTS / checkpoint.LATEST).is_file():
-        raise SystemExit(f"output_dir={output_dir} already holds a run ({held}); vime never overwrites one: continue "
-                         f"that run with `{resume_command(output_dir)}`, or pass a new output_dir=...")
+        raise SystemExit(
+            f"output_dir={output_dir} already holds a run ({held}); vime never overwrites one: continue "
+            f"that run with `{resume_command(output_dir)}`, or pass a new output_dir=..."
+        )
     steps = logged_steps(output_dir)
     if steps:
-        raise SystemExit(f"output_dir={output_dir} already holds a run of {steps} logged step(s) ({held}) and no "
-                         "checkpoint to resume from; vime never overwrites a run: pass a new output_dir=...")
+        raise SystemExit(
+            f"output_dir={output_dir} already holds a run of {steps} logged step(s) ({held}) and no "
+            "checkpoint to resume from; vime never overwrites a run: pass a new output_dir=..."
+        )
     foreign = [e for e in entries if e not in RUN_ENTRIES]
     if foreign:
-        raise SystemExit(f"output_dir={output_dir} holds files vime did not write ({', '.join(foreign[:6])}); "
-                         "pass an empty or new output_dir=...")
+        raise SystemExit(
+            f"output_dir={output_dir} holds files vime did not write ({', '.join(foreign[:6])}); "
+            "pass an empty or new output_dir=..."
+        )
     for entry in entries:
         path = output_dir / entry
         shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
-    print(f"output_dir={output_dir} held a start that never completed a step ({held}): cleaned, starting there",
-          file=sys.stderr)
+    print(
+        f"output_dir={output_dir} held a start that never completed a step ({held}): cleaned, starting there",
+        file=sys.stderr,
+    )
 
 
 # ---- override keys ---------------------------------------------------------------------------------------
@@ -118,8 +147,10 @@ def unknown_override(override: str, keys: set[str], free: set[str], groups: set[
         return None
     near = difflib.get_close_matches(key, sorted(keys), n=1, cutoff=0.75)
     hint = f" (did you mean {near[0]}?)" if near else ""
-    return (f"config error: unknown config key {key}{hint}; `python -m vime.train --cfg job` lists every key "
-            "(vime/config/schema.py documents them)")
+    return (
+        f"config error: unknown config key {key}{hint}; `python -m vime.train --cfg job` lists every key "
+        "(vime/config/schema.py documents them)"
+    )
 
 
 def check_override_keys(argv: list[str]) -> None:
@@ -145,8 +176,10 @@ def apply_resume(config: DictConfig, overrides: list[str]) -> None:
     given = {_key(o) for o in overrides} - {"resume"}
     bad = sorted(given - set(RESUMABLE))
     if bad:
-        raise ConfigError(f"resume= continues a run with its own config, so {', '.join(bad)} cannot be set "
-                          f"(allowed with resume=: {', '.join(RESUMABLE)}); start a new run to change them")
+        raise ConfigError(
+            f"resume= continues a run with its own config, so {', '.join(bad)} cannot be set "
+            f"(allowed with resume=: {', '.join(RESUMABLE)}); start a new run to change them"
+        )
     keep = {k: OmegaConf.select(config, k) for k in given}
     for key, value in saved.items():
         OmegaConf.update(config, key, value, merge=isinstance(value, dict))
@@ -167,8 +200,10 @@ def refuse_complete(run: Path, steps: int, export_hf: bool) -> None:
     done = int(checkpoint.load_state(last)["next_step"])
     exported = not export_hf or (run / checkpoint.HF_DIR / "model.safetensors").is_file()
     if done >= steps and exported:
-        raise ConfigError(f"resume={run}: that run is complete ({done} steps done, steps={steps}); to train it "
-                          f"further give more steps: {resume_command(run)} steps={done + max(done, 1)}")
+        raise ConfigError(
+            f"resume={run}: that run is complete ({done} steps done, steps={steps}); to train it "
+            f"further give more steps: {resume_command(run)} steps={done + max(done, 1)}"
+        )
 
 
 def check(config: DictConfig) -> None:

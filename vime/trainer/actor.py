@@ -24,9 +24,21 @@ from vime.trainer.grpo import LossConfig, TrainBatch
 class TrainerWorker:
     """Wrapped with `ray.remote` by the driver; plain class so it is testable in-process."""
 
-    def __init__(self, rank: int, world_size: int, cfg: TrainerConfig, model_path: str, dtype: str, device: str,
-                 modes: dict[str, str], seed: int, kl_coef: float, clip_eps: float, correction: dict | None = None,
-                 kept_versions: int = 0):
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        cfg: TrainerConfig,
+        model_path: str,
+        dtype: str,
+        device: str,
+        modes: dict[str, str],
+        seed: int,
+        kl_coef: float,
+        clip_eps: float,
+        correction: dict | None = None,
+        kept_versions: int = 0,
+    ):
         """`correction`: LossConfig's off-policy correction fields (correction, is_cap, icepop_low/high);
         `kept_versions`: how many weight versions to keep in host memory for `score_behaviour` (0: none)."""
         redirect_output()
@@ -34,8 +46,12 @@ class TrainerWorker:
         apply_modes(modes)
         self.rank, self.world_size, self.cfg, self.modes = rank, world_size, cfg, modes
         self._args = (model_path, dtype, device)
-        self.loss = LossConfig(clip_low=clip_eps, clip_high=clip_eps, kl_coef=kl_coef,  # fixed for the run
-                               **(correction or {}))
+        self.loss = LossConfig(
+            clip_low=clip_eps,
+            clip_high=clip_eps,
+            kl_coef=kl_coef,  # fixed for the run
+            **(correction or {}),
+        )
         self.kept_versions = kept_versions
         self.kept: dict[int, dict[str, torch.Tensor]] = {}  # version -> HF-named weights (host memory)
         self._paged = None  # a Qwen3Reference for mixed-version re-scoring, made on first use
@@ -69,10 +85,13 @@ class TrainerWorker:
             placement.bind_node_interface()
         if TrainerBackend(self.cfg.engine) == TrainerBackend.megatron:
             from vime.trainer.megatron_engine import MegatronTrainer
-            self.engine = MegatronTrainer(self.cfg, model_path, dtype, device, self.loss, self.rank,
-                                          self.world_size, init_method, store=store)
+
+            self.engine = MegatronTrainer(
+                self.cfg, model_path, dtype, device, self.loss, self.rank, self.world_size, init_method, store=store
+            )
         else:
             from vime.trainer.reference import ReferenceTrainer
+
             self.engine = ReferenceTrainer(self.cfg, model_path, dtype, device, self.loss)
         self._keep()
         return self.info()
@@ -92,9 +111,11 @@ class TrainerWorker:
         if version not in self.kept:
             from vime.errors import WeightSyncError
 
-            raise WeightSyncError(f"a sample needs weight version {version}, but the trainer keeps only versions "
-                                  f"{sorted(self.kept)} (trainer.kept_versions={self.kept_versions}): raise "
-                                  "trainer.kept_versions or lower algo.max_staleness")
+            raise WeightSyncError(
+                f"a sample needs weight version {version}, but the trainer keeps only versions "
+                f"{sorted(self.kept)} (trainer.kept_versions={self.kept_versions}): raise "
+                "trainer.kept_versions or lower algo.max_staleness"
+            )
         return self.kept[version]
 
     def score_behaviour(self, samples: list[Sample]) -> list[Scored]:
@@ -113,8 +134,9 @@ class TrainerWorker:
             for version, idx in sorted(whole.items()):
                 self.engine.load_scoring_weights(self._weights_of(version))
                 part = [samples[i] for i in idx]
-                logprobs, positions = self.engine.score([s.prompt_ids + s.response_ids for s in part],
-                                                        [len(s.prompt_ids) for s in part], temperature)
+                logprobs, positions = self.engine.score(
+                    [s.prompt_ids + s.response_ids for s in part], [len(s.prompt_ids) for s in part], temperature
+                )
                 for i, sc in zip(idx, self._scored(part, logprobs, positions, temperature)):
                     out[i] = dataclasses.replace(sc, version=version, versions=list(samples[i].versions))
         finally:
@@ -125,9 +147,15 @@ class TrainerWorker:
             s = samples[i]
             lp = self._paged_scorer().score(s, self._weights_of)
             n = len(s.prompt_ids)
-            out[i] = Scored(token_ids=list(s.response_ids), positions=list(range(n, n + len(s.response_ids))),
-                            logprobs=lp, version=max(s.versions), temperature=temperature,
-                            vocab_size=self.engine.vocab_size, versions=list(s.versions))
+            out[i] = Scored(
+                token_ids=list(s.response_ids),
+                positions=list(range(n, n + len(s.response_ids))),
+                logprobs=lp,
+                version=max(s.versions),
+                temperature=temperature,
+                vocab_size=self.engine.vocab_size,
+                versions=list(s.versions),
+            )
         return out if self.rank == 0 else []
 
     def _paged_scorer(self):
@@ -138,8 +166,14 @@ class TrainerWorker:
         return self._paged
 
     def info(self) -> dict:
-        return {"rank": self.rank, "label": self.engine.label, "vocab_size": self.engine.vocab_size,
-                "version": self.version, "modes": self.modes, "pid": os.getpid()}
+        return {
+            "rank": self.rank,
+            "label": self.engine.label,
+            "vocab_size": self.engine.vocab_size,
+            "version": self.version,
+            "modes": self.modes,
+            "pid": os.getpid(),
+        }
 
     def score(self, samples: list[Sample]) -> list[Scored]:
         """The trainer's no-grad teacher-forcing logprobs of `samples` (the separate scoring pass)."""
@@ -147,16 +181,26 @@ class TrainerWorker:
 
         temperature = one_temperature(samples)
         rk.evidence.reset()
-        logprobs, positions = self.engine.score([s.prompt_ids + s.response_ids for s in samples],
-                                                [len(s.prompt_ids) for s in samples], temperature)
+        logprobs, positions = self.engine.score(
+            [s.prompt_ids + s.response_ids for s in samples], [len(s.prompt_ids) for s in samples], temperature
+        )
         self._evidence = rk.evidence.snapshot()
         return self._scored(samples, logprobs, positions, temperature)
 
-    def _scored(self, samples: list[Sample], logprobs: list[torch.Tensor], positions: list[list[int]],
-                temperature: float) -> list[Scored]:
-        return [Scored(token_ids=list(s.response_ids), positions=list(p), logprobs=lp.to(torch.float32).contiguous(),
-                       version=self.version, temperature=temperature, vocab_size=self.engine.vocab_size)
-                for s, lp, p in zip(samples, logprobs, positions)]
+    def _scored(
+        self, samples: list[Sample], logprobs: list[torch.Tensor], positions: list[list[int]], temperature: float
+    ) -> list[Scored]:
+        return [
+            Scored(
+                token_ids=list(s.response_ids),
+                positions=list(p),
+                logprobs=lp.to(torch.float32).contiguous(),
+                version=self.version,
+                temperature=temperature,
+                vocab_size=self.engine.vocab_size,
+            )
+            for s, lp, p in zip(samples, logprobs, positions)
+        ]
 
     def evidence(self) -> list[dict]:
         return self._evidence
@@ -179,21 +223,40 @@ class TrainerWorker:
 
         temperature = one_temperature(samples)
         rk.evidence.reset()
-        stats = self.engine.train_step(TrainBatch(
-            [s.prompt_ids + s.response_ids for s in samples], [len(s.prompt_ids) for s in samples],
-            [s.advantage for s in samples], [torch.tensor(s.logprobs, dtype=torch.float32) for s in samples],
-            temperature=temperature, keep_logprobs=score, fresh=fresh))
+        stats = self.engine.train_step(
+            TrainBatch(
+                [s.prompt_ids + s.response_ids for s in samples],
+                [len(s.prompt_ids) for s in samples],
+                [s.advantage for s in samples],
+                [torch.tensor(s.logprobs, dtype=torch.float32) for s in samples],
+                temperature=temperature,
+                keep_logprobs=score,
+                fresh=fresh,
+            )
+        )
         # the packer takes response token j of sequence i at position prompt_lens[i] + j
-        scored = self._scored(samples, stats.pop("logprobs"), [list(range(len(s.prompt_ids), len(s.prompt_ids)
-                              + len(s.response_ids))) for s in samples], temperature) if score else None
+        scored = (
+            self._scored(
+                samples,
+                stats.pop("logprobs"),
+                [list(range(len(s.prompt_ids), len(s.prompt_ids) + len(s.response_ids))) for s in samples],
+                temperature,
+            )
+            if score
+            else None
+        )
         if score:
             self._evidence = rk.evidence.snapshot()
         self.version += 1
         self._keep()
         measured = ("mismatch_count", "max_abs_diff", "mean_abs_diff")
         out = {k: v for k, v in stats.items() if k not in (*measured, "tokens")}
-        return out | {f"train_{k}": stats[k] for k in measured} | {"version": self.version} | \
-            ({"scored": scored} if score else {})
+        return (
+            out
+            | {f"train_{k}": stats[k] for k in measured}
+            | {"version": self.version}
+            | ({"scored": scored} if score else {})
+        )
 
     def save_checkpoint(self, path: str) -> int:
         """Write this rank's part of checkpoint `path` (trainer/ and rng/; collective); returns the version."""
@@ -239,8 +302,9 @@ class TrainerWorker:
             buckets.append(current)
         return buckets if self.rank == 0 else []
 
-    def push_weights(self, engines: list, version: int, transport: str, bucket_bytes: int,
-                     in_flight: bool = False) -> dict:
+    def push_weights(
+        self, engines: list, version: int, transport: str, bucket_bytes: int, in_flight: bool = False
+    ) -> dict:
         """Push the HF-named full weights (collective: TP shards are gathered) as version `version` into the
         rollout actors `engines` over `transport` ("ipc", "nccl" or "vllm_nccl": vime.weights.sync); rank 0
         pushes and returns the engines' acknowledgement {version, tensors, bytes, buckets}, the other ranks {}.
@@ -256,8 +320,15 @@ class TrainerWorker:
             from vime.weights.sync import EnginePush
 
             self._push = EnginePush(device, dtype=self._args[1])
-        ack = self._push.push(engines, tensors, version, transport, bucket_bytes, every_rank=every_rank,
-                              concurrency_group="weights" if in_flight else None)
+        ack = self._push.push(
+            engines,
+            tensors,
+            version,
+            transport,
+            bucket_bytes,
+            every_rank=every_rank,
+            concurrency_group="weights" if in_flight else None,
+        )
         return ack if self.rank == 0 else {}
 
     def export_to_store(self, bucket_bytes: int) -> dict:
@@ -269,4 +340,3 @@ class TrainerWorker:
         buckets = self.export_buckets(bucket_bytes)
         nbytes = sum(t.numel() * t.element_size() for b in buckets for t in b.values())
         return {"buckets": [ray.put(buckets)] if self.rank == 0 else [], "bytes": nbytes, "count": len(buckets)}
-

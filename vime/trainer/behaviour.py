@@ -23,10 +23,12 @@ class PagedScorer:
     def score(self, sample: Sample, weights_of) -> torch.Tensor:
         """fp32 logprobs of `sample`'s response tokens under `sample.versions`; `weights_of(v)` gives
         version v's HF-named weights."""
+
         def load(version: int) -> None:
             if version != self.loaded:
                 self.model.load_hf_weights(weights_of(version), strict=True)
                 self.loaded = version
 
-        return mixed_version_logprobs(self.model, sample.prompt_ids, sample.response_ids, sample.versions,
-                                      sample.temperature, load)
+        return mixed_version_logprobs(
+            self.model, sample.prompt_ids, sample.response_ids, sample.versions, sample.temperature, load
+        )

@@ -58,7 +58,7 @@ class LossConfig:
     clip_low: float = 0.2
     clip_high: float = 0.2
     kl_coef: float = 0.0
-    correction: str = "none"   # CORRECTION_NAMES: see the module docstring
+    correction: str = "none"  # CORRECTION_NAMES: see the module docstring
     is_cap: float = 2.0
     icepop_low: float = 0.5
     icepop_high: float = 2.0
@@ -86,9 +86,14 @@ def behaviour_weight(w: torch.Tensor, config: LossConfig) -> tuple[torch.Tensor,
 
 
 def policy_loss(
-    logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
-    config: LossConfig = LossConfig(), ref_logprobs: torch.Tensor | None = None,
-    normalizer: float | None = None, fresh: torch.Tensor | None = None,
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    config: LossConfig = LossConfig(),
+    ref_logprobs: torch.Tensor | None = None,
+    normalizer: float | None = None,
+    fresh: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """(loss, metrics) of the clipped policy-gradient objective; all inputs [N] per token, fp32.
     `old_logprobs` are the behaviour (rollout) logprobs; `fresh` marks the tokens of samples produced
@@ -120,13 +125,17 @@ def policy_loss(
         per_token = per_token * weight
     active = mask.bool()
     fresh_active = active if fresh is None else active & fresh.to(active.device).bool()
-    metrics = {"pg_sum": (per_token * mask).sum().detach(),
-               "clipped": ((clipped > unclipped).to(mask.dtype) * mask).sum().detach(),
-               "ratio_sum": (ratio * mask).sum().detach(), "tokens": mask.sum().detach(),
-               "is_ratio_sum": (is_ratio * mask).sum(),
-               "is_ratio_max": is_ratio[active].max() if bool(active.any()) else torch.zeros(()),
-               "is_clipped": (altered & active).sum() if weight is not None else torch.zeros(()),
-               "lag0_ratio_off": ((is_ratio != 1.0) & fresh_active).sum(), "lag0_tokens": fresh_active.sum()}
+    metrics = {
+        "pg_sum": (per_token * mask).sum().detach(),
+        "clipped": ((clipped > unclipped).to(mask.dtype) * mask).sum().detach(),
+        "ratio_sum": (ratio * mask).sum().detach(),
+        "tokens": mask.sum().detach(),
+        "is_ratio_sum": (is_ratio * mask).sum(),
+        "is_ratio_max": is_ratio[active].max() if bool(active.any()) else torch.zeros(()),
+        "is_clipped": (altered & active).sum() if weight is not None else torch.zeros(()),
+        "lag0_ratio_off": ((is_ratio != 1.0) & fresh_active).sum(),
+        "lag0_tokens": fresh_active.sum(),
+    }
     if config.kl_coef > 0:
         delta = ref_logprobs.to(logprobs.dtype) - logprobs
         kl = torch.exp(delta) - delta - 1.0
@@ -158,8 +167,14 @@ class PolicyModel(Protocol):
     """What the GRPO step needs from a differentiable policy engine (every rank of a model-parallel
     engine calls these collectively with the same arguments)."""
 
-    def forward_logprobs(self, ids: torch.Tensor, cu_seqlens: torch.Tensor, targets: torch.Tensor,
-                         temps: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_logprobs(
+        self,
+        ids: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        targets: torch.Tensor,
+        temps: torch.Tensor,
+        rows: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Teacher-forcing fp32 logprobs (differentiable under grad mode) of packed rows: (values, the row
         indices they belong to). The rows computed on this rank include every row of `rows` it owns."""
 
@@ -182,8 +197,13 @@ def micro_batches(n: int, size: int | None) -> list[range]:
     return [range(a, min(n, a + size)) for a in range(0, n, size)]
 
 
-def score(model: PolicyModel, sequences: list[list[int]], prompt_lens: list[int],
-          temperature: float | list[float] = 1.0, micro_batch_size: int | None = None) -> list[torch.Tensor]:
+def score(
+    model: PolicyModel,
+    sequences: list[list[int]],
+    prompt_lens: list[int],
+    temperature: float | list[float] = 1.0,
+    micro_batch_size: int | None = None,
+) -> list[torch.Tensor]:
     """Teacher-forcing fp32 logprobs: entry i holds log p(sequences[i][j] | sequences[i][:j]) at the
     sequence's temperature, for j in [prompt_lens[i], len(sequences[i])). Micro-batches of
     `micro_batch_size` sequences are packed (varlen); the bits do not depend on the packing."""
@@ -194,16 +214,25 @@ def score(model: PolicyModel, sequences: list[list[int]], prompt_lens: list[int]
     for mb in micro_batches(len(sequences), micro_batch_size):
         p = pack([sequences[i] for i in mb], [prompt_lens[i] for i in mb])
         with torch.no_grad():
-            values, index = model.forward_logprobs(p.ids, p.cu_seqlens, p.targets,
-                                                   p.per_row([temps[i] for i in mb]), p.rows)
+            values, index = model.forward_logprobs(
+                p.ids, p.cu_seqlens, p.targets, p.per_row([temps[i] for i in mb]), p.rows
+            )
             full = model.gather_logprobs(values, index, p.cu_seqlens)
         out.extend(full[p.rows].split(p.counts))
     return out
 
 
-def _micro_batch_loss(model: PolicyModel, p: Packed, batch: TrainBatch, mb: range, config: LossConfig,
-                      total_tokens: int, sums: dict[str, float], maxes: dict[str, float],
-                      kept: list[torch.Tensor]) -> None:
+def _micro_batch_loss(
+    model: PolicyModel,
+    p: Packed,
+    batch: TrainBatch,
+    mb: range,
+    config: LossConfig,
+    total_tokens: int,
+    sums: dict[str, float],
+    maxes: dict[str, float],
+    kept: list[torch.Tensor],
+) -> None:
     """Forward, loss and backward of one micro-batch; adds its metrics to `sums` / `maxes` and, when
     `batch.keep_logprobs`, its sequences' response logprobs (fp32, the forward's own values) to `kept`."""
     old = p.on_rows([batch.old_logprobs[i] for i in mb])
@@ -211,8 +240,7 @@ def _micro_batch_loss(model: PolicyModel, p: Packed, batch: TrainBatch, mb: rang
     mask = p.on_rows([1.0] * len(mb))
     ref = None if batch.ref_logprobs is None else p.on_rows([batch.ref_logprobs[i] for i in mb])
     fresh = p.on_rows([1.0 if batch.fresh is None or batch.fresh[i] else 0.0 for i in mb])
-    lp, index = model.forward_logprobs(p.ids, p.cu_seqlens, p.targets, p.per_row([batch.temperature] * len(mb)),
-                                       p.rows)
+    lp, index = model.forward_logprobs(p.ids, p.cu_seqlens, p.targets, p.per_row([batch.temperature] * len(mb)), p.rows)
     old, adv, mask, fresh = (t[index].to(lp.device) for t in (old, adv, mask, fresh))
     ref = None if ref is None else ref[index].to(lp.device)
     loss, m = policy_loss(lp, old, adv, mask, config, ref, normalizer=total_tokens, fresh=fresh)
@@ -223,8 +251,17 @@ def _micro_batch_loss(model: PolicyModel, p: Packed, batch: TrainBatch, mb: rang
     mine, theirs = lp.detach()[active], old[active]
     diff = mine - theirs
     sums["loss"] += float(loss.detach())
-    for key in ("pg_sum", "clipped", "ratio_sum", "tokens", "kl_sum", "is_ratio_sum", "is_clipped", "lag0_ratio_off",
-                "lag0_tokens"):
+    for key in (
+        "pg_sum",
+        "clipped",
+        "ratio_sum",
+        "tokens",
+        "kl_sum",
+        "is_ratio_sum",
+        "is_clipped",
+        "lag0_ratio_off",
+        "lag0_tokens",
+    ):
         sums[key] += float(m.get(key, 0.0))
     maxes["is_ratio_max"] = max(maxes["is_ratio_max"], float(m["is_ratio_max"]))
     sums["mismatch_count"] += float((bits(mine) != bits(theirs)).sum())
@@ -232,8 +269,7 @@ def _micro_batch_loss(model: PolicyModel, p: Packed, batch: TrainBatch, mb: rang
     maxes["max_abs_diff"] = max(maxes["max_abs_diff"], float(diff.abs().max()) if diff.numel() else 0.0)
 
 
-def train_step(model: PolicyModel, batch: TrainBatch, config: LossConfig,
-               micro_batch_size: int | None = None) -> dict:
+def train_step(model: PolicyModel, batch: TrainBatch, config: LossConfig, micro_batch_size: int | None = None) -> dict:
     """One optimizer step of the clipped policy-gradient loss over the whole batch (token mean over all
     response tokens, summed over micro-batches and ranks). Returns metrics, including the agreement of
     the trainer's train-mode logprobs with the old (rollout) ones on every response token (before the
@@ -245,8 +281,23 @@ def train_step(model: PolicyModel, batch: TrainBatch, config: LossConfig,
         raise ValueError("sequences, prompt_lens, advantages and old_logprobs must have one entry per sequence")
     total_tokens = sum(len(s) - p for s, p in zip(batch.sequences, batch.prompt_lens))
     model.zero_grad()
-    sums = dict.fromkeys(("loss", "pg_sum", "clipped", "ratio_sum", "tokens", "kl_sum", "mismatch_count",
-                          "abs_diff_sum", "is_ratio_sum", "is_clipped", "lag0_ratio_off", "lag0_tokens"), 0.0)
+    sums = dict.fromkeys(
+        (
+            "loss",
+            "pg_sum",
+            "clipped",
+            "ratio_sum",
+            "tokens",
+            "kl_sum",
+            "mismatch_count",
+            "abs_diff_sum",
+            "is_ratio_sum",
+            "is_clipped",
+            "lag0_ratio_off",
+            "lag0_tokens",
+        ),
+        0.0,
+    )
     maxes = {"max_abs_diff": 0.0, "is_ratio_max": 0.0}
     kept: list[torch.Tensor] = []
     for mb in micro_batches(n, micro_batch_size):
@@ -257,13 +308,24 @@ def train_step(model: PolicyModel, batch: TrainBatch, config: LossConfig,
         raise TrainingError(f"non-finite loss {sums['loss']}: lower trainer.lr or check the rewards / advantages")
     grad_norm = model.optimizer_step()
     if grad_norm is None:
-        raise TrainingError("non-finite gradients (the optimizer step was skipped): lower trainer.lr or check "
-                            "the rewards / advantages")
+        raise TrainingError(
+            "non-finite gradients (the optimizer step was skipped): lower trainer.lr or check the rewards / advantages"
+        )
     tokens = max(sums["tokens"], 1.0)
-    return {"loss": sums["loss"], "pg_loss": sums["pg_sum"] / tokens, "clip_frac": sums["clipped"] / tokens,
-            "ratio_mean": sums["ratio_sum"] / tokens, "kl": sums["kl_sum"] / tokens, "tokens": sums["tokens"],
-            "grad_norm": grad_norm, "mismatch_count": sums["mismatch_count"], "max_abs_diff": sums["max_abs_diff"],
-            "mean_abs_diff": sums["abs_diff_sum"] / tokens, "is_ratio_mean": sums["is_ratio_sum"] / tokens,
-            "is_ratio_max": sums["is_ratio_max"], "is_clip_frac": sums["is_clipped"] / tokens,
-            "lag0_ratio_off": sums["lag0_ratio_off"], "lag0_tokens": sums["lag0_tokens"]} | \
-        ({"logprobs": kept} if batch.keep_logprobs else {})
+    return {
+        "loss": sums["loss"],
+        "pg_loss": sums["pg_sum"] / tokens,
+        "clip_frac": sums["clipped"] / tokens,
+        "ratio_mean": sums["ratio_sum"] / tokens,
+        "kl": sums["kl_sum"] / tokens,
+        "tokens": sums["tokens"],
+        "grad_norm": grad_norm,
+        "mismatch_count": sums["mismatch_count"],
+        "max_abs_diff": sums["max_abs_diff"],
+        "mean_abs_diff": sums["abs_diff_sum"] / tokens,
+        "is_ratio_mean": sums["is_ratio_sum"] / tokens,
+        "is_ratio_max": sums["is_ratio_max"],
+        "is_clip_frac": sums["is_clipped"] / tokens,
+        "lag0_ratio_off": sums["lag0_ratio_off"],
+        "lag0_tokens": sums["lag0_tokens"],
+    } | ({"logprobs": kept} if batch.keep_logprobs else {})

@@ -17,8 +17,18 @@ from vime.trainer import grpo
 
 
 class MegatronTrainer:
-    def __init__(self, cfg: TrainerConfig, model_path: str, dtype: str, device: str, loss: grpo.LossConfig,
-                 rank: int, world_size: int, init_method: str, store=None):
+    def __init__(
+        self,
+        cfg: TrainerConfig,
+        model_path: str,
+        dtype: str,
+        device: str,
+        loss: grpo.LossConfig,
+        rank: int,
+        world_size: int,
+        init_method: str,
+        store=None,
+    ):
         """`init_method` (or `store`, a torch Store that replaces it) is the trainer world's rendezvous."""
         import megatron.core
 
@@ -27,16 +37,29 @@ class MegatronTrainer:
         if device == "cuda":
             torch.cuda.set_device(0)  # Ray gives each trainer actor its own GPU (CUDA_VISIBLE_DEVICES)
         if not dist.is_initialized():
-            dist.init_process_group("nccl" if device == "cuda" else "gloo", rank=rank, world_size=world_size,
-                                    init_method=None if store is not None else init_method, store=store,
-                                    timeout=datetime.timedelta(minutes=10))
+            dist.init_process_group(
+                "nccl" if device == "cuda" else "gloo",
+                rank=rank,
+                world_size=world_size,
+                init_method=None if store is not None else init_method,
+                store=store,
+                timeout=datetime.timedelta(minutes=10),
+            )
         modes = side_modes(cfg.mode, cfg.boundary_modes)
         mode = Mode(cfg.mode).value if not cfg.boundary_modes else modes
         self.label = f"megatron-core {megatron.core.__version__} ({modes_label(modes)}, tp={cfg.tp}, cp={cfg.cp})"
         self.loss, self.micro_batch_size = loss, cfg.micro_batch_size or None
         make = lambda: MegatronPolicy(  # noqa: E731
-            model_path, tp=cfg.tp, cp=cfg.cp, mode=mode, lr=cfg.lr, weight_decay=cfg.weight_decay,
-            clip_grad=cfg.grad_clip, dtype=getattr(torch, dtype), device=device)
+            model_path,
+            tp=cfg.tp,
+            cp=cfg.cp,
+            mode=mode,
+            lr=cfg.lr,
+            weight_decay=cfg.weight_decay,
+            clip_grad=cfg.grad_clip,
+            dtype=getattr(torch, dtype),
+            device=device,
+        )
         self.policy = make()
         self.ref = make() if loss.kl_coef > 0 else None  # frozen initial policy for the KL term
         self.vocab_size = self.policy.shape.vocab_size
@@ -51,8 +74,9 @@ class MegatronTrainer:
 
     def train_step(self, batch: grpo.TrainBatch) -> dict[str, float]:
         if self.ref is not None:
-            batch.ref_logprobs = grpo.score(self.ref, batch.sequences, batch.prompt_lens, batch.temperature,
-                                            self.micro_batch_size)
+            batch.ref_logprobs = grpo.score(
+                self.ref, batch.sequences, batch.prompt_lens, batch.temperature, self.micro_batch_size
+            )
         return grpo.train_step(self.policy, batch, self.loss, self.micro_batch_size)
 
     def save(self, path) -> None:

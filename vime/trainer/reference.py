@@ -28,8 +28,14 @@ class Forward:
     def __init__(self, model: Qwen3Reference):
         self.model = model
 
-    def forward_logprobs(self, ids: torch.Tensor, cu_seqlens: torch.Tensor, targets: torch.Tensor,
-                         temps: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_logprobs(
+        self,
+        ids: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        targets: torch.Tensor,
+        temps: torch.Tensor,
+        rows: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         dev = self.model.device
         hidden = self.model.forward_packed(ids.to(dev), cu_seqlens.to(dev))
         rows_d = rows.to(dev)
@@ -46,13 +52,18 @@ class ReferenceTrainer:
 
     def __init__(self, cfg: TrainerConfig, model_path: str, dtype: str, device: str, loss: grpo.LossConfig):
         if cfg.tp != 1 or cfg.cp != 1:
-            raise ConfigError(f"trainer.tp={cfg.tp}, trainer.cp={cfg.cp}: the reference fallback trainer runs "
-                              "TP1/CP1 only; use trainer.engine=megatron for model parallelism")
+            raise ConfigError(
+                f"trainer.tp={cfg.tp}, trainer.cp={cfg.cp}: the reference fallback trainer runs "
+                "TP1/CP1 only; use trainer.engine=megatron for model parallelism"
+            )
         self.cfg, self.loss, self.micro_batch_size = cfg, loss, cfg.micro_batch_size or None
         self.model = Qwen3Reference.from_pretrained(model_path, dtype=getattr(torch, dtype), device=device)
         self.vocab_size = self.model.config.vocab_size
-        self.ref = Forward(Qwen3Reference.from_pretrained(model_path, dtype=getattr(torch, dtype), device=device)) \
-            if loss.kl_coef > 0 else None
+        self.ref = (
+            Forward(Qwen3Reference.from_pretrained(model_path, dtype=getattr(torch, dtype), device=device))
+            if loss.kl_coef > 0
+            else None
+        )
         self.params = self._tensors(self.model)
         self.master = [torch.nn.Parameter(p.detach().to(torch.float32).clone()) for p in self.params]
         self.optimizer = torch.optim.AdamW(self.master, lr=cfg.lr, weight_decay=cfg.weight_decay)
@@ -73,8 +84,9 @@ class ReferenceTrainer:
 
     def train_step(self, batch: grpo.TrainBatch) -> dict[str, float]:
         if self.ref is not None:
-            batch.ref_logprobs = grpo.score(self.ref, batch.sequences, batch.prompt_lens, batch.temperature,
-                                            self.micro_batch_size)
+            batch.ref_logprobs = grpo.score(
+                self.ref, batch.sequences, batch.prompt_lens, batch.temperature, self.micro_batch_size
+            )
         return grpo.train_step(self, batch, self.loss, self.micro_batch_size)
 
     # ---- grpo.PolicyModel ------------------------------------------------------------------------
@@ -112,8 +124,14 @@ class ReferenceTrainer:
 
     def save(self, path) -> None:
         """Model tensors, fp32 masters and AdamW state (torch.save; this fallback is TP1, one file)."""
-        torch.save({"params": [p.detach().clone() for p in self.params], "master": [m.detach() for m in self.master],
-                    "optimizer": self.optimizer.state_dict()}, f"{path}/reference_trainer.pt")
+        torch.save(
+            {
+                "params": [p.detach().clone() for p in self.params],
+                "master": [m.detach() for m in self.master],
+                "optimizer": self.optimizer.state_dict(),
+            },
+            f"{path}/reference_trainer.pt",
+        )
 
     def load(self, path) -> None:
         state = torch.load(f"{path}/reference_trainer.pt", weights_only=False)

@@ -40,8 +40,16 @@ def push_transport(transport: str, rollout_engine: str) -> str:
     return VLLM_NCCL if vllm and str(transport) == "nccl" else str(transport)
 
 
-def sync_weights(trainer_ranks: list, engines: list, version: int, bucket_bytes: int, timeline: Timeline,
-                 call, transport: str | list[str] = "object_store", rollout_engine: str | None = None) -> dict:
+def sync_weights(
+    trainer_ranks: list,
+    engines: list,
+    version: int,
+    bucket_bytes: int,
+    timeline: Timeline,
+    call,
+    transport: str | list[str] = "object_store",
+    rollout_engine: str | None = None,
+) -> dict:
     """Push the trainer's weights (version `version`) to `engines`, each over its weight path: `transport` is
     one path for every engine or a list with one per engine (`object_store`, `ipc`, `nccl`, `gloo`, or
     VLLM_NCCL: see `push_transport`, applied when `rollout_engine` is given). Engines that share a path
@@ -71,16 +79,23 @@ def sync_weights(trainer_ranks: list, engines: list, version: int, bucket_bytes:
             continue
         behind = [engines[i] for i in idx]
         wire = push_transport(path, rollout_engine) if rollout_engine is not None else path
-        pushed = call([r.push_weights.remote(behind, version, wire, DEFAULT_BUCKET_BYTES) for r in trainer_ranks],
-                      "push weights", ranks)[0]
+        pushed = call(
+            [r.push_weights.remote(behind, version, wire, DEFAULT_BUCKET_BYTES) for r in trainer_ranks],
+            "push weights",
+            ranks,
+        )[0]
         nbytes, nbuckets = max(nbytes, pushed["bytes"]), max(nbuckets, pushed["buckets"])
     acks = call([e.set_version.remote(version) for e in engines], "acknowledge weights", names)
     for i, v in enumerate(acks):
         timeline.acknowledged(i, v)
     seconds = time.perf_counter() - t0
-    return {"sync_s": seconds, "sync_bytes": float(nbytes), "sync_buckets": float(nbuckets),
-            "sync_gbps": nbytes / seconds / 1e9 if seconds > 0 else 0.0,  # GB (1e9 bytes) of weights per second
-            "sync_transports": paths}
+    return {
+        "sync_s": seconds,
+        "sync_bytes": float(nbytes),
+        "sync_buckets": float(nbuckets),
+        "sync_gbps": nbytes / seconds / 1e9 if seconds > 0 else 0.0,  # GB (1e9 bytes) of weights per second
+        "sync_transports": paths,
+    }
 
 
 class GroupReceiver:
@@ -117,9 +132,14 @@ class GroupReceiver:
         if self._group is None:
             raise WeightSyncError("a weight push arrived before the engine joined the trainer's push group")
         if msg.get("op") == "start":  # from the version the engine serves now (it may have loaded others since)
-            self._receiver = WeightReceiver(self._load, torch.device("cpu"), version=int(self.engine.version),
-                                            expected=expected_weights(read_config(self.model_path), self.dtype),
-                                            group=self._group, src=0)
+            self._receiver = WeightReceiver(
+                self._load,
+                torch.device("cpu"),
+                version=int(self.engine.version),
+                expected=expected_weights(read_config(self.model_path), self.dtype),
+                group=self._group,
+                src=0,
+            )
             self._version, self._staging = msg.get("version"), []
         if self._receiver is None:
             raise WeightSyncError(f"weight-push message {msg.get('op')!r} without a start")
@@ -158,8 +178,16 @@ class EnginePush:
         self._vllm = None  # rl_kernel.integrations.vllm.nccl.VllmNCCLSender of the engines in `_members`
         self._members: tuple | None = None
 
-    def push(self, engines: list, tensors: dict[str, torch.Tensor], version: int, transport: str,
-             bucket_bytes: int, every_rank: bool = False, concurrency_group: str | None = None) -> dict:
+    def push(
+        self,
+        engines: list,
+        tensors: dict[str, torch.Tensor],
+        version: int,
+        transport: str,
+        bucket_bytes: int,
+        every_rank: bool = False,
+        concurrency_group: str | None = None,
+    ) -> dict:
         """`every_rank` (ipc to engines on several trainer GPUs; a collective of the trainer's world): each
         rank packs its own copy of `tensors` on its GPU, rank 0 sends the buckets' handles of every GPU
         (all-gathered), and every rank keeps its buffers until rank 0 has the engines' acknowledgement.
@@ -183,8 +211,11 @@ class EnginePush:
                 box = [f"{type(outcome).__name__}: {outcome}" if isinstance(outcome, BaseException) else outcome]
                 torch.distributed.broadcast_object_list(box, src=0)
                 if not lead:
-                    outcome = box[0] if not isinstance(box[0], str) else WeightVersionError(
-                        f"trainer rank 0's {what} of weight version {version} failed: {box[0]}")
+                    outcome = (
+                        box[0]
+                        if not isinstance(box[0], str)
+                        else WeightVersionError(f"trainer rank 0's {what} of weight version {version} failed: {box[0]}")
+                    )
             if isinstance(outcome, BaseException):
                 raise outcome
             return outcome
@@ -206,14 +237,24 @@ class EnginePush:
             if lead:
                 try:
                     acks = [ray.get(refs) for refs in pending][-1]
-                    ack = acks[0] if all(a == acks[0] for a in acks) else WeightVersionError(
-                        f"engines acknowledged different pushes of version {version}: {acks}")
+                    ack = (
+                        acks[0]
+                        if all(a == acks[0] for a in acks)
+                        else WeightVersionError(f"engines acknowledged different pushes of version {version}: {acks}")
+                    )
                 except Exception as e:  # noqa: BLE001 - re-raised by `shared`, after the other ranks know
                     ack = e
             return shared(ack, "acknowledgement")
 
-        sender = WeightSender(transport, send, recv, bucket_bytes=bucket_bytes, group=group, src=0,
-                              merge_handles=_all_gathered if every_rank else None)
+        sender = WeightSender(
+            transport,
+            send,
+            recv,
+            bucket_bytes=bucket_bytes,
+            group=group,
+            src=0,
+            merge_handles=_all_gathered if every_rank else None,
+        )
         return sender.push(tensors.items(), version)
 
     def _vllm_push(self, engines: list, tensors: dict[str, torch.Tensor], version: int, bucket_bytes: int) -> dict:
@@ -222,8 +263,9 @@ class EnginePush:
         try:
             return self._vllm_sender(engines, bucket_bytes).push(tensors, version)
         except (WeightVersionError, WeightSyncError) as e:  # an engine's refusal comes wrapped by Ray: its cause
-            raise WeightSyncError(f"trainer rank 0: vLLM nccl push of weight version {version}: "
-                                  f"{getattr(e, 'cause', e)}") from e
+            raise WeightSyncError(
+                f"trainer rank 0: vLLM nccl push of weight version {version}: {getattr(e, 'cause', e)}"
+            ) from e
 
     def _vllm_sender(self, engines: list, bucket_bytes: int):
         import ray
@@ -233,16 +275,19 @@ class EnginePush:
             try:
                 from rl_kernel.integrations.vllm.nccl import VllmNCCLSender
             except ImportError as e:
-                raise WeightSyncError(f"weights.transport=nccl into vLLM engines runs vLLM's trainer engine on trainer "
-                                      f"rank 0, where vLLM cannot be imported ({e}); install vllm in the trainer's "
-                                      "environment or use weights.transport=ipc") from e
+                raise WeightSyncError(
+                    f"weights.transport=nccl into vLLM engines runs vLLM's trainer engine on trainer "
+                    f"rank 0, where vLLM cannot be imported ({e}); install vllm in the trainer's "
+                    "environment or use weights.transport=ipc"
+                ) from e
 
             def send(msgs: list[dict]) -> list:
                 return ray.get([e.receive_weights.remote(m) for e, m in zip(engines, msgs)])
 
             # a former group's communicator is dropped, not destroyed: with a dead member it may not come down
-            self._vllm = VllmNCCLSender(send, len(engines), ray.util.get_node_ip_address(), dtype=self.dtype,
-                                        buffer_bytes=bucket_bytes)
+            self._vllm = VllmNCCLSender(
+                send, len(engines), ray.util.get_node_ip_address(), dtype=self.dtype, buffer_bytes=bucket_bytes
+            )
             self._members = members
         return self._vllm
 
@@ -259,8 +304,10 @@ class EnginePush:
             port = listen.getsockname()[1]
             store = placement.tcp_store(host, port, world, listen, timeout_s=300.0)
             placement.bind_node_interface()
-            joins = [_method(e, "join_weight_group", concurrency_group).remote(host, port, i + 1, world)
-                     for i, e in enumerate(engines)]
+            joins = [
+                _method(e, "join_weight_group", concurrency_group).remote(host, port, i + 1, world)
+                for i, e in enumerate(engines)
+            ]
             self._group = open_weight_group(store, 0, world, self.device)
             self._group_store = store  # lives as long as the group
             ray.get(joins)

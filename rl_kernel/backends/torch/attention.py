@@ -37,7 +37,11 @@ class Partial:
 
 
 def chunk_partial(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor, scale: float,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    valid: torch.Tensor,
+    scale: float,
 ) -> Partial:
     """Partial of one key chunk. q [R, H, d] fp32; k, v [R, S, Hkv, d] (any float dtype, invalid
     entries may hold garbage); valid [R, S] bool."""
@@ -62,16 +66,21 @@ def merge(a: Partial, b: Partial) -> Partial:
 
 
 def attend(
-    q_pos: torch.Tensor, partial_of_chunk: Callable[[int, torch.Tensor], Partial], heads: int, head_dim: int,
+    q_pos: torch.Tensor,
+    partial_of_chunk: Callable[[int, torch.Tensor], Partial],
+    heads: int,
+    head_dim: int,
 ) -> Partial:
     """Fold the chunk partials of every query in the contract's order. `partial_of_chunk(c, rows)`
     returns the partial of key chunk c for the query rows `rows` (all of which have c*CHUNK <= pos)."""
     rows_total = q_pos.shape[0]
     device = q_pos.device
     last_chunk = torch.div(q_pos, CHUNK, rounding_mode="floor")
-    total = Partial(torch.full((rows_total, heads), -math.inf, device=device),
-                    torch.zeros(rows_total, heads, device=device),
-                    torch.zeros(rows_total, heads, head_dim, device=device))
+    total = Partial(
+        torch.full((rows_total, heads), -math.inf, device=device),
+        torch.zeros(rows_total, heads, device=device),
+        torch.zeros(rows_total, heads, head_dim, device=device),
+    )
     split = Partial(total.m.clone(), total.l.clone(), total.o.clone())
     num_chunks = int(last_chunk.max().item()) + 1 if rows_total else 0
     for c in range(num_chunks):
@@ -88,8 +97,12 @@ def attend(
 
 
 def _attend_gathered(
-    q: torch.Tensor, q_pos: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor,
-    key_index: Callable[[int, torch.Tensor], torch.Tensor], scale: float,
+    q: torch.Tensor,
+    q_pos: torch.Tensor,
+    k_rows: torch.Tensor,
+    v_rows: torch.Tensor,
+    key_index: Callable[[int, torch.Tensor], torch.Tensor],
+    scale: float,
 ) -> torch.Tensor:
     """Attention where key position j of query row r lives at row key_index(c, rows)[r, j] of the
     flat stores k_rows, v_rows [N, Hkv, d]."""
@@ -107,7 +120,11 @@ def _attend_gathered(
 
 
 def varlen_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: float,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    scale: float,
 ) -> torch.Tensor:
     """Causal attention over packed sequences: q [T, H, d], k, v [T, Hkv, d], cu_seqlens [B+1]."""
     cu = cu_seqlens.to(torch.int64)
@@ -123,8 +140,13 @@ def varlen_attention(
 
 
 def paged_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
-    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
 ) -> torch.Tensor:
     """Causal attention of new queries over a paged KV cache [num_blocks, block_size, Hkv, d]."""
     qsl = query_start_loc.to(torch.int64)

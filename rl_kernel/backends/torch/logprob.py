@@ -29,8 +29,13 @@ def exact_all_reduce(x: torch.Tensor, op: dist.ReduceOp, group: dist.ProcessGrou
     return x
 
 
-def scaled_logits(logits32: torch.Tensor, temperature: torch.Tensor, vocab_start: int, vocab_size: int,
-                  logits_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def scaled_logits(
+    logits32: torch.Tensor,
+    temperature: torch.Tensor,
+    vocab_start: int,
+    vocab_size: int,
+    logits_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
     """z = logits / temperature in fp64, -inf on padded columns (global index >= vocab_size); the fp32 logits
     first rounded once to `logits_dtype` (the contract's logit dtype)."""
     z = logits32.to(logits_dtype).to(torch.float64) / temperature.to(torch.float64).unsqueeze(-1)
@@ -39,8 +44,15 @@ def scaled_logits(logits32: torch.Tensor, temperature: torch.Tensor, vocab_start
 
 
 def logprobs_and_lse(
-    logits_fn, rows: int, vocab_local: int, targets: torch.Tensor, temperature: torch.Tensor,
-    vocab_start: int, vocab_size: int, group: dist.ProcessGroup | None, logits_dtype: torch.dtype = torch.float32,
+    logits_fn,
+    rows: int,
+    vocab_local: int,
+    targets: torch.Tensor,
+    temperature: torch.Tensor,
+    vocab_start: int,
+    vocab_size: int,
+    group: dist.ProcessGroup | None,
+    logits_dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 logprobs [T] and fp64 lse [T]. `logits_fn(a, b)` gives the fp32 logits of rows a:b of
     this rank's vocab slice [b - a, vocab_local] under the GEMM contract, rounded to `logits_dtype`."""
@@ -64,40 +76,69 @@ def logprobs_and_lse(
     return out, lse_out
 
 
-def forward(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: torch.Tensor,
-            vocab_start: int, vocab_size: int, group: dist.ProcessGroup | None, keep: list | None = None,
-            logits_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+def forward(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: torch.Tensor,
+    vocab_start: int,
+    vocab_size: int,
+    group: dist.ProcessGroup | None,
+    keep: list | None = None,
+    logits_dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The strict forward of `rl_kernel.logprobs`: (fp32 logprobs [T], fp64 lse [T]), the logits by the GEMM op
     (`rl_kernel.linear_fp32`, row tiles) rounded to `logits_dtype`. `keep` is left empty: the backward
     recomputes the logits."""
     from rl_kernel.ops.gemm import linear_fp32
 
-    return logprobs_and_lse(lambda a, b: linear_fp32(hidden[a:b], weight), hidden.shape[0], weight.shape[0], targets,
-                            temperature, vocab_start, vocab_size, group, logits_dtype)
+    return logprobs_and_lse(
+        lambda a, b: linear_fp32(hidden[a:b], weight),
+        hidden.shape[0],
+        weight.shape[0],
+        targets,
+        temperature,
+        vocab_start,
+        vocab_size,
+        group,
+        logits_dtype,
+    )
 
 
 def full_log_softmax(
-    logits32: torch.Tensor, temperature: torch.Tensor, vocab_start: int, vocab_size: int,
-    group: dist.ProcessGroup | None, logits_dtype: torch.dtype = torch.float32,
+    logits32: torch.Tensor,
+    temperature: torch.Tensor,
+    vocab_start: int,
+    vocab_size: int,
+    group: dist.ProcessGroup | None,
+    logits_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """fp32 log-probabilities of every column of this rank's slice (-inf on padded columns), by the
     same steps as `logprobs_and_lse`: the entry of a target equals its `logprobs` value bit for bit."""
     out = torch.empty(logits32.shape, dtype=torch.float32, device=logits32.device)
     tile = max(1, TILE_ELEMENTS // max(1, logits32.shape[-1]))
     for a in range(0, logits32.shape[0], tile):
-        z = scaled_logits(logits32[a:a + tile], temperature[a:a + tile], vocab_start, vocab_size, logits_dtype)
+        z = scaled_logits(logits32[a : a + tile], temperature[a : a + tile], vocab_start, vocab_size, logits_dtype)
         m = exact_all_reduce(z.amax(-1), dist.ReduceOp.MAX, group)
         terms = torch.round(exp64(z - m.unsqueeze(-1)) * float(1 << FIXED_POINT_BITS)).to(torch.int64)
         total = exact_all_reduce(terms.sum(-1), dist.ReduceOp.SUM, group)
         lse = m + log64(total.to(torch.float64) * (1.0 / (1 << FIXED_POINT_BITS)))
-        out[a:a + tile] = (z - lse.unsqueeze(-1)).to(torch.float32)
+        out[a : a + tile] = (z - lse.unsqueeze(-1)).to(torch.float32)
     return out
 
 
 def backward(
-    grad_out: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-    temperature: torch.Tensor, lse: torch.Tensor, vocab_start: int, vocab_size: int,
-    group: dist.ProcessGroup | None, kept: list | None = None, tile_elements: int = TILE_ELEMENTS,
+    grad_out: torch.Tensor,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: torch.Tensor,
+    lse: torch.Tensor,
+    vocab_start: int,
+    vocab_size: int,
+    group: dist.ProcessGroup | None,
+    kept: list | None = None,
+    tile_elements: int = TILE_ELEMENTS,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Gradients of logprob = z[target] - lse with z = hidden @ weight.T / T, for the forward's fp64
     `lse`: d/dz = (onehot - softmax) * grad / T. fp32 matmuls in row tiles (never all logits at once);
@@ -110,15 +151,15 @@ def backward(
     column = vocab_start + torch.arange(v_local, device=hidden.device)
     tile = max(1, tile_elements // v_local)
     for a in range(0, hidden.shape[0], tile):
-        h32 = hidden[a:a + tile].to(torch.float32)
-        t32 = temperature[a:a + tile].to(torch.float32).unsqueeze(-1)
+        h32 = hidden[a : a + tile].to(torch.float32)
+        t32 = temperature[a : a + tile].to(torch.float32).unsqueeze(-1)
         z = (h32 @ w32.T) / t32
-        p = torch.where(column < vocab_size, torch.exp(z - lse[a:a + tile].to(torch.float32).unsqueeze(-1)), 0.0)
-        local = targets[a:a + tile].to(torch.int64) - vocab_start
+        p = torch.where(column < vocab_size, torch.exp(z - lse[a : a + tile].to(torch.float32).unsqueeze(-1)), 0.0)
+        local = targets[a : a + tile].to(torch.int64) - vocab_start
         owned = ((local >= 0) & (local < v_local)).nonzero().squeeze(-1)
         p[owned, local[owned]] -= 1.0  # softmax - onehot
-        dlogits = p * (-grad_out[a:a + tile].to(torch.float32).unsqueeze(-1) / t32)
-        grad_h[a:a + tile] = dlogits @ w32
+        dlogits = p * (-grad_out[a : a + tile].to(torch.float32).unsqueeze(-1) / t32)
+        grad_h[a : a + tile] = dlogits @ w32
         grad_w += dlogits.T @ h32
     if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(grad_h, group=group)

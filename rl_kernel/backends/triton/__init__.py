@@ -15,8 +15,9 @@ from __future__ import annotations
 import os
 import sys
 
-IMPLEMENTED: frozenset[str] = frozenset({"gemm", "rms_norm", "silu_and_mul", "rope", "attention", "logprobs",
-                                        "log_softmax"})
+IMPLEMENTED: frozenset[str] = frozenset(
+    {"gemm", "rms_norm", "silu_and_mul", "rope", "attention", "logprobs", "log_softmax"}
+)
 CUBLASLT_WORKSPACE_KIB = "1"
 
 

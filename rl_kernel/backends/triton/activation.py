@@ -37,7 +37,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty((rows, half), dtype=x.dtype, device=x.device)
     if rows and half:
         _silu_and_mul_kernel[(rows, triton.cdiv(half, BLOCK))](
-            x2, out, rows, half, x2.stride(0), out.stride(0), BLOCK=BLOCK, num_warps=4, **LAUNCH)
+            x2, out, rows, half, x2.stride(0), out.stride(0), BLOCK=BLOCK, num_warps=4, **LAUNCH
+        )
     return out.reshape(*x.shape[:-1], half)
 
 
@@ -50,8 +51,11 @@ def _silu_and_mul_backward_kernel(x_ptr, g_ptr, dx_ptr, half, stride_x, stride_g
     up = tl.load(x_ptr + row * stride_x + half + cols, mask=mask, other=0.0).to(tl.float32)
     dout = tl.load(g_ptr + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
     sig = tl.sigmoid(gate)
-    tl.store(dx_ptr + row * stride_d + cols, (dout * up * sig * (1.0 + gate * (1.0 - sig))).to(dx_ptr.dtype.element_ty),
-             mask=mask)
+    tl.store(
+        dx_ptr + row * stride_d + cols,
+        (dout * up * sig * (1.0 + gate * (1.0 - sig))).to(dx_ptr.dtype.element_ty),
+        mask=mask,
+    )
     tl.store(dx_ptr + row * stride_d + half + cols, (dout * gate * sig).to(dx_ptr.dtype.element_ty), mask=mask)
 
 
@@ -63,5 +67,6 @@ def silu_and_mul_backward(x: torch.Tensor, grad_out: torch.Tensor) -> torch.Tens
     dx = torch.empty_like(x2)
     if rows and half:
         _silu_and_mul_backward_kernel[(rows, triton.cdiv(half, BLOCK))](
-            x2, g2, dx, half, x2.stride(0), g2.stride(0), dx.stride(0), BLOCK=BLOCK, num_warps=4)
+            x2, g2, dx, half, x2.stride(0), g2.stride(0), dx.stride(0), BLOCK=BLOCK, num_warps=4
+        )
     return dx.reshape(x.shape)

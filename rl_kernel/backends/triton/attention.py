@@ -37,8 +37,10 @@ from rl_kernel.errors import StrictModeError
 try:  # the current stream's handle without a Stream object (what Triton's launcher uses)
     from torch._C import _cuda_getCurrentRawStream as _raw_stream
 except ImportError:
+
     def _raw_stream(index: int) -> int:
         return torch.cuda.current_stream(index).cuda_stream
+
 
 CHUNK = 64
 SPLIT_CHUNKS = 8
@@ -95,9 +97,29 @@ def _find_tile(pid, start_ptr, B, LOG_B, TOKENS_PER_TILE: tl.constexpr):
 
 
 @triton.jit
-def _load_kv(k_ptr, v_ptr, k_desc, v_desc, block_table_ptr, b, stride_bt, kv_base, kvh, c, ctx_len, stride_kt,
-             stride_kh, stride_vt, stride_vh, PAGED: tl.constexpr, MASKED: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-             D: tl.constexpr, CHUNK: tl.constexpr, TMA: tl.constexpr):
+def _load_kv(
+    k_ptr,
+    v_ptr,
+    k_desc,
+    v_desc,
+    block_table_ptr,
+    b,
+    stride_bt,
+    kv_base,
+    kvh,
+    c,
+    ctx_len,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    PAGED: tl.constexpr,
+    MASKED: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    D: tl.constexpr,
+    CHUNK: tl.constexpr,
+    TMA: tl.constexpr,
+):
     """Chunk c's key positions and k, v [CHUNK, D]. TMA (packed keys, unmasked chunks): by tensor descriptors
     over [N, Hkv, D] instead of pointer loads (the same values)."""
     kpos = c * CHUNK + tl.arange(0, CHUNK)
@@ -124,8 +146,9 @@ def _load_kv(k_ptr, v_ptr, k_desc, v_desc, block_table_ptr, b, stride_bt, kv_bas
 
 
 @triton.jit
-def _chunk_update(q, qpos, kpos, k, v, m, l, o, c, qk_scale, MASKED: tl.constexpr, CHUNK: tl.constexpr,
-                  PRECISION: tl.constexpr):
+def _chunk_update(
+    q, qpos, kpos, k, v, m, l, o, c, qk_scale, MASKED: tl.constexpr, CHUNK: tl.constexpr, PRECISION: tl.constexpr
+):
     """One key chunk into the online-softmax state (m, l, o). Unmasked: every key is at or before every
     row's position, so the mask and the per-row skip are identities and are left out."""
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
@@ -149,22 +172,89 @@ def _chunk_update(q, qpos, kpos, k, v, m, l, o, c, qk_scale, MASKED: tl.constexp
 
 
 @triton.jit
-def _split_partial(q, qpos, b, kvh, k_ptr, v_ptr, k_desc, v_desc, block_table_ptr, stride_bt, kv_base, ctx_len,
-                   stride_kt, stride_kh, stride_vt, stride_vh, c_begin, c_end, c_full, qk_scale,
-                   PAGED: tl.constexpr, BLOCK_SIZE: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr,
-                   BLOCK_M: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr):
+def _split_partial(
+    q,
+    qpos,
+    b,
+    kvh,
+    k_ptr,
+    v_ptr,
+    k_desc,
+    v_desc,
+    block_table_ptr,
+    stride_bt,
+    kv_base,
+    ctx_len,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    c_begin,
+    c_end,
+    c_full,
+    qk_scale,
+    PAGED: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    D: tl.constexpr,
+    CHUNK: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    PRECISION: tl.constexpr,
+    TMA: tl.constexpr,
+):
     """Online softmax over key chunks [c_begin, c_end) from an empty state: (m, l, o), fp32.
     Chunks before `c_full` hold only keys at or before every row's position."""
     m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l = tl.zeros((BLOCK_M,), tl.float32)
     o = tl.zeros((BLOCK_M, D), tl.float32)
     for c in range(c_begin, tl.minimum(c_end, c_full)):
-        kpos, k, v = _load_kv(k_ptr, v_ptr, k_desc, v_desc, block_table_ptr, b, stride_bt, kv_base, kvh, c, ctx_len,
-                              stride_kt, stride_kh, stride_vt, stride_vh, PAGED, False, BLOCK_SIZE, D, CHUNK, TMA)
+        kpos, k, v = _load_kv(
+            k_ptr,
+            v_ptr,
+            k_desc,
+            v_desc,
+            block_table_ptr,
+            b,
+            stride_bt,
+            kv_base,
+            kvh,
+            c,
+            ctx_len,
+            stride_kt,
+            stride_kh,
+            stride_vt,
+            stride_vh,
+            PAGED,
+            False,
+            BLOCK_SIZE,
+            D,
+            CHUNK,
+            TMA,
+        )
         m, l, o = _chunk_update(q, qpos, kpos, k, v, m, l, o, c, qk_scale, False, CHUNK, PRECISION)
     for c in range(tl.maximum(c_begin, c_full), c_end):
-        kpos, k, v = _load_kv(k_ptr, v_ptr, k_desc, v_desc, block_table_ptr, b, stride_bt, kv_base, kvh, c, ctx_len,
-                              stride_kt, stride_kh, stride_vt, stride_vh, PAGED, True, BLOCK_SIZE, D, CHUNK, TMA)
+        kpos, k, v = _load_kv(
+            k_ptr,
+            v_ptr,
+            k_desc,
+            v_desc,
+            block_table_ptr,
+            b,
+            stride_bt,
+            kv_base,
+            kvh,
+            c,
+            ctx_len,
+            stride_kt,
+            stride_kh,
+            stride_vt,
+            stride_vh,
+            PAGED,
+            True,
+            BLOCK_SIZE,
+            D,
+            CHUNK,
+            TMA,
+        )
         m, l, o = _chunk_update(q, qpos, kpos, k, v, m, l, o, c, qk_scale, True, CHUNK, PRECISION)
     return m, l, o
 
@@ -182,10 +272,35 @@ def _split_boundary(c, m_t, l_t, o_t, m, l, o, SPLIT_CHUNKS: tl.constexpr):
 
 
 @triton.jit
-def _all_splits(q, qpos, b, kvh, k_ptr, v_ptr, k_desc, v_desc, block_table_ptr, stride_bt, kv_base, ctx_len,
-                stride_kt, stride_kh, stride_vt, stride_vh, n_chunks, c_full, qk_scale,
-                PAGED: tl.constexpr, BLOCK_SIZE: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr,
-                SPLIT_CHUNKS: tl.constexpr, BLOCK_M: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr):
+def _all_splits(
+    q,
+    qpos,
+    b,
+    kvh,
+    k_ptr,
+    v_ptr,
+    k_desc,
+    v_desc,
+    block_table_ptr,
+    stride_bt,
+    kv_base,
+    ctx_len,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    n_chunks,
+    c_full,
+    qk_scale,
+    PAGED: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    D: tl.constexpr,
+    CHUNK: tl.constexpr,
+    SPLIT_CHUNKS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    PRECISION: tl.constexpr,
+    TMA: tl.constexpr,
+):
     """The fused schedule as one loop over chunks: the same operations as `_split_partial` per split
     followed by `_merge` in split order, with the merge and the reset to an empty state done at each
     split boundary inside the loop (one software pipeline over all chunks instead of one per split)."""
@@ -197,13 +312,55 @@ def _all_splits(q, qpos, b, kvh, k_ptr, v_ptr, k_desc, v_desc, block_table_ptr, 
     o = tl.zeros((BLOCK_M, D), tl.float32)
     for c in range(0, tl.minimum(n_chunks, c_full)):
         m_t, l_t, o_t, m, l, o = _split_boundary(c, m_t, l_t, o_t, m, l, o, SPLIT_CHUNKS)
-        kpos, k, v = _load_kv(k_ptr, v_ptr, k_desc, v_desc, block_table_ptr, b, stride_bt, kv_base, kvh, c, ctx_len,
-                              stride_kt, stride_kh, stride_vt, stride_vh, PAGED, False, BLOCK_SIZE, D, CHUNK, TMA)
+        kpos, k, v = _load_kv(
+            k_ptr,
+            v_ptr,
+            k_desc,
+            v_desc,
+            block_table_ptr,
+            b,
+            stride_bt,
+            kv_base,
+            kvh,
+            c,
+            ctx_len,
+            stride_kt,
+            stride_kh,
+            stride_vt,
+            stride_vh,
+            PAGED,
+            False,
+            BLOCK_SIZE,
+            D,
+            CHUNK,
+            TMA,
+        )
         m, l, o = _chunk_update(q, qpos, kpos, k, v, m, l, o, c, qk_scale, False, CHUNK, PRECISION)
     for c in range(c_full, n_chunks):
         m_t, l_t, o_t, m, l, o = _split_boundary(c, m_t, l_t, o_t, m, l, o, SPLIT_CHUNKS)
-        kpos, k, v = _load_kv(k_ptr, v_ptr, k_desc, v_desc, block_table_ptr, b, stride_bt, kv_base, kvh, c, ctx_len,
-                              stride_kt, stride_kh, stride_vt, stride_vh, PAGED, True, BLOCK_SIZE, D, CHUNK, TMA)
+        kpos, k, v = _load_kv(
+            k_ptr,
+            v_ptr,
+            k_desc,
+            v_desc,
+            block_table_ptr,
+            b,
+            stride_bt,
+            kv_base,
+            kvh,
+            c,
+            ctx_len,
+            stride_kt,
+            stride_kh,
+            stride_vt,
+            stride_vh,
+            PAGED,
+            True,
+            BLOCK_SIZE,
+            D,
+            CHUNK,
+            TMA,
+        )
         m, l, o = _chunk_update(q, qpos, kpos, k, v, m, l, o, c, qk_scale, True, CHUNK, PRECISION)
     return _merge(m_t, l_t, o_t, m, l, o)
 
@@ -221,8 +378,9 @@ def _merge(m_t, l_t, o_t, m_s, l_s, o_s):
 
 
 @triton.jit
-def _store_partial(m_ptr, l_ptr, o_ptr, STAT_STRIDE: tl.constexpr, O_STRIDE: tl.constexpr, row, m, l, o, keep,
-                   D: tl.constexpr):
+def _store_partial(
+    m_ptr, l_ptr, o_ptr, STAT_STRIDE: tl.constexpr, O_STRIDE: tl.constexpr, row, m, l, o, keep, D: tl.constexpr
+):
     """A split's fp32 state (m, l, o) of each row where `keep`: m, l at m_ptr, l_ptr + row * STAT_STRIDE and
     o at o_ptr + row * O_STRIDE + [0, D)."""
     d = tl.arange(0, D)
@@ -232,8 +390,9 @@ def _store_partial(m_ptr, l_ptr, o_ptr, STAT_STRIDE: tl.constexpr, O_STRIDE: tl.
 
 
 @triton.jit
-def _fold(m_ptr, l_ptr, o_ptr, STAT_STRIDE: tl.constexpr, O_STRIDE: tl.constexpr, row0, row_step, n, n_max,
-          D: tl.constexpr):
+def _fold(
+    m_ptr, l_ptr, o_ptr, STAT_STRIDE: tl.constexpr, O_STRIDE: tl.constexpr, row0, row_step, n, n_max, D: tl.constexpr
+):
     """The split schedule's merge of a vector of output rows: the partials (stored as `_store_partial`) at rows
     row0 + s * row_step, s < n (per row; n <= n_max), folded left to right from the empty state with `_merge`,
     then o / l (IEEE div). Steps s >= n of a row read an empty state, which `_merge` leaves out exactly.
@@ -281,9 +440,24 @@ def _partial_row(q0, tok, head, H, NUM_SPLITS):
 
 
 @triton.jit
-def _merge_tile(part_ptr, out_ptr, q0, tile, q_len, ctx_len, kvh, n_splits, H, NUM_SPLITS, G: tl.constexpr,
-                D: tl.constexpr, PART: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
-                SPLIT_CHUNKS: tl.constexpr):
+def _merge_tile(
+    part_ptr,
+    out_ptr,
+    q0,
+    tile,
+    q_len,
+    ctx_len,
+    kvh,
+    n_splits,
+    H,
+    NUM_SPLITS,
+    G: tl.constexpr,
+    D: tl.constexpr,
+    PART: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    CHUNK: tl.constexpr,
+    SPLIT_CHUNKS: tl.constexpr,
+):
     """The split schedule's merge of a tile x kv head: each row's partials, as many as its position has splits
     (computed here, not read from another program), folded with `_fold` and written to out. FOLD_ROWS rows at a
     time: a small state, so the merge does not add to the register pressure of the [BLOCK_M, D] accumulators."""
@@ -293,8 +467,18 @@ def _merge_tile(part_ptr, out_ptr, q0, tile, q_len, ctx_len, kvh, n_splits, H, N
         tok, head = _tile_rows(tile, kvh, r, G, BLOCK_M)
         ok = r < rows
         splits = tl.where(ok, (ctx_len - q_len + tok) // (CHUNK * SPLIT_CHUNKS) + 1, 0)
-        out = _fold(part_ptr + D, part_ptr + D + 1, part_ptr, PART, PART, _partial_row(q0, tok, head, H, NUM_SPLITS),
-                    1, splits, n_splits, D)
+        out = _fold(
+            part_ptr + D,
+            part_ptr + D + 1,
+            part_ptr,
+            PART,
+            PART,
+            _partial_row(q0, tok, head, H, NUM_SPLITS),
+            1,
+            splits,
+            n_splits,
+            D,
+        )
         _store_rows(out_ptr, out, q0, tok, head, ok, H, D)
 
 
@@ -310,14 +494,47 @@ def _store_rows(out_ptr, out, q0, tok, head, row_ok, H, D: tl.constexpr):
 # stride) are not specialized on (== 1, divisible by 16): one compile per constexpr choice, which the strict vLLM
 # model's warm-up makes before serving (rl_kernel.integrations.vllm.warmup).
 @triton.jit(do_not_specialize=["B", "LOG_B", "NUM_SPLITS", "stride_bt"])
-def _attn_kernel(q_ptr, k_ptr, v_ptr, k_desc, v_desc, out_ptr, part_ptr, counter_ptr, lse_ptr,
-                 q_start_ptr, ctx_len_ptr, block_table_ptr, B, LOG_B, NUM_SPLITS, KV_HEADS,
-                 stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-                 stride_bt, stride_lse_h, qk_scale,
-                 G: tl.constexpr, D: tl.constexpr, PAGED: tl.constexpr, STORE_LSE: tl.constexpr,
-                 SPLIT: tl.constexpr, PART: tl.constexpr, BLOCK_SIZE: tl.constexpr, CHUNK: tl.constexpr,
-                 SPLIT_CHUNKS: tl.constexpr, BLOCK_M: tl.constexpr, PRECISION: tl.constexpr,
-                 FLAT: tl.constexpr, HEAVY_FIRST: tl.constexpr, TMA: tl.constexpr):
+def _attn_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    k_desc,
+    v_desc,
+    out_ptr,
+    part_ptr,
+    counter_ptr,
+    lse_ptr,
+    q_start_ptr,
+    ctx_len_ptr,
+    block_table_ptr,
+    B,
+    LOG_B,
+    NUM_SPLITS,
+    KV_HEADS,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_bt,
+    stride_lse_h,
+    qk_scale,
+    G: tl.constexpr,
+    D: tl.constexpr,
+    PAGED: tl.constexpr,
+    STORE_LSE: tl.constexpr,
+    SPLIT: tl.constexpr,
+    PART: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    CHUNK: tl.constexpr,
+    SPLIT_CHUNKS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    PRECISION: tl.constexpr,
+    FLAT: tl.constexpr,
+    HEAVY_FIRST: tl.constexpr,
+    TMA: tl.constexpr,
+):
     """Rows of tile `pid` x kv head `kvh` (`_program_tile`; tiles as `_find_tile` over q_start). out: contiguous
     [T, H, D]. SPLIT: grid axis 2 is the split s < NUM_SPLITS; partial rows of PART floats (o, m, l) at
     part_ptr, ((token * H + head) * NUM_SPLITS + s) * PART; counter_ptr: one zeroed int32 per (tile, kv head)."""
@@ -342,33 +559,135 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, k_desc, v_desc, out_ptr, part_ptr, counter
     if SPLIT:
         s = tl.program_id(2)
         c0 = s * SPLIT_CHUNKS  # a split past the tile's last one runs no chunk and stores nothing
-        m, l, o = _split_partial(q, qpos, b, kvh, k_ptr, v_ptr, k_desc, v_desc, block_table_ptr, stride_bt, q0,
-                                 ctx_len, stride_kt, stride_kh, stride_vt, stride_vh, c0,
-                                 tl.minimum(c0 + SPLIT_CHUNKS, n_chunks), c_full, qk_scale,
-                                 PAGED, BLOCK_SIZE, D, CHUNK, BLOCK_M, PRECISION, TMA)
-        _store_partial(part_ptr + D, part_ptr + D + 1, part_ptr, PART, PART,
-                       _partial_row(q0, tok, head, H, NUM_SPLITS) + s, m, l, o,
-                       row_ok & (tok < tl.where(s < n_splits, q_len, 0)), D)
+        m, l, o = _split_partial(
+            q,
+            qpos,
+            b,
+            kvh,
+            k_ptr,
+            v_ptr,
+            k_desc,
+            v_desc,
+            block_table_ptr,
+            stride_bt,
+            q0,
+            ctx_len,
+            stride_kt,
+            stride_kh,
+            stride_vt,
+            stride_vh,
+            c0,
+            tl.minimum(c0 + SPLIT_CHUNKS, n_chunks),
+            c_full,
+            qk_scale,
+            PAGED,
+            BLOCK_SIZE,
+            D,
+            CHUNK,
+            BLOCK_M,
+            PRECISION,
+            TMA,
+        )
+        _store_partial(
+            part_ptr + D,
+            part_ptr + D + 1,
+            part_ptr,
+            PART,
+            PART,
+            _partial_row(q0, tok, head, H, NUM_SPLITS) + s,
+            m,
+            l,
+            o,
+            row_ok & (tok < tl.where(s < n_splits, q_len, 0)),
+            D,
+        )
         # every split program of a tile with rows counts (those past its last split too); the last one merges
         if tile_ok:
             if _last_to_arrive(counter_ptr + pid * KV_HEADS + kvh, NUM_SPLITS):
-                _merge_tile(part_ptr, out_ptr, q0, tile, q_len, ctx_len, kvh, n_splits, H, NUM_SPLITS,
-                            G, D, PART, BLOCK_M, CHUNK, SPLIT_CHUNKS)
+                _merge_tile(
+                    part_ptr,
+                    out_ptr,
+                    q0,
+                    tile,
+                    q_len,
+                    ctx_len,
+                    kvh,
+                    n_splits,
+                    H,
+                    NUM_SPLITS,
+                    G,
+                    D,
+                    PART,
+                    BLOCK_M,
+                    CHUNK,
+                    SPLIT_CHUNKS,
+                )
     else:
         if FLAT:
-            m_t, l_t, o_t = _all_splits(q, qpos, b, kvh, k_ptr, v_ptr, k_desc, v_desc, block_table_ptr, stride_bt,
-                                        q0, ctx_len, stride_kt, stride_kh, stride_vt, stride_vh, n_chunks, c_full,
-                                        qk_scale, PAGED, BLOCK_SIZE, D, CHUNK, SPLIT_CHUNKS, BLOCK_M, PRECISION, TMA)
+            m_t, l_t, o_t = _all_splits(
+                q,
+                qpos,
+                b,
+                kvh,
+                k_ptr,
+                v_ptr,
+                k_desc,
+                v_desc,
+                block_table_ptr,
+                stride_bt,
+                q0,
+                ctx_len,
+                stride_kt,
+                stride_kh,
+                stride_vt,
+                stride_vh,
+                n_chunks,
+                c_full,
+                qk_scale,
+                PAGED,
+                BLOCK_SIZE,
+                D,
+                CHUNK,
+                SPLIT_CHUNKS,
+                BLOCK_M,
+                PRECISION,
+                TMA,
+            )
         else:
             m_t = tl.full((BLOCK_M,), float("-inf"), tl.float32)
             l_t = tl.zeros((BLOCK_M,), tl.float32)
             o_t = tl.zeros((BLOCK_M, D), tl.float32)
             for s in range(0, n_splits):
                 c0 = s * SPLIT_CHUNKS
-                m, l, o = _split_partial(q, qpos, b, kvh, k_ptr, v_ptr, k_desc, v_desc, block_table_ptr, stride_bt,
-                                         q0, ctx_len, stride_kt, stride_kh, stride_vt, stride_vh, c0,
-                                         tl.minimum(c0 + SPLIT_CHUNKS, n_chunks), c_full, qk_scale,
-                                         PAGED, BLOCK_SIZE, D, CHUNK, BLOCK_M, PRECISION, TMA)
+                m, l, o = _split_partial(
+                    q,
+                    qpos,
+                    b,
+                    kvh,
+                    k_ptr,
+                    v_ptr,
+                    k_desc,
+                    v_desc,
+                    block_table_ptr,
+                    stride_bt,
+                    q0,
+                    ctx_len,
+                    stride_kt,
+                    stride_kh,
+                    stride_vt,
+                    stride_vh,
+                    c0,
+                    tl.minimum(c0 + SPLIT_CHUNKS, n_chunks),
+                    c_full,
+                    qk_scale,
+                    PAGED,
+                    BLOCK_SIZE,
+                    D,
+                    CHUNK,
+                    BLOCK_M,
+                    PRECISION,
+                    TMA,
+                )
                 m_t, l_t, o_t = _merge(m_t, l_t, o_t, m, l, o)
         _store_rows(out_ptr, tl.div_rn(o_t, l_t[:, None]), q0, tok, head, row_ok, H, D)
         if STORE_LSE:  # natural log-sum-exp of the scaled scores, for the backward only (no bit contract)
@@ -380,8 +699,12 @@ def _check(q: torch.Tensor, kv_heads: int, block_m: int) -> tuple[int, int]:
     heads, d = q.shape[1], q.shape[2]
     g = heads // kv_heads
     if g * kv_heads != heads or g & (g - 1) or g > block_m:
-        raise StrictModeError("attention", "triton", f"{heads} query heads over {kv_heads} kv heads: the kernel "
-                              f"packs G = H / Hkv heads per row block and needs G a power of two <= {block_m}")
+        raise StrictModeError(
+            "attention",
+            "triton",
+            f"{heads} query heads over {kv_heads} kv heads: the kernel "
+            f"packs G = H / Hkv heads per row block and needs G a power of two <= {block_m}",
+        )
     if d & (d - 1) or d < 16:
         raise StrictModeError("attention", "triton", f"head_dim {d} must be a power of two >= 16")
     return g, d
@@ -403,8 +726,12 @@ def _descriptors(k: torch.Tensor, v: torch.Tensor):
         return None, None
 
     def fits(t):
-        return t.stride(-1) == 1 and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1]) \
+        return (
+            t.stride(-1) == 1
+            and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1])
             and t.data_ptr() % 16 == 0
+        )
+
     if not (fits(k) and fits(v)):
         return None, None
     return tuple(TensorDescriptor(t, list(t.shape), list(t.stride()), [CHUNK, 1, t.shape[-1]]) for t in (k, v))
@@ -463,24 +790,67 @@ def _run(q, k, v, q_start, ctx_len, block_table, block_size, scale, paged, sched
         scratch = tq * heads * num_splits * _partial_floats(d) * 4
         schedule = "split" if paged and num_splits > 1 and scratch <= SPLIT_SCRATCH_BYTES else "fused"
     split = schedule == "split"
-    part = torch.empty(tq * heads * num_splits * _partial_floats(d), dtype=torch.float32, device=dev) if split \
-        else None
+    part = torch.empty(tq * heads * num_splits * _partial_floats(d), dtype=torch.float32, device=dev) if split else None
     counters = _arrival_counters(dev, grid_tiles * kv_heads) if split else None
     k_desc, v_desc = _descriptors(k, v) if tma and not paged else (None, None)
     grid = (grid_tiles * kv_heads, 1) if heavy_first else (grid_tiles, kv_heads)
     _attn_kernel[grid + (num_splits if split else 1,)](
-        q, k, v, k_desc, v_desc, out, part, counters, lse, q_start, ctx_len, block_table, b, b.bit_length(),
-        num_splits, kv_heads, q.stride(0), q.stride(1), k.stride(-3), k.stride(-2), v.stride(-3), v.stride(-2),
-        block_table.stride(0) if paged else 0, 0 if lse is None else lse.stride(0), float(scale) * LOG2E,
-        G=g, D=d, PAGED=paged, STORE_LSE=lse is not None, SPLIT=split, PART=_partial_floats(d),
-        BLOCK_SIZE=block_size, CHUNK=CHUNK, SPLIT_CHUNKS=SPLIT_CHUNKS, BLOCK_M=block_m, PRECISION=precision,
-        FLAT=flat, HEAVY_FIRST=heavy_first, TMA=k_desc is not None, **cfg, **LAUNCH)
+        q,
+        k,
+        v,
+        k_desc,
+        v_desc,
+        out,
+        part,
+        counters,
+        lse,
+        q_start,
+        ctx_len,
+        block_table,
+        b,
+        b.bit_length(),
+        num_splits,
+        kv_heads,
+        q.stride(0),
+        q.stride(1),
+        k.stride(-3),
+        k.stride(-2),
+        v.stride(-3),
+        v.stride(-2),
+        block_table.stride(0) if paged else 0,
+        0 if lse is None else lse.stride(0),
+        float(scale) * LOG2E,
+        G=g,
+        D=d,
+        PAGED=paged,
+        STORE_LSE=lse is not None,
+        SPLIT=split,
+        PART=_partial_floats(d),
+        BLOCK_SIZE=block_size,
+        CHUNK=CHUNK,
+        SPLIT_CHUNKS=SPLIT_CHUNKS,
+        BLOCK_M=block_m,
+        PRECISION=precision,
+        FLAT=flat,
+        HEAVY_FIRST=heavy_first,
+        TMA=k_desc is not None,
+        **cfg,
+        **LAUNCH,
+    )
     return out
 
 
-def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: float,
-                     *, schedule: str | None = None, lse: torch.Tensor | None = None,
-                     config: dict | None = None) -> torch.Tensor:
+def varlen_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    scale: float,
+    *,
+    schedule: str | None = None,
+    lse: torch.Tensor | None = None,
+    config: dict | None = None,
+) -> torch.Tensor:
     """Causal attention over packed sequences: q [T, H, d], k, v [T, Hkv, d], cu_seqlens [B+1].
 
     `lse`, an fp32 [H, T] tensor, receives each row's natural log-sum-exp of the scaled scores (for a
@@ -492,31 +862,67 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     return _run(q, k, v, cu, cu[1:] - cu[:-1], None, 1, scale, False, schedule or "fused", lse, config)
 
 
-def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
-                    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
-                    *, schedule: str | None = None) -> torch.Tensor:
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    *,
+    schedule: str | None = None,
+) -> torch.Tensor:
     """Causal attention of new queries over a paged KV cache [num_blocks, block_size, Hkv, d]."""
     bs = k_cache.shape[1]
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
         if cache.stride(-1) != 1 or cache.stride(0) != bs * cache.stride(1):
-            raise StrictModeError("attention", "triton", f"{name} must have contiguous blocks "
-                                  "(stride(0) == block_size * stride(1), unit last stride)")
+            raise StrictModeError(
+                "attention",
+                "triton",
+                f"{name} must have contiguous blocks (stride(0) == block_size * stride(1), unit last stride)",
+            )
     q = q if q.stride(-1) == 1 else q.contiguous()
     table = block_table.to(torch.int32)
     table = table if table.stride(-1) == 1 else table.contiguous()  # the kernel reads a row's entries at unit stride
     return _run(q, k_cache, v_cache, query_start_loc, seq_lens, table, bs, scale, True, schedule)
 
 
-
 # ---- context parallelism: one split's partial for gathered queries, and the ordered fold ----------------
 
 
 @triton.jit
-def _cp_split_kernel(q_ptr, k_ptr, v_ptr, pm_ptr, pl_ptr, po_ptr, q_row_ptr, pos0_ptr, out_row_ptr,
-                     kv_base_ptr, seq_len_ptr, split_ptr, tile_start_ptr, B, LOG_B, H,
-                     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, qk_scale,
-                     G: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr, SPLIT_CHUNKS: tl.constexpr,
-                     BLOCK_M: tl.constexpr, PRECISION: tl.constexpr):
+def _cp_split_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    pm_ptr,
+    pl_ptr,
+    po_ptr,
+    q_row_ptr,
+    pos0_ptr,
+    out_row_ptr,
+    kv_base_ptr,
+    seq_len_ptr,
+    split_ptr,
+    tile_start_ptr,
+    B,
+    LOG_B,
+    H,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    qk_scale,
+    G: tl.constexpr,
+    D: tl.constexpr,
+    CHUNK: tl.constexpr,
+    SPLIT_CHUNKS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     """Task b: query rows q_row[b] + j (positions pos0[b] + j, j < tile_start-derived length) against
     the keys of split split[b] of a sequence of seq_len[b] keys, key position p at row kv_base[b] + p.
     Writes the split's exact fp32 partial (m, l, o) of each row at out_row[b] + j (`_split_partial`)."""
@@ -528,8 +934,11 @@ def _cp_split_kernel(q_ptr, k_ptr, v_ptr, pm_ptr, pl_ptr, po_ptr, q_row_ptr, pos
     row_ok = tok < tl.where(tile_ok, q_len, 0)
     qpos = tl.load(pos0_ptr + b) + tok
     d = tl.arange(0, D)
-    q_off = ((tl.load(q_row_ptr + b) + tok).to(tl.int64)[:, None] * stride_qt + head.to(tl.int64)[:, None] * stride_qh
-             + d[None, :])
+    q_off = (
+        (tl.load(q_row_ptr + b) + tok).to(tl.int64)[:, None] * stride_qt
+        + head.to(tl.int64)[:, None] * stride_qh
+        + d[None, :]
+    )
     q = tl.load(q_ptr + q_off, mask=row_ok[:, None], other=0.0)
     c0 = tl.load(split_ptr + b) * SPLIT_CHUNKS
     kv_base = tl.load(kv_base_ptr + b)
@@ -538,9 +947,35 @@ def _cp_split_kernel(q_ptr, k_ptr, v_ptr, pm_ptr, pl_ptr, po_ptr, q_row_ptr, pos
     last_pos = tl.load(pos0_ptr + b) + tile * (BLOCK_M // G) + rows // G - 1
     c_end = tl.where(rows > 0, tl.minimum(c0 + SPLIT_CHUNKS, last_pos // CHUNK + 1), c0)
     c_full = (tl.load(pos0_ptr + b) + tile * (BLOCK_M // G) + 1) // CHUNK  # chunks every row sees whole
-    m, l, o = _split_partial(q, qpos, b, kvh, k_ptr, v_ptr, k_ptr, v_ptr, kv_base_ptr, 0, kv_base, ctx_len,
-                             stride_kt, stride_kh, stride_vt, stride_vh, c0, c_end, c_full, qk_scale,
-                             False, 1, D, CHUNK, BLOCK_M, PRECISION, False)
+    m, l, o = _split_partial(
+        q,
+        qpos,
+        b,
+        kvh,
+        k_ptr,
+        v_ptr,
+        k_ptr,
+        v_ptr,
+        kv_base_ptr,
+        0,
+        kv_base,
+        ctx_len,
+        stride_kt,
+        stride_kh,
+        stride_vt,
+        stride_vh,
+        c0,
+        c_end,
+        c_full,
+        qk_scale,
+        False,
+        1,
+        D,
+        CHUNK,
+        BLOCK_M,
+        PRECISION,
+        False,
+    )
     prow = (tl.load(out_row_ptr + b) + tok).to(tl.int64) * H + head
     _store_partial(pm_ptr, pl_ptr, po_ptr, 1, D, prow, m, l, o, row_ok, D)
 
@@ -556,14 +991,28 @@ def _fold_kernel(pm_ptr, pl_ptr, po_ptr, start_ptr, out_ptr, H, stride_ot, strid
     n = tl.load(start_ptr + t + 1) - first
     row0 = (tl.zeros((1,), tl.int64) + first) * H + h
     out = _fold(pm_ptr, pl_ptr, po_ptr, 1, D, row0, H, tl.zeros((1,), tl.int32) + n, n, D)
-    tl.store(out_ptr + t.to(tl.int64) * stride_ot + h.to(tl.int64) * stride_oh + d[None, :],
-             out.to(out_ptr.dtype.element_ty))
+    tl.store(
+        out_ptr + t.to(tl.int64) * stride_ot + h.to(tl.int64) * stride_oh + d[None, :], out.to(out_ptr.dtype.element_ty)
+    )
 
 
-def split_partials(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_row: torch.Tensor, pos0: torch.Tensor,
-                   q_len: torch.Tensor, out_row: torch.Tensor, kv_base: torch.Tensor, seq_len: torch.Tensor,
-                   split: torch.Tensor, n_out: int, scale: float, *, split_chunks: int | None = None,
-                   config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def split_partials(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_row: torch.Tensor,
+    pos0: torch.Tensor,
+    q_len: torch.Tensor,
+    out_row: torch.Tensor,
+    kv_base: torch.Tensor,
+    seq_len: torch.Tensor,
+    split: torch.Tensor,
+    n_out: int,
+    scale: float,
+    *,
+    split_chunks: int | None = None,
+    config: dict | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-split partials of the Triton contract for context parallelism (`integrations/megatron/cp.py`).
 
     Task i (all task tensors int, [n_tasks]): the q_len[i] query rows q[q_row[i] + j] at positions
@@ -598,22 +1047,61 @@ def split_partials(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_row: tor
     tile_start[1:] = torch.cumsum((q_len32 + tokens - 1) // tokens, 0)
     grid = (triton.cdiv(n_out, tokens) + tasks, k.shape[1])  # upper bound on the tiles; no host sync
     _cp_split_kernel[grid](
-        q, k, v, m, l, o, as32[0], pos_len, as32[1], as32[2], as32[3], as32[4], tile_start, tasks,
-        tasks.bit_length(), heads, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        float(scale) * LOG2E, G=g, D=d, CHUNK=CHUNK, SPLIT_CHUNKS=split_chunks or SPLIT_CHUNKS, BLOCK_M=block_m,
-        PRECISION=precision, **cfg, **LAUNCH)
+        q,
+        k,
+        v,
+        m,
+        l,
+        o,
+        as32[0],
+        pos_len,
+        as32[1],
+        as32[2],
+        as32[3],
+        as32[4],
+        tile_start,
+        tasks,
+        tasks.bit_length(),
+        heads,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        float(scale) * LOG2E,
+        G=g,
+        D=d,
+        CHUNK=CHUNK,
+        SPLIT_CHUNKS=split_chunks or SPLIT_CHUNKS,
+        BLOCK_M=block_m,
+        PRECISION=precision,
+        **cfg,
+        **LAUNCH,
+    )
     return m, l, o
 
 
-def fold_partials(m: torch.Tensor, l: torch.Tensor, o: torch.Tensor, start: torch.Tensor,
-                  dtype: torch.dtype) -> torch.Tensor:
+def fold_partials(
+    m: torch.Tensor, l: torch.Tensor, o: torch.Tensor, start: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
     """Output rows from split partials: row t folds partial rows start[t] .. start[t+1]-1 (m, l [N, H] and
     o [N, H, d] fp32, its splits in key order, one per split from split 0) left to right from the empty
     state, then o / l (IEEE div) rounded to `dtype`: the split schedule's merge, bit for bit."""
     rows, heads, d = start.numel() - 1, m.shape[1], o.shape[2]
     out = torch.empty(rows, heads, d, dtype=dtype, device=m.device)
     if rows and heads:
-        _fold_kernel[(rows, heads)](m.contiguous(), l.contiguous(), o.contiguous(),
-                                    start.to(device=m.device, dtype=torch.int32).contiguous(), out, heads,
-                                    out.stride(0), out.stride(1), D=d, num_warps=1, **LAUNCH)
+        _fold_kernel[(rows, heads)](
+            m.contiguous(),
+            l.contiguous(),
+            o.contiguous(),
+            start.to(device=m.device, dtype=torch.int32).contiguous(),
+            out,
+            heads,
+            out.stride(0),
+            out.stride(1),
+            D=d,
+            num_warps=1,
+            **LAUNCH,
+        )
     return out

@@ -68,8 +68,11 @@ def groups_of(k: int, k_group: int | None) -> tuple[int, int]:
 def cublaslt() -> Iterator[None]:
     """cuBLASLt for the calls inside, with no reduced-precision split-K reduction; restores the settings."""
     matmul = torch.backends.cuda.matmul
-    saved = (torch.backends.cuda.preferred_blas_library(), matmul.allow_bf16_reduced_precision_reduction,
-             matmul.allow_fp16_reduced_precision_reduction)
+    saved = (
+        torch.backends.cuda.preferred_blas_library(),
+        matmul.allow_bf16_reduced_precision_reduction,
+        matmul.allow_fp16_reduced_precision_reduction,
+    )
     torch.backends.cuda.preferred_blas_library("cublaslt")
     matmul.allow_bf16_reduced_precision_reduction = False
     matmul.allow_fp16_reduced_precision_reduction = False
@@ -86,11 +89,12 @@ def use_cublaslt(x: torch.Tensor, weight: torch.Tensor, server: str | None = Non
     server = server or "auto"
     if server not in SERVERS:
         raise ValueError(f"unknown GEMM server {server!r}; choose one of {SERVERS}")
-    eligible = (x.is_cuda and x.dtype == weight.dtype and x.dtype in (torch.bfloat16, torch.float16)
-                and cublaslt_ready())
+    eligible = x.is_cuda and x.dtype == weight.dtype and x.dtype in (torch.bfloat16, torch.float16) and cublaslt_ready()
     if server == "cublaslt" and not eligible:
-        raise RuntimeError("cuBLASLt cannot serve this GEMM contract here (16-bit CUDA operands and a claimed "
-                           "workspace are needed; see rl_kernel.backends.triton)")
+        raise RuntimeError(
+            "cuBLASLt cannot serve this GEMM contract here (16-bit CUDA operands and a claimed "
+            "workspace are needed; see rl_kernel.backends.triton)"
+        )
     return eligible and (server == "cublaslt" or (server == "auto" and (groups == 1 or x.shape[0] >= LT_MIN_M)))
 
 
@@ -101,13 +105,20 @@ def tree_add(parts: list[torch.Tensor]) -> torch.Tensor:
     return parts[0]
 
 
-def _lt_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype,
-               groups: int, k_group: int) -> torch.Tensor:
+def _lt_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype, groups: int, k_group: int
+) -> torch.Tensor:
     with cublaslt():
         if groups == 1 and bias is None and out_dtype == x.dtype:
             return x @ weight.t()  # the epilogue rounds the fp32 chain once, as the Triton kernel does
-        parts = [torch.mm(x[:, g * k_group:(g + 1) * k_group], weight[:, g * k_group:(g + 1) * k_group].t(),
-                          out_dtype=torch.float32) for g in range(groups)]
+        parts = [
+            torch.mm(
+                x[:, g * k_group : (g + 1) * k_group],
+                weight[:, g * k_group : (g + 1) * k_group].t(),
+                out_dtype=torch.float32,
+            )
+            for g in range(groups)
+        ]
     acc = tree_add(parts)
     if bias is not None:
         acc = acc + bias.to(torch.float32)
@@ -115,8 +126,22 @@ def _lt_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 
 
 @triton.jit
-def _group_dot(x_ptr, w_ptr, offs_m, offs_n, M, N, stride_xm, stride_wn, k_start, k_len,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+def _group_dot(
+    x_ptr,
+    w_ptr,
+    offs_m,
+    offs_n,
+    M,
+    N,
+    stride_xm,
+    stride_wn,
+    k_start,
+    k_len,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     """fp32 [BLOCK_M, BLOCK_N] partial of K slice [k_start, k_start + k_len): dots from zero, left to right."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     offs_k = tl.arange(0, BLOCK_K)
@@ -149,9 +174,23 @@ def _tile_ids(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _tree8(x_ptr, w_ptr, offs_m, offs_n, M, N, stride_xm, stride_wn, k_group, GROUPS: tl.constexpr,
-           LEAVES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-           PRECISION: tl.constexpr):
+def _tree8(
+    x_ptr,
+    w_ptr,
+    offs_m,
+    offs_n,
+    M,
+    N,
+    stride_xm,
+    stride_wn,
+    k_group,
+    GROUPS: tl.constexpr,
+    LEAVES: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     """The group tree in registers, ((g0 + g1) + (g2 + g3)) + ((g4 + g5) + (g6 + g7)), leaves past GROUPS zero.
 
     One runtime loop over the groups (one copy of the pipelined K loop, so one set of pointers); at the
@@ -159,8 +198,22 @@ def _tree8(x_ptr, w_ptr, offs_m, offs_n, M, N, stride_xm, stride_wn, k_group, GR
     zero = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     l0, l1, l2 = zero, zero, zero  # held leaf, pair, quad
     for g in range(0, LEAVES):
-        acc = _group_dot(x_ptr, w_ptr, offs_m, offs_n, M, N, stride_xm, stride_wn, g * k_group,
-                         tl.where(g < GROUPS, k_group, 0), BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
+        acc = _group_dot(
+            x_ptr,
+            w_ptr,
+            offs_m,
+            offs_n,
+            M,
+            N,
+            stride_xm,
+            stride_wn,
+            g * k_group,
+            tl.where(g < GROUPS, k_group, 0),
+            BLOCK_M,
+            BLOCK_N,
+            BLOCK_K,
+            PRECISION,
+        )
         if g % 2 == 0:
             l0 = acc
         else:
@@ -183,43 +236,115 @@ def _tree8(x_ptr, w_ptr, offs_m, offs_n, M, N, stride_xm, stride_wn, k_group, GR
 
 
 @triton.jit(do_not_specialize=["M"])  # one compile per tile class, not per row count
-def _fused_kernel(x_ptr, w_ptr, out_ptr, bias_ptr, M, N, stride_xm, stride_wn, stride_om, k_group,
-                  HAS_BIAS: tl.constexpr, GROUPS: tl.constexpr, LEAVES: tl.constexpr, BLOCK_M: tl.constexpr,
-                  BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+def _fused_kernel(
+    x_ptr,
+    w_ptr,
+    out_ptr,
+    bias_ptr,
+    M,
+    N,
+    stride_xm,
+    stride_wn,
+    stride_om,
+    k_group,
+    HAS_BIAS: tl.constexpr,
+    GROUPS: tl.constexpr,
+    LEAVES: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     pid_m, pid_n = _tile_ids(M, N, BLOCK_M, BLOCK_N)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    acc = _tree8(x_ptr, w_ptr, offs_m, offs_n, M, N, stride_xm, stride_wn, k_group, GROUPS, LEAVES,
-                 BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
+    acc = _tree8(
+        x_ptr,
+        w_ptr,
+        offs_m,
+        offs_n,
+        M,
+        N,
+        stride_xm,
+        stride_wn,
+        k_group,
+        GROUPS,
+        LEAVES,
+        BLOCK_M,
+        BLOCK_N,
+        BLOCK_K,
+        PRECISION,
+    )
     if HAS_BIAS:
         acc = acc + tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-    tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=mask)
+    tl.store(
+        out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :],
+        acc.to(out_ptr.dtype.element_ty),
+        mask=mask,
+    )
 
 
 @triton.jit(do_not_specialize=["M"])
-def _split_kernel(x_ptr, w_ptr, part_ptr, M, N, stride_xm, stride_wn, k_group,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+def _split_kernel(
+    x_ptr,
+    w_ptr,
+    part_ptr,
+    M,
+    N,
+    stride_xm,
+    stride_wn,
+    k_group,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     pid_m, pid_n = _tile_ids(M, N, BLOCK_M, BLOCK_N)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     g = tl.program_id(1)
-    acc = _group_dot(x_ptr, w_ptr, offs_m, offs_n, M, N, stride_xm, stride_wn, g * k_group, k_group,
-                     BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
+    acc = _group_dot(
+        x_ptr,
+        w_ptr,
+        offs_m,
+        offs_n,
+        M,
+        N,
+        stride_xm,
+        stride_wn,
+        g * k_group,
+        k_group,
+        BLOCK_M,
+        BLOCK_N,
+        BLOCK_K,
+        PRECISION,
+    )
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     rows = g.to(tl.int64) * M + offs_m  # partials [groups, M, N]: int64 before the products with N
     tl.store(part_ptr + rows[:, None] * N + offs_n[None, :], acc, mask=mask)
 
 
 @triton.jit(do_not_specialize=["numel"])
-def _tree_kernel(part_ptr, out_ptr, bias_ptr, numel, N, HAS_BIAS: tl.constexpr, GROUPS: tl.constexpr,
-                 LEAVES: tl.constexpr, LOG2_LEAVES: tl.constexpr, BLOCK: tl.constexpr):
+def _tree_kernel(
+    part_ptr,
+    out_ptr,
+    bias_ptr,
+    numel,
+    N,
+    HAS_BIAS: tl.constexpr,
+    GROUPS: tl.constexpr,
+    LEAVES: tl.constexpr,
+    LOG2_LEAVES: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # numel = M x N may pass 2^31
     mask = offs < numel
-    p = tl.load(part_ptr + offs[None, :] + tl.arange(0, LEAVES).to(tl.int64)[:, None] * numel,
-                mask=mask[None, :] & (tl.arange(0, LEAVES)[:, None] < GROUPS), other=0.0)
+    p = tl.load(
+        part_ptr + offs[None, :] + tl.arange(0, LEAVES).to(tl.int64)[:, None] * numel,
+        mask=mask[None, :] & (tl.arange(0, LEAVES)[:, None] < GROUPS),
+        other=0.0,
+    )
     acc = tree_sum(tl.trans(p), LOG2_LEAVES)
     if HAS_BIAS:
         acc = acc + tl.load(bias_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
@@ -243,8 +368,15 @@ def _operands(x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torc
     return x.to(torch.float32).contiguous(), weight.to(torch.float32).contiguous(), "ieee"
 
 
-def matmul_fp32(x: torch.Tensor, weight: torch.Tensor, k_group: int | None = None, *,
-                schedule: str | None = None, tile: dict | None = None, server: str | None = None) -> torch.Tensor:
+def matmul_fp32(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    k_group: int | None = None,
+    *,
+    schedule: str | None = None,
+    tile: dict | None = None,
+    server: str | None = None,
+) -> torch.Tensor:
     """x [M, K] @ weight[N, K].T -> fp32 [M, N], unrounded, under the GEMM contract.
 
     `k_group` cuts the local K into contract groups (row-parallel linears); None is one chain.
@@ -253,9 +385,17 @@ def matmul_fp32(x: torch.Tensor, weight: torch.Tensor, k_group: int | None = Non
     return linear(x, weight, None, torch.float32, k_group, schedule=schedule, tile=tile, server=server)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           out_dtype: torch.dtype | None = None, k_group: int | None = None, *,
-           schedule: str | None = None, tile: dict | None = None, server: str | None = None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+    k_group: int | None = None,
+    *,
+    schedule: str | None = None,
+    tile: dict | None = None,
+    server: str | None = None,
+) -> torch.Tensor:
     """x [M, K] @ weight[N, K].T (+ bias, in fp32) rounded once to `out_dtype` (x's dtype by default):
     the bits of `matmul_fp32(x, weight) + bias.float()` rounded, in one pass on the Triton server."""
     m, k = x.shape
@@ -274,16 +414,58 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
     schedule = schedule or ("split" if m <= SPLIT_MAX_M and groups > 1 else "fused")
     if schedule == "fused":
-        _fused_kernel[(tiles,)](x, weight, out, bias_arg, m, n, x.stride(0), weight.stride(0), out.stride(0), k_group,
-                                HAS_BIAS=bias is not None, GROUPS=groups, LEAVES=_leaves(groups), BLOCK_M=bm,
-                                BLOCK_N=bn, BLOCK_K=bk, PRECISION=precision, **cfg, **LAUNCH)
+        _fused_kernel[(tiles,)](
+            x,
+            weight,
+            out,
+            bias_arg,
+            m,
+            n,
+            x.stride(0),
+            weight.stride(0),
+            out.stride(0),
+            k_group,
+            HAS_BIAS=bias is not None,
+            GROUPS=groups,
+            LEAVES=_leaves(groups),
+            BLOCK_M=bm,
+            BLOCK_N=bn,
+            BLOCK_K=bk,
+            PRECISION=precision,
+            **cfg,
+            **LAUNCH,
+        )
         return out
     part = torch.empty(groups, m, n, dtype=torch.float32, device=x.device)
-    _split_kernel[(tiles, groups)](x, weight, part, m, n, x.stride(0), weight.stride(0), k_group,
-                                   BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PRECISION=precision, **cfg, **LAUNCH)
+    _split_kernel[(tiles, groups)](
+        x,
+        weight,
+        part,
+        m,
+        n,
+        x.stride(0),
+        weight.stride(0),
+        k_group,
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        BLOCK_K=bk,
+        PRECISION=precision,
+        **cfg,
+        **LAUNCH,
+    )
     block = 1024
-    _tree_kernel[(triton.cdiv(m * n, block),)](part, out, bias_arg, m * n, n, HAS_BIAS=bias is not None,
-                                               GROUPS=groups, LEAVES=_leaves(groups),
-                                               LOG2_LEAVES=_leaves(groups).bit_length() - 1, BLOCK=block,
-                                               num_warps=4, **LAUNCH)
+    _tree_kernel[(triton.cdiv(m * n, block),)](
+        part,
+        out,
+        bias_arg,
+        m * n,
+        n,
+        HAS_BIAS=bias is not None,
+        GROUPS=groups,
+        LEAVES=_leaves(groups),
+        LOG2_LEAVES=_leaves(groups).bit_length() - 1,
+        BLOCK=block,
+        num_warps=4,
+        **LAUNCH,
+    )
     return out

@@ -93,16 +93,29 @@ def _scaled(logits, temp, temp_b, FAST_TEMP: tl.constexpr):
 def _fixed_point(e, FIXED: tl.constexpr, RNI: tl.constexpr):
     """rint(e * FIXED) as int64, round half to even. RNI: one cvt.rni instruction (the same rounding)."""
     if RNI:
-        q = tl.inline_asm_elementwise("cvt.rni.s64.f32 $0, $1;", "=l,r", [e * FIXED], dtype=tl.int64,
-                                      is_pure=True, pack=1)
+        q = tl.inline_asm_elementwise(
+            "cvt.rni.s64.f32 $0, $1;", "=l,r", [e * FIXED], dtype=tl.int64, is_pure=True, pack=1
+        )
     else:
         q = _rint32(e * FIXED).to(tl.int64)
     return q
 
 
 @triton.jit
-def _tile_sums(zz, offs_m, first, row_ok, m_ptr, s_ptr, n_tiles, BLOCK_N: tl.constexpr, VT: tl.constexpr,
-               FIXED: tl.constexpr, LOG2E: tl.constexpr, RNI: tl.constexpr):
+def _tile_sums(
+    zz,
+    offs_m,
+    first,
+    row_ok,
+    m_ptr,
+    s_ptr,
+    n_tiles,
+    BLOCK_N: tl.constexpr,
+    VT: tl.constexpr,
+    FIXED: tl.constexpr,
+    LOG2E: tl.constexpr,
+    RNI: tl.constexpr,
+):
     """Per (row, vocab tile of VT columns) of a z block [BLOCK_M, BLOCK_N // VT, VT] whose first column is
     `first`: exact max and int64 fixed-point sum of exp."""
     m = tl.max(zz, 2)
@@ -117,9 +130,28 @@ def _tile_sums(zz, offs_m, first, row_ok, m_ptr, s_ptr, n_tiles, BLOCK_N: tl.con
 
 
 @triton.jit
-def _tile_stats(logits, offs_m, offs_n, row_ok, temp_ptr, tgt_ptr, m_ptr, s_ptr, zt_ptr, V, vocab_start,
-                vocab_size, n_tiles, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, VT: tl.constexpr,
-                FIXED: tl.constexpr, LOG2E: tl.constexpr, FAST_TEMP: tl.constexpr, RNI: tl.constexpr):
+def _tile_stats(
+    logits,
+    offs_m,
+    offs_n,
+    row_ok,
+    temp_ptr,
+    tgt_ptr,
+    m_ptr,
+    s_ptr,
+    zt_ptr,
+    V,
+    vocab_start,
+    vocab_size,
+    n_tiles,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    VT: tl.constexpr,
+    FIXED: tl.constexpr,
+    LOG2E: tl.constexpr,
+    FAST_TEMP: tl.constexpr,
+    RNI: tl.constexpr,
+):
     """`_tile_sums` of an fp32 logits block held in registers, and the target's z for the rows whose target
     column lies in it (summed out of the block: z + 0 + ... + 0)."""
     temp = tl.load(temp_ptr + offs_m, mask=row_ok, other=1.0)
@@ -132,32 +164,107 @@ def _tile_stats(logits, offs_m, offs_n, row_ok, temp_ptr, tgt_ptr, m_ptr, s_ptr,
     first = tl.min(offs_n, 0)
     owns = row_ok & (local >= first) & (local < first + BLOCK_N) & (local < V)
     tl.store(zt_ptr + offs_m, z_t, mask=owns)
-    _tile_sums(tl.reshape(z, (BLOCK_M, BLOCK_N // VT, VT)), offs_m, first, row_ok, m_ptr, s_ptr, n_tiles, BLOCK_N,
-               VT, FIXED, LOG2E, RNI)
+    _tile_sums(
+        tl.reshape(z, (BLOCK_M, BLOCK_N // VT, VT)),
+        offs_m,
+        first,
+        row_ok,
+        m_ptr,
+        s_ptr,
+        n_tiles,
+        BLOCK_N,
+        VT,
+        FIXED,
+        LOG2E,
+        RNI,
+    )
 
 
 @triton.jit
-def _fused_kernel(h_ptr, w_ptr, temp_ptr, tgt_ptr, m_ptr, s_ptr, zt_ptr, T, V, stride_h, stride_w, K,
-                  vocab_start, vocab_size, n_tiles,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-                  VT: tl.constexpr, FIXED: tl.constexpr, LOG2E: tl.constexpr, FAST_TEMP: tl.constexpr,
-                  RNI: tl.constexpr, BF16_LOGITS: tl.constexpr):
+def _fused_kernel(
+    h_ptr,
+    w_ptr,
+    temp_ptr,
+    tgt_ptr,
+    m_ptr,
+    s_ptr,
+    zt_ptr,
+    T,
+    V,
+    stride_h,
+    stride_w,
+    K,
+    vocab_start,
+    vocab_size,
+    n_tiles,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+    VT: tl.constexpr,
+    FIXED: tl.constexpr,
+    LOG2E: tl.constexpr,
+    FAST_TEMP: tl.constexpr,
+    RNI: tl.constexpr,
+    BF16_LOGITS: tl.constexpr,
+):
     pid_m, pid_n = _tile_ids(T, V, BLOCK_M, BLOCK_N)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    logits = _group_dot(h_ptr, w_ptr, offs_m, offs_n, T, V, stride_h, stride_w, 0, K, BLOCK_M, BLOCK_N, BLOCK_K,
-                        PRECISION)
+    logits = _group_dot(
+        h_ptr, w_ptr, offs_m, offs_n, T, V, stride_h, stride_w, 0, K, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION
+    )
     if BF16_LOGITS:
         logits = _round_bf16(logits)
-    _tile_stats(logits, offs_m, offs_n, offs_m < T, temp_ptr, tgt_ptr, m_ptr, s_ptr, zt_ptr, V, vocab_start,
-                vocab_size, n_tiles, BLOCK_M, BLOCK_N, VT, FIXED, LOG2E, FAST_TEMP, RNI)
+    _tile_stats(
+        logits,
+        offs_m,
+        offs_n,
+        offs_m < T,
+        temp_ptr,
+        tgt_ptr,
+        m_ptr,
+        s_ptr,
+        zt_ptr,
+        V,
+        vocab_start,
+        vocab_size,
+        n_tiles,
+        BLOCK_M,
+        BLOCK_N,
+        VT,
+        FIXED,
+        LOG2E,
+        FAST_TEMP,
+        RNI,
+    )
 
 
 @triton.jit(do_not_specialize=["T"])  # one compile for every row count
-def _stats_kernel(logits_ptr, temp_ptr, tgt_ptr, m_ptr, s_ptr, zt_ptr, T, V, col0, cols, stride_l,
-                  vocab_start, vocab_size, n_tiles,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, VT: tl.constexpr, FIXED: tl.constexpr,
-                  LOG2E: tl.constexpr, FAST_TEMP: tl.constexpr, RNI: tl.constexpr, TARGET_LOAD: tl.constexpr):
+def _stats_kernel(
+    logits_ptr,
+    temp_ptr,
+    tgt_ptr,
+    m_ptr,
+    s_ptr,
+    zt_ptr,
+    T,
+    V,
+    col0,
+    cols,
+    stride_l,
+    vocab_start,
+    vocab_size,
+    n_tiles,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    VT: tl.constexpr,
+    FIXED: tl.constexpr,
+    LOG2E: tl.constexpr,
+    FAST_TEMP: tl.constexpr,
+    RNI: tl.constexpr,
+    TARGET_LOAD: tl.constexpr,
+):
     """The per-tile stats of a precomputed logits slice [T, cols] (fp32, or bf16 under a bf16 logit contract)
     holding local vocab columns col0..
     TARGET_LOAD: the block is loaded as [rows, tiles, VT] (no reshape of a 2-D block), and the target's z is
@@ -169,8 +276,11 @@ def _stats_kernel(logits_ptr, temp_ptr, tgt_ptr, m_ptr, s_ptr, zt_ptr, T, V, col
     first = tl.program_id(1) * BLOCK_N
     if TARGET_LOAD:
         offs_c = first + tl.arange(0, BLOCK_N // VT)[:, None] * VT + tl.arange(0, VT)[None, :]
-        logits = tl.load(logits_ptr + rows[:, None, None] + offs_c[None, :, :],
-                         mask=row_ok[:, None, None] & (offs_c < cols)[None, :, :], other=0.0).to(tl.float32)
+        logits = tl.load(
+            logits_ptr + rows[:, None, None] + offs_c[None, :, :],
+            mask=row_ok[:, None, None] & (offs_c < cols)[None, :, :],
+            other=0.0,
+        ).to(tl.float32)
         temp = tl.load(temp_ptr + offs_m, mask=row_ok, other=1.0)
         offs_n = col0 + offs_c
         real = (offs_n < V) & (vocab_start + offs_n < vocab_size)
@@ -183,10 +293,31 @@ def _stats_kernel(logits_ptr, temp_ptr, tgt_ptr, m_ptr, s_ptr, zt_ptr, T, V, col
         _tile_sums(z, offs_m, col0 + first, row_ok, m_ptr, s_ptr, n_tiles, BLOCK_N, VT, FIXED, LOG2E, RNI)
     else:
         offs_c = first + tl.arange(0, BLOCK_N)
-        logits = tl.load(logits_ptr + rows[:, None] + offs_c[None, :],
-                         mask=row_ok[:, None] & (offs_c < cols)[None, :], other=0.0).to(tl.float32)
-        _tile_stats(logits, offs_m, col0 + offs_c, row_ok, temp_ptr, tgt_ptr, m_ptr, s_ptr, zt_ptr, V, vocab_start,
-                    vocab_size, n_tiles, BLOCK_M, BLOCK_N, VT, FIXED, LOG2E, FAST_TEMP, RNI)
+        logits = tl.load(
+            logits_ptr + rows[:, None] + offs_c[None, :], mask=row_ok[:, None] & (offs_c < cols)[None, :], other=0.0
+        ).to(tl.float32)
+        _tile_stats(
+            logits,
+            offs_m,
+            col0 + offs_c,
+            row_ok,
+            temp_ptr,
+            tgt_ptr,
+            m_ptr,
+            s_ptr,
+            zt_ptr,
+            V,
+            vocab_start,
+            vocab_size,
+            n_tiles,
+            BLOCK_M,
+            BLOCK_N,
+            VT,
+            FIXED,
+            LOG2E,
+            FAST_TEMP,
+            RNI,
+        )
 
 
 @triton.jit
@@ -207,8 +338,23 @@ def _total_kernel(m_ptr, s_ptr, big_m_ptr, total_ptr, n_tiles, LOG2E: tl.constex
 
 
 @triton.jit
-def _dlogits_kernel(logits_ptr, dl_ptr, temp_ptr, lse_ptr, g_ptr, tgt_ptr, T, cols, col0, stride_l, vocab_start,
-                    vocab_size, LOG2E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _dlogits_kernel(
+    logits_ptr,
+    dl_ptr,
+    temp_ptr,
+    lse_ptr,
+    g_ptr,
+    tgt_ptr,
+    T,
+    cols,
+    col0,
+    stride_l,
+    vocab_start,
+    vocab_size,
+    LOG2E: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     """dL/dlogits = (onehot(target) - exp(z - lse)) * g / T for a logits slice (bf16 out; no bit contract)."""
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_c = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -227,8 +373,12 @@ def _dlogits_kernel(logits_ptr, dl_ptr, temp_ptr, lse_ptr, g_ptr, tgt_ptr, T, co
 
 def _check(vocab_start: int, op: str = "logprobs") -> None:
     if vocab_start % VOCAB_TILE:
-        raise StrictModeError(op, "triton", f"this rank's vocab slice starts at {vocab_start}, not a multiple "
-                              f"of the contract's vocab tile {VOCAB_TILE}: pad the vocab so V/tp % {VOCAB_TILE} == 0")
+        raise StrictModeError(
+            op,
+            "triton",
+            f"this rank's vocab slice starts at {vocab_start}, not a multiple "
+            f"of the contract's vocab tile {VOCAB_TILE}: pad the vocab so V/tp % {VOCAB_TILE} == 0",
+        )
 
 
 def _state_budget(weight: torch.Tensor) -> int:
@@ -258,17 +408,18 @@ def _cublaslt_slices(x, w, cols, stats, keep=None, logits_dtype=torch.float32):
     with gemm.cublaslt():
         for c0 in range(0, w.shape[0], cols):
             if logits_dtype == x.dtype:
-                logits = torch.mm(x, w[c0:c0 + cols].t())
+                logits = torch.mm(x, w[c0 : c0 + cols].t())
             else:
-                logits = torch.mm(x, w[c0:c0 + cols].t(), out_dtype=torch.float32).to(logits_dtype)
+                logits = torch.mm(x, w[c0 : c0 + cols].t(), out_dtype=torch.float32).to(logits_dtype)
             stats(logits, c0)
             if keep is not None:
                 keep.append((c0, logits))
             del logits  # before the next slice is allocated
 
 
-def _forward_geometry(rows: int, weight: torch.Tensor, n_tiles: int, keep: bool = False,
-                      logit_bytes: int = 4) -> tuple[int, int]:
+def _forward_geometry(
+    rows: int, weight: torch.Tensor, n_tiles: int, keep: bool = False, logit_bytes: int = 4
+) -> tuple[int, int]:
     """(row chunk, slice columns) of the forward: the row chunk's per-tile stats and one [chunk, columns] logits
     slice (`logit_bytes` per element) each take 1/FORWARD_PARTS of the state budget. `keep` (the slices are held
     for the backward anyway): all rows in one chunk, slices KEPT_SLICE_FACTOR times the budget's width (fewer
@@ -287,8 +438,22 @@ def _stats_launch() -> dict:
     return dict(STATS_TILE, VT=VOCAB_TILE, FIXED=float(1 << FIXED_POINT_BITS), LOG2E=LOG2E, **options, **LAUNCH)
 
 
-def _tile_stats_of_rows(x, w, temps32, tgt, m_t, s_t, z_t, vocab_start, vocab_size, server, tile, cols,
-                        keep=None, logits_dtype=torch.float32):
+def _tile_stats_of_rows(
+    x,
+    w,
+    temps32,
+    tgt,
+    m_t,
+    s_t,
+    z_t,
+    vocab_start,
+    vocab_size,
+    server,
+    tile,
+    cols,
+    keep=None,
+    logits_dtype=torch.float32,
+):
     """Fill per-tile (m, S) and the targets' z for the rows of x under the contract (either server) with logits
     in `logits_dtype` (float32 or bfloat16); the cuBLASLt server's slices are `cols` wide. `keep`, a list,
     receives its logits slices as (first column, logits)."""
@@ -300,8 +465,23 @@ def _tile_stats_of_rows(x, w, temps32, tgt, m_t, s_t, z_t, vocab_start, vocab_si
 
         def stats(logits, c0):  # once per slice: kept lean, the host time of a launch is the slice's overhead
             grid = (triton.cdiv(r, bm), triton.cdiv(logits.shape[1], bn))
-            _stats_kernel[grid](logits, temps32, tgt, m_t, s_t, z_t, r, v_local, c0, logits.shape[1], logits.stride(0),
-                                vocab_start, vocab_size, n_tiles, **launch)
+            _stats_kernel[grid](
+                logits,
+                temps32,
+                tgt,
+                m_t,
+                s_t,
+                z_t,
+                r,
+                v_local,
+                c0,
+                logits.shape[1],
+                logits.stride(0),
+                vocab_start,
+                vocab_size,
+                n_tiles,
+                **launch,
+            )
 
         _cublaslt_slices(x, w, cols, stats, keep, logits_dtype)
         return
@@ -309,20 +489,56 @@ def _tile_stats_of_rows(x, w, temps32, tgt, m_t, s_t, z_t, vocab_start, vocab_si
     cfg = dict(tile or gemm.TILE)
     bm, bn = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N")
     grid = (triton.cdiv(r, bm) * triton.cdiv(v_local, bn),)
-    _fused_kernel[grid](x, w, temps32, tgt, m_t, s_t, z_t, r, v_local, x.stride(0), w.stride(0), x.shape[1],
-                        vocab_start, vocab_size, n_tiles, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=gemm.BLOCK_K,
-                        PRECISION=precision, VT=VOCAB_TILE, FIXED=launch["FIXED"], LOG2E=LOG2E,
-                        FAST_TEMP=launch["FAST_TEMP"], RNI=launch["RNI"], BF16_LOGITS=logits_dtype == torch.bfloat16,
-                        **cfg, **LAUNCH)
+    _fused_kernel[grid](
+        x,
+        w,
+        temps32,
+        tgt,
+        m_t,
+        s_t,
+        z_t,
+        r,
+        v_local,
+        x.stride(0),
+        w.stride(0),
+        x.shape[1],
+        vocab_start,
+        vocab_size,
+        n_tiles,
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        BLOCK_K=gemm.BLOCK_K,
+        PRECISION=precision,
+        VT=VOCAB_TILE,
+        FIXED=launch["FIXED"],
+        LOG2E=LOG2E,
+        FAST_TEMP=launch["FAST_TEMP"],
+        RNI=launch["RNI"],
+        BF16_LOGITS=logits_dtype == torch.bfloat16,
+        **cfg,
+        **LAUNCH,
+    )
 
 
-def _forward(hidden, weight, targets, temps, vocab_start, vocab_size, group, server=None, tile=None, keep=None,
-             logits_dtype=torch.float32):
+def _forward(
+    hidden,
+    weight,
+    targets,
+    temps,
+    vocab_start,
+    vocab_size,
+    group,
+    server=None,
+    tile=None,
+    keep=None,
+    logits_dtype=torch.float32,
+):
     """fp32 logprobs [T] and fp64 lse [T] with logits in `logits_dtype`. With `keep` (a list) all rows are one
     chunk and the logits slices are kept there for the backward (when the cuBLASLt server runs)."""
     if logits_dtype not in (torch.float32, torch.bfloat16):
-        raise StrictModeError("logprobs", "triton", f"logits dtype {logits_dtype} is outside the contract "
-                              "(float32 or bfloat16)")
+        raise StrictModeError(
+            "logprobs", "triton", f"logits dtype {logits_dtype} is outside the contract (float32 or bfloat16)"
+        )
     rows, v_local = hidden.shape[0], weight.shape[0]
     dev = hidden.device
     n_tiles = triton.cdiv(v_local, VOCAB_TILE)
@@ -337,8 +553,22 @@ def _forward(hidden, weight, targets, temps, vocab_start, vocab_size, group, ser
         b = min(rows, a + chunk)
         m_t = torch.empty(b - a, n_tiles, dtype=torch.float32, device=dev)
         s_t = torch.empty(b - a, n_tiles, dtype=torch.int64, device=dev)
-        _tile_stats_of_rows(x[a:b], weight, temps32[a:b], tgt[a:b], m_t, s_t, z_t[a:b], vocab_start, vocab_size,
-                            server, tile, cols, keep, logits_dtype)
+        _tile_stats_of_rows(
+            x[a:b],
+            weight,
+            temps32[a:b],
+            tgt[a:b],
+            m_t,
+            s_t,
+            z_t[a:b],
+            vocab_start,
+            vocab_size,
+            server,
+            tile,
+            cols,
+            keep,
+            logits_dtype,
+        )
         _row_max_and_total(m_t, s_t, big_m[a:b], total[a:b], group)
         del m_t, s_t  # before the next chunk's stats are allocated
     exact_all_reduce(z_t, dist.ReduceOp.SUM, group)  # one owner per row: x + 0 + ... + 0 is exact
@@ -350,8 +580,7 @@ def _row_max_and_total(m_t, s_t, big_m, total, group) -> None:
     """Per row of a chunk's tile stats: M = max of the tile maxima (over the ranks too: exact in any order) into
     big_m, and this rank's int64 total of its tiles' sums rescaled to M into total."""
     exact_all_reduce(torch.amax(m_t, 1, out=big_m), dist.ReduceOp.MAX, group)
-    _total_kernel[(m_t.shape[0],)](m_t, s_t, big_m, total, m_t.shape[1], LOG2E=LOG2E, BLOCK=1024, num_warps=4,
-                                   **LAUNCH)
+    _total_kernel[(m_t.shape[0],)](m_t, s_t, big_m, total, m_t.shape[1], LOG2E=LOG2E, BLOCK=1024, num_warps=4, **LAUNCH)
 
 
 def _lse(big_m: torch.Tensor, total: torch.Tensor, group) -> torch.Tensor:
@@ -361,9 +590,14 @@ def _lse(big_m: torch.Tensor, total: torch.Tensor, group) -> torch.Tensor:
     return big_m.to(torch.float64) + log64(total.to(torch.float64) * (1.0 / (1 << FIXED_POINT_BITS)))
 
 
-def full_log_softmax(logits32: torch.Tensor, temps: torch.Tensor, vocab_start: int, vocab_size: int,
-                     group: dist.ProcessGroup | None = None, logits_dtype: torch.dtype = torch.float32,
-                     ) -> torch.Tensor:
+def full_log_softmax(
+    logits32: torch.Tensor,
+    temps: torch.Tensor,
+    vocab_start: int,
+    vocab_size: int,
+    group: dist.ProcessGroup | None = None,
+    logits_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
     """fp32 log-probabilities of every column of this rank's fp32 logits [T, V_local] (the GEMM contract's one
     chain, e.g. `rl_kernel.linear_fp32` of the LM head; -inf on padded columns) under the Triton logprobs
     contract: the entry of a target equals `forward`'s logprob of it bit for bit. temps: fp64 [T] (> 0)."""
@@ -378,8 +612,23 @@ def full_log_softmax(logits32: torch.Tensor, temps: torch.Tensor, vocab_start: i
     no_target = torch.full((rows,), -1, dtype=torch.int64, device=logits.device)
     launch = _stats_launch()
     grid = (triton.cdiv(rows, launch["BLOCK_M"]), triton.cdiv(v_local, launch["BLOCK_N"]))
-    _stats_kernel[grid](logits, temps32, no_target, m_t, s_t, unused_z, rows, v_local, 0, v_local, logits.stride(0),
-                        vocab_start, vocab_size, n_tiles, **launch)
+    _stats_kernel[grid](
+        logits,
+        temps32,
+        no_target,
+        m_t,
+        s_t,
+        unused_z,
+        rows,
+        v_local,
+        0,
+        v_local,
+        logits.stride(0),
+        vocab_start,
+        vocab_size,
+        n_tiles,
+        **launch,
+    )
     big_m = torch.empty(rows, dtype=torch.float32, device=logits.device)
     total = torch.empty(rows, dtype=torch.int64, device=logits.device)
     _row_max_and_total(m_t, s_t, big_m, total, group)
@@ -417,15 +666,30 @@ def backward(grad_out, hidden, weight, targets, temps, lse, vocab_start, vocab_s
     slices = kept or [(c0, None) for c0 in range(0, v_local, cols)]
     while slices:
         c0, logits = slices.pop(0)
-        w_s = w[c0:c0 + (cols if logits is None else logits.shape[1])]
+        w_s = w[c0 : c0 + (cols if logits is None else logits.shape[1])]
         if logits is None:
             logits = torch.mm(h, w_s.t(), out_dtype=torch.float32) if dtype != torch.float32 else h @ w_s.t()
         dl = torch.empty(rows, w_s.shape[0], dtype=dtype, device=h.device)
         _dlogits_kernel[(triton.cdiv(rows, bm), triton.cdiv(w_s.shape[0], bn))](
-            logits, dl, temps32, lse32, g32, tgt, rows, w_s.shape[0], c0, logits.stride(0), vocab_start, vocab_size,
-            LOG2E=LOG2E, BLOCK_M=bm, BLOCK_N=bn, num_warps=8)
+            logits,
+            dl,
+            temps32,
+            lse32,
+            g32,
+            tgt,
+            rows,
+            w_s.shape[0],
+            c0,
+            logits.stride(0),
+            vocab_start,
+            vocab_size,
+            LOG2E=LOG2E,
+            BLOCK_M=bm,
+            BLOCK_N=bn,
+            num_warps=8,
+        )
         del logits
-        torch.mm(dl.t(), h, out=grad_w[c0:c0 + w_s.shape[0]])
+        torch.mm(dl.t(), h, out=grad_w[c0 : c0 + w_s.shape[0]])
         if dtype == torch.float32:
             grad_h += dl @ w_s
         else:
@@ -436,22 +700,43 @@ def backward(grad_out, hidden, weight, targets, temps, lse, vocab_start, vocab_s
     return grad_h.to(hidden.dtype), grad_w.to(weight.dtype)
 
 
-def forward(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temps: torch.Tensor,
-            vocab_start: int, vocab_size: int, group: dist.ProcessGroup | None = None, keep: list | None = None,
-            logits_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+def forward(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    temps: torch.Tensor,
+    vocab_start: int,
+    vocab_size: int,
+    group: dist.ProcessGroup | None = None,
+    keep: list | None = None,
+    logits_dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The strict forward of `rl_kernel.logprobs` under the Triton contract: (fp32 logprobs [T], fp64 lse [T]).
     temps: fp64 [T] temperatures (> 0); weight: this rank's vocab slice starting at vocab_start; logits_dtype:
     the contract's logit dtype. `keep` (a list) receives the logits slices for `backward`."""
     _check(vocab_start)
-    return _forward(hidden, weight, targets, temps, vocab_start, vocab_size, group, keep=keep,
-                    logits_dtype=logits_dtype)
+    return _forward(
+        hidden, weight, targets, temps, vocab_start, vocab_size, group, keep=keep, logits_dtype=logits_dtype
+    )
 
 
-def logprobs_and_lse(hidden, weight, targets, temps, vocab_start=0, vocab_size=None, group=None, *,
-                     server=None, tile=None, logits_dtype=torch.float32):
+def logprobs_and_lse(
+    hidden,
+    weight,
+    targets,
+    temps,
+    vocab_start=0,
+    vocab_size=None,
+    group=None,
+    *,
+    server=None,
+    tile=None,
+    logits_dtype=torch.float32,
+):
     """Forward only, for tests and benchmarks: (fp32 logprobs, fp64 lse). `server` ('triton', 'cublaslt')
     and `tile` pick how the logits are computed; neither changes a bit."""
     _check(vocab_start)
     vocab_size = weight.shape[0] if vocab_size is None else vocab_size
-    return _forward(hidden, weight, targets, temps, vocab_start, vocab_size, group, server, tile,
-                    logits_dtype=logits_dtype)
+    return _forward(
+        hidden, weight, targets, temps, vocab_start, vocab_size, group, server, tile, logits_dtype=logits_dtype
+    )

@@ -18,8 +18,7 @@ SMALL_T = 2048  # up to this many rows: one row per program
 
 
 @triton.jit(do_not_specialize=["T"])  # row counts vary per batch: one compile for all (see warm-up)
-def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, T, D, stride_x, stride_y, eps,
-                     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, T, D, stride_x, stride_y, eps, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     row_ok = rows < T
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_x  # T x D passes 2^31 (int64 once, outside the loops)
@@ -54,14 +53,38 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         # rows of a decode batch (8 per program would leave most of the GPU idle there)
         block_t = BLOCK_T if t > SMALL_T else 1
         _rms_norm_kernel[(triton.cdiv(t, block_t),)](
-            x2, weight.contiguous(), y, t, d, x2.stride(0), y.stride(0), eps,
-            BLOCK_T=block_t, BLOCK_D=min(1024, triton.next_power_of_2(d)), num_warps=4, **LAUNCH)
+            x2,
+            weight.contiguous(),
+            y,
+            t,
+            d,
+            x2.stride(0),
+            y.stride(0),
+            eps,
+            BLOCK_T=block_t,
+            BLOCK_D=min(1024, triton.next_power_of_2(d)),
+            num_warps=4,
+            **LAUNCH,
+        )
     return y.reshape(x.shape)
 
 
 @triton.jit
-def _rms_norm_backward_kernel(x_ptr, w_ptr, dy_ptr, dx_ptr, dw_ptr, T, D, eps, stride_x, stride_dy, stride_dx,
-                              BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+def _rms_norm_backward_kernel(
+    x_ptr,
+    w_ptr,
+    dy_ptr,
+    dx_ptr,
+    dw_ptr,
+    T,
+    D,
+    eps,
+    stride_x,
+    stride_dy,
+    stride_dx,
+    BLOCK_T: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     """Rows in blocks of BLOCK_T, programs striding over the blocks; dw partial per program (fp32)."""
     pid, progs = tl.program_id(0), tl.num_programs(0)
     c = tl.arange(0, BLOCK_D)
@@ -83,8 +106,9 @@ def _rms_norm_backward_kernel(x_ptr, w_ptr, dy_ptr, dx_ptr, dw_ptr, T, D, eps, s
     tl.store(dw_ptr + pid.to(tl.int64) * D + c, dw, mask=c_ok)
 
 
-def rms_norm_backward(x: torch.Tensor, weight: torch.Tensor, grad_y: torch.Tensor, eps: float
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
+def rms_norm_backward(
+    x: torch.Tensor, weight: torch.Tensor, grad_y: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx, dweight) of y = weight * x / rms(x) in one pass over the rows (fp32 math; no bit contract)."""
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
     dy = grad_y.reshape(-1, grad_y.shape[-1]).contiguous()
@@ -95,8 +119,22 @@ def rms_norm_backward(x: torch.Tensor, weight: torch.Tensor, grad_y: torch.Tenso
     dx = torch.empty_like(x2)
     dw = torch.empty(progs, d, dtype=torch.float32, device=x.device)
     if t:
-        _rms_norm_backward_kernel[(progs,)](x2, weight.contiguous(), dy, dx, dw, t, d, eps, x2.stride(0), dy.stride(0),
-                                            dx.stride(0), BLOCK_T=block_t, BLOCK_D=block_d, num_warps=8)
+        _rms_norm_backward_kernel[(progs,)](
+            x2,
+            weight.contiguous(),
+            dy,
+            dx,
+            dw,
+            t,
+            d,
+            eps,
+            x2.stride(0),
+            dy.stride(0),
+            dx.stride(0),
+            BLOCK_T=block_t,
+            BLOCK_D=block_d,
+            num_warps=8,
+        )
     else:
         dw.zero_()
     return dx.reshape(x.shape), dw.sum(0).to(weight.dtype)

@@ -15,9 +15,23 @@ from rl_kernel.backends.triton.numerics import LAUNCH
 
 
 @triton.jit
-def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, H, stride_xt, stride_xh, stride_ot, stride_oh, stride_c,
-                 HALF: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
-                 BLOCK_D: tl.constexpr):
+def _rope_kernel(
+    x_ptr,
+    cos_ptr,
+    sin_ptr,
+    out_ptr,
+    H,
+    stride_xt,
+    stride_xh,
+    stride_ot,
+    stride_oh,
+    stride_c,
+    HALF: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     t = tl.program_id(0).to(tl.int64)  # T x H x d passes 2^31 at 524k tokens of 32 x 128 query heads
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = heads < H
@@ -51,7 +65,22 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: in
     half = rotary_dim // 2
     block_h = min(16, triton.next_power_of_2(h))
     _rope_kernel[(t, triton.cdiv(h, block_h))](
-        x, cos, sin, out, h, x.stride(0), x.stride(1), out.stride(0), out.stride(1), cos.stride(0),
-        HALF=half, D=d, BLOCK_H=block_h, BLOCK_HALF=triton.next_power_of_2(max(half, 1)),
-        BLOCK_D=triton.next_power_of_2(max(d - 2 * half, 1)), num_warps=4, **LAUNCH)
+        x,
+        cos,
+        sin,
+        out,
+        h,
+        x.stride(0),
+        x.stride(1),
+        out.stride(0),
+        out.stride(1),
+        cos.stride(0),
+        HALF=half,
+        D=d,
+        BLOCK_H=block_h,
+        BLOCK_HALF=triton.next_power_of_2(max(half, 1)),
+        BLOCK_D=triton.next_power_of_2(max(d - 2 * half, 1)),
+        num_warps=4,
+        **LAUNCH,
+    )
     return out

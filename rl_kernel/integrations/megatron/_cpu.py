@@ -17,8 +17,9 @@ from torch.overrides import TorchFunctionMode
 
 
 def _is_cuda(device: object) -> bool:
-    return (isinstance(device, str) and device.startswith("cuda")) or \
-        (isinstance(device, torch.device) and device.type == "cuda")
+    return (isinstance(device, str) and device.startswith("cuda")) or (
+        isinstance(device, torch.device) and device.type == "cuda"
+    )
 
 
 class _CudaAsCpu(TorchFunctionMode):

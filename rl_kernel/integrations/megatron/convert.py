@@ -38,12 +38,15 @@ def check_tokenizer(path: str | Path, shape: Qwen3Config) -> None:
 
     n = len(AutoTokenizer.from_pretrained(str(path)))
     if n > shape.vocab_size:
-        raise ValueError(f"tokenizer in {path} has {n} tokens but the model vocab_size is {shape.vocab_size}: "
-                         "token ids >= vocab_size cannot be scored; use the tokenizer the checkpoint was made with")
+        raise ValueError(
+            f"tokenizer in {path} has {n} tokens but the model vocab_size is {shape.vocab_size}: "
+            "token ids >= vocab_size cannot be scored; use the tokenizer the checkpoint was made with"
+        )
 
 
-def hf_to_megatron(hf: dict[str, torch.Tensor], shape: Qwen3Config, tp_rank: int = 0, tp: int = 1
-                   ) -> dict[str, torch.Tensor]:
+def hf_to_megatron(
+    hf: dict[str, torch.Tensor], shape: Qwen3Config, tp_rank: int = 0, tp: int = 1
+) -> dict[str, torch.Tensor]:
     """Megatron GPTModel state dict of TP rank `tp_rank` (local-spec names) from HF Qwen3 tensors."""
     check_tp(shape, tp)
     layout = qwen3_layout.weight_layout(shape)
@@ -66,8 +69,9 @@ def hf_to_megatron(hf: dict[str, torch.Tensor], shape: Qwen3Config, tp_rank: int
         out[m + "self_attention.linear_qkv.weight"] = torch.cat([q, k, v], dim=1).reshape(-1, shape.hidden_size)
         for hf_name, mg_name in _RENAMED:
             out[m + mg_name] = local(h + hf_name)
-        out[m + "mlp.linear_fc1.weight"] = torch.cat([local(h + "mlp.gate_proj.weight"),
-                                                      local(h + "mlp.up_proj.weight")])
+        out[m + "mlp.linear_fc1.weight"] = torch.cat(
+            [local(h + "mlp.gate_proj.weight"), local(h + "mlp.up_proj.weight")]
+        )
     return {name: t.contiguous() for name, t in out.items()}
 
 
@@ -90,14 +94,20 @@ def megatron_to_hf(shards: list[dict[str, torch.Tensor]], shape: Qwen3Config) ->
     def full(hf_name: str, parts: list[torch.Tensor] | str) -> torch.Tensor:
         return layout[hf_name].unshard([s[parts] for s in shards] if isinstance(parts, str) else parts)
 
-    hf = {"model.embed_tokens.weight": full("model.embed_tokens.weight", "embedding.word_embeddings.weight"),
-          "model.norm.weight": full("model.norm.weight", "decoder.final_layernorm.weight")}
+    hf = {
+        "model.embed_tokens.weight": full("model.embed_tokens.weight", "embedding.word_embeddings.weight"),
+        "model.norm.weight": full("model.norm.weight", "decoder.final_layernorm.weight"),
+    }
     if not shape.tie_word_embeddings:
         hf["lm_head.weight"] = full("lm_head.weight", "output_layer.weight")
     for i in range(shape.num_layers):
         h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
-        qkv = [s[m + "self_attention.linear_qkv.weight"].reshape(-1, (per_group + 2) * hd, shape.hidden_size)
-               .split([per_group * hd, hd, hd], dim=1) for s in shards]
+        qkv = [
+            s[m + "self_attention.linear_qkv.weight"]
+            .reshape(-1, (per_group + 2) * hd, shape.hidden_size)
+            .split([per_group * hd, hd, hd], dim=1)
+            for s in shards
+        ]
         for j, proj in enumerate(("q_proj", "k_proj", "v_proj")):
             name = h + f"self_attn.{proj}.weight"
             hf[name] = full(name, [t[j].reshape(-1, shape.hidden_size) for t in qkv])

@@ -51,6 +51,7 @@ TRITON_SPLIT = 64 * 8  # keys per KV split of the Triton attention contract (chu
 def cp_unit(device: torch.device | str) -> int:
     """Positions per CP dealing unit for the strict attention backend that runs on `device`."""
     from rl_kernel.backends import strict_backend
+
     try:
         backend = strict_backend("attention", torch.device(device))
     except StrictModeError:
@@ -114,8 +115,13 @@ def _exchange(send: torch.Tensor, counts_out: list[int], group: dist.ProcessGrou
 
 
 def strict_cp_attention_forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: TokenLayout, scale: float,
-    group: dist.ProcessGroup, backend: str = "torch",
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layout: TokenLayout,
+    scale: float,
+    group: dist.ProcessGroup,
+    backend: str = "torch",
 ) -> torch.Tensor:
     """Strict attention of this CP rank's queries; q [n, H, d], k, v [n, Hkv, d] are the rows of
     `layout.local_index(rank)`. Returns [n, H, d] in q's dtype, equal to the rows of the CP1 result of
@@ -175,12 +181,19 @@ def strict_cp_attention_forward(
 
 def _split_keys(split_chunks: int | None) -> int:
     from rl_kernel.backends.triton import attention as triton_attention
+
     return triton_attention.CHUNK * (split_chunks or triton_attention.SPLIT_CHUNKS)
 
 
 def triton_rank_partials(
-    q_sorted: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: TokenLayout, rank: int, scale: float,
-    *, split_chunks: int | None = None,
+    q_sorted: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layout: TokenLayout,
+    rank: int,
+    scale: float,
+    *,
+    split_chunks: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The Triton split partials CP rank `rank` owes: for every KV split it holds (keys k, v [n, Hkv, d], the
     rows of `layout.local_index(rank)`), the partial of every query of that sequence at or after the
@@ -190,11 +203,16 @@ def triton_rank_partials(
     rank, its row there, the split index). `split_chunks` other than the contract's (8) is for the
     native twin in tests only: its partials are not the contract's."""
     from rl_kernel.backends.triton.attention import split_partials
+
     keys = _split_keys(split_chunks)
     if layout.unit % keys:
-        raise StrictModeError("attention", "triton", f"the CP layout deals tokens in units of {layout.unit} "
-                              f"positions, but each KV split of {keys} keys must sit on one rank; build the "
-                              "TokenLayout with unit=cp_unit(device)")
+        raise StrictModeError(
+            "attention",
+            "triton",
+            f"the CP layout deals tokens in units of {layout.unit} "
+            f"positions, but each KV split of {keys} keys must sit on one rank; build the "
+            "TokenLayout with unit=cp_unit(device)",
+        )
     heads, d = q_sorted.shape[1], q_sorted.shape[2]
     cu = layout.cu_seqlens
     lens = cu.diff()
@@ -212,8 +230,21 @@ def triton_rank_partials(
     local = layout.local_index(rank)
     to_local[local] = torch.arange(local.numel())
     kv_base = to_local[q_row] - pos0 if q_row.numel() else q_row
-    m, l, o = split_partials(q_sorted, k, v, q_row, pos0, q_len, out_row, kv_base, lens[task_b], task_s, n_out,
-                             scale, split_chunks=split_chunks)
+    m, l, o = split_partials(
+        q_sorted,
+        k,
+        v,
+        q_row,
+        pos0,
+        q_len,
+        out_row,
+        kv_base,
+        lens[task_b],
+        task_s,
+        n_out,
+        scale,
+        split_chunks=split_chunks,
+    )
     glob = torch.repeat_interleave(q_row, q_len) + torch.arange(n_out) - torch.repeat_interleave(out_row, q_len)
     rank_row = torch.empty(int(cu[-1]), dtype=torch.int64)
     for r in range(layout.cp):
@@ -223,19 +254,28 @@ def triton_rank_partials(
     return payload, meta
 
 
-def triton_fold(payload: torch.Tensor, meta: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype,
-                *, split_chunks: int | None = None) -> torch.Tensor:
+def triton_fold(
+    payload: torch.Tensor,
+    meta: torch.Tensor,
+    positions: torch.Tensor,
+    dtype: torch.dtype,
+    *,
+    split_chunks: int | None = None,
+) -> torch.Tensor:
     """This rank's attention output [n, H, d] in `dtype` from the split partials it received (payload and
     meta as `triton_rank_partials` returns them, any row order); positions [n]: its queries' positions."""
     from rl_kernel.backends.triton.attention import fold_partials
+
     keys = _split_keys(split_chunks)
     n = positions.numel()
     meta = meta.to(payload.device)
     need = torch.div(positions.to(payload.device), keys, rounding_mode="floor") + 1
     have = torch.bincount(meta[:, 1], minlength=n) if meta.numel() else torch.zeros_like(need)
     if not torch.equal(have, need):
-        raise RuntimeError("CP attention: a query did not receive exactly one partial per KV split at or "
-                           "before it (layout differs between ranks?)")
+        raise RuntimeError(
+            "CP attention: a query did not receive exactly one partial per KV split at or "
+            "before it (layout differs between ranks?)"
+        )
     order = torch.argsort(meta[:, 1] * (int(need.max()) if n else 1) + meta[:, 2])
     start = torch.zeros(n + 1, dtype=torch.int64, device=payload.device)
     start[1:] = need.cumsum(0)
@@ -243,8 +283,15 @@ def triton_fold(payload: torch.Tensor, meta: torch.Tensor, positions: torch.Tens
     return fold_partials(p[..., 0], p[..., 1], p[..., 2:], start, dtype)
 
 
-def _triton_cp_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: TokenLayout, scale: float,
-                       group: dist.ProcessGroup, split_chunks: int | None = None) -> torch.Tensor:
+def _triton_cp_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layout: TokenLayout,
+    scale: float,
+    group: dist.ProcessGroup,
+    split_chunks: int | None = None,
+) -> torch.Tensor:
     """`strict_cp_attention_forward` under the Triton contract (`split_chunks` != 8: native twin, tests only)."""
     rank, cp = dist.get_rank(group), layout.cp
     idx = [layout.local_index(r) for r in range(cp)]
@@ -268,8 +315,8 @@ def _gathered_sdpa(q, k_full, v_full, layout: TokenLayout, rank: int, scale: flo
     cu = layout.cu_seqlens.tolist()
     for b in torch.unique(q_seq).tolist():
         rows = torch.nonzero(q_seq == b).squeeze(1)
-        kb = k_full[cu[b]:cu[b + 1]].repeat_interleave(rep, dim=1).transpose(0, 1)
-        vb = v_full[cu[b]:cu[b + 1]].repeat_interleave(rep, dim=1).transpose(0, 1)
+        kb = k_full[cu[b] : cu[b + 1]].repeat_interleave(rep, dim=1).transpose(0, 1)
+        vb = v_full[cu[b] : cu[b + 1]].repeat_interleave(rep, dim=1).transpose(0, 1)
         mask = torch.arange(kb.shape[1], device=q.device) <= q_pos[rows].unsqueeze(1)
         o = F.scaled_dot_product_attention(q[rows].transpose(0, 1), kb, vb, attn_mask=mask, scale=scale)
         out = out.index_put((rows,), o.transpose(0, 1))
@@ -313,8 +360,9 @@ class CPAttention(torch.autograd.Function):
         return dq.to(q.dtype), dkv[0][idx].to(k.dtype), dkv[1][idx].to(v.dtype), None, None, None, None, None
 
 
-def cp_attention(q, k, v, layout: TokenLayout, scale: float, group: dist.ProcessGroup, strict: bool,
-                 backend: str = "torch"):
+def cp_attention(
+    q, k, v, layout: TokenLayout, scale: float, group: dist.ProcessGroup, strict: bool, backend: str = "torch"
+):
     """q [n, H, d], k, v [n, Hkv, d] of this CP rank's tokens -> [n, H, d] in q's dtype; `backend` names
     the strict contract ("torch" or "triton") whose CP1 bits the strict forward reproduces."""
     if not math.isfinite(scale):

@@ -33,25 +33,48 @@ class Qwen3TransformerConfig(TransformerConfig):
     rope_theta: float = 10000.0
 
 
-def transformer_config(shape: Qwen3Config, tp: int, cp: int, dtype: torch.dtype, device: torch.device
-                       ) -> TransformerConfig:
+def transformer_config(
+    shape: Qwen3Config, tp: int, cp: int, dtype: torch.dtype, device: torch.device
+) -> TransformerConfig:
     """Megatron TransformerConfig of a dense Qwen3: qk-norm, RMSNorm, SwiGLU, no biases, no dropout."""
     return Qwen3TransformerConfig(
-        num_layers=shape.num_layers, hidden_size=shape.hidden_size, ffn_hidden_size=shape.intermediate_size,
-        num_attention_heads=shape.num_heads, num_query_groups=shape.num_kv_heads, kv_channels=shape.head_dim,
-        normalization="RMSNorm", layernorm_epsilon=shape.rms_norm_eps, qk_layernorm=True,
-        add_bias_linear=False, add_qkv_bias=False, gated_linear_unit=True, activation_func=F.silu,
-        hidden_dropout=0.0, attention_dropout=0.0, rope_theta=shape.rope_theta,
-        tensor_model_parallel_size=tp, context_parallel_size=cp, sequence_parallel=False,
-        params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
-        use_cpu_initialization=device.type == "cpu", perform_initialization=True,  # also sets TP attributes
-        bias_dropout_fusion=False, bias_activation_fusion=False, masked_softmax_fusion=False,
-        apply_rope_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
+        num_layers=shape.num_layers,
+        hidden_size=shape.hidden_size,
+        ffn_hidden_size=shape.intermediate_size,
+        num_attention_heads=shape.num_heads,
+        num_query_groups=shape.num_kv_heads,
+        kv_channels=shape.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=shape.rms_norm_eps,
+        qk_layernorm=True,
+        add_bias_linear=False,
+        add_qkv_bias=False,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        rope_theta=shape.rope_theta,
+        tensor_model_parallel_size=tp,
+        context_parallel_size=cp,
+        sequence_parallel=False,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        use_cpu_initialization=device.type == "cpu",
+        perform_initialization=True,  # also sets TP attributes
+        bias_dropout_fusion=False,
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
     )
 
 
-def build_gpt_model(shape: Qwen3Config, mode: str, tp: int, cp: int, dtype: torch.dtype,
-                    device: torch.device) -> GPTModel:
+def build_gpt_model(
+    shape: Qwen3Config, mode: str, tp: int, cp: int, dtype: torch.dtype, device: torch.device
+) -> GPTModel:
     """GPTModel with rl_kernel's (strict) or Megatron's (native) layer spec; weights uninitialised."""
     config = transformer_config(shape, tp, cp, dtype, device)
     if device.type == "cuda":  # Megatron's GPU weight init draws from its model-parallel CUDA RNG
@@ -61,9 +84,15 @@ def build_gpt_model(shape: Qwen3Config, mode: str, tp: int, cp: int, dtype: torc
         layer_norm=RKRMSNorm if mode == "strict" else WrappedTorchNorm,
     )
     model = GPTModel(
-        config=config, transformer_layer_spec=block, vocab_size=padded_vocab(shape, tp),
-        max_sequence_length=1 << 20, pre_process=True, post_process=True, parallel_output=True,
-        share_embeddings_and_output_weights=shape.tie_word_embeddings, position_embedding_type="none",
+        config=config,
+        transformer_layer_spec=block,
+        vocab_size=padded_vocab(shape, tp),
+        max_sequence_length=1 << 20,
+        pre_process=True,
+        post_process=True,
+        parallel_output=True,
+        share_embeddings_and_output_weights=shape.tie_word_embeddings,
+        position_embedding_type="none",
     )
     model = model.to(device=device, dtype=dtype)  # as Megatron's Float16Module: every param in the model dtype
     for layer in model.decoder.layers:  # qk-norm: whole on every TP rank, each rank's grad covers its heads only
@@ -74,8 +103,11 @@ def build_gpt_model(shape: Qwen3Config, mode: str, tp: int, cp: int, dtype: torc
 
 
 def lm_head_weight(model: GPTModel) -> torch.Tensor:
-    return model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights \
+    return (
+        model.shared_embedding_or_output_weight()
+        if model.share_embeddings_and_output_weights
         else model.output_layer.weight
+    )
 
 
 def forward_hidden(model: GPTModel, layout: TokenLayout, input_ids: torch.Tensor) -> torch.Tensor:
@@ -91,8 +123,14 @@ def forward_hidden(model: GPTModel, layout: TokenLayout, input_ids: torch.Tensor
     return hidden[:, 0]
 
 
-def token_logprobs(model: GPTModel, hidden: torch.Tensor, targets: torch.Tensor, temperature: torch.Tensor,
-                   vocab_size: int, strict: bool) -> torch.Tensor:
+def token_logprobs(
+    model: GPTModel,
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: torch.Tensor,
+    vocab_size: int,
+    strict: bool,
+) -> torch.Tensor:
     """fp32 log p(targets | hidden) [n] over the real vocab, vocab-parallel over the TP group.
 
     Strict: `rk.logprobs` (exact order-free LSE; logits never gathered nor held for all rows).

@@ -46,8 +46,7 @@ def resolve_modes(mode: str | dict[str, str]) -> dict[str, str]:
         return {b: mode for b in rk.BOUNDARIES}
     modes = dict(mode)
     if set(modes) != set(rk.BOUNDARIES) or not set(modes.values()) <= set(rk.MODES):
-        raise ValueError(f"per-boundary modes must give 'strict' or 'native' for each of {rk.BOUNDARIES}; "
-                         f"got {modes}")
+        raise ValueError(f"per-boundary modes must give 'strict' or 'native' for each of {rk.BOUNDARIES}; got {modes}")
     return modes
 
 
@@ -78,17 +77,29 @@ class MegatronPolicy:
     no_grad, then `gather_logprobs`.
     """
 
-    def __init__(self, hf_path: str | Path, *, tp: int = 1, cp: int = 1, mode: str | dict[str, str] = "strict",
-                 lr: float = 1e-6,
-                 weight_decay: float = 0.0, adam_betas: tuple[float, float] = (0.9, 0.999), adam_eps: float = 1e-8,
-                 clip_grad: float = 1.0, dtype: torch.dtype = torch.bfloat16,
-                 device: str | torch.device | None = None):
+    def __init__(
+        self,
+        hf_path: str | Path,
+        *,
+        tp: int = 1,
+        cp: int = 1,
+        mode: str | dict[str, str] = "strict",
+        lr: float = 1e-6,
+        weight_decay: float = 0.0,
+        adam_betas: tuple[float, float] = (0.9, 0.999),
+        adam_eps: float = 1e-8,
+        clip_grad: float = 1.0,
+        dtype: torch.dtype = torch.bfloat16,
+        device: str | torch.device | None = None,
+    ):
         modes = resolve_modes(mode)
         if not dist.is_initialized():
             raise RuntimeError("MegatronPolicy needs torch.distributed initialised (world size tp * cp) first")
         if dist.get_world_size() != tp * cp:
-            raise ValueError(f"world size {dist.get_world_size()} != tp * cp = {tp * cp} (data parallelism is "
-                             "not supported: run one policy group per world)")
+            raise ValueError(
+                f"world size {dist.get_world_size()} != tp * cp = {tp * cp} (data parallelism is "
+                "not supported: run one policy group per world)"
+            )
         self.shape = read_config(hf_path)
         check_tokenizer(hf_path, self.shape)
         check_tp(self.shape, tp)
@@ -99,11 +110,14 @@ class MegatronPolicy:
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.cp_unit = cp_unit(self.device)  # CP deals whole units of the strict attention's partials
         if parallel_state.model_parallel_is_initialized():
-            have = (parallel_state.get_tensor_model_parallel_world_size(),
-                    parallel_state.get_context_parallel_world_size())
+            have = (
+                parallel_state.get_tensor_model_parallel_world_size(),
+                parallel_state.get_context_parallel_world_size(),
+            )
             if have != (tp, cp):
-                raise ValueError(f"Megatron parallel state is already tp={have[0]}, cp={have[1]}; "
-                                 f"asked tp={tp}, cp={cp}")
+                raise ValueError(
+                    f"Megatron parallel state is already tp={have[0]}, cp={have[1]}; asked tp={tp}, cp={cp}"
+                )
         else:
             parallel_state.initialize_model_parallel(tp, 1, context_parallel_size=cp)
         self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
@@ -111,9 +125,18 @@ class MegatronPolicy:
         self.load_hf_state_dict(load_hf_state_dict(hf_path), _reload_optimizer=False)
         self.model.ddp_config = DistributedDataParallelConfig()  # no DDP wrapper: dp = 1, grads reduced here
         opt_config = OptimizerConfig(
-            optimizer="adam", lr=lr, min_lr=lr, weight_decay=weight_decay, adam_beta1=adam_betas[0],
-            adam_beta2=adam_betas[1], adam_eps=adam_eps, clip_grad=clip_grad,
-            bf16=dtype == torch.bfloat16, fp16=False, params_dtype=dtype, use_distributed_optimizer=False,
+            optimizer="adam",
+            lr=lr,
+            min_lr=lr,
+            weight_decay=weight_decay,
+            adam_beta1=adam_betas[0],
+            adam_beta2=adam_betas[1],
+            adam_eps=adam_eps,
+            clip_grad=clip_grad,
+            bf16=dtype == torch.bfloat16,
+            fp16=False,
+            params_dtype=dtype,
+            use_distributed_optimizer=False,
         )
         if dtype == torch.float16:
             raise ValueError("fp16 models need a loss scaler; use bfloat16 or float32")
@@ -132,8 +155,10 @@ class MegatronPolicy:
         Megatron's own modules (every boundary native) has no rl_kernel op to switch to strict."""
         modes = resolve_modes(mode)
         if self.spec_mode == "native" and "strict" in modes.values():
-            raise ValueError("this policy was built all-native (Megatron's own modules); build it with a strict "
-                             "boundary to switch boundaries between strict and native")
+            raise ValueError(
+                "this policy was built all-native (Megatron's own modules); build it with a strict "
+                "boundary to switch boundaries between strict and native"
+            )
         self.modes = modes
 
     # ---- weights -------------------------------------------------------------------------------
@@ -149,8 +174,9 @@ class MegatronPolicy:
         with torch.no_grad():
             for name, tensor in local.items():
                 if own[name].shape != tensor.shape:
-                    raise ValueError(f"{name}: checkpoint shard {tuple(tensor.shape)} != model "
-                                     f"{tuple(own[name].shape)}")
+                    raise ValueError(
+                        f"{name}: checkpoint shard {tuple(tensor.shape)} != model {tuple(own[name].shape)}"
+                    )
                 own[name].copy_(tensor)
         if _reload_optimizer:
             with cuda_as_cpu():
@@ -193,8 +219,14 @@ class MegatronPolicy:
                 return layout
             filler += 1
 
-    def forward_logprobs(self, ids: torch.Tensor, cu_seqlens: torch.Tensor, targets: torch.Tensor,
-                         temps: torch.Tensor, rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_logprobs(
+        self,
+        ids: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        targets: torch.Tensor,
+        temps: torch.Tensor,
+        rows: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Teacher-forcing fp32 logprobs of this CP rank's rows of the packed batch (ids, targets and temps
         [T], cu_seqlens [B+1]; differentiable under grad mode): (values, their row indices in [0, T)).
         `rows` (the rows the caller needs) is ignored: each rank computes all rows it holds."""
@@ -208,8 +240,14 @@ class MegatronPolicy:
         local = layout.local_index(cp_rank)
         with _modes(self.modes):
             hidden = forward_hidden(self.model, layout, ids)
-            lp = token_logprobs(self.model, hidden, targets[local].to(self.device), temps[local].to(self.device),
-                                self.shape.vocab_size, self.spec_mode == "strict")
+            lp = token_logprobs(
+                self.model,
+                hidden,
+                targets[local].to(self.device),
+                temps[local].to(self.device),
+                self.shape.vocab_size,
+                self.spec_mode == "strict",
+            )
         real = local < n
         return (lp, local) if bool(real.all()) else (lp[real.to(lp.device)], local[real])
 
@@ -223,8 +261,9 @@ class MegatronPolicy:
             return full
         layout = self._layout(cu_seqlens)
         idx = [i[i < n] for i in (layout.local_index(r) for r in range(self.cp))]
-        parts = _gather_varlen(values.detach(), [int(i.numel()) for i in idx],
-                               parallel_state.get_context_parallel_group())
+        parts = _gather_varlen(
+            values.detach(), [int(i.numel()) for i in idx], parallel_state.get_context_parallel_group()
+        )
         full = torch.empty(n, dtype=torch.float32)
         full[torch.cat(idx)] = torch.cat(parts).cpu()
         return full

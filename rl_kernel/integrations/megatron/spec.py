@@ -52,8 +52,15 @@ class RLPackedSeqParams(PackedSeqParams):
 def packed_params(layout: TokenLayout, cp_rank: int, device: torch.device) -> RLPackedSeqParams:
     cu = layout.cu_seqlens.to(device=device, dtype=torch.int32)
     longest = int(layout.cu_seqlens.diff().max()) if layout.cu_seqlens.numel() > 1 else 0
-    return RLPackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest,
-                             max_seqlen_kv=longest, layout=layout, cp_rank=cp_rank)
+    return RLPackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=cu,
+        cu_seqlens_kv=cu,
+        max_seqlen_q=longest,
+        max_seqlen_kv=longest,
+        layout=layout,
+        cp_rank=cp_rank,
+    )
 
 
 class RKRMSNorm(RMSNorm):
@@ -105,17 +112,35 @@ class RKCoreAttention(MegatronModule):
     attention (`rk.attention_varlen`, or the CP chunk-partial attention when cp > 1).
     Query [t, np, hn], key/value [t, ng, hn] -> [t, np * hn]."""
 
-    def __init__(self, config: TransformerConfig, layer_number: int, attn_mask_type=None, attention_type=None,
-                 softmax_scale: float | None = None, **_: object):
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_number: int,
+        attn_mask_type=None,
+        attention_type=None,
+        softmax_scale: float | None = None,
+        **_: object,
+    ):
         super().__init__(config=config)
-        self.scale = softmax_scale if softmax_scale is not None else config.kv_channels ** -0.5
+        self.scale = softmax_scale if softmax_scale is not None else config.kv_channels**-0.5
         self.rotary = Rotary(config.rope_theta)  # Qwen3TransformerConfig
 
-    def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None,
-                packed_seq_params: RLPackedSeqParams | None = None, **_: object) -> torch.Tensor:
+    def forward(
+        self,
+        query,
+        key,
+        value,
+        attention_mask=None,
+        attn_mask_type=None,
+        attention_bias=None,
+        packed_seq_params: RLPackedSeqParams | None = None,
+        **_: object,
+    ) -> torch.Tensor:
         if not isinstance(packed_seq_params, RLPackedSeqParams):
-            raise ValueError("RKCoreAttention needs RLPackedSeqParams (packed THD sequences with their layout); "
-                             "build them with rl_kernel.integrations.megatron.spec.packed_params")
+            raise ValueError(
+                "RKCoreAttention needs RLPackedSeqParams (packed THD sequences with their layout); "
+                "build them with rl_kernel.integrations.megatron.spec.packed_params"
+            )
         params = packed_seq_params
         positions = params.local_positions(query.device)
         q, k = self.rotary(query, positions), self.rotary(key, positions)
@@ -155,8 +180,9 @@ def get_rl_kernel_layer_spec(mode: str = "strict") -> ModuleSpec:
         mlp.submodules.linear_fc1 = RKColumnParallelLinear
         mlp.submodules.linear_fc2 = RKRowParallelLinear
     else:  # megatron-core 0.19: functools.partial(MLP.as_mlp_submodule, submodules=MLPSubmodules(...))
-        subs = dataclasses.replace(mlp.keywords["submodules"], linear_fc1=RKColumnParallelLinear,
-                                   linear_fc2=RKRowParallelLinear)
+        subs = dataclasses.replace(
+            mlp.keywords["submodules"], linear_fc1=RKColumnParallelLinear, linear_fc2=RKRowParallelLinear
+        )
         spec.submodules.mlp = functools.partial(RKMLP.as_mlp_submodule, submodules=subs)
     return spec
 

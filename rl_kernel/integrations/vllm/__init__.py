@@ -46,12 +46,27 @@ MODES_KEY = "rl_kernel_modes"  # additional_config entry: {boundary: mode} for e
 COMPILE_KEY = "rl_kernel_compile"  # additional_config entry: True where vLLM compiles the strict model
 
 __all__ = [
-    "ARCH", "ATTENTION_OP", "COMPILE_KEY", "FORCED_TOKENS_KEY", "MODES_KEY",
-    "SUPPORTED_VLLM", "TEMPERATURE_KEY", "WEIGHT_TRANSFER_BACKEND",
+    "ARCH",
+    "ATTENTION_OP",
+    "COMPILE_KEY",
+    "FORCED_TOKENS_KEY",
+    "MODES_KEY",
+    "SUPPORTED_VLLM",
+    "TEMPERATURE_KEY",
+    "WEIGHT_TRANSFER_BACKEND",
     "finish_weight_update",
-    "forced_sampling_params", "native_llm_kwargs", "native_sampling_params", "push_weights", "register",
-    "reset_evidence", "send_weights", "set_worker_modes", "strict_llm_kwargs", "strict_sampling_params",
-    "worker_evidence", "worker_weight_versions",
+    "forced_sampling_params",
+    "native_llm_kwargs",
+    "native_sampling_params",
+    "push_weights",
+    "register",
+    "reset_evidence",
+    "send_weights",
+    "set_worker_modes",
+    "strict_llm_kwargs",
+    "strict_sampling_params",
+    "worker_evidence",
+    "worker_weight_versions",
 ]
 
 
@@ -66,10 +81,12 @@ def register() -> None:
     ModelRegistry.register_model(ARCH, f"rl_kernel.integrations.vllm.model:{ARCH}")
     if WEIGHT_TRANSFER_BACKEND not in WeightTransferEngineFactory._registry:
         WeightTransferEngineFactory.register_engine(
-            WEIGHT_TRANSFER_BACKEND, "rl_kernel.integrations.vllm.weight_transfer", "CPUWeightTransferEngine")
+            WEIGHT_TRANSFER_BACKEND, "rl_kernel.integrations.vllm.weight_transfer", "CPUWeightTransferEngine"
+        )
     if STRICT_IPC_BACKEND not in WeightTransferEngineFactory._registry:
         WeightTransferEngineFactory.register_engine(
-            STRICT_IPC_BACKEND, "rl_kernel.integrations.vllm.ipc_engine", "StrictIPCWeightTransferEngine")
+            STRICT_IPC_BACKEND, "rl_kernel.integrations.vllm.ipc_engine", "StrictIPCWeightTransferEngine"
+        )
 
 
 def _check_architecture(model: str | Path) -> None:
@@ -79,9 +96,11 @@ def _check_architecture(model: str | Path) -> None:
     config = json.loads(config_file.read_text())
     archs = config.get("architectures") or []
     if config.get("model_type") != "qwen3" or not set(archs) <= set(SUPPORTED_ARCHITECTURES):
-        raise ValueError(f"rl_kernel's strict vLLM engine runs Qwen3 dense checkpoints only "
-                         f"({SUPPORTED_ARCHITECTURES}); {model} is model_type={config.get('model_type')!r}, "
-                         f"architectures={archs}. Use native_llm_kwargs for other models.")
+        raise ValueError(
+            f"rl_kernel's strict vLLM engine runs Qwen3 dense checkpoints only "
+            f"({SUPPORTED_ARCHITECTURES}); {model} is model_type={config.get('model_type')!r}, "
+            f"architectures={archs}. Use native_llm_kwargs for other models."
+        )
 
 
 CUDA_WEIGHT_TRANSPORTS = ("ipc", "nccl")  # vLLM's own CUDA weight-transfer engines
@@ -104,12 +123,15 @@ def _compile_config(device: str, compilation: dict, engine_kwargs: dict) -> dict
         return {"enforce_eager": False}
     mode = compilation.get("cudagraph_mode", COMPILED_CUDAGRAPH_MODE)
     if mode not in (COMPILED_CUDAGRAPH_MODE, STRICT_CUDAGRAPH_MODE, "PIECEWISE", "NONE"):
-        raise ValueError(f"a compiled strict engine runs cudagraph_mode {COMPILED_CUDAGRAPH_MODE!r}, "
-                         f"{STRICT_CUDAGRAPH_MODE!r}, 'PIECEWISE' or 'NONE', got {mode!r}")
+        raise ValueError(
+            f"a compiled strict engine runs cudagraph_mode {COMPILED_CUDAGRAPH_MODE!r}, "
+            f"{STRICT_CUDAGRAPH_MODE!r}, 'PIECEWISE' or 'NONE', got {mode!r}"
+        )
     splitting = list(compilation.get("splitting_ops") or [])
-    return {"compilation_config": compilation | {"cudagraph_mode": mode,
-                                                 "splitting_ops": splitting + [ATTENTION_OP] * (ATTENTION_OP
-                                                                                                 not in splitting)}}
+    return {
+        "compilation_config": compilation
+        | {"cudagraph_mode": mode, "splitting_ops": splitting + [ATTENTION_OP] * (ATTENTION_OP not in splitting)}
+    }
 
 
 def _rl_kernel_ops():
@@ -127,8 +149,9 @@ def _device_kwargs(device: str, transport: str | None) -> dict[str, Any]:
     kind = str(device).split(":")[0]
     if kind == "cpu":
         if transport is not None:
-            raise ValueError(f"on CPU weights go through {WEIGHT_TRANSFER_BACKEND!r}; transport={transport!r} "
-                             "moves CUDA memory")
+            raise ValueError(
+                f"on CPU weights go through {WEIGHT_TRANSFER_BACKEND!r}; transport={transport!r} moves CUDA memory"
+            )
         return {"enforce_eager": True, "weight_transfer_config": {"backend": WEIGHT_TRANSFER_BACKEND}}
     if kind != "cuda":
         raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
@@ -136,13 +159,22 @@ def _device_kwargs(device: str, transport: str | None) -> dict[str, Any]:
     if transport not in CUDA_WEIGHT_TRANSPORTS:
         raise ValueError(f"on CUDA the weight transport is one of {CUDA_WEIGHT_TRANSPORTS}, got {transport!r}")
     if transport == "nccl" and not has_nccl_trainer_engine():
-        raise ValueError("this vLLM's nccl weight-transfer engine has no NCCLTrainerWeightTransferEngine (vLLM 0.26 "
-                         "drives it through static functions), which rl_kernel's nccl push needs: use transport='ipc'")
+        raise ValueError(
+            "this vLLM's nccl weight-transfer engine has no NCCLTrainerWeightTransferEngine (vLLM 0.26 "
+            "drives it through static functions), which rl_kernel's nccl push needs: use transport='ipc'"
+        )
     return {"weight_transfer_config": {"backend": transport}}
 
 
-def strict_llm_kwargs(model: str | Path, modes: dict[str, str] | None = None, *, device: str = "cpu",
-                      transport: str | None = None, compile: bool = False, **engine_kwargs: Any) -> dict[str, Any]:
+def strict_llm_kwargs(
+    model: str | Path,
+    modes: dict[str, str] | None = None,
+    *,
+    device: str = "cpu",
+    transport: str | None = None,
+    compile: bool = False,
+    **engine_kwargs: Any,
+) -> dict[str, Any]:
     """`vllm.LLM` / engine arguments for a strict engine over the Qwen3 checkpoint at `model`.
 
     Selects the strict model class, the strict logits processor, `logprobs_mode="processed_logits"`
@@ -170,9 +202,11 @@ def strict_llm_kwargs(model: str | Path, modes: dict[str, str] | None = None, *,
         forced |= _compile_config(kind, compilation, engine_kwargs)
     elif kind == "cuda":
         if compilation.get("cudagraph_mode", STRICT_CUDAGRAPH_MODE) not in (STRICT_CUDAGRAPH_MODE, "NONE"):
-            raise ValueError(f"strict mode captures CUDA graphs of pure-decode batches only (cudagraph_mode="
-                             f"{STRICT_CUDAGRAPH_MODE!r} or 'NONE'; compile=True for {COMPILED_CUDAGRAPH_MODE!r}), "
-                             f"got {compilation['cudagraph_mode']!r}")
+            raise ValueError(
+                f"strict mode captures CUDA graphs of pure-decode batches only (cudagraph_mode="
+                f"{STRICT_CUDAGRAPH_MODE!r} or 'NONE'; compile=True for {COMPILED_CUDAGRAPH_MODE!r}), "
+                f"got {compilation['cudagraph_mode']!r}"
+            )
         forced["compilation_config"] = {"cudagraph_mode": STRICT_CUDAGRAPH_MODE} | compilation
     elif compilation:
         engine_kwargs["compilation_config"] = compilation
@@ -193,8 +227,9 @@ def strict_llm_kwargs(model: str | Path, modes: dict[str, str] | None = None, *,
     }
 
 
-def native_llm_kwargs(model: str | Path, *, device: str = "cpu", transport: str | None = None,
-                      **engine_kwargs: Any) -> dict[str, Any]:
+def native_llm_kwargs(
+    model: str | Path, *, device: str = "cpu", transport: str | None = None, **engine_kwargs: Any
+) -> dict[str, Any]:
     """Engine arguments for plain vLLM (its own model and kernels) returning post-temperature
     log-probs (`logprobs_mode="processed_logprobs"`), the baseline strict mode is compared with.
 
@@ -205,12 +240,18 @@ def native_llm_kwargs(model: str | Path, *, device: str = "cpu", transport: str 
     rl_kernel worker extension reports the weight version each worker holds (`rl_kernel_cpu` only).
     Other engine arguments pass through.
     """
-    return {"model": str(model), "logprobs_mode": "processed_logprobs", **_device_kwargs(device, transport),
-            "worker_extension_cls": WORKER_EXTENSION, **engine_kwargs}
+    return {
+        "model": str(model),
+        "logprobs_mode": "processed_logprobs",
+        **_device_kwargs(device, transport),
+        "worker_extension_cls": WORKER_EXTENSION,
+        **engine_kwargs,
+    }
 
 
-def strict_sampling_params(temperature: float = 1.0, max_tokens: int = 16, seed: int | None = None,
-                           logprobs: int = 0, **kwargs: Any):
+def strict_sampling_params(
+    temperature: float = 1.0, max_tokens: int = 16, seed: int | None = None, logprobs: int = 0, **kwargs: Any
+):
     """SamplingParams for a strict engine: softmax sampling at `temperature` (> 0) over the full vocab,
     returning each sampled token's strict fp32 logprob (plus the top `logprobs` entries)."""
     from vllm import SamplingParams
@@ -218,8 +259,9 @@ def strict_sampling_params(temperature: float = 1.0, max_tokens: int = 16, seed:
     if not temperature > 0:
         raise ValueError(f"strict sampling needs temperature > 0, got {temperature}")
     extra = dict(kwargs.pop("extra_args", None) or {}) | {TEMPERATURE_KEY: float(temperature)}
-    return SamplingParams(temperature=1.0, max_tokens=max_tokens, seed=seed, logprobs=logprobs,
-                          extra_args=extra, **kwargs)
+    return SamplingParams(
+        temperature=1.0, max_tokens=max_tokens, seed=seed, logprobs=logprobs, extra_args=extra, **kwargs
+    )
 
 
 def forced_sampling_params(tokens: list[int], temperature: float = 1.0, **kwargs: Any):
@@ -228,8 +270,9 @@ def forced_sampling_params(tokens: list[int], temperature: float = 1.0, **kwargs
     if not tokens:
         raise ValueError("forced decoding needs at least one token")
     extra = dict(kwargs.pop("extra_args", None) or {}) | {FORCED_TOKENS_KEY: [int(t) for t in tokens]}
-    return strict_sampling_params(temperature=temperature, max_tokens=len(tokens), logprobs=0, extra_args=extra,
-                                  ignore_eos=True, **kwargs)
+    return strict_sampling_params(
+        temperature=temperature, max_tokens=len(tokens), logprobs=0, extra_args=extra, ignore_eos=True, **kwargs
+    )
 
 
 def set_worker_modes(llm, modes: dict[str, str]) -> list[dict[str, str]]:
@@ -238,8 +281,9 @@ def set_worker_modes(llm, modes: dict[str, str]) -> list[dict[str, str]]:
     return llm.collective_rpc("rl_kernel_set_modes", args=(dict(modes),))
 
 
-def native_sampling_params(temperature: float = 1.0, max_tokens: int = 16, seed: int | None = None,
-                           logprobs: int = 0, **kwargs: Any):
+def native_sampling_params(
+    temperature: float = 1.0, max_tokens: int = 16, seed: int | None = None, logprobs: int = 0, **kwargs: Any
+):
     """The same request for a native engine (vLLM's own temperature)."""
     from vllm import SamplingParams
 
@@ -296,5 +340,7 @@ def finish_weight_update(llm, version: int) -> None:
     prefix cache is reset (its blocks hold K/V computed with the old weights)."""
     _finish_with_version(llm, str(version))
     if not llm.reset_prefix_cache():
-        raise RuntimeError("weights updated, but vLLM could not reset its prefix cache (requests still running?); "
-                           "update weights between generate calls")
+        raise RuntimeError(
+            "weights updated, but vLLM could not reset its prefix cache (requests still running?); "
+            "update weights between generate calls"
+        )

@@ -41,8 +41,10 @@ def vllm_version() -> str:
     try:
         import vllm
     except ImportError:
-        raise UnsupportedVLLMError(f"vLLM is not installed: the rl_kernel plugin needs one of the vLLM release "
-                                   f"series {', '.join(SUPPORTED_VLLM)}") from None
+        raise UnsupportedVLLMError(
+            f"vLLM is not installed: the rl_kernel plugin needs one of the vLLM release "
+            f"series {', '.join(SUPPORTED_VLLM)}"
+        ) from None
     return str(vllm.__version__)
 
 
@@ -62,7 +64,8 @@ def check_vllm_version(version: str | None = None) -> str:
         raise UnsupportedVLLMError(
             f"the rl_kernel vLLM plugin supports vLLM {' and '.join(s + '.x' for s in SUPPORTED_VLLM)} (their APIs "
             f"were checked one by one: docs/vllm.md), not the installed {version}: install one of those "
-            f"(on a GPU machine: the vLLM whose wheel pins its torch, scripts/gpu_bundle.sh)")
+            f"(on a GPU machine: the vLLM whose wheel pins its torch, scripts/gpu_bundle.sh)"
+        )
     return version
 
 
@@ -83,18 +86,31 @@ def ipc_init_info(packed: bool, init_fields: set[str] | None = None) -> dict[str
     return {"packed": packed} if "packed" in init_fields else {}
 
 
-def ipc_update_info(names: list[str], dtype_names: list[str], shapes: list[list[int]], ipc_handles: Any,
-                    tensor_sizes: list[int], update_fields: set[str] | None = None) -> dict[str, Any]:
+def ipc_update_info(
+    names: list[str],
+    dtype_names: list[str],
+    shapes: list[list[int]],
+    ipc_handles: Any,
+    tensor_sizes: list[int],
+    update_fields: set[str] | None = None,
+) -> dict[str, Any]:
     """`update_info` of one packed bucket for vLLM's ipc engine. `update_fields`: the fields of vLLM's
     IPCWeightTransferUpdateInfo (default: the installed vLLM's); where it has `packed` (0.26) the flag
     travels with every update (there the init info has none)."""
     update_fields = _fields(_ipc_classes()[1]) if update_fields is None else update_fields
-    info = {"names": names, "dtype_names": dtype_names, "shapes": shapes, "ipc_handles": ipc_handles,
-            "tensor_sizes": tensor_sizes}
+    info = {
+        "names": names,
+        "dtype_names": dtype_names,
+        "shapes": shapes,
+        "ipc_handles": ipc_handles,
+        "tensor_sizes": tensor_sizes,
+    }
     missing = set(info) - update_fields
     if missing:
-        raise UnsupportedVLLMError(f"this vLLM's IPCWeightTransferUpdateInfo lacks {sorted(missing)}: the ipc push "
-                                   f"needs vLLM {' or '.join(SUPPORTED_VLLM)}")
+        raise UnsupportedVLLMError(
+            f"this vLLM's IPCWeightTransferUpdateInfo lacks {sorted(missing)}: the ipc push "
+            f"needs vLLM {' or '.join(SUPPORTED_VLLM)}"
+        )
     if "packed" in update_fields:
         info["packed"] = True
     return info

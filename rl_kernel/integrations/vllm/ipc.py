@@ -41,12 +41,24 @@ class VllmIPCReceiver(WeightReceiver):
 
     def _load_bucket(self, msg: dict, metas: list[TensorMeta], sizes: list[int]) -> None:
         if "ipc_handle" not in msg:
-            raise ValueError(f"bucket {msg.get('bucket')} has no ipc_handle: vLLM engines take the ipc transport "
-                             "only (vLLM's nccl engine has a rendezvous and wire of its own)")
+            raise ValueError(
+                f"bucket {msg.get('bucket')} has no ipc_handle: vLLM engines take the ipc transport "
+                "only (vLLM's nccl engine has a rendezvous and wire of its own)"
+            )
         padded = [m.name for m, n in zip(metas, sizes) if n != m.nbytes]
         if padded:
-            raise ValueError(f"vLLM's packed IPC reader takes tensors back to back, but {len(padded)} tensor(s) of "
-                             f"bucket {msg.get('bucket')} are padded to {ALIGN} bytes, e.g. {padded[:3]}")
-        self.llm.update_weights({"update_info": ipc_update_info(
-            [m.name for m in metas], [m.dtype_name for m in metas], [list(m.shape) for m in metas],
-            msg["ipc_handle"], sizes)})
+            raise ValueError(
+                f"vLLM's packed IPC reader takes tensors back to back, but {len(padded)} tensor(s) of "
+                f"bucket {msg.get('bucket')} are padded to {ALIGN} bytes, e.g. {padded[:3]}"
+            )
+        self.llm.update_weights(
+            {
+                "update_info": ipc_update_info(
+                    [m.name for m in metas],
+                    [m.dtype_name for m in metas],
+                    [list(m.shape) for m in metas],
+                    msg["ipc_handle"],
+                    sizes,
+                )
+            }
+        )

@@ -48,9 +48,11 @@ def _contiguous_blocks(cache: torch.Tensor) -> bool:
 
 
 def _layout_error(backend: str, kv_cache: torch.Tensor, why: str) -> ValueError:
-    return ValueError(f"rl_kernel's strict vLLM model cannot read the {backend} KV cache "
-                      f"{list(kv_cache.shape)} (strides {list(kv_cache.stride())}): {why}; supported: CPU_ATTN, "
-                      f"and FLASH_ATTN in a layout with contiguous blocks (vLLM's default for it, LBNHC)")
+    return ValueError(
+        f"rl_kernel's strict vLLM model cannot read the {backend} KV cache "
+        f"{list(kv_cache.shape)} (strides {list(kv_cache.stride())}): {why}; supported: CPU_ATTN, "
+        f"and FLASH_ATTN in a layout with contiguous blocks (vLLM's default for it, LBNHC)"
+    )
 
 
 def kv_cache_views(kv_cache: torch.Tensor, backend: str, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -79,8 +81,9 @@ def kv_cache_views(kv_cache: torch.Tensor, backend: str, head_dim: int) -> tuple
     return k_cache, v_cache
 
 
-def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+def write_kv(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
     """Copy k, v [T, Hkv, d] into the views k_cache, v_cache [num_blocks, block_size, Hkv, d] at the flat
     slots slot_mapping [T] (block * block_size + offset); slot -1 (vLLM's padding) changes nothing.
 
@@ -118,13 +121,22 @@ def _vllm_cache_writer():
     return None
 
 
-def write_kv_flash(writer, attn, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   slot_mapping: torch.Tensor) -> None:
+def write_kv_flash(
+    writer,
+    attn,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
     """`write_kv` through vLLM's FlashAttention cache write: the same bytes in the cache, one kernel instead of
     about twenty (capture-safe like vLLM's own). Only an unquantized cache of k's dtype keeps k and v's bits."""
     if k_cache.dtype != k.dtype:
-        raise ValueError(f"rl_kernel's strict vLLM model writes K/V bit for bit: the KV cache must be {k.dtype} "
-                         f"(kv_cache_dtype='auto'), got {k_cache.dtype}")
+        raise ValueError(
+            f"rl_kernel's strict vLLM model writes K/V bit for bit: the KV cache must be {k.dtype} "
+            f"(kv_cache_dtype='auto'), got {k_cache.dtype}"
+        )
     writer(k, v, k_cache, v_cache, slot_mapping, "auto", attn._k_scale, attn._v_scale)
 
 
@@ -134,8 +146,9 @@ def _paged_attention_in_place(q, k_cache, v_cache, meta, scale: float) -> torch.
     rows past query_start_loc[-1] (the tokens vLLM pads a CUDA-graph batch with) are 0: no sequence's, the
     Triton backend leaves them unwritten (docs/vllm.md, padding rows)."""
     seq_lens = meta.seq_lens
-    out = rk.paged_attention(q, k_cache, v_cache, meta.block_table[: seq_lens.shape[0]], seq_lens,
-                             meta.query_start_loc, scale)
+    out = rk.paged_attention(
+        q, k_cache, v_cache, meta.block_table[: seq_lens.shape[0]], seq_lens, meta.query_start_loc, scale
+    )
     rows = torch.arange(q.shape[0], device=q.device).view(-1, 1, 1)
     return torch.where(rows < meta.query_start_loc[-1], out, 0)
 
@@ -149,8 +162,9 @@ def _paged_attention_compact(q, k_cache, v_cache, meta, scale: float) -> torch.T
     width = int(torch.div(seq_lens.max() + block_size - 1, block_size, rounding_mode="floor"))
     table = meta.block_table[: seq_lens.shape[0], :width].to(torch.int64)
     used, local_table = torch.unique(table, return_inverse=True)
-    return rk.paged_attention(q, k_cache[used].contiguous(), v_cache[used].contiguous(), local_table,
-                              seq_lens, meta.query_start_loc, scale)
+    return rk.paged_attention(
+        q, k_cache[used].contiguous(), v_cache[used].contiguous(), local_table, seq_lens, meta.query_start_loc, scale
+    )
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta, scale: float) -> torch.Tensor:
@@ -184,38 +198,51 @@ class RLKernelQwen3ForCausalLM(nn.Module):
         super().__init__()
         config = vllm_config.model_config.hf_config
         if config.model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(f"rl_kernel's strict vLLM model supports Qwen3 (dense) checkpoints only "
-                             f"(model_type {SUPPORTED_MODEL_TYPES}); this checkpoint has model_type "
-                             f"{config.model_type!r}. Run it in native mode (plain vLLM) instead.")
+            raise ValueError(
+                f"rl_kernel's strict vLLM model supports Qwen3 (dense) checkpoints only "
+                f"(model_type {SUPPORTED_MODEL_TYPES}); this checkpoint has model_type "
+                f"{config.model_type!r}. Run it in native mode (plain vLLM) instead."
+            )
         if vllm_config.parallel_config.pipeline_parallel_size > 1:
             raise ValueError("the strict Qwen3 model does not support pipeline parallelism; use tensor parallelism")
         modes = (vllm_config.additional_config or {}).get(MODES_KEY)
         if modes is None:  # fail closed: this process's environment does not decide what the engine runs
-            raise ValueError(f"rl_kernel's strict vLLM model was started without explicit rl_kernel modes "
-                             f"(additional_config[{MODES_KEY!r}]): build the engine arguments with "
-                             "rl_kernel.integrations.vllm.strict_llm_kwargs(model, modes)")
+            raise ValueError(
+                f"rl_kernel's strict vLLM model was started without explicit rl_kernel modes "
+                f"(additional_config[{MODES_KEY!r}]): build the engine arguments with "
+                "rl_kernel.integrations.vllm.strict_llm_kwargs(model, modes)"
+            )
         for boundary, mode in full_modes(modes).items():
             rk.set_mode(mode, boundary)
         self.config = config
         self.shape = Qwen3Config.from_hf({**config.to_dict(), "architectures": ["Qwen3ForCausalLM"]}, "hf_config")
         self.vocab_size = config.vocab_size
         tp = get_tp_group()
-        self.model = Qwen3Model(self.shape, tp.cpu_group if tp.world_size > 1 else None,
-                                vllm_config.model_config.dtype)
+        self.model = Qwen3Model(self.shape, tp.cpu_group if tp.world_size > 1 else None, vllm_config.model_config.dtype)
         s = self.model.shape
         # vLLM's Attention layers are kept only so that vLLM allocates, binds and schedules each layer's
         # paged KV cache; their forward (vLLM's attention kernels) is never called.
         self.attn = nn.ModuleList(
-            Attention(s.heads, self.shape.head_dim, self.model.scale, num_kv_heads=s.kv_heads,
-                      cache_config=vllm_config.cache_config, prefix=f"{prefix}model.layers.{i}.self_attn.attn")
-            for i in range(self.shape.num_layers))
+            Attention(
+                s.heads,
+                self.shape.head_dim,
+                self.model.scale,
+                num_kv_heads=s.kv_heads,
+                cache_config=vllm_config.cache_config,
+                prefix=f"{prefix}model.layers.{i}.self_attn.attn",
+            )
+            for i in range(self.shape.num_layers)
+        )
         for i, attn in enumerate(self.attn):
             register_layer(attn.layer_name, self, i)
         self._flash_writer = _vllm_cache_writer() if vllm_config.device_config.device_type == "cuda" else None
         sched = vllm_config.scheduler_config
-        self._warm_up = dict(max_tokens=sched.max_num_batched_tokens, max_seqs=sched.max_num_seqs,
-                             block_size=vllm_config.cache_config.block_size,
-                             max_model_len=vllm_config.model_config.max_model_len)
+        self._warm_up = dict(
+            max_tokens=sched.max_num_batched_tokens,
+            max_seqs=sched.max_num_seqs,
+            block_size=vllm_config.cache_config.block_size,
+            max_model_len=vllm_config.model_config.max_model_len,
+        )
         self.warmed_up: list[int] | None = None  # the token counts the Triton warm-up ran, once it has
 
     def _attention_fn(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -274,6 +301,7 @@ class RLKernelQwen3ForCausalLM(nn.Module):
         device = self.model.norm.weight.device
         if self.warmed_up is not None or not uses_triton(device):
             return
-        self.warmed_up = warm_up(self.model, paged_attention=paged_attention, kv_cache_views=kv_cache_views,
-                                 device=device, **self._warm_up)
+        self.warmed_up = warm_up(
+            self.model, paged_attention=paged_attention, kv_cache_views=kv_cache_views, device=device, **self._warm_up
+        )
         torch.cuda.empty_cache()  # the warm-up's activations are not the engine's (vLLM sizes the KV cache next)

@@ -76,9 +76,13 @@ def update_payload(meta: list[ParamMeta]) -> dict:
     """The update info vLLM's trainer engine sends with `update_weights` for a source of metadata `meta`:
     `NCCLWeightTransferUpdateInfo` as a dict (names, dtype_names, shapes; metadata order)."""
     metas = _metas(meta)
-    return asdict(NCCLWeightTransferUpdateInfo(names=[m.name for m in metas],
-                                               dtype_names=[m.dtype_name for m in metas],
-                                               shapes=[list(m.shape) for m in metas]))
+    return asdict(
+        NCCLWeightTransferUpdateInfo(
+            names=[m.name for m in metas],
+            dtype_names=[m.dtype_name for m in metas],
+            shapes=[list(m.shape) for m in metas],
+        )
+    )
 
 
 def packed_chunks(meta: list[ParamMeta], buffer_bytes: int) -> int:
@@ -114,8 +118,12 @@ class EngineClient:
         return self._send([msg] * len(self.ranks))
 
     def init_weight_transfer_engine(self, init_info: dict) -> None:
-        self._send([{"op": "init_weight_transfer_engine", "init_info": {**init_info, "rank_offset": offset}}
-                    for offset in self.offsets])
+        self._send(
+            [
+                {"op": "init_weight_transfer_engine", "init_info": {**init_info, "rank_offset": offset}}
+                for offset in self.offsets
+            ]
+        )
 
     def start_weight_update(self) -> None:
         self._all({"op": "start_weight_update", "version": self.version})
@@ -138,13 +146,23 @@ class VllmNCCLSender:
     change). `dtype` is the engines' dtype (the wire dtype); `buffer_bytes` the size of vLLM's packed
     buffers. `trainer_init` replaces vLLM's (tests without NCCL only)."""
 
-    def __init__(self, send: Send, engines: int, host: str, *, dtype: torch.dtype | str | None = None,
-                 buffer_bytes: int = DEFAULT_PACKED_BUFFER_SIZE_BYTES, trainer_init: Callable | None = None):
+    def __init__(
+        self,
+        send: Send,
+        engines: int,
+        host: str,
+        *,
+        dtype: torch.dtype | str | None = None,
+        buffer_bytes: int = DEFAULT_PACKED_BUFFER_SIZE_BYTES,
+        trainer_init: Callable | None = None,
+    ):
         self._send, self.engines, self.host = send, engines, host
         self.dtype, self.buffer_bytes = _dtype(dtype), buffer_bytes
         if trainer_init is None and NCCLTrainerWeightTransferEngine is None:
-            raise ValueError("this vLLM's nccl weight-transfer engine has no NCCLTrainerWeightTransferEngine "
-                             "(vLLM 0.26), which this push drives: use the ipc transport")
+            raise ValueError(
+                "this vLLM's nccl weight-transfer engine has no NCCLTrainerWeightTransferEngine "
+                "(vLLM 0.26), which this push drives: use the ipc transport"
+            )
         self._trainer_init = trainer_init or NCCLTrainerWeightTransferEngine.trainer_init
         self.client: EngineClient | None = None
         self.engine = None  # vLLM's trainer engine, once the group is formed
@@ -177,9 +195,14 @@ class VllmNCCLSender:
             from vllm.utils.network_utils import get_open_port
 
             self.client = EngineClient(self._send, self._send([{"op": "ranks"}] * self.engines))
-            info = NCCLTrainerInitInfo(master_address=self.host, master_port=get_open_port(),
-                                       world_size=self.client.world_size, rank=0, packed=True,
-                                       packed_buffer_size_bytes=self.buffer_bytes)
+            info = NCCLTrainerInitInfo(
+                master_address=self.host,
+                master_port=get_open_port(),
+                world_size=self.client.world_size,
+                rank=0,
+                packed=True,
+                packed_buffer_size_bytes=self.buffer_bytes,
+            )
             self.engine = self._trainer_init(info, client=self.client, source=source)
         return self.engine
 
@@ -213,8 +236,9 @@ class VllmNCCLReceiver(WeightReceiver):
             self._offered, self._received = metas_of(msg), None
             return None
         if msg.get("version") is None or msg.get("version") != self._pending:
-            raise WeightVersionError(f"{op!r} of weight version {msg.get('version')!r} during the push of "
-                                     f"{self._pending}")
+            raise WeightVersionError(
+                f"{op!r} of weight version {msg.get('version')!r} during the push of {self._pending}"
+            )
         if op == "start_weight_update":
             self.llm.start_weight_update()
         elif op == "update_weights":
@@ -229,8 +253,9 @@ class VllmNCCLReceiver(WeightReceiver):
     def _finish(self, version: int) -> dict:
         if self._received != self._offered:
             got = "no update" if self._received is None else f"{len(self._received)} tensors"
-            raise WeightVersionError(f"version {version}: vLLM was sent {got}, not the {len(self._offered)} tensors "
-                                     "checked at start")
+            raise WeightVersionError(
+                f"version {version}: vLLM was sent {got}, not the {len(self._offered)} tensors checked at start"
+            )
         finish_weight_update(self.llm, version)
         served = get_weight_version(self.llm)
         if served != str(version):

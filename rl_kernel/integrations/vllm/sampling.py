@@ -36,14 +36,20 @@ def _rejections(params) -> list[str]:
     problems = []
     temp = extra.get(TEMPERATURE_KEY)
     if temp is None:
-        problems.append(f"extra_args[{TEMPERATURE_KEY!r}] is missing (build the request with "
-                        "rl_kernel.integrations.vllm.strict_sampling_params)")
+        problems.append(
+            f"extra_args[{TEMPERATURE_KEY!r}] is missing (build the request with "
+            "rl_kernel.integrations.vllm.strict_sampling_params)"
+        )
     elif not isinstance(temp, (int, float)) or not temp > 0:
-        problems.append(f"extra_args[{TEMPERATURE_KEY!r}]={temp!r} must be a number > 0 (greedy decoding is not "
-                        "part of the strict contract; use a small temperature)")
+        problems.append(
+            f"extra_args[{TEMPERATURE_KEY!r}]={temp!r} must be a number > 0 (greedy decoding is not "
+            "part of the strict contract; use a small temperature)"
+        )
     if params.temperature != 1.0:
-        problems.append(f"temperature={params.temperature} must be 1.0 (the real temperature goes in "
-                        f"extra_args[{TEMPERATURE_KEY!r}])")
+        problems.append(
+            f"temperature={params.temperature} must be 1.0 (the real temperature goes in "
+            f"extra_args[{TEMPERATURE_KEY!r}])"
+        )
     if params.top_k not in (0, -1, None):
         problems.append(f"top_k={params.top_k}")
     if params.top_p != 1.0:
@@ -57,8 +63,10 @@ def _rejections(params) -> list[str]:
         if getattr(params, name, None):
             problems.append(f"{name} is set")
     if params.prompt_logprobs is not None:
-        problems.append("prompt_logprobs is set (vLLM computes those with its own log_softmax, outside the "
-                        "contract; teacher-force the prompt with the reference model or the trainer)")
+        problems.append(
+            "prompt_logprobs is set (vLLM computes those with its own log_softmax, outside the "
+            "contract; teacher-force the prompt with the reference model or the trainer)"
+        )
     return problems
 
 
@@ -84,9 +92,12 @@ class StrictLogprobsProcessor(LogitsProcessor):
     def validate_params(cls, sampling_params) -> None:
         problems = _rejections(sampling_params)
         if problems:
-            raise ValueError("rl_kernel strict vLLM engine cannot honour this request: " + "; ".join(problems)
-                             + ". Strict mode samples from the full-vocab softmax at the given temperature only "
-                             "(top-k/top-p/min-p, penalties, logit bias and token masks are not in its contract).")
+            raise ValueError(
+                "rl_kernel strict vLLM engine cannot honour this request: "
+                + "; ".join(problems)
+                + ". Strict mode samples from the full-vocab softmax at the given temperature only "
+                "(top-k/top-p/min-p, penalties, logit bias and token masks are not in its contract)."
+            )
 
     def __init__(self, vllm_config, device: torch.device, is_pin_memory: bool) -> None:
         self.temperatures: dict[int, float] = {}

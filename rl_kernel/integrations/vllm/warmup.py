@@ -57,13 +57,26 @@ def dummy_batch(tokens: int, max_seqs: int, width: int, device: torch.device) ->
     q_lens[-1] = tokens - (seqs - 1)
     query_start_loc = torch.zeros(seqs + 1, dtype=torch.int32)
     query_start_loc[1:] = torch.cumsum(q_lens, 0)
-    return SimpleNamespace(query_start_loc=query_start_loc.to(device), seq_lens=q_lens.to(device),
-                           block_table=torch.zeros(seqs, width, dtype=torch.int32, device=device))
+    return SimpleNamespace(
+        query_start_loc=query_start_loc.to(device),
+        seq_lens=q_lens.to(device),
+        block_table=torch.zeros(seqs, width, dtype=torch.int32, device=device),
+    )
 
 
 @torch.no_grad()  # not inference_mode: the RoPE table cache reads tensor versions
-def warm_up(model, *, paged_attention, kv_cache_views, max_tokens: int, max_seqs: int, block_size: int,
-            max_model_len: int, device: torch.device, backend: str = "FLASH_ATTN") -> list[int]:
+def warm_up(
+    model,
+    *,
+    paged_attention,
+    kv_cache_views,
+    max_tokens: int,
+    max_seqs: int,
+    block_size: int,
+    max_model_len: int,
+    device: torch.device,
+    backend: str = "FLASH_ATTN",
+) -> list[int]:
     """Run `model` (`rl_kernel.models.layers.Qwen3Model`) once per count of `warm_up_tokens(max_tokens)` with
     the serving model's `paged_attention` over a one-block cache of `backend`'s layout (`kv_cache_views`;
     block_size, cdiv(max_model_len, block_size) table entries per sequence) and the logits of the last
@@ -86,5 +99,5 @@ def warm_up(model, *, paged_attention, kv_cache_views, max_tokens: int, max_seqs
             return paged_attention(q, k_cache, v_cache, meta, model.scale)
 
         hidden = model(ids, positions, attn)
-        model.lm_head.logits(hidden[-min(tokens, max_seqs):])
+        model.lm_head.logits(hidden[-min(tokens, max_seqs) :])
     return counts

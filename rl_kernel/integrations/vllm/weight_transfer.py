@@ -79,8 +79,10 @@ class CPUWeightTransferEngine(WeightTransferEngine[CPUInitInfo, CPUUpdateInfo]):
 
     def receive_weights(self, update_info: CPUUpdateInfo) -> None:
         if self._pending is not None and update_info.version != self._pending:
-            raise ValueError(f"one weight-update session carries one version: got a chunk of version "
-                             f"{update_info.version} in the session of version {self._pending}")
+            raise ValueError(
+                f"one weight-update session carries one version: got a chunk of version "
+                f"{update_info.version} in the session of version {self._pending}"
+            )
         self._pending = update_info.version
         with safe_open(update_info.path, framework="pt") as f:
             self.model.load_weights((name, f.get_tensor(name)) for name in f.keys())
