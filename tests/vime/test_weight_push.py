@@ -157,3 +157,35 @@ def test_an_engine_killed_before_a_push_is_restarted_and_the_sync_completes(acto
     trained = ray.get(trainer.score.remote(samples))
     for engine in driver.engines:
         assert _mismatches(ray.get(engine.rescore.remote(samples)), trained) == 0
+
+
+def test_a_restart_whose_reload_meets_another_dead_engine_restarts_that_one_too(actors):
+    """A lost node takes every engine on it, and each is seen dead at its own moment: engine 0 during a
+    rollout (restarted, then reloaded by a push to every engine behind), engine 1 only by that reload's push.
+    The reload restarts engine 1 as a step's sync would, instead of ending the run."""
+    from types import SimpleNamespace
+
+    from vime.config.schema import VimeConfig
+    from vime.faults import restart
+
+    trainer, engines, new_engine = actors
+    samples = _samples(engines)
+    version = ray.get(trainer.train_step.remote(samples))["version"]
+    timeline = Timeline(num_engines=2, trainer_version=version, engine_versions=[version - 1] * 2)
+    cfg = VimeConfig(rollout=RolloutConfig(engine=RolloutBackend.reference))
+    driver = SimpleNamespace(
+        engines=engines,
+        new_engine=new_engine,
+        cfg=cfg,
+        engine_restarts=0,
+        timeline=timeline,
+        trainer=[trainer],
+        weight_paths=["nccl"] * 2,
+    )
+    for engine in engines:
+        ray.kill(engine)
+    restart.restart_engine(driver, 0, "killed with its node")
+    assert driver.engine_restarts == 2 and timeline.engine_versions == [version] * 2
+    trained = ray.get(trainer.score.remote(samples))
+    for engine in driver.engines:
+        assert _mismatches(ray.get(engine.rescore.remote(samples)), trained) == 0

@@ -67,20 +67,25 @@ def _alive(actor) -> bool:
 
 def load_current_weights(driver, engine: int) -> None:
     """Bring restarted rollout engine `engine` to the trainer's current weights and version, over the run's
-    configured transport (the same `sync_weights` as a step's sync; only the engines behind are loaded)."""
+    configured transport (the same `sync_weights` as a step's sync; only the engines behind are loaded). An
+    engine found dead by this push (a lost node takes all its engines, each seen dead at its own moment) is
+    restarted too, as in a step's sync."""
     from vime.cluster.remote import BUCKET_BYTES, call
     from vime.weights.sync import sync_weights
 
-    sync_weights(
-        driver.trainer,
-        driver.engines,
-        driver.timeline.trainer_version,
-        BUCKET_BYTES,
-        driver.timeline,
-        call,
-        driver.weight_paths,
-        driver.cfg.rollout.engine,
-    )
+    def push() -> dict:
+        return sync_weights(
+            driver.trainer,
+            driver.engines,
+            driver.timeline.trainer_version,
+            BUCKET_BYTES,
+            driver.timeline,
+            call,
+            driver.weight_paths,
+            driver.cfg.rollout.engine,
+        )
+
+    sync(driver, push)
 
 
 def restart_engine(driver, engine: int, cause: str, who: str | None = None) -> None:
