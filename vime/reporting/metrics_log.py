@@ -97,13 +97,10 @@ class MetricsLogger:
         self._console(record)
 
     def _console(self, record: StepRecord) -> None:
-        widths = [max(len(name), len(fmt.format(0))) for name, fmt, _ in CONSOLE_COLUMNS]
         if not self._header_printed:
-            log.info(" ".join(name.rjust(w) for (name, _, _), w in zip(CONSOLE_COLUMNS, widths)))
+            log.info(report.table_header(CONSOLE_COLUMNS))
             self._header_printed = True
-        log.info(
-            " ".join(report.table_cell(get(record), fmt).rjust(w) for (_, fmt, get), w in zip(CONSOLE_COLUMNS, widths))
-        )
+        log.info(report.table_row(CONSOLE_COLUMNS, record))
         c = record.consistency
         if c.worst_position is not None:
             log.info(

@@ -257,19 +257,27 @@ def table_cell(value, fmt: str) -> str:
     return fmt.format(int(value) if fmt.endswith("d}") else float(value))
 
 
+def table_header(columns) -> str:
+    """The header line of a table of (header, format, value of a record) columns."""
+    return " ".join(h.rjust(w) for (h, _, _), w in zip(columns, _widths(columns)))
+
+
+def table_row(columns, record: StepRecord) -> str:
+    """One record's line under `table_header(columns)`; a value the step did not measure shows as '-'."""
+    return " ".join(table_cell(get(record), f).rjust(w) for (_, f, get), w in zip(columns, _widths(columns)))
+
+
+def _widths(columns) -> list[int]:
+    return [max(len(h), len(f.format(0))) for h, f, _ in columns]
+
+
 def step_table(rows: Sequence[StepRecord], max_rows: int = 12) -> list[str]:
     """Per-step phase timings and weight-sync rate, one line per step (the first and last `max_rows // 2`
     steps of a longer run); a missing value shows as '-'."""
-    widths = [max(len(h), len(f.format(0))) for h, f, _ in STEP_COLUMNS]
-    lines = ["  " + " ".join(h.rjust(w) for (h, _, _), w in zip(STEP_COLUMNS, widths))]
     shown = list(rows) if len(rows) <= max_rows else [*rows[: max_rows // 2], None, *rows[-(max_rows // 2) :]]
-    for r in shown:
-        lines.append(
-            "  ..."
-            if r is None
-            else "  " + " ".join(table_cell(get(r), f).rjust(w) for (_, f, get), w in zip(STEP_COLUMNS, widths))
-        )
-    return lines
+    return ["  " + table_header(STEP_COLUMNS)] + [
+        "  ..." if r is None else "  " + table_row(STEP_COLUMNS, r) for r in shown
+    ]
 
 
 SUMMARY_WIDTH = 110  # the summary's lines fit 120 columns with the console's `HH:MM:SS ` prefix
