@@ -152,9 +152,15 @@ def _refuse_process_starts(item: pytest.Item) -> Iterator[None]:
         yield
 
 
+def _may_start_processes(item: pytest.Item) -> bool:
+    """Slow tests, and GPU tests (skipped without CUDA, so never in a CPU tier; on a GPU Triton's driver and
+    compiler run the C compiler and ptxas as subprocesses)."""
+    return item.get_closest_marker("slow") is not None or item.get_closest_marker("gpu") is not None
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_setup(item: pytest.Item):
-    if item.get_closest_marker("slow"):
+    if _may_start_processes(item):
         return (yield)
     with _refuse_process_starts(item):
         return (yield)
@@ -162,7 +168,7 @@ def pytest_runtest_setup(item: pytest.Item):
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item: pytest.Item):
-    if item.get_closest_marker("slow"):
+    if _may_start_processes(item):
         return (yield)
     with _refuse_process_starts(item):
         return (yield)

@@ -31,7 +31,7 @@ from triton.runtime.jit import create_function_from_signature  # noqa: E402
 from rl_kernel import backends  # noqa: E402
 from rl_kernel.backends.triton import activation, attention, gemm, norm, rope  # noqa: E402
 from rl_kernel.integrations.vllm.model import kv_cache_views, paged_attention  # noqa: E402
-from rl_kernel.integrations.vllm.warmup import warm_up, warm_up_tokens  # noqa: E402
+from rl_kernel.integrations.vllm.warmup import dummy_batch, warm_up, warm_up_tokens  # noqa: E402
 from rl_kernel.models.layers import Qwen3Model  # noqa: E402
 from rl_kernel.models.qwen3 import Qwen3Config  # noqa: E402
 
@@ -187,6 +187,30 @@ def _decode_and_prefill_steps() -> list:
 @pytest.fixture(scope="module")
 def serving_keys(recorded):
     return _serving_keys(recorded, _decode_and_prefill_steps())
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    tokens=st.integers(1, 4096),
+    max_seqs=st.integers(1, 256),
+    block_size=st.sampled_from([16, 32]),
+    max_model_len=st.integers(1, 4096),
+)
+def test_dummy_batch_stays_inside_max_model_len(tokens, max_seqs, block_size, max_model_len):
+    """Every warm-up sequence fits the engine's max_model_len and its block-table row (a longer one read table
+    entries past its row: an illegal address on the H200 when the token budget exceeded max_model_len)."""
+    width = -(-max_model_len // block_size)
+    max_len = min(max_model_len, width * block_size)
+    seqs = min(tokens, max_seqs)
+    if tokens > seqs * max_len:
+        with pytest.raises(ValueError, match="do not fit"):
+            dummy_batch(tokens, max_seqs, max_len, width, torch.device("cpu"))
+        return
+    meta = dummy_batch(tokens, max_seqs, max_len, width, torch.device("cpu"))
+    q_lens = meta.query_start_loc.diff()
+    assert int(meta.query_start_loc[-1]) == tokens and len(q_lens) == seqs
+    assert torch.equal(q_lens, meta.seq_lens) and int(q_lens.min()) >= 1 and int(q_lens.max()) <= max_model_len
+    assert int(q_lens.max()) == min(tokens - seqs + 1, max_len)  # the long sequence is as long as it may be
 
 
 def test_warm_up_token_counts():

@@ -48,13 +48,21 @@ def warm_up_tokens(max_tokens: int) -> list[int]:
     return sorted(counts)
 
 
-def dummy_batch(tokens: int, max_seqs: int, width: int, device: torch.device) -> SimpleNamespace:
+def dummy_batch(tokens: int, max_seqs: int, max_len: int, width: int, device: torch.device) -> SimpleNamespace:
     """Attention metadata of `tokens` new tokens in min(tokens, max_seqs) sequences, each starting at position 0
-    (the last sequence takes the tokens the others leave: decode-like when tokens <= max_seqs, a prefill beside
-    single tokens otherwise), block table [seqs, width] of zeros (every position reads block 0)."""
+    and at most `max_len` long (the engine's max_model_len: the block table of `width` entries reaches no
+    further). Every sequence takes one token, the last ones take the rest, up to `max_len` each (decode-like when
+    tokens <= max_seqs, prefills beside single tokens otherwise); block table [seqs, width] of zeros (every
+    position reads block 0)."""
     seqs = min(tokens, max_seqs)
+    if tokens > seqs * max_len:
+        raise ValueError(f"{tokens} warm-up tokens do not fit {seqs} sequences of at most {max_len} tokens")
     q_lens = torch.ones(seqs, dtype=torch.int32)
-    q_lens[-1] = tokens - (seqs - 1)
+    extra, i = tokens - seqs, seqs - 1
+    while extra:
+        q_lens[i] += min(extra, max_len - 1)
+        extra -= int(q_lens[i]) - 1
+        i -= 1
     query_start_loc = torch.zeros(seqs + 1, dtype=torch.int32)
     query_start_loc[1:] = torch.cumsum(q_lens, 0)
     return SimpleNamespace(
@@ -91,7 +99,7 @@ def warm_up(
     width = -(-max_model_len // block_size)
     counts = warm_up_tokens(max_tokens)
     for tokens in counts:
-        meta = dummy_batch(tokens, max_seqs, width, device)
+        meta = dummy_batch(tokens, max_seqs, min(max_model_len, width * block_size), width, device)
         ids = torch.zeros(tokens, dtype=torch.int64, device=device)
         positions = torch.arange(tokens, device=device)
 
