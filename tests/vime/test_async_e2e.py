@@ -101,6 +101,7 @@ def _weights(out: Path) -> dict[str, torch.Tensor]:
     return load_file(str(out / "hf_model" / "model.safetensors"))
 
 
+@pytest.mark.extended
 def test_a_stopped_async_run_resumes_identical_in_bits(lag1_run, tmp_path):
     base, base_rows = lag1_run
     out = tmp_path / "stopped"
@@ -149,6 +150,7 @@ def partial_run(tmp_path_factory) -> tuple[Path, list[dict]]:
     return out, _partial(out)
 
 
+@pytest.mark.extended
 def test_in_flight_updates_give_mixed_versions_reproduced_in_bits(partial_run):
     rows = partial_run[1]
     for r in rows:
@@ -165,6 +167,7 @@ def test_in_flight_updates_give_mixed_versions_reproduced_in_bits(partial_run):
 SYNC_KEYS = {"sync_buckets", "sync_transports"}
 
 
+@pytest.mark.extended
 def test_in_flight_updates_over_gloo_stopped_and_resumed_equal_the_object_store_run_in_bits(partial_run, tmp_path):
     """The same in-flight run with the weights broadcast in rl_kernel's push group (`weights.transport=gloo`,
     received into a staging buffer beside the running rollout), stopped after step 0's checkpoint (step 1's
@@ -193,6 +196,7 @@ def test_in_flight_updates_over_gloo_stopped_and_resumed_equal_the_object_store_
         assert same_bits(t, base_weights[name]), name
 
 
+@pytest.mark.extended
 def test_native_twin_of_the_async_run_mismatches(tmp_path):
     """Over gloo: the in-flight path's native twin mismatches (the exactness is not free)."""
     rows = _partial(tmp_path / "native", "rollout.mode=native", "trainer.mode=native", "weights.transport=gloo")

@@ -26,7 +26,7 @@ import pytest
 from rl_kernel import BOUNDARIES, OP_BOUNDARY
 
 REPO = Path(__file__).resolve().parents[2]
-pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.megatron]
+pytestmark = [pytest.mark.slow, pytest.mark.extended, pytest.mark.vllm, pytest.mark.megatron]
 
 
 def _audit(out: Path, *overrides: str) -> tuple[dict, str]:

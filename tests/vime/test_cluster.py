@@ -400,6 +400,7 @@ def _engine_node(name: str) -> str:
     "timing-dependent",
     strict=False,
 )
+@pytest.mark.cluster
 @pytest.mark.slow
 @pytest.mark.vllm
 @pytest.mark.megatron
@@ -456,12 +457,10 @@ def test_two_node_run_strict_over_gloo_survives_the_loss_of_its_rollout_node(clu
 
 
 @pytest.fixture(scope="module")
-def opt_cluster(request):
+def opt_cluster():
     """Opt-in (`-m cluster`): a head node without CPUs (the driver's), trainer node A (127.0.0.2) and rollout
     node B (127.0.0.3, one engine's CPU); the test process is connected."""
 
-    if "cluster" not in (request.config.option.markexpr or ""):
-        pytest.skip("opt-in: several vime.train runs on a simulated cluster (minutes); run with -m cluster")
     yield from _connected(
         {"num_cpus": 0},
         {

@@ -84,6 +84,7 @@ def test_h200_preset_composes_validates_and_places_on_one_and_two_gpus(compose_c
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 @pytest.mark.megatron
 def test_h200_preset_runs_on_cpu_with_reference_rollout_and_megatron(tmp_path):
     out = tmp_path / "run"

@@ -26,7 +26,7 @@ from rl_kernel.bits import same_bits
 from tests.vime.conftest import REPO, TRAIN_ENV, train_cmd, wandb_exit_codes
 from vime.state.checkpoint import TIMING_KEYS
 
-pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.megatron]
+pytestmark = [pytest.mark.slow, pytest.mark.extended, pytest.mark.vllm, pytest.mark.megatron]
 
 
 def _rows(out: Path) -> list[dict]:

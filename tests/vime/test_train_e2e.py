@@ -75,6 +75,7 @@ def test_a_finished_run_leaves_no_process_or_temporary_file(strict_run):
     assert "\x1b[" not in console and "(raylet)" not in console
 
 
+@pytest.mark.extended
 def test_strict_run_with_bf16_logits_has_zero_mismatches_every_step(tmp_path):
     """model.logits_dtype=bfloat16: the logprob contracts round the LM head's logits to bf16 on both engines.
     The driver's contract gate fails the run if either engine ran its logprobs under another logit dtype (the

@@ -23,7 +23,7 @@ from vime.rollout.actor import RolloutWorker
 from vime.trainer.actor import TrainerWorker
 from vime.weights.sync import sync_weights
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.extended]
 
 
 def _call(refs, what, names):

@@ -60,9 +60,7 @@ def test_summarize_per_step():
 @pytest.mark.slow
 @pytest.mark.vllm
 @pytest.mark.bench
-def test_profile_script_runs_each_mode_in_its_own_process(tmp_path, request):
-    if "bench" not in (request.config.option.markexpr or ""):
-        pytest.skip("opt-in: three vLLM engines in subprocesses (minutes); run with -m bench")
+def test_profile_script_runs_each_mode_in_its_own_process(tmp_path):
     out = tmp_path / "profile.json"
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1")
     run = subprocess.run(

@@ -195,5 +195,20 @@ def sync(driver, sync_fn) -> dict:
         if not dead:
             raise
         for i in dead:
+            if _alive(driver.engines[i]):  # already replaced: another engine's reload push found it dead too
+                continue
             restart_engine(driver, i, str(e), _who(e, i))
+        served_versions(driver)
         return sync_fn()
+
+
+def served_versions(driver) -> None:
+    """Set the timeline's engine versions to what each engine serves. A failed push can land on some engines
+    before another is found dead (and the acknowledgements never come): the retry must not offer those a version
+    they already serve."""
+    from vime.cluster.remote import call
+
+    names = [f"rollout engine {i}" for i in range(len(driver.engines))]
+    infos = call([e.info.remote() for e in driver.engines], "engine versions", names)
+    for i, info in enumerate(infos):
+        driver.timeline.engine_versions[i] = info["version"]

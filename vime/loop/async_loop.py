@@ -40,7 +40,6 @@ from vime.errors import ComparabilityError, EngineDiedError, TrainingError
 from vime.faults import restart
 from vime.loop import consistency
 from vime.loop.record import StepRecord
-from vime.reporting import report
 from vime.trainer.grpo import group_advantages
 from vime.weights.sync import push_transport, sync_weights
 
@@ -284,24 +283,9 @@ class AsyncLoop:
         t3 = time.perf_counter()
         result, verdict = self._consistency(samples, fresh, checked, behaviour, trained, version)
         sync = self._sync()
-        rewards = torch.tensor([s.reward for s in samples])
-        warning = report.no_signal_warning(step, rewards.tolist(), cfg.algo.group_size)
-        if warning:
-            log.warning(warning)
         checked_tokens = sum(len(samples[i].response_ids) for i in checked)
         stale_tokens = sum(len(s.response_ids) for s, k in zip(samples, kinds) if k != "fresh")
-        row = {
-            "step": step,
-            "version": version,
-            "next_version": d.timeline.trainer_version,
-            "reward_mean": float(rewards.mean()),
-            "reward_std": float(rewards.std()),
-            "reward_min": float(rewards.min()),
-            "reward_max": float(rewards.max()),
-            "tied_groups": report.tied_groups(rewards.tolist(), cfg.algo.group_size),
-            "correct_frac": float((rewards == 1.0).float().mean()),
-            "samples": report.completion_lines(samples, d.tokenizer.decode, 4, start=step),
-            "response_len_mean": sum(len(s.response_ids) for s in samples) / len(samples),
+        fields = {
             **result.metrics(),
             **stats,
             **sync,
@@ -313,18 +297,9 @@ class AsyncLoop:
             "stale_samples": kinds.count("stale"),
             "behaviour_checked_tokens": checked_tokens,
             "behaviour_check_rate": checked_tokens / stale_tokens if stale_tokens else 1.0,
-            "rollout_s": t1 - t0,
-            "score_s": t2 - t1,
-            "train_s": t3 - t2,
-            "step_s": time.perf_counter() - t0,
             "contracts": verdict,
-            "strict": d.strict,
-            "engine_restarts": d.engine_restarts,
-            **d.labels,
         }
-        record = StepRecord.from_row(row)
-        d.timeline.finish_step(record.parity_summary())
-        return record
+        return d.record(step, version, samples, (t0, t1, t2, t3), fields)
 
     def _sync(self) -> dict:
         """Push the trainer's new version to every engine (the push waits for a running rollout unless

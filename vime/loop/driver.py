@@ -307,11 +307,18 @@ class Driver:
                 cfg.rollout.engine,
             ),
         )
+        fields = {**result.metrics(), **stats, **sync, **lag_metrics(samples, version, 0), "contracts": verdict}
+        return self.record(step, version, samples, (t0, t1, t2, t3), fields)
+
+    def record(self, step: int, version: int, samples: list[Sample], times: tuple, fields: dict) -> StepRecord:
+        """Step `step`'s record, sampled at weight `version`: its rewards and sample completions, `fields` (parity,
+        trainer stats, sync, staleness, contracts), phase seconds from `times` = (start, rollout done, scored,
+        trained) to now; the timeline closes the step on it. Shared by the synchronous and asynchronous loops."""
         rewards = torch.tensor([s.reward for s in samples])
-        tied = report.tied_groups(rewards.tolist(), cfg.algo.group_size)
-        warning = report.no_signal_warning(step, rewards.tolist(), cfg.algo.group_size)
+        warning = report.no_signal_warning(step, rewards.tolist(), self.cfg.algo.group_size)
         if warning:
             log.warning(warning)
+        t0, t1, t2, t3 = times
         row = {
             "step": step,
             "version": version,
@@ -320,19 +327,15 @@ class Driver:
             "reward_std": float(rewards.std()),
             "reward_min": float(rewards.min()),
             "reward_max": float(rewards.max()),
-            "tied_groups": tied,
+            "tied_groups": report.tied_groups(rewards.tolist(), self.cfg.algo.group_size),
             "correct_frac": float((rewards == 1.0).float().mean()),
             "samples": report.completion_lines(samples, self.tokenizer.decode, 4, start=step),
             "response_len_mean": sum(len(s.response_ids) for s in samples) / len(samples),
-            **result.metrics(),
-            **stats,
-            **sync,
-            **lag_metrics(samples, version, 0),
+            **fields,
             "rollout_s": t1 - t0,
             "score_s": t2 - t1,
             "train_s": t3 - t2,
             "step_s": time.perf_counter() - t0,
-            "contracts": verdict,
             "strict": self.strict,
             "engine_restarts": self.engine_restarts,
             **self.labels,
