@@ -46,6 +46,7 @@ def test_evidence_names_the_path_that_ran(world1):
     assert {mode for _, mode in r["native_evidence"]} == {"native"}  # Megatron's own modules record nothing
 
 
+@pytest.mark.extended  # a gloo world of 2 (or 4) ranks: the opt-in set
 def test_packing_and_micro_batches_do_not_change_bits(world1, world2):
     for key in ("tp1cp1", "tp1cp2"):
         r = (world1 if key == "tp1cp1" else world2)[key]
@@ -53,6 +54,7 @@ def test_packing_and_micro_batches_do_not_change_bits(world1, world2):
         assert mismatches(r["strict_mb4_reversed"], r["strict"]) == 0, key
 
 
+@pytest.mark.extended  # a gloo world of 2 (or 4) ranks: the opt-in set
 def test_packing_native_twin(world1, world2):
     """Native twin of packing / micro-batch invariance: native disagrees with the reference on most tokens.
     Whether Megatron's native path keeps a token's bits across micro-batch splits and packing orders
@@ -61,6 +63,7 @@ def test_packing_native_twin(world1, world2):
         assert mismatches(r["native"], r["ref"]) > n_tokens(r["ref"]) // 2
 
 
+@pytest.mark.extended  # a gloo world of 2 (or 4) ranks: the opt-in set
 def test_tp2_strict_equals_reference_tp2_and_is_tp_invariant(world1, world2):
     r = world2["tp2cp1"]
     assert mismatches(r["strict"], r["ref"]) == 0
@@ -69,12 +72,14 @@ def test_tp2_strict_equals_reference_tp2_and_is_tp_invariant(world1, world2):
     assert mismatches(r["strict"], world1["tp1cp1"]["strict"]) == 0
 
 
+@pytest.mark.extended  # a gloo world of 2 (or 4) ranks: the opt-in set
 def test_tp2_native_twin(world1, world2):
     r = world2["tp2cp1"]
     assert mismatches(r["native"], r["ref"]) > 0
     assert mismatches(r["native"], world1["tp1cp1"]["native"]) > 0  # native TP2 != native TP1
 
 
+@pytest.mark.extended  # a gloo world of 2 (or 4) ranks: the opt-in set
 def test_cp2_equals_cp1_bitwise(world1, world2):
     r = world2["tp1cp2"]
     assert mismatches(r["strict"], r["ref"]) == 0
@@ -84,12 +89,14 @@ def test_cp2_equals_cp1_bitwise(world1, world2):
     assert mismatches(r["native"], r["ref"]) > n_tokens(r["ref"]) // 2
 
 
+@pytest.mark.extended  # a gloo world of 2 (or 4) ranks: the opt-in set
 def test_tp2_cp2_equals_reference_tp2_bitwise(world2, world4):
     r = world4["tp2cp2"]
     assert mismatches(r["strict"], r["ref"]) == 0
     assert mismatches(r["strict"], world2["tp2cp1"]["strict"]) == 0
 
 
+@pytest.mark.extended  # a gloo world of 2 (or 4) ranks: the opt-in set
 def test_export_round_trip_through_megatron_is_exact(world1, world2, tiny_qwen3_path):
     from safetensors.torch import load_file
 
@@ -112,6 +119,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
 
 
+@pytest.mark.extended  # a gloo world of 2 (or 4) ranks: the opt-in set
 def test_train_step_tp2_matches_tp1(world1, world2, world4):
     """Gradients are not bit-reproducible across TP: the backward is plain fp32 matmuls rounded to
     bf16, and Megatron all-reduces the column-parallel input gradients in bf16 (two roundings at TP2

@@ -41,13 +41,22 @@ def train_cmd(*overrides: str) -> list[str]:
 Listener = tuple[str, str, int]  # (process name, bound address, port) of a listening socket
 
 
-class StrictRun(NamedTuple):
+class SampledRun(NamedTuple):
     out: Path  # its output_dir
     proc: subprocess.CompletedProcess  # the finished process (stdout and stderr captured apart)
     listeners: dict[Listener, str]  # every listening socket its process tree had, sampled while it ran: cmdline
     temp_seen: set[str]  # what its run temporary directory (/tmp/vime_tmp_<pid>) held, sampled while it ran
     pids: set[int]  # every process of its tree, sampled while it ran
     pid: int  # its driver's pid
+
+    def rows(self) -> list[dict]:
+        import json
+
+        return [json.loads(line) for line in (self.out / "metrics.jsonl").read_text().splitlines()]
+
+    @property
+    def console(self) -> str:
+        return self.proc.stdout + self.proc.stderr
 
 
 def _sample_listeners(
@@ -78,19 +87,14 @@ def _sample_listeners(
         done.wait(0.5)
 
 
-@pytest.fixture(scope="session")
-def strict_run(tmp_path_factory) -> StrictRun:
-    """The default strict run (the default config, as a new user runs it), 2 steps, uninterrupted, with
-    the listening sockets of its whole process tree sampled while it runs. Shared by the e2e checks, the
-    resume tests (its uninterrupted twin) and the loopback check, so the suite runs it once. With
-    `compare=native`: the same invocation first runs the all-native twin of this config under
-    `<out>/native` (test_train_e2e's native twin), which saves a process start."""
-    out = tmp_path_factory.mktemp("strict") / "run"
+def sampled_run(out: Path, *overrides: str, timeout: int = 840) -> SampledRun:
+    """`python -m vime.train output_dir=<out> <overrides>` to its end, with the listening sockets, temporary
+    files and processes of its whole process tree sampled while it runs."""
     listeners: dict[Listener, str] = {}
     temp_seen: set[str] = set()
     pids: set[int] = set()
     proc = subprocess.Popen(
-        train_cmd("steps=2", "compare=native", f"output_dir={out}"),
+        train_cmd(f"output_dir={out}", *overrides),
         cwd=REPO,
         env=os.environ | TRAIN_ENV,
         stdout=subprocess.PIPE,
@@ -101,14 +105,14 @@ def strict_run(tmp_path_factory) -> StrictRun:
     sampler = threading.Thread(target=_sample_listeners, args=(proc.pid, listeners, done, temp_seen, pids), daemon=True)
     sampler.start()
     try:
-        stdout, stderr = proc.communicate(timeout=840)  # two runs: the native twin, then the strict one
+        stdout, stderr = proc.communicate(timeout=timeout)
     finally:
         done.set()
         sampler.join()
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
-    return StrictRun(
+    return SampledRun(
         out,
         subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr),
         listeners,
@@ -116,6 +120,27 @@ def strict_run(tmp_path_factory) -> StrictRun:
         pids,
         proc.pid,
     )
+
+
+@pytest.fixture(scope="session")
+def default_run(tmp_path_factory) -> SampledRun:
+    """The main job exactly as a new user runs it (`python -m vime.train`, the default config: 40 steps, strict),
+    sampled while it runs. Shared by the learning, e2e and loopback checks, so the suite runs it once."""
+    return sampled_run(tmp_path_factory.mktemp("default") / "run")
+
+
+@pytest.fixture(scope="session")
+def native_run(tmp_path_factory) -> SampledRun:
+    """The default run's all-native twin (vLLM's and Megatron's own kernels), 2 steps."""
+    out = tmp_path_factory.mktemp("native") / "run"
+    return sampled_run(out, "steps=2", "rollout.mode=native", "trainer.mode=native")
+
+
+@pytest.fixture(scope="session")
+def strict_run(tmp_path_factory) -> SampledRun:
+    """The default config for 2 steps with `compare=native` (the native twin runs first in the same invocation,
+    under `<out>/native`): the uninterrupted twin of the resume and asynchronous runs (opt-in sets)."""
+    return sampled_run(tmp_path_factory.mktemp("strict") / "run", "steps=2", "compare=native")
 
 
 def alive(pids: set[int]) -> list[str]:

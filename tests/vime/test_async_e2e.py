@@ -75,6 +75,7 @@ def lag1_run(tmp_path_factory) -> tuple[Path, list[dict]]:
     return out, _train(out, *ASYNC)
 
 
+@pytest.mark.extended
 def test_lag1_is_exact_and_lag0_equals_the_synchronous_run(lag1_run, strict_run):
     """The synchronous twin is the shared default strict run (`strict_run`, 2 steps, the same seed)."""
     rows = lag1_run[1]

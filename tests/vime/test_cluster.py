@@ -179,6 +179,7 @@ dist.destroy_process_group()
 
 
 @pytest.mark.slow
+@pytest.mark.cluster
 def test_a_trainer_world_of_two_nodes_forms_over_the_node_addresses():
     """Two ranks as on two nodes (127.0.0.2 and 127.0.0.3): rank 0 serves the store from its node address,
     rank 1 joins it there, and both put gloo on the interface of their node address (`lo` here)."""
@@ -299,6 +300,7 @@ def _mismatches(a: list[list[float]], b) -> int:
 
 
 @pytest.mark.slow
+@pytest.mark.cluster
 def test_one_sync_serves_a_local_and_a_remote_engine_each_over_its_path(cluster, tiny_qwen3_path):
     """A reference trainer rank on node A; engine 0 on node A, engine 1 on node B. The weight paths come
     from the nodes (object_store on A, gloo to B); one sync serves both, each engine acknowledges the

@@ -1,5 +1,5 @@
 """End to end, the main job as a new user runs it: `python -m vime.train` with no overrides but the
-output dir (real Ray, vLLM with the rl_kernel plugin, Megatron-core, W&B offline).
+output dir (real Ray, vLLM with the rl_kernel plugin, Megatron-core, W&B offline): the shared `default_run`.
 
 The default run must visibly learn (the reward rises: a trend, not a value), keep rollout == trainer
 bit for bit on every step, keep the console quiet (engine and framework output in engines.log), end
@@ -21,19 +21,9 @@ REPO = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.megatron]
 
 
-@pytest.fixture(scope="module")
-def default_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("default") / "run"
-    env = os.environ | {"WANDB_MODE": "offline", "TOKENIZERS_PARALLELISM": "false"}
-    cmd = [sys.executable, "-m", "vime.train", f"output_dir={out}"]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return out, rows, proc.stdout + proc.stderr
-
-
 def test_default_run_learns_with_zero_mismatches(default_run):
-    out, rows, _ = default_run
+    assert default_run.proc.returncode == 0, default_run.console[-6000:]
+    rows = default_run.rows()
     assert len(rows) >= 20 and [r["step"] for r in rows] == list(range(len(rows)))
     for r in rows:
         assert r["strict"] is True and r["tokens"] > 0
@@ -50,7 +40,7 @@ def test_default_run_learns_with_zero_mismatches(default_run):
 
 
 def test_default_run_console_is_quiet_and_ends_with_a_summary(default_run):
-    out, rows, console = default_run
+    out, rows, console = default_run.out, default_run.rows(), default_run.console
     lines = [line for line in console.splitlines() if line.strip()]
     noise = [line for line in lines if "Transformer Engine" in line or "INFO 1" in line or "prefix cache" in line]
     assert not noise, noise[:5]
@@ -65,7 +55,7 @@ def test_default_run_console_is_quiet_and_ends_with_a_summary(default_run):
 
 
 def test_audit_reads_an_earlier_runs_evidence(default_run, tmp_path):
-    out, rows, _ = default_run
+    out, rows = default_run.out, default_run.rows()
     env = os.environ | {"WANDB_MODE": "offline"}
     cmd = [sys.executable, "-m", "vime.audit", f"audit.run={out}", f"output_dir={tmp_path}"]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)

@@ -1,7 +1,7 @@
 """Loopback by default: on one node the trainer's torch.distributed world rendezvous through
 a FileStore (nothing listens) and gloo binds the loopback interface, so no trainer socket is reachable
 from other hosts. Two real gloo ranks are started the way the driver configures them. And the real job
-(the shared `strict_run`, the default config with its native twin): every listening socket of its process
+(the shared `default_run`, the default config): every listening socket of its process
 tree, Ray's included, is on a loopback address."""
 
 from __future__ import annotations
@@ -69,13 +69,13 @@ def _loopback(ip: str) -> bool:
 @pytest.mark.slow
 @pytest.mark.vllm
 @pytest.mark.megatron
-def test_a_default_run_listens_on_loopback_only(strict_run):
-    """The real job (the shared `strict_run`: the default config, 2 steps, its native twin first): every
+def test_a_default_run_listens_on_loopback_only(default_run):
+    """The real job (the shared `default_run`: the default config as a new user runs it): every
     listening socket of its process tree (driver, Ray's GCS, raylet, dashboard head, agents, monitor, workers
     and actors, vLLM, Megatron, W&B), sampled while it runs, is bound to a loopback address ("What listens
     where" in docs/vime.md)."""
-    assert strict_run.proc.returncode == 0, strict_run.proc.stderr[-4000:]
-    listeners = strict_run.listeners
+    assert default_run.proc.returncode == 0, default_run.proc.stderr[-4000:]
+    listeners = default_run.listeners
     names = {name for name, _, _ in listeners}
     assert {"gcs_server", "raylet"} <= names and any("RolloutWorker" in n for n in names), sorted(listeners)
     exposed = {k: v for k, v in listeners.items() if not _loopback(k[1])}

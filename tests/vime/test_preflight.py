@@ -174,6 +174,7 @@ def test_a_start_that_failed_before_its_first_step_is_cleaned_for_the_retry(tmp_
 
 
 @pytest.mark.slow  # starts `python -m vime.train`
+@pytest.mark.extended
 def test_the_retry_after_a_failed_start_runs_in_the_same_output_dir(tmp_path):
     """A bad model.path fails after Hydra made the run dir (.hydra/, train.log); the retry with the same
     output_dir is not refused: it gets as far as the first time (here: the same bad path)."""

