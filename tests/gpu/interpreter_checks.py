@@ -640,21 +640,29 @@ def far_paged_attention(base: torch.Tensor, gen: torch.Generator) -> None:
             check(f"far cache: paged {name} ({schedule})", same(far, near))
 
 
+PARTS = (
+    elementwise,
+    gemms,
+    attentions,
+    split_decode,
+    cp_attention,
+    logprobs,
+    logprob_slice_stats,
+    logprob_bf16_logits,
+    logprob_full_log_softmax,
+    far_offsets,
+)
+
+
 def main() -> None:
-    gen = torch.Generator().manual_seed(0)
-    for part in (
-        elementwise,
-        gemms,
-        attentions,
-        split_decode,
-        cp_attention,
-        logprobs,
-        logprob_slice_stats,
-        logprob_bf16_logits,
-        logprob_full_log_softmax,
-        far_offsets,
-    ):
-        part(gen)
+    """Run the parts named on the command line (all of them when none is), each from the same seed."""
+    names = sys.argv[1:] or [p.__name__ for p in PARTS]
+    unknown = set(names) - {p.__name__ for p in PARTS}
+    if unknown:
+        raise SystemExit(f"unknown parts {sorted(unknown)}; known: {[p.__name__ for p in PARTS]}")
+    for part in PARTS:
+        if part.__name__ in names:
+            part(torch.Generator().manual_seed(0))
     print(f"INTERPRETER {'FAIL: ' + ', '.join(FAILED) if FAILED else 'PASS'}")
     sys.exit(1 if FAILED else 0)
 

@@ -93,6 +93,7 @@ def test_strict_run_with_bf16_logits_has_zero_mismatches_every_step(tmp_path):
         assert r["train_mismatch_count"] == 0, r
 
 
+@pytest.mark.extended  # in CI the twins of the engines' parity tests show it (tests/vllm, tests/megatron)
 def test_native_twin_shows_mismatches_every_step(native_run):
     """The all-native twin (`rollout.mode=native trainer.mode=native`) of the default run, 2 steps."""
     rows = _train(native_run.out, proc=native_run.proc)
