@@ -396,12 +396,6 @@ def _engine_node(name: str) -> str:
     return found[0]
 
 
-@pytest.mark.xfail(
-    reason="known bug, open: when the lost node's second engine is found dead by the first one's reload push, "
-    "the restart path offers that engine a weight version it already serves (WeightVersionError); "
-    "timing-dependent",
-    strict=False,
-)
 @pytest.mark.cluster
 @pytest.mark.slow
 @pytest.mark.vllm

@@ -165,10 +165,13 @@ def generate(driver, submit, engines: int) -> tuple[list, list[dict]]:
     from vime.cluster.remote import call
 
     refs = {i: submit(i) for i in range(engines)}
+    asked = {i: driver.engines[i] for i in range(engines)}  # the actor each call went to
     outs, evidence = [], []
     for i in range(engines):
         while True:
             name = f"rollout engine {i}"
+            if driver.engines[i] is not asked[i]:  # replaced meanwhile (another engine's restart found it dead)
+                refs[i], asked[i] = submit(i), driver.engines[i]
             try:
                 out = call([refs[i]], "generate", [name])[0]
                 ev = call([driver.engines[i].evidence.remote()], "evidence", [name])[0]
@@ -177,7 +180,7 @@ def generate(driver, submit, engines: int) -> tuple[list, list[dict]]:
                 if not died(e):
                     raise
                 restart_engine(driver, i, str(e), _who(e, i))
-                refs[i] = submit(i)
+                refs[i], asked[i] = submit(i), driver.engines[i]
         outs.append(out)
         evidence.extend(ev)
     return outs, evidence
@@ -194,21 +197,24 @@ def sync(driver, sync_fn) -> dict:
         dead = [i for i, actor in enumerate(driver.engines) if not _alive(actor)]
         if not dead:
             raise
+        # the push may have landed on the living engines before another was found dead (their acknowledgements
+        # never came): the restarts' reloads and the retry must not offer them a version they already serve
+        served_versions(driver, [i for i in range(len(driver.engines)) if i not in dead])
         for i in dead:
             if _alive(driver.engines[i]):  # already replaced: another engine's reload push found it dead too
                 continue
             restart_engine(driver, i, str(e), _who(e, i))
-        served_versions(driver)
+        served_versions(driver, range(len(driver.engines)))
         return sync_fn()
 
 
-def served_versions(driver) -> None:
-    """Set the timeline's engine versions to what each engine serves. A failed push can land on some engines
-    before another is found dead (and the acknowledgements never come): the retry must not offer those a version
-    they already serve."""
+def served_versions(driver, engines) -> None:
+    """Set the timeline's versions of rollout engines `engines` (indices) to what each of them serves."""
     from vime.cluster.remote import call
 
-    names = [f"rollout engine {i}" for i in range(len(driver.engines))]
-    infos = call([e.info.remote() for e in driver.engines], "engine versions", names)
-    for i, info in enumerate(infos):
+    engines = list(engines)
+    infos = call(
+        [driver.engines[i].info.remote() for i in engines], "engine versions", [f"rollout engine {i}" for i in engines]
+    )
+    for i, info in zip(engines, infos):
         driver.timeline.engine_versions[i] = info["version"]
