@@ -194,14 +194,14 @@ def sync(driver, sync_fn) -> dict:
     try:
         return sync_fn()
     except EngineDiedError as e:
-        dead = [i for i, actor in enumerate(driver.engines) if not _alive(actor)]
+        dead = {i: actor for i, actor in enumerate(driver.engines) if not _alive(actor)}
         if not dead:
             raise
         # the push may have landed on the living engines before another was found dead (their acknowledgements
         # never came): the restarts' reloads and the retry must not offer them a version they already serve
         served_versions(driver, [i for i in range(len(driver.engines)) if i not in dead])
-        for i in dead:
-            if _alive(driver.engines[i]):  # already replaced: another engine's reload push found it dead too
+        for i, actor in dead.items():
+            if driver.engines[i] is not actor:  # already replaced: another engine's reload push found it dead too
                 continue
             restart_engine(driver, i, str(e), _who(e, i))
         served_versions(driver, range(len(driver.engines)))

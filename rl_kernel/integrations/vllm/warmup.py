@@ -60,8 +60,9 @@ def dummy_batch(tokens: int, max_seqs: int, max_len: int, width: int, device: to
     q_lens = torch.ones(seqs, dtype=torch.int32)
     extra, i = tokens - seqs, seqs - 1
     while extra:
-        q_lens[i] += min(extra, max_len - 1)
-        extra -= int(q_lens[i]) - 1
+        added = min(extra, max_len - 1)
+        q_lens[i] += added
+        extra -= added
         i -= 1
     query_start_loc = torch.zeros(seqs + 1, dtype=torch.int32)
     query_start_loc[1:] = torch.cumsum(q_lens, 0)
@@ -99,7 +100,7 @@ def warm_up(
     width = -(-max_model_len // block_size)
     counts = warm_up_tokens(max_tokens)
     for tokens in counts:
-        meta = dummy_batch(tokens, max_seqs, min(max_model_len, width * block_size), width, device)
+        meta = dummy_batch(tokens, max_seqs, max_model_len, width, device)
         ids = torch.zeros(tokens, dtype=torch.int64, device=device)
         positions = torch.arange(tokens, device=device)
 
