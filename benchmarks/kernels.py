@@ -196,7 +196,7 @@ def bench_tiles() -> None:
 
 
 def bench_norm(bw: float) -> None:
-    for t in (1, 8192):
+    for t in (1, 128, 8192):  # a decode batch of 1 and 128, a training micro-batch
         _norm_case(t, bw)
 
 
@@ -275,16 +275,20 @@ def _prefill_case(t: int, h: int = 32, hkv: int = 8, d: int = 128) -> None:
 
 
 def bench_decode(bw: float) -> None:
-    for b in (1, 64, 256):
-        _decode_case(b, bw)
+    # (batch, context, block-table width in tokens): the last as vLLM serves 512-token contexts in an engine of
+    # max_model_len 4096 (a table row of 256 blocks, 8 KV splits of which 7 hold no key)
+    for b, ctx, width in ((1, 4096, 4096), (64, 4096, 4096), (256, 4096, 4096), (128, 512, 512), (128, 512, 4096)):
+        _decode_case(b, bw, ctx=ctx, width=width)
         torch.cuda.empty_cache()
 
 
-def _decode_case(b: int, bw: float, h: int = 32, hkv: int = 8, d: int = 128, ctx: int = 4096, page: int = 16) -> None:
-    nblk = b * ctx // page
+def _decode_case(
+    b: int, bw: float, h: int = 32, hkv: int = 8, d: int = 128, ctx: int = 4096, page: int = 16, width: int = 4096
+) -> None:
+    nblk = b * width // page
     kc = torch.randn(nblk, page, hkv, d, device=DEV).to(BF16)
     vc = torch.randn_like(kc)
-    table = torch.randperm(nblk, device=DEV).to(torch.int32).view(b, ctx // page)
+    table = torch.randperm(nblk, device=DEV).to(torch.int32).view(b, width // page)
     seq_lens = torch.full((b,), ctx, device=DEV, dtype=torch.int32)
     qsl = torch.arange(b + 1, device=DEV, dtype=torch.int32)
     q = torch.randn(b, h, d, device=DEV).to(BF16)
@@ -292,11 +296,16 @@ def _decode_case(b: int, bw: float, h: int = 32, hkv: int = 8, d: int = 128, ctx
     fused = bench(lambda: attention.paged_attention(q, kc, vc, table, seq_lens, qsl, d**-0.5, schedule="fused"))
 
     def native_paged():
-        k = kc[table.long()].view(b, ctx, hkv, d).transpose(1, 2)
-        v = vc[table.long()].view(b, ctx, hkv, d).transpose(1, 2)
+        k = kc[table[:, : ctx // page].long()].view(b, ctx, hkv, d).transpose(1, 2)
+        v = vc[table[:, : ctx // page].long()].view(b, ctx, hkv, d).transpose(1, 2)
         return F.scaled_dot_product_attention(q[:, :, None], k, v, scale=d**-0.5, enable_gqa=True)
 
     native = bench(native_paged)
+    # a 16-row tile (4 tokens x the 4 query heads of a kv head) instead of 64: no bit depends on the row tile, and a
+    # decode batch fills 4 of a tile's rows either way
+    small = dict(attention.PAGED, BLOCK_M=16)
+    out16 = attention._run(q, kc, vc, qsl, seq_lens, table, page, d**-0.5, True, None, config=small)
+    tile16 = bench(lambda: attention._run(q, kc, vc, qsl, seq_lens, table, page, d**-0.5, True, None, config=small))
     kv_bytes = 2 * b * ctx * hkv * d * 2
     # decode runs under CUDA graphs in serving engines: both sides captured, replays timed
     graphs = {
@@ -305,12 +314,14 @@ def _decode_case(b: int, bw: float, h: int = 32, hkv: int = 8, d: int = 128, ctx
     }
     row(
         "attn",
-        f"paged decode B={b} ctx={ctx}",
+        f"paged decode B={b} ctx={ctx}" + (f" table {width}" if width != ctx else ""),
         strict,
         native,
         kv_bytes / bw * 1e3,
         ">=0.8x native paged",
         fused_schedule_ms=round(fused, 4),
+        block_m16_ms=round(tile16, 4),
+        block_m16_same_bits=same_bits(out16, attention.paged_attention(q, kc, vc, table, seq_lens, qsl, d**-0.5)),
         kv_gbps_strict=round(kv_bytes / strict * 1e-6, 1),
         graph_strict_ms=round(graphs["strict"], 4),
         graph_native_ms=round(graphs["native"], 4),

@@ -164,7 +164,8 @@ def profile_mode(mode: str, path: Path, args) -> dict:
     prompts = [{"prompt_token_ids": [t % vocab for t in p]} for p in grid_prompts(args.context, args.batch, 0)]
 
     def params(n: int) -> list:
-        return [make_params(temperature=1.0, max_tokens=n, seed=i, ignore_eos=True) for i in range(args.batch)]
+        # no per-request seed, as vime's rollouts (vLLM's V1 sampler launches a kernel per seeded request and step)
+        return [make_params(temperature=1.0, max_tokens=n, ignore_eos=True) for _ in range(args.batch)]
 
     t0 = time.perf_counter()
     llm = LLM(**engine_args(mode, path, args))

@@ -127,6 +127,17 @@ PARITY_SEQS = 4
 STRICT_MODES = {"strict": {}, "strict_compiled": {"compile": True}}
 
 
+def parse_grid(text: str) -> list[tuple[int, int]]:
+    """'512x1,4000x64' -> [(512, 1), (4000, 64)]: (context tokens, batch) pairs."""
+    try:
+        grid = [tuple(int(v) for v in cell.split("x")) for cell in text.split(",")]
+    except ValueError:
+        grid = []
+    if not grid or any(len(cell) != 2 or min(cell) < 1 or cell[0] > 4000 for cell in grid):
+        raise argparse.ArgumentTypeError(f"--grid takes CONTEXTxBATCH,... with 1 <= CONTEXT <= 4000, got {text!r}")
+    return grid
+
+
 def gpu_state() -> dict:
     """SM clock, power draw and limit, active throttle reasons (nvidia-smi), or why they could not be read."""
     import subprocess
@@ -174,7 +185,10 @@ def cuda_mode(mode: str, path: Path, args) -> dict:
     )
 
     def params(n: int, batch: int) -> list:
-        return [make_params(temperature=1.0, max_tokens=n, seed=i, ignore_eos=True) for i in range(batch)]
+        # vime's rollouts carry no per-request seed (the engine's RNG is reseeded per call): vLLM's V1 sampler
+        # draws a seeded request's noise with a kernel launch of its own, once per request and step
+        seeds = range(batch) if args.request_seeds else [None] * batch
+        return [make_params(temperature=1.0, max_tokens=n, seed=s, ignore_eos=True) for s in seeds]
 
     result: dict = {"mode": mode, "gpu_before": gpu_state()}
     t0 = time.perf_counter()
@@ -183,7 +197,7 @@ def cuda_mode(mode: str, path: Path, args) -> dict:
     try:
         passes: list[list[dict]] = [[], []]
         samples = []
-        for context, batch in CUDA_GRID:
+        for context, batch in args.grid:
             prompts = grid_prompts(context, batch, 0)
             # warm-up: the prompts prefilled (and cached), every decode shape of this batch run
             llm.generate([{"prompt_token_ids": p} for p in prompts], params(1, batch), use_tqdm=False)
@@ -299,7 +313,7 @@ def run_cuda(args) -> int:
     )
     header = f"{'context':>7} {'batch':>5} " + " ".join(f"{m:>19}" for m in modes)
     print(header + ("".join(f"   {m}/native" for m in modes if m in STRICT_MODES) if "native" in modes else ""))
-    for i, (context, batch) in enumerate(CUDA_GRID):
+    for i, (context, batch) in enumerate(args.grid):
         cells = [by_mode[m]["passes"] for m in modes]
         line = f"{context:>7} {batch:>5} " + " ".join(
             f"{p[0]['decode'][i]['decode_tok_s']:>9.0f} / {p[1]['decode'][i]['decode_tok_s']:>7.0f}" for p in cells
@@ -333,7 +347,8 @@ def run_cuda(args) -> int:
                 "torch": torch.__version__,
                 "layers": args.layers,
                 "new_tokens": args.new_tokens,
-                "grid": CUDA_GRID,
+                "grid": args.grid,
+                "request_seeds": args.request_seeds,
                 "results": results,
             },
             indent=1,
@@ -356,6 +371,18 @@ def main() -> int:
     parser.add_argument("--new-tokens", type=int, default=64, help="cuda: decode steps per timed measurement")
     parser.add_argument("--modes", default="strict,native", help="cuda: engines to run, in order")
     parser.add_argument("--pushes", type=int, default=3, help="cuda: timed whole-state weight pushes per engine")
+    parser.add_argument(
+        "--grid",
+        type=parse_grid,
+        default=CUDA_GRID,
+        help="cuda: CONTEXTxBATCH,... (default: the whole grid, " + ",".join(f"{c}x{b}" for c, b in CUDA_GRID) + ")",
+    )
+    parser.add_argument(
+        "--request-seeds",
+        action="store_true",
+        help="cuda: a seed per request (vLLM then samples each seeded request with launches of its own); vime's "
+        "rollouts carry none",
+    )
     args = parser.parse_args()
     if args.device == "cuda":
         return run_cuda(args)

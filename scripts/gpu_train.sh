@@ -11,6 +11,9 @@
 #   native_1gpu   rollout.mode=native trainer.mode=native fail_on_mismatch=false
 #   strict_2gpu   trainer on GPU 0, rollout engine on GPU 1            (only when 2 GPUs are visible)
 #   native_2gpu   the same, native
+# GPU_TRAIN_RUNS picks and orders the runs (default: the four above, the two-GPU ones only with 2 GPUs); also
+#   strict_nosleep_1gpu   strict_1gpu with rollout.sleep_level=0 (the engine keeps the GPU while the trainer works)
+#   async_1gpu            strict, asynchronous: algo.max_staleness=1 algo.correction=tis rollout.sleep_level=0
 # Results under ${OUT:-/tmp/out} (6-7 files): gpu_train_h200.json (every run: status, per-step rows, medians,
 # versions), gpu_train_h200.txt (this script's log: per-run end-of-run summaries with their per-step tables),
 # <run>.metrics.jsonl per run, runs.tar.gz (each run's output_dir: train.log, engines.log, config, figure).
@@ -137,16 +140,26 @@ run() {
 
 NATIVE=(rollout.mode=native trainer.mode=native fail_on_mismatch=false)
 TWO=(ray.num_gpus=2 ray.gpus_per_actor=1 weights.transport=nccl weights.colocate=false)
-RUNS=(strict_1gpu native_1gpu)
-run strict_1gpu "$@"
-run native_1gpu "${NATIVE[@]}" "$@"
-if [ "$NGPU" -ge 2 ]; then
-  RUNS+=(strict_2gpu native_2gpu)
-  run strict_2gpu "${TWO[@]}" "$@"
-  run native_2gpu "${TWO[@]}" "${NATIVE[@]}" "$@"
+ASYNC=(algo.max_staleness=1 algo.correction=tis rollout.sleep_level=0)
+if [ -n "${GPU_TRAIN_RUNS:-}" ]; then
+  read -r -a RUNS <<< "$GPU_TRAIN_RUNS"
+elif [ "$NGPU" -ge 2 ]; then
+  RUNS=(strict_1gpu native_1gpu strict_2gpu native_2gpu)
 else
+  RUNS=(strict_1gpu native_1gpu)
   say "== strict_2gpu, native_2gpu: SKIP (1 GPU visible)"
 fi
+for name in "${RUNS[@]}"; do
+  case $name in
+    strict_1gpu) run "$name" "$@" ;;
+    native_1gpu) run "$name" "${NATIVE[@]}" "$@" ;;
+    strict_nosleep_1gpu) run "$name" rollout.sleep_level=0 "$@" ;;
+    async_1gpu) run "$name" "${ASYNC[@]}" "$@" ;;
+    strict_2gpu) run "$name" "${TWO[@]}" "$@" ;;
+    native_2gpu) run "$name" "${TWO[@]}" "${NATIVE[@]}" "$@" ;;
+    *) die "GPU_TRAIN_RUNS: unknown run $name (strict_1gpu native_1gpu strict_nosleep_1gpu async_1gpu strict_2gpu native_2gpu)" ;;
+  esac
+done
 
 # The combined JSON and the verdict.
 $PY -W ignore - "$OUT" "$STATUS" "$START" "$PRESET" "$*" "${RUNS[@]}" <<'EOF' 2>&1 | tee -a "$LOG"
@@ -172,7 +185,7 @@ except Exception as e:  # noqa: BLE001
 for name in runs:
     path = out / f"{name}.metrics.jsonl"
     rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.is_file() else []
-    r = status.get(name, {"status": "NOT RUN", "wall_s": 0.0}) | {"strict": name.startswith("strict")}
+    r = status.get(name, {"status": "NOT RUN", "wall_s": 0.0}) | {"strict": not name.startswith("native")}
     r["steps"] = [{k: row.get(k) for k in KEEP} for row in rows]
     if rows:
         r["labels"] = {k: rows[0].get(k) for k in ("rollout_engine", "trainer_engine")}

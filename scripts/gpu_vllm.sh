@@ -13,10 +13,14 @@
 #            stopped run resumed from its checkpoint over IPC (tests/gpu/test_vllm_train_gpu.py)
 #   bench    strict vs native vLLM decode and prefill at Qwen3-8B shapes (benchmarks/vllm_throughput.py)
 #   profile  where strict decode time goes against native (benchmarks/vllm_decode_profile.py: one engine per
-#            subprocess, CUDA graphs on both; per decode step device time by category, kernels, host launches)
-# Variables: GPU_LAYERS (train, default 4), BENCH_LAYERS (36), PROFILE_LAYERS (8); BENCH_MODES, PROFILE_MODES
+#            subprocess, CUDA graphs on both; per decode step device time by category, kernels, host launches),
+#            once per batch size of PROFILE_BATCHES (default 128)
+#   async    vime.train +experiment=h200_vllm synchronous (as preset, and without sleep mode) and asynchronous
+#            (algo.max_staleness=1, TIS): the overlap of rollout and training on one GPU (scripts/gpu_train.sh)
+# Variables: GPU_LAYERS (train, async, default 4), BENCH_LAYERS (36), PROFILE_LAYERS (8); BENCH_ARGS (more options of
+# vllm_throughput.py, e.g. --grid 512x1,512x64 --pushes 1); BENCH_MODES, PROFILE_MODES
 # (strict,native; strict_compiled: vLLM's torch.compile of the strict model, FULL_AND_PIECEWISE); each stage's time limit in
-# seconds: TESTS_S (220), TRAIN_S (330), FAULTS_S (200), BENCH_S (480), PROFILE_S (300).
+# seconds: TESTS_S (220), TRAIN_S (330), FAULTS_S (200), BENCH_S (480), PROFILE_S (300, per batch size), ASYNC_S (330).
 # Every file of $OUT ends up in $OUT/results.tar.gz (one file back from a device call), stages.txt beside it.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -26,6 +30,7 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false RAY_USAGE_STATS_ENABLED=0 VLLM_NO_USAGE_STATS=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # never NVLink multicast
 export VLLM_USE_FLASHINFER_SAMPLER=0  # FlashInfer is not in the bundle
+PROFILE_BATCHES=${PROFILE_BATCHES:-128}
 
 bash scripts/gpu_stage.sh
 case $? in
@@ -58,10 +63,16 @@ for s in "$@"; do
              GPU_TRAIN_BUDGET_S=$(( ${TRAIN_S:-330} - 20 )) bash scripts/gpu_train.sh "model.tiny.num_layers=${GPU_LAYERS:-4}" ;;
     faults) stage faults "${FAULTS_S:-200}" $PY -m pytest tests/gpu/test_vllm_train_gpu.py -q -p no:cacheprovider -rA ;;
     bench) stage bench "${BENCH_S:-480}" $PY benchmarks/vllm_throughput.py --device cuda --layers "${BENCH_LAYERS:-36}" \
-             --modes "${BENCH_MODES:-strict,native}" --out "$OUT/vllm_rollout_h200.json" ;;
-    profile) stage profile "${PROFILE_S:-300}" $PY benchmarks/vllm_decode_profile.py --device cuda --layers "${PROFILE_LAYERS:-8}" \
-               --modes "${PROFILE_MODES:-strict,native}" --out "$OUT/vllm_decode_profile_h200.json" ;;
-    *) echo "gpu_vllm: unknown stage $s (tests, train, faults, bench, profile)"; exit 2 ;;
+             --modes "${BENCH_MODES:-strict,native}" --out "$OUT/vllm_rollout_h200.json" ${BENCH_ARGS:-} ;;
+    profile) for b in ${PROFILE_BATCHES//,/ }; do
+               stage "profile_b$b" "${PROFILE_S:-300}" $PY benchmarks/vllm_decode_profile.py --device cuda \
+                 --layers "${PROFILE_LAYERS:-8}" --batch "$b" --modes "${PROFILE_MODES:-strict,native}" \
+                 --out "$OUT/vllm_decode_profile_h200_b$b.json"
+             done ;;
+    async) stage async "${ASYNC_S:-330}" env GPU_TRAIN_SKIP_INSTALL=1 GPU_TRAIN_PRESET=h200_vllm OUT="$OUT/async" \
+             GPU_TRAIN_RUNS="strict_1gpu strict_nosleep_1gpu async_1gpu" GPU_TRAIN_BUDGET_S=$(( ${ASYNC_S:-330} - 20 )) \
+             bash scripts/gpu_train.sh "model.tiny.num_layers=${GPU_LAYERS:-4}" steps="${ASYNC_STEPS:-10}" ;;
+    *) echo "gpu_vllm: unknown stage $s (tests, train, faults, bench, profile, async)"; exit 2 ;;
   esac
 done
 grep -h "during inference" "$OUT"/*.log 2>/dev/null | sort | uniq -c | head -20 > "$OUT/jit_during_inference.txt"

@@ -65,6 +65,13 @@ def elementwise(gen: torch.Generator) -> None:
         r = 1.0 / (blocked_sum(x32 * x32) / 200 + 1e-6).double().sqrt().float()
         ref = ((x32 * r[:, None]).to(dtype).float() * w.float()).to(dtype)
         check(f"rms_norm {dtype} == torch contract", same(norm.rms_norm(x, w, 1e-6), ref))
+        # 18 blocks of 64, the last one partial: 8 unrolled blocks per iteration, the third iteration mostly past D
+        x, w = (torch.randn(5, 1100, generator=gen) * 3).to(dtype), torch.randn(1100, generator=gen).to(dtype)
+        x32 = x.float()
+        r = 1.0 / (blocked_sum(x32 * x32) / 1100 + 1e-6).double().sqrt().float()
+        ref = ((x32 * r[:, None]).to(dtype).float() * w.float()).to(dtype)
+        check(f"rms_norm {dtype} over unrolled blocks == torch contract", same(norm.rms_norm(x, w, 1e-6), ref))
+        x, w = (torch.randn(19, 200, generator=gen) * 3).to(dtype), torch.randn(200, generator=gen).to(dtype)
         # past SMALL_T rows the kernel takes BLOCK_T rows a program: each row's bits as with one row a program
         many = torch.cat([x, (torch.randn(norm.SMALL_T, 200, generator=gen) * 3).to(dtype)])
         check(
@@ -422,6 +429,22 @@ def logprob_full_log_softmax(gen: torch.Generator) -> None:
             f"log_softmax (Triton, {dtype}) entries == logprobs of the targets",
             same(full.gather(1, tg[:, None]).squeeze(1), scored) and bool(torch.isinf(full[:, real:]).all()),
         )
+    # the lse kernel's log64 against torch's, the same IEEE operations: totals from 2^40 (the least a row has) to
+    # 2^58, powers of two and their neighbours among them
+    from rl_kernel.backends.torch.numerics import log64 as torch_log64
+
+    total = torch.cat(
+        [
+            (2.0 ** (40 + 18 * torch.rand(2000, generator=gen, dtype=torch.float64))).to(torch.int64),
+            torch.tensor([1 << 40, (1 << 40) + 1, (1 << 41) - 1, 1 << 57, (1 << 53) + 1], dtype=torch.int64),
+        ]
+    )
+    big_m = torch.randn(total.shape[0], generator=gen) * 30
+    expected = big_m.to(torch.float64) + torch_log64(total.to(torch.float64) * (1.0 / (1 << logprob.FIXED_POINT_BITS)))
+    check(
+        "lse kernel (Triton log64) == torch's log64 of the same totals",
+        same(logprob._lse(big_m, total.clone(), None), expected),
+    )
     from rl_kernel.ops.logprob import native_log_softmax, native_logprobs
 
     native = native_log_softmax(chain, temps, 0, real, None).gather(1, tg[:, None]).squeeze(1)
@@ -484,7 +507,7 @@ def far_offsets(gen: torch.Generator) -> None:
     x = _far_copy(base, 4, (torch.randn(3, 200, generator=gen) * 3).to(F16))
     w = torch.randn(200, generator=gen).to(F16)
     y = _far(base, 5, 3, 200)
-    norm._rms_norm_kernel[(1,)](x, w, y, 3, 200, s, s, 1e-6, BLOCK_T=8, BLOCK_D=256, num_warps=4, **LAUNCH)
+    norm._rms_norm_kernel[(1,)](x, w, y, 3, 200, s, s, 1e-6, BLOCK_T=8, BLOCK_D=256, UNROLL=4, num_warps=4, **LAUNCH)
     check("far rows: rms_norm", same(y.clone(), norm.rms_norm(x.contiguous(), w, 1e-6)))
     dy = _far_copy(base, 6, torch.randn(3, 200, generator=gen).to(F16))
     dx, dw = _far(base, 7, 3, 200), torch.empty(1, 200)

@@ -151,6 +151,19 @@ def test_rms_norm_matches_torch_backend(dtype):
     assert same(norm.rms_norm(x[17:18], w, 1e-6), y[17:18])
     q = randn(64, 32, 128, dtype=dtype)  # QK-norm shape
     assert same(norm.rms_norm(q, w[:128], 1e-6), torch_norm.rms_norm(q, w[:128], 1e-6))
+    x, w = randn(3000, 1100, dtype=dtype, std=3.0), randn(1100, dtype=dtype)  # 8 rows a program; a partial block
+    assert same(norm.rms_norm(x, w, 1e-6), torch_norm.rms_norm(x, w, 1e-6))
+
+
+def test_lse_kernel_matches_torch_log64():
+    """The log-sum-exp's fp64 log in one Triton launch: torch's log64 bits, totals from 2^40 to 2^58."""
+    from rl_kernel.backends.torch.numerics import log64
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    total = (2.0 ** (40 + 18 * torch.rand(100_000, generator=g, device="cuda", dtype=torch.float64))).to(torch.int64)
+    big_m = torch.randn(total.shape[0], generator=g, device="cuda") * 30
+    expected = big_m.double() + log64(total.double() * (1.0 / (1 << logprob.FIXED_POINT_BITS)))
+    assert same(logprob._lse(big_m, total.clone(), None), expected)
 
 
 @pytest.mark.parametrize("dtype", [BF16, torch.float32])

@@ -122,6 +122,10 @@ def test_stale_tokens_are_weighted_and_the_lag0_check_sees_a_wrong_bit():
         (["algo.max_staleness=1", "algo.correction=icepop", "algo.icepop_low=1.5"], "icepop_low"),
         (["algo.max_staleness=1", "algo.correction=tis", "algo.behaviour_check=0"], "behaviour_check"),
         (["algo.max_staleness=1", "algo.correction=tis", "trainer.scoring_pass=true"], "scoring_pass"),
+        (
+            ["+experiment=h200_vllm", "algo.max_staleness=1", "algo.correction=tis"],
+            "rollout.sleep_level=1 with algo.max_staleness=1.*set rollout.sleep_level=0",
+        ),
     ],
 )
 def test_bad_async_settings_get_one_line_errors(compose_cfg, overrides, message):

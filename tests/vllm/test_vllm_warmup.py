@@ -31,7 +31,7 @@ from triton.runtime.jit import create_function_from_signature  # noqa: E402
 from rl_kernel import backends  # noqa: E402
 from rl_kernel.backends.triton import activation, attention, gemm, norm, rope  # noqa: E402
 from rl_kernel.integrations.vllm.model import kv_cache_views, paged_attention  # noqa: E402
-from rl_kernel.integrations.vllm.warmup import dummy_batch, warm_up, warm_up_tokens  # noqa: E402
+from rl_kernel.integrations.vllm.warmup import dummy_batch, warm_up, warm_up_limit, warm_up_tokens  # noqa: E402
 from rl_kernel.models.layers import Qwen3Model  # noqa: E402
 from rl_kernel.models.qwen3 import Qwen3Config  # noqa: E402
 
@@ -278,3 +278,21 @@ def test_mixed_batches_stay_within_warmed_keys(recorded, warmed, batch):
     keys = _serving_keys(recorded, [(q_lens, ctx, None)])
     for name, (got, _) in keys.items():
         assert got <= warmed[name][0], f"{name}: {got - warmed[name][0]}"
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    max_tokens=st.integers(1, 16384),
+    max_seqs=st.integers(1, 256),
+    block_size=st.sampled_from([16, 32]),
+    max_model_len=st.integers(1, 4096),
+)
+def test_every_warm_up_count_fits_the_engine(max_tokens, max_seqs, block_size, max_model_len):
+    """Every token count the warm-up runs has a dummy batch, whatever the budget beside max_num_seqs x
+    max_model_len (an engine of budget 8192, 8 sequences of 560 failed to start before the limit)."""
+    width = -(-max_model_len // block_size)
+    limit = warm_up_limit(max_tokens, max_seqs, max_model_len)
+    assert limit == min(max_tokens, max_seqs * max_model_len)
+    for tokens in warm_up_tokens(limit):
+        meta = dummy_batch(tokens, max_seqs, max_model_len, width, torch.device("cpu"))
+        assert int(meta.query_start_loc[-1]) == tokens

@@ -471,6 +471,12 @@ def _validate_async(cfg: VimeConfig) -> None:
         "(ipc, nccl) land through vLLM's weight-update API straight in the weights of the engine that runs "
         "the rollout, with no staging buffer: use weights.transport=object_store or gloo on CPU",
     )
+    _require(
+        n == 0 or cfg.rollout.sleep_level == 0,
+        f"rollout.sleep_level={cfg.rollout.sleep_level} with algo.max_staleness={n}",
+        "the asynchronous engine generates the next batch while the trainer trains, so it cannot sleep: "
+        "set rollout.sleep_level=0",
+    )
     _require(a.is_cap >= 1.0 and math.isfinite(a.is_cap), f"algo.is_cap={a.is_cap}", "use a finite cap >= 1")
     _require(
         0 < a.icepop_low <= 1.0 <= a.icepop_high and math.isfinite(a.icepop_high),

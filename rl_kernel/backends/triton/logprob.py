@@ -34,10 +34,9 @@ import triton
 import triton.language as tl
 
 from rl_kernel.backends.torch.logprob import exact_all_reduce
-from rl_kernel.backends.torch.numerics import log64
 from rl_kernel.backends.triton import gemm
 from rl_kernel.backends.triton.gemm import _group_dot, _tile_ids
-from rl_kernel.backends.triton.numerics import LAUNCH
+from rl_kernel.backends.triton.numerics import LAUNCH, f64, log64
 from rl_kernel.errors import StrictModeError
 
 VOCAB_TILE = 64
@@ -52,7 +51,6 @@ MIN_STATE_BYTES = 1 << 25
 STATS_TILE = {"BLOCK_M": 16, "BLOCK_N": 256, "num_warps": 4}
 KEPT_SLICE_FACTOR = 4
 ROW_ALIGN = 128  # row chunks are whole multiples of the GEMM's row tiles where the budget allows
-LOG_SOFTMAX_TAIL_ELEMENTS = 1 << 26  # log_softmax's last elementwise pass, rows at a time: fp64 temporaries <= 0.5 GB
 # How the stats pass computes the contract's numbers (none moves a bit; tests/gpu compare each off): skip the
 # division at temperature 1, round to int64 in one cvt.rni, read the target's logit instead of summing it out.
 # H200: the stats pass over 8192 x 151936 logits takes 1.73 ms of GPU time, 2.64 with all three off
@@ -583,11 +581,44 @@ def _row_max_and_total(m_t, s_t, big_m, total, group) -> None:
     _total_kernel[(m_t.shape[0],)](m_t, s_t, big_m, total, m_t.shape[1], LOG2E=LOG2E, BLOCK=1024, num_warps=4, **LAUNCH)
 
 
+@triton.jit(do_not_specialize=["rows"])
+def _lse_kernel(big_m_ptr, total_ptr, lse_ptr, rows, SCALE: tl.constexpr, BLOCK: tl.constexpr):
+    """lse = fp64(M) + log64(fp64(total) * 2^-40) per row: torch's `log64` of the same IEEE operations in one
+    launch (torch's takes some 40 elementwise kernels, each a host launch in an eager sampling step)."""
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = i < rows
+    big_m = tl.load(big_m_ptr + i, mask=ok, other=0.0).to(tl.float64)
+    total = tl.load(total_ptr + i, mask=ok, other=1).to(tl.float64)
+    tl.store(lse_ptr + i, big_m + log64(total * f64(SCALE)), mask=ok)
+
+
 def _lse(big_m: torch.Tensor, total: torch.Tensor, group) -> torch.Tensor:
     """fp64 lse = M + log(total 2^-40) of all rows, the totals summed over the ranks first (int64: exact in any
-    order). Once for all rows: log64 is some 40 small elementwise kernels, worth 0.1 ms of GPU time per call."""
+    order); every total is >= 2^40 (the row's maximum adds exactly 2^40), so log64 meets only normal x >= 1."""
     exact_all_reduce(total, dist.ReduceOp.SUM, group)
-    return big_m.to(torch.float64) + log64(total.to(torch.float64) * (1.0 / (1 << FIXED_POINT_BITS)))
+    rows = big_m.shape[0]
+    lse = torch.empty(rows, dtype=torch.float64, device=big_m.device)
+    if rows:
+        _lse_kernel[(triton.cdiv(rows, 256),)](
+            big_m, total, lse, rows, SCALE=1.0 / (1 << FIXED_POINT_BITS), BLOCK=256, num_warps=4, **LAUNCH
+        )
+    return lse
+
+
+@triton.jit(do_not_specialize=["rows"])
+def _log_softmax_tail_kernel(
+    logits_ptr, temps_ptr, lse_ptr, out_ptr, rows, V, vocab_start, vocab_size, stride_l, stride_o, BLOCK: tl.constexpr
+):
+    """out = fp32(fp64(z) - lse), z = logits / T (IEEE div) + 0.0 (-0 -> +0, as the stats pass), -inf on columns
+    past the real vocab: `full_log_softmax`'s last pass, elementwise, in one launch."""
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = c < V
+    x = tl.load(logits_ptr + row * stride_l + c, mask=ok, other=0.0).to(tl.float32)
+    z = tl.div_rn(x, tl.load(temps_ptr + row)) + 0.0
+    y = (z.to(tl.float64) - tl.load(lse_ptr + row)).to(tl.float32)
+    y = tl.where(vocab_start + c >= vocab_size, float("-inf"), y)
+    tl.store(out_ptr + row * stride_o + c, y, mask=ok)
 
 
 def full_log_softmax(
@@ -633,14 +664,23 @@ def full_log_softmax(
     total = torch.empty(rows, dtype=torch.int64, device=logits.device)
     _row_max_and_total(m_t, s_t, big_m, total, group)
     lse = _lse(big_m, total, group)
-    padded = vocab_start + torch.arange(v_local, device=logits.device) >= vocab_size
     out = torch.empty(rows, v_local, dtype=torch.float32, device=logits.device)
-    step = max(1, LOG_SOFTMAX_TAIL_ELEMENTS // max(v_local, 1))
-    for a in range(0, rows, step):  # elementwise, so row blocks move no bit; they bound the fp64 temporaries
-        b = min(rows, a + step)
-        # IEEE div, as the kernels' div_rn; + 0.0 turns -0 into +0 as there
-        z = logits[a:b].to(torch.float32) / temps32[a:b].unsqueeze(-1) + 0.0
-        out[a:b] = (z.to(torch.float64) - lse[a:b].unsqueeze(-1)).to(torch.float32).masked_fill(padded, float("-inf"))
+    if rows and v_local:
+        _log_softmax_tail_kernel[(rows, triton.cdiv(v_local, 1024))](
+            logits,
+            temps32,
+            lse,
+            out,
+            rows,
+            v_local,
+            vocab_start,
+            vocab_size,
+            logits.stride(0),
+            out.stride(0),
+            BLOCK=1024,
+            num_warps=4,
+            **LAUNCH,
+        )
     return out
 
 

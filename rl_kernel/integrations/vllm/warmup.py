@@ -36,6 +36,12 @@ def uses_triton(device: torch.device) -> bool:
         return False
 
 
+def warm_up_limit(max_tokens: int, max_seqs: int, max_model_len: int) -> int:
+    """The most tokens one engine step can carry: the token budget, or fewer when `max_seqs` sequences of
+    `max_model_len` tokens cannot fill it (e.g. a budget of 8192 beside 8 sequences of 560)."""
+    return min(max_tokens, max_seqs * max_model_len)
+
+
 def warm_up_tokens(max_tokens: int) -> list[int]:
     """Token counts of the warm-up forwards: 1, 2, 3, 2^k and 2^k + 1 up to `max_tokens`, and `max_tokens`."""
     if max_tokens < 1:
@@ -86,7 +92,8 @@ def warm_up(
     device: torch.device,
     backend: str = "FLASH_ATTN",
 ) -> list[int]:
-    """Run `model` (`rl_kernel.models.layers.Qwen3Model`) once per count of `warm_up_tokens(max_tokens)` with
+    """Run `model` (`rl_kernel.models.layers.Qwen3Model`) once per count of `warm_up_tokens` up to
+    `warm_up_limit(max_tokens, max_seqs, max_model_len)` with
     the serving model's `paged_attention` over a one-block cache of `backend`'s layout (`kv_cache_views`;
     block_size, cdiv(max_model_len, block_size) table entries per sequence) and the logits of the last
     min(tokens, max_seqs) rows. Values are meaningless (ids 0, no KV written); only the launches matter.
@@ -98,7 +105,7 @@ def warm_up(
         kv_cache = torch.zeros(1, shape.kv_heads, block_size, 2 * d, dtype=dtype, device=device)
     k_cache, v_cache = kv_cache_views(kv_cache, backend, d)
     width = -(-max_model_len // block_size)
-    counts = warm_up_tokens(max_tokens)
+    counts = warm_up_tokens(warm_up_limit(max_tokens, max_seqs, max_model_len))
     for tokens in counts:
         meta = dummy_batch(tokens, max_seqs, max_model_len, width, device)
         ids = torch.zeros(tokens, dtype=torch.int64, device=device)
