@@ -294,6 +294,7 @@ def _decode_case(
     q = torch.randn(b, h, d, device=DEV).to(BF16)
     strict = bench(lambda: attention.paged_attention(q, kc, vc, table, seq_lens, qsl, d**-0.5))
     fused = bench(lambda: attention.paged_attention(q, kc, vc, table, seq_lens, qsl, d**-0.5, schedule="fused"))
+    split = bench(lambda: attention.paged_attention(q, kc, vc, table, seq_lens, qsl, d**-0.5, schedule="split"))
 
     def native_paged():
         k = kc[table[:, : ctx // page].long()].view(b, ctx, hkv, d).transpose(1, 2)
@@ -320,6 +321,7 @@ def _decode_case(
         kv_bytes / bw * 1e3,
         ">=0.8x native paged",
         fused_schedule_ms=round(fused, 4),
+        split_schedule_ms=round(split, 4),
         block_m16_ms=round(tile16, 4),
         block_m16_same_bits=same_bits(out16, attention.paged_attention(q, kc, vc, table, seq_lens, qsl, d**-0.5)),
         kv_gbps_strict=round(kv_bytes / strict * 1e-6, 1),

@@ -19,7 +19,8 @@
 #            (algo.max_staleness=1, TIS): the overlap of rollout and training on one GPU (scripts/gpu_train.sh)
 # Variables: GPU_LAYERS (train, async, default 4), BENCH_LAYERS (36), PROFILE_LAYERS (8); BENCH_ARGS (more options of
 # vllm_throughput.py, e.g. --grid 512x1,512x64 --pushes 1); BENCH_MODES, PROFILE_MODES
-# (strict,native; strict_compiled: vLLM's torch.compile of the strict model, FULL_AND_PIECEWISE); each stage's time limit in
+# (strict,native; strict_compiled: vLLM's torch.compile of the strict model, FULL_AND_PIECEWISE; bench also takes
+# rl_kernel: rl_kernel's own paged engine); each stage's time limit in
 # seconds: TESTS_S (220), TRAIN_S (330), FAULTS_S (200), BENCH_S (480), PROFILE_S (300, per batch size), ASYNC_S (330).
 # Every file of $OUT ends up in $OUT/results.tar.gz (one file back from a device call), stages.txt beside it.
 set -uo pipefail

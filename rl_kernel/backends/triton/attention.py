@@ -1,7 +1,9 @@
 """Strict causal GQA attention on Triton: packed varlen prefill and paged KV, one kernel for both.
 
-Contract (triton v1). A program owns BLOCK_M rows (64 paged, 128 packed; no bit depends on it):
-BLOCK_M / G query tokens of one sequence
+Contract (triton v1). A program owns BLOCK_M rows (64 in both paths; tests/gpu compare packed prefill with
+paged decode bit for bit. A 16-row paged tile gave other bits than the 64-row one at batch >= 64 on the H200,
+2026-12-02, same bits at batch 1: benchmarks/results/kernels_decode_h200_quick.json; not yet explained, so
+only the 64-row tiles are in the contract): BLOCK_M / G query tokens of one sequence
 times the G query heads of one KV head (G = H / Hkv). Keys are taken in chunks of CHUNK = 64
 positions counted from position 0 of the sequence; key positions past a row's own are masked
 (score -inf, probability 0). Chunks are grouped into KV splits of SPLIT_CHUNKS chunks (a fixed
@@ -48,6 +50,32 @@ BLOCK_M = 64  # the paged path's row tile (decode, chunked prefill)
 LOG2E = 1.4426950408889634
 FOLD_ROWS = tl.constexpr(16)  # rows the split schedule's merge folds at a time (`_merge_tile`)
 SPLIT_SCRATCH_BYTES = 256 << 20  # paged calls whose split partials fit use the split schedule
+# ... unless the fused schedule alone has FUSED_WAVES x SMs programs (tiles x kv heads): then it keeps the GPU busy
+# without the split partials' round trip and the splits past a short context (a table row of max_model_len keys
+# has 8 splits of 512; a 512-key context fills one). H200, Qwen3-8B heads, paged decode, fused / split ms:
+# B=64 ctx 4096 0.333 / 0.368, B=256 ctx 4096 1.29 / 1.42, B=128 ctx 512 in a 4096-key table 0.115 / 0.227
+# (benchmarks/results/kernels_decode_h200_quick.json). B=64 of Qwen3-8B is 68 tiles x 8 kv heads = 4.1 x 132 SMs.
+FUSED_WAVES = 4
+_SM_COUNT: dict[torch.device, int] = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (132 elsewhere: an H200's, so CPU runs pick as it does)."""
+    if device.type != "cuda":
+        return 132
+    if device not in _SM_COUNT:
+        _SM_COUNT[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _SM_COUNT[device]
+
+
+def pick_schedule(paged: bool, num_splits: int, scratch_bytes: int, programs: int, sm_count: int) -> str:
+    """The paged schedule from shapes only (no host sync; both give the same bits): `split` when the table has
+    more than one split, its partials fit SPLIT_SCRATCH_BYTES and the fused grid of `programs` (tiles x kv heads)
+    would be under FUSED_WAVES x `sm_count`; `fused` otherwise."""
+    few = programs < FUSED_WAVES * sm_count
+    return "split" if paged and num_splits > 1 and scratch_bytes <= SPLIT_SCRATCH_BYTES and few else "fused"
+
+
 # Launch configurations. A row's bits do not depend on the row tile (rows are independent, masked chunks
 # are exact identities): tests/gpu compare packed prefill (PREFILL) with paged decode (PAGED) bit for bit.
 # Picked by benchmarks/kernels.py's prefill sweep on an H200 (kernels_h200.json).
@@ -788,7 +816,7 @@ def _run(q, k, v, q_start, ctx_len, block_table, block_size, scale, paged, sched
     num_splits = triton.cdiv(block_table.shape[1] * block_size if paged else tq, CHUNK * SPLIT_CHUNKS)
     if schedule is None:  # one split: the fused schedule runs the same programs without the partials' round trip
         scratch = tq * heads * num_splits * _partial_floats(d) * 4
-        schedule = "split" if paged and num_splits > 1 and scratch <= SPLIT_SCRATCH_BYTES else "fused"
+        schedule = pick_schedule(paged, num_splits, scratch, grid_tiles * kv_heads, _sm_count(dev))
     split = schedule == "split"
     part = torch.empty(tq * heads * num_splits * _partial_floats(d), dtype=torch.float32, device=dev) if split else None
     counters = _arrival_counters(dev, grid_tiles * kv_heads) if split else None

@@ -18,33 +18,18 @@ SMALL_T = 2048  # up to this many rows: one row per program
 
 
 @triton.jit(do_not_specialize=["T"])  # row counts vary per batch: one compile for all (see warm-up)
-def _rms_norm_kernel(
-    x_ptr,
-    w_ptr,
-    y_ptr,
-    T,
-    D,
-    stride_x,
-    stride_y,
-    eps,
-    BLOCK_T: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    UNROLL: tl.constexpr,
-):
+def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, T, D, stride_x, stride_y, eps, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     row_ok = rows < T
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_x  # T x D passes 2^31 (int64 once, outside the loops)
     y_rows = y_ptr + rows.to(tl.int64)[:, None] * stride_y
     cols = tl.arange(0, 64)
     acc = tl.zeros((BLOCK_T,), tl.float32)
-    # UNROLL blocks of 64 per iteration, unrolled, so their loads are in flight together (one block per iteration
-    # is a chain of dependent global loads: ~40 us per decode row of 4096). A block past D is all zeros and adds
-    # +0.0 to a sum of squares (>= +0.0): the blocks' left-to-right order and the bits are unchanged.
-    for d0 in range(0, D, 64 * UNROLL):
-        for j in tl.static_range(UNROLL):
-            c = d0 + j * 64 + cols
-            x = tl.load(x_rows + c[None, :], mask=row_ok[:, None] & (c < D)[None, :], other=0.0).to(tl.float32)
-            acc += tree_sum(x * x, 6)
+    for d0 in range(0, D, 64):
+        mask = row_ok[:, None] & ((d0 + cols) < D)[None, :]
+        x = tl.load(x_rows + d0 + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        block = tree_sum(x * x, 6)
+        acc = tl.where(d0 == 0, block, acc + block)
     r = tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(acc, D.to(tl.float32)) + eps))
     for d0 in range(0, D, BLOCK_D):
         c = d0 + tl.arange(0, BLOCK_D)
@@ -67,7 +52,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         # a row's bits depend on that row only, so the rows per program are free: one per program for the few
         # rows of a decode batch (8 per program would leave most of the GPU idle there)
         block_t = BLOCK_T if t > SMALL_T else 1
-        blocks = triton.cdiv(d, 64)
         _rms_norm_kernel[(triton.cdiv(t, block_t),)](
             x2,
             weight.contiguous(),
@@ -78,8 +62,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
             y.stride(0),
             eps,
             BLOCK_T=block_t,
-            BLOCK_D=min(8192 // block_t, triton.next_power_of_2(d)),
-            UNROLL=min(8, triton.next_power_of_2(blocks)),
+            BLOCK_D=min(1024, triton.next_power_of_2(d)),
             num_warps=4,
             **LAUNCH,
         )
