@@ -95,6 +95,19 @@ def test_cuda_kwargs_refuse_what_strict_mode_cannot_run(tiny_qwen3_path):
         native_llm_kwargs(tiny_qwen3_path, device="tpu")
 
 
+def test_v2_runner_kwargs_leave_out_the_logits_processor(tiny_qwen3_path):
+    """runner='v2': no logits processor (vLLM then runs its V2 model runner, whose sampler the strict model
+    swaps); CUDA only; the default keeps the V1 processor."""
+    v1 = strict_llm_kwargs(tiny_qwen3_path, device="cuda")
+    v2 = strict_llm_kwargs(tiny_qwen3_path, device="cuda", runner="v2")
+    assert v1["logits_processors"] == [LOGITS_PROCESSOR] and "logits_processors" not in v2
+    assert {k: v for k, v in v1.items() if k != "logits_processors"} == v2
+    with pytest.raises(ValueError, match="runner='v2'.*needs Triton on a GPU: use device='cuda'"):
+        strict_llm_kwargs(tiny_qwen3_path, runner="v2")
+    with pytest.raises(ValueError, match="runner is 'v1' or 'v2', got 'v3'"):
+        strict_llm_kwargs(tiny_qwen3_path, device="cuda", runner="v3")
+
+
 def ipc_llm() -> RecordingLLM:
     """`vllm.LLM` with the `ipc` engine, recorded; payloads parsed by vLLM's ipc dataclasses."""
     return RecordingLLM(IPCWeightTransferInitInfo, IPCWeightTransferUpdateInfo)
