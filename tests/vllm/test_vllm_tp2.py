@@ -5,12 +5,8 @@ as a bit copy) equals its TP1, so one TP1 reference serves both."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
-from vllm_test_utils import ENGINE_ARGS, compare_with_reference, make_prompts, running_llm
+from vllm_test_utils import ENGINE_ARGS, compare_with_reference, make_prompts, running_llm, strict_engine_start
 
 import rl_kernel as rk
 from rl_kernel.integrations.vllm import (
@@ -76,15 +72,7 @@ def test_tp2_workers_run_the_modes_of_the_engine_config(tiny_qwen3_path, monkeyp
 def test_strict_model_without_modes_refuses_to_start(tiny_qwen3_path):
     """Fail closed: an engine whose arguments select the strict model but carry no rl_kernel modes does
     not start (in a fresh process: its workers would otherwise fall back to whatever their environment says)."""
-    code = (
-        "import sys, vllm\nfrom rl_kernel.integrations.vllm import MODES_KEY, strict_llm_kwargs\n"
-        "kwargs = strict_llm_kwargs(sys.argv[1], max_model_len=128, gpu_memory_utilization=0.3)\n"
-        "del kwargs['additional_config'][MODES_KEY]\nvllm.LLM(**kwargs)\n"
-    )
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    done = subprocess.run(
-        [sys.executable, "-c", code, str(tiny_qwen3_path)], env=env, capture_output=True, text=True, timeout=300
-    )
+    done = strict_engine_start(tiny_qwen3_path, "del kwargs['additional_config'][MODES_KEY]")
     assert done.returncode != 0 and "started without explicit rl_kernel modes" in done.stderr, done.stderr[-3000:]
 
 

