@@ -15,13 +15,13 @@
 #   profile  where strict decode time goes against native (benchmarks/vllm_decode_profile.py: one engine per
 #            subprocess, CUDA graphs on both; per decode step device time by category, kernels, host launches),
 #            once per batch size of PROFILE_BATCHES (default 128)
-#   async    vime.train +experiment=h200_vllm synchronous (as preset, and without sleep mode) and asynchronous
-#            (algo.max_staleness=1, TIS): the overlap of rollout and training on one GPU (scripts/gpu_train.sh)
+#   async    vime.train +experiment=h200_vllm synchronous and asynchronous (algo.max_staleness=1, TIS), both without
+#            sleep mode, no checkpoint: the overlap of rollout and training on one GPU (scripts/gpu_train.sh)
 # Variables: GPU_LAYERS (train, async, default 4), BENCH_LAYERS (36), PROFILE_LAYERS (8); BENCH_ARGS (more options of
 # vllm_throughput.py, e.g. --grid 512x1,512x64 --pushes 1); BENCH_MODES, PROFILE_MODES
 # (strict,native; strict_compiled: vLLM's torch.compile of the strict model, FULL_AND_PIECEWISE; bench also takes
 # rl_kernel: rl_kernel's own paged engine); each stage's time limit in
-# seconds: TESTS_S (220), TRAIN_S (330), FAULTS_S (200), BENCH_S (480), PROFILE_S (300, per batch size), ASYNC_S (330).
+# seconds: TESTS_S (300), TRAIN_S (330), FAULTS_S (420), BENCH_S (480), PROFILE_S (300, per batch size), ASYNC_S (330).
 # Every file of $OUT ends up in $OUT/results.tar.gz (one file back from a device call), stages.txt beside it.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -58,11 +58,11 @@ stage() {  # stage NAME LIMIT_S COMMAND...: run under LIMIT_S seconds, log to $O
 
 for s in "$@"; do
   case $s in
-    tests) stage tests "${TESTS_S:-220}" $PY -m pytest tests/gpu -q -p no:cacheprovider -rA --durations=15 \
+    tests) stage tests "${TESTS_S:-300}" $PY -m pytest tests/gpu -q -p no:cacheprovider -rA --durations=15 \
              -k "${TESTS_K:-not interpreter and not vllm_train_gpu}" --junitxml="$OUT/gpu_tests.xml" ;;
     train) stage train "${TRAIN_S:-330}" env GPU_TRAIN_SKIP_INSTALL=1 GPU_TRAIN_PRESET=h200_vllm OUT="$OUT/train" \
              GPU_TRAIN_BUDGET_S=$(( ${TRAIN_S:-330} - 20 )) bash scripts/gpu_train.sh "model.tiny.num_layers=${GPU_LAYERS:-4}" ;;
-    faults) stage faults "${FAULTS_S:-200}" $PY -m pytest tests/gpu/test_vllm_train_gpu.py -q -p no:cacheprovider -rA ;;
+    faults) stage faults "${FAULTS_S:-420}" $PY -m pytest tests/gpu/test_vllm_train_gpu.py -q -p no:cacheprovider -rA ;;
     bench) stage bench "${BENCH_S:-480}" $PY benchmarks/vllm_throughput.py --device cuda --layers "${BENCH_LAYERS:-36}" \
              --modes "${BENCH_MODES:-strict,native}" --out "$OUT/vllm_rollout_h200.json" ${BENCH_ARGS:-} ;;
     profile) for b in ${PROFILE_BATCHES//,/ }; do
@@ -71,8 +71,9 @@ for s in "$@"; do
                  --out "$OUT/vllm_decode_profile_h200_b$b.json"
              done ;;
     async) stage async "${ASYNC_S:-330}" env GPU_TRAIN_SKIP_INSTALL=1 GPU_TRAIN_PRESET=h200_vllm OUT="$OUT/async" \
-             GPU_TRAIN_RUNS="strict_1gpu strict_nosleep_1gpu async_1gpu" GPU_TRAIN_BUDGET_S=$(( ${ASYNC_S:-330} - 20 )) \
-             bash scripts/gpu_train.sh "model.tiny.num_layers=${GPU_LAYERS:-4}" steps="${ASYNC_STEPS:-10}" ;;
+             GPU_TRAIN_RUNS="strict_nosleep_1gpu async_1gpu" GPU_TRAIN_BUDGET_S=$(( ${ASYNC_S:-330} - 20 )) \
+             bash scripts/gpu_train.sh "model.tiny.num_layers=${GPU_LAYERS:-4}" steps="${ASYNC_STEPS:-10}" \
+             checkpoint.every=0 ;;
     *) echo "gpu_vllm: unknown stage $s (tests, train, faults, bench, profile, async)"; exit 2 ;;
   esac
 done
