@@ -57,20 +57,21 @@ def same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.view(view), b.view(view))
 
 
+def _rms_norm_contract(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The torch contract's RMSNorm (eps 1e-6) with a correctly rounded sqrt (CPU torch.sqrt on fp32 is not, on
+    some machines)."""
+    x32 = x.float()
+    r = 1.0 / (blocked_sum(x32 * x32) / x.shape[-1] + 1e-6).double().sqrt().float()
+    return ((x32 * r[:, None]).to(x.dtype).float() * w.float()).to(x.dtype)
+
+
 def elementwise(gen: torch.Generator) -> None:
     for dtype in (F16, torch.float32):
-        x, w = (torch.randn(19, 200, generator=gen) * 3).to(dtype), torch.randn(200, generator=gen).to(dtype)
-        # reference with a correctly rounded sqrt (CPU torch.sqrt on fp32 is not, on some machines)
-        x32 = x.float()
-        r = 1.0 / (blocked_sum(x32 * x32) / 200 + 1e-6).double().sqrt().float()
-        ref = ((x32 * r[:, None]).to(dtype).float() * w.float()).to(dtype)
-        check(f"rms_norm {dtype} == torch contract", same(norm.rms_norm(x, w, 1e-6), ref))
-        # 18 blocks of 64, the last one partial
-        x, w = (torch.randn(5, 1100, generator=gen) * 3).to(dtype), torch.randn(1100, generator=gen).to(dtype)
-        x32 = x.float()
-        r = 1.0 / (blocked_sum(x32 * x32) / 1100 + 1e-6).double().sqrt().float()
-        ref = ((x32 * r[:, None]).to(dtype).float() * w.float()).to(dtype)
-        check(f"rms_norm {dtype} with a partial last block == torch contract", same(norm.rms_norm(x, w, 1e-6), ref))
+        for rows, d, what in ((19, 200, ""), (5, 1100, " with a partial last block")):  # 1100: 17 blocks and 12
+            x, w = (torch.randn(rows, d, generator=gen) * 3).to(dtype), torch.randn(d, generator=gen).to(dtype)
+            check(
+                f"rms_norm {dtype}{what} == torch contract", same(norm.rms_norm(x, w, 1e-6), _rms_norm_contract(x, w))
+            )
         x, w = (torch.randn(19, 200, generator=gen) * 3).to(dtype), torch.randn(200, generator=gen).to(dtype)
         # past SMALL_T rows the kernel takes BLOCK_T rows a program: each row's bits as with one row a program
         many = torch.cat([x, (torch.randn(norm.SMALL_T, 200, generator=gen) * 3).to(dtype)])

@@ -189,13 +189,14 @@ def serving_keys(recorded):
     return _serving_keys(recorded, _decode_and_prefill_steps())
 
 
-@settings(max_examples=60, deadline=None)
-@given(
-    tokens=st.integers(1, 4096),
-    max_seqs=st.integers(1, 256),
-    block_size=st.sampled_from([16, 32]),
-    max_model_len=st.integers(1, 4096),
+# engines' sequence limits, block sizes and model lengths, for the warm-up's dummy batches
+ENGINE_LIMITS = dict(
+    max_seqs=st.integers(1, 256), block_size=st.sampled_from([16, 32]), max_model_len=st.integers(1, 4096)
 )
+
+
+@settings(max_examples=60, deadline=None)
+@given(tokens=st.integers(1, 4096), **ENGINE_LIMITS)
 def test_dummy_batch_stays_inside_max_model_len(tokens, max_seqs, block_size, max_model_len):
     """Every warm-up sequence fits the engine's max_model_len and its block-table row (a longer one read table
     entries past its row: an illegal address on the H200 when the token budget exceeded max_model_len)."""
@@ -284,12 +285,7 @@ def test_mixed_batches_stay_within_warmed_keys(recorded, warmed, batch):
 
 
 @settings(max_examples=60, deadline=None)
-@given(
-    max_tokens=st.integers(1, 16384),
-    max_seqs=st.integers(1, 256),
-    block_size=st.sampled_from([16, 32]),
-    max_model_len=st.integers(1, 4096),
-)
+@given(max_tokens=st.integers(1, 16384), **ENGINE_LIMITS)
 def test_every_warm_up_count_fits_the_engine(max_tokens, max_seqs, block_size, max_model_len):
     """Every token count the warm-up runs has a dummy batch, whatever the budget beside max_num_seqs x
     max_model_len (an engine of budget 8192, 8 sequences of 560 failed to start before the limit)."""

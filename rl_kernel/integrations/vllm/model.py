@@ -177,11 +177,12 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     return _paged_attention_compact(q, k_cache, v_cache, meta, scale)
 
 
-def _check_strict_sampling(vllm_config) -> None:
+def _check_strict_sampling(vllm_config) -> bool:
     """Fail closed unless the engine samples from strict log-probs: vLLM's V2 model runner takes the strict sampler
-    (`get_model_state_cls`), the V1 runner needs the strict logits processor among its logits processors."""
+    (`get_model_state_cls`), the V1 runner needs the strict logits processor among its logits processors. Returns
+    whether the engine runs vLLM's V2 model runner."""
     if getattr(vllm_config, "use_v2_model_runner", False):
-        return
+        return True
     processors = vllm_config.model_config.logits_processors or ()
     named = [p if isinstance(p, str) else f"{p.__module__}:{p.__qualname__}" for p in processors]
     if LOGITS_PROCESSOR not in named:
@@ -190,6 +191,7 @@ def _check_strict_sampling(vllm_config) -> None:
             f"({LOGITS_PROCESSOR}): build the engine with strict_llm_kwargs(runner='v1'), or for runner='v2' let "
             "vLLM run its V2 runner (a GPU with Triton; VLLM_USE_V2_MODEL_RUNNER unset or 1)"
         )
+    return False
 
 
 def _compiled(vllm_config) -> bool:
@@ -229,10 +231,9 @@ class RLKernelQwen3ForCausalLM(nn.Module):
             )
         for boundary, mode in full_modes(modes).items():
             rk.set_mode(mode, boundary)
-        _check_strict_sampling(vllm_config)
+        self.v2_runner = _check_strict_sampling(vllm_config)
         # on vLLM's V2 runner the strict sampler's model state sets this; logits served without it would be
         # sampled by vLLM's own sampler
-        self.v2_runner = bool(getattr(vllm_config, "use_v2_model_runner", False))
         self.strict_sampler = False
         self.config = config
         self.shape = Qwen3Config.from_hf({**config.to_dict(), "architectures": ["Qwen3ForCausalLM"]}, "hf_config")
