@@ -58,11 +58,11 @@ stage() {  # stage NAME LIMIT_S COMMAND...: run under LIMIT_S seconds, log to $O
 
 for s in "$@"; do
   case $s in
-    tests) stage tests "${TESTS_S:-300}" $PY -m pytest tests/gpu -q -p no:cacheprovider -rA --durations=15 \
+    tests) stage tests "${TESTS_S:-300}" env VIME_INSTAFAIL=1 $PY -m pytest tests/gpu -v -p no:cacheprovider -rA --durations=15 \
              -k "${TESTS_K:-not interpreter and not vllm_train_gpu}" --junitxml="$OUT/gpu_tests.xml" ;;
     train) stage train "${TRAIN_S:-330}" env GPU_TRAIN_SKIP_INSTALL=1 GPU_TRAIN_PRESET=h200_vllm OUT="$OUT/train" \
              GPU_TRAIN_BUDGET_S=$(( ${TRAIN_S:-330} - 20 )) bash scripts/gpu_train.sh "model.tiny.num_layers=${GPU_LAYERS:-4}" ;;
-    faults) stage faults "${FAULTS_S:-420}" $PY -m pytest tests/gpu/test_vllm_train_gpu.py -q -p no:cacheprovider -rA ;;
+    faults) stage faults "${FAULTS_S:-420}" env VIME_INSTAFAIL=1 $PY -m pytest tests/gpu/test_vllm_train_gpu.py -v -p no:cacheprovider -rA ;;
     bench) stage bench "${BENCH_S:-480}" $PY benchmarks/vllm_throughput.py --device cuda --layers "${BENCH_LAYERS:-36}" \
              --modes "${BENCH_MODES:-strict,native}" --out "$OUT/vllm_rollout_h200.json" ${BENCH_ARGS:-} ;;
     profile) for b in ${PROFILE_BATCHES//,/ }; do

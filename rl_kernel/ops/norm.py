@@ -83,10 +83,17 @@ def rms_norm(
     to x's dtype) and returns (y, s)."""
     if torch.compiler.is_compiling():  # one opaque node for torch.compile (rl_kernel.ops.library)
         return _rms_norm_op(x, weight, eps) if residual is None else _rms_norm_residual_op(x, residual, weight, eps)
-    if residual is not None:
-        x = x + residual
-    y = NORM(_StrictRMSNorm.apply, x, weight, eps)
-    return y if residual is None else (y, x)
+    if residual is None:
+        return NORM(_StrictRMSNorm.apply, x, weight, eps)
+    if NORM.is_strict() and not _needs_grad(x, residual, weight):
+        _, kernels = NORM.strict(x.device, x, residual, weight)
+        return kernels.rms_norm_residual(x, residual, weight, eps)  # one pass: the sum and its norm
+    s = x + residual
+    return NORM(_StrictRMSNorm.apply, s, weight, eps), s
+
+
+def _needs_grad(*tensors: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
 # ---- the op as one opaque node for torch.compile (rl_kernel.ops.library) ----

@@ -67,17 +67,28 @@ def _rms_norm_contract(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 def elementwise(gen: torch.Generator) -> None:
     for dtype in (F16, torch.float32):
-        for rows, d, what in ((19, 200, ""), (5, 1100, " with a partial last block")):  # 1100: 17 blocks and 12
+        widths = ((19, 200, ""), (5, 1100, " with a partial last block"), (3, 5120, " in two chunks of blocks"))
+        for rows, d, what in widths:  # 1100: 17 blocks and 12
             x, w = (torch.randn(rows, d, generator=gen) * 3).to(dtype), torch.randn(d, generator=gen).to(dtype)
             check(
                 f"rms_norm {dtype}{what} == torch contract", same(norm.rms_norm(x, w, 1e-6), _rms_norm_contract(x, w))
             )
         x, w = (torch.randn(19, 200, generator=gen) * 3).to(dtype), torch.randn(200, generator=gen).to(dtype)
-        # past SMALL_T rows the kernel takes BLOCK_T rows a program: each row's bits as with one row a program
-        many = torch.cat([x, (torch.randn(norm.SMALL_T, 200, generator=gen) * 3).to(dtype)])
+        # a program takes 16 rows of 200: each row's bits as in a batch of its own
+        many = torch.cat([x, (torch.randn(40, 200, generator=gen) * 3).to(dtype)])
         check(
             f"rms_norm {dtype} rows per program move no bit",
             same(norm.rms_norm(many, w, 1e-6)[: x.shape[0]], norm.rms_norm(x, w, 1e-6)),
+        )
+        res = (torch.randn(19, 200, generator=gen) * 3).to(dtype)
+        y, summed = norm.rms_norm_residual(x, res, w, 1e-6)
+        check(f"rms_norm {dtype} with residual: the sum", same(summed, x + res))
+        check(f"rms_norm {dtype} with residual == torch contract", same(y, _rms_norm_contract(x + res, w)))
+        qkv = (torch.randn(5, 6 * 64, generator=gen) * 3).to(dtype)  # q of 4 heads out of a fused QKV, in place
+        q = qkv[:, : 4 * 64].view(5, 4, 64)
+        check(
+            f"rms_norm {dtype} of a strided [T, H, D] view == of its copy",
+            same(norm.rms_norm(q, w[:64], 1e-6), norm.rms_norm(q.contiguous(), w[:64], 1e-6)),
         )
         x = (torch.randn(7, 600, generator=gen) * 4).to(dtype)
         check(f"silu_and_mul {dtype} == torch backend", same(activation.silu_and_mul(x), torch_act.silu_and_mul(x)))
@@ -507,9 +518,7 @@ def far_offsets(gen: torch.Generator) -> None:
 
     x = _far_copy(base, 4, (torch.randn(3, 200, generator=gen) * 3).to(F16))
     w = torch.randn(200, generator=gen).to(F16)
-    y = _far(base, 5, 3, 200)
-    norm._rms_norm_kernel[(1,)](x, w, y, 3, 200, s, s, 1e-6, BLOCK_T=8, BLOCK_D=256, num_warps=4, **LAUNCH)
-    check("far rows: rms_norm", same(y.clone(), norm.rms_norm(x.contiguous(), w, 1e-6)))
+    check("far rows: rms_norm", same(norm.rms_norm(x, w, 1e-6), norm.rms_norm(x.contiguous(), w, 1e-6)))
     dy = _far_copy(base, 6, torch.randn(3, 200, generator=gen).to(F16))
     dx, dw = _far(base, 7, 3, 200), torch.empty(1, 200)
     norm._rms_norm_backward_kernel[(1,)](x, w, dy, dx, dw, 3, 200, 1e-6, s, s, s, BLOCK_T=4, BLOCK_D=256, num_warps=4)

@@ -153,13 +153,22 @@ def test_rms_norm_matches_torch_backend(dtype):
     assert same(norm.rms_norm(q, w[:128], 1e-6), torch_norm.rms_norm(q, w[:128], 1e-6))
 
 
-@pytest.mark.parametrize("rows, d", [(3000, 4096), (5, 1100), (3000, 1100)])
-def test_rms_norm_matches_torch_backend_past_one_row_per_program_and_block(rows, d):
-    """Past SMALL_T rows (8 rows a program: the training path) and with a partial last block of 64 (D = 1100).
-    On the H200 on 2026-12-02 (3000, 1100) differed from the torch backend with an unrolled variant of the
-    kernel (not kept); the cases split it so that the next run names the cause."""
+@pytest.mark.parametrize("rows, d", [(3000, 4096), (5, 1100), (3000, 1100), (7, 5120)])
+def test_rms_norm_matches_torch_backend_at_other_widths(rows, d):
+    """A partial last block of 64 (D = 1100), a row in two chunks of 64 blocks (D = 5120), many rows."""
     x, w = randn(rows, d, dtype=BF16, std=3.0), randn(d, dtype=BF16)
     assert same(norm.rms_norm(x, w, 1e-6), torch_norm.rms_norm(x, w, 1e-6))
+
+
+def test_rms_norm_residual_and_strided_heads_match_torch_backend():
+    """The fused residual form (one launch: the sum and its norm) and QK-norm read in place from a fused QKV."""
+    x, res, w = randn(300, 4096, dtype=BF16, std=3.0), randn(300, 4096, dtype=BF16), randn(4096, dtype=BF16)
+    y, summed = norm.rms_norm_residual(x, res, w, 1e-6)
+    ref_y, ref_s = torch_norm.rms_norm_residual(x, res, w, 1e-6)
+    assert same(summed, ref_s) and same(y, ref_y)
+    qkv = randn(300, 48 * 128, dtype=BF16, std=3.0)
+    q = qkv[:, : 32 * 128].view(300, 32, 128)
+    assert same(norm.rms_norm(q, w[:128], 1e-6), torch_norm.rms_norm(q.contiguous(), w[:128], 1e-6))
 
 
 def test_lse_kernel_matches_torch_log64():

@@ -77,7 +77,7 @@ def test_stopped_run_resumes_over_ipc_with_the_same_steps(killed_run, tmp_path):
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     assert [r["step"] for r in _rows(out)] == [0, 1]
     resumed = subprocess.run(
-        train_cmd(*SMALL, f"resume={out}"),
+        train_cmd(f"resume={out}"),  # a resumed run takes its config from its checkpoint
         cwd=REPO,
         env=os.environ | TRAIN_ENV,
         capture_output=True,

@@ -189,3 +189,31 @@ def test_a_restart_whose_reload_meets_another_dead_engine_restarts_that_one_too(
     trained = ray.get(trainer.score.remote(samples))
     for engine in driver.engines:
         assert _mismatches(ray.get(engine.rescore.remote(samples)), trained) == 0
+
+
+def test_an_engine_dead_at_sleep_or_wake_up_is_restarted_and_the_next_push_loads_it(actors):
+    """A colocated engine killed while the trainer works is met by the sleep or wake-up call around the train step
+    (`vime.faults.restart.on_every_engine`; `info` stands in for them, which the reference engine lacks): it is
+    restarted without a reload, the call is made on the fresh engine, and the step's weight push that follows
+    brings it to the trainer's version, scoring as the trainer does."""
+    from types import SimpleNamespace
+
+    from vime.config.schema import VimeConfig
+    from vime.faults import restart
+    from vime.loop.driver import call
+
+    trainer, engines, new_engine = actors
+    samples = _samples(engines)
+    version = ray.get(trainer.train_step.remote(samples))["version"]
+    timeline = Timeline(num_engines=2, trainer_version=version, engine_versions=[version - 1] * 2)
+    cfg = VimeConfig(rollout=RolloutConfig(engine=RolloutBackend.reference))
+    driver = SimpleNamespace(engines=engines, new_engine=new_engine, cfg=cfg, engine_restarts=0, timeline=timeline)
+    ray.kill(engines[1])
+    restart.on_every_engine(driver, "info", "wake up")
+    assert driver.engine_restarts == 1
+    assert timeline.engine_versions == [version - 1, 0]  # the fresh engine serves its checkpoint until the push
+    sync_weights([trainer], driver.engines, version, 1 << 20, timeline, call, transport=["nccl"] * 2)
+    assert timeline.engine_versions == [version] * 2
+    trained = ray.get(trainer.score.remote(samples))
+    for engine in driver.engines:
+        assert _mismatches(ray.get(engine.rescore.remote(samples)), trained) == 0

@@ -88,9 +88,10 @@ def load_current_weights(driver, engine: int) -> None:
     sync(driver, push)
 
 
-def restart_engine(driver, engine: int, cause: str, who: str | None = None) -> None:
-    """Replace dead rollout engine `engine` by a fresh actor serving the trainer's current version; `who`
-    names what died ("rollout engine 0, TP rank 1"; default: the engine)."""
+def restart_engine(driver, engine: int, cause: str, who: str | None = None, reload: bool = True) -> None:
+    """Replace dead rollout engine `engine` by a fresh actor serving the trainer's current version (with
+    `reload=False`, the checkpoint's weights: the caller's next step is a weight push to every engine behind);
+    `who` names what died ("rollout engine 0, TP rank 1"; default: the engine)."""
     from vime.cluster.remote import call
 
     limit = driver.cfg.rollout.max_restarts
@@ -116,14 +117,32 @@ def restart_engine(driver, engine: int, cause: str, who: str | None = None) -> N
     driver.engines[engine] = driver.new_engine(engine)
     info = call([driver.engines[engine].info.remote()], "restart", [f"rollout engine {engine}"])[0]
     driver.timeline.engine_versions[engine] = info["version"]
-    if info["version"] != driver.timeline.trainer_version:
+    if reload and info["version"] != driver.timeline.trainer_version:
         load_current_weights(driver, engine)
     log.warning(
         "rollout engine %d is back (pid %s), serving weight version %d",
         engine,
         info["pid"],
-        driver.timeline.trainer_version,
+        driver.timeline.engine_versions[engine],
     )
+
+
+def on_every_engine(driver, method: str, what: str) -> None:
+    """`method` (no arguments) on every rollout engine, one after another: vLLM's sleep and wake-up around the
+    train step of a colocated run. An engine found dead is restarted without a reload (a fresh engine is awake,
+    and the weight push after the wake-up brings every engine behind to the trainer's version) and `method` is
+    called on it again."""
+    from vime.cluster.remote import call
+
+    for i in range(len(driver.engines)):
+        while True:
+            try:
+                call([getattr(driver.engines[i], method).remote()], what, [f"rollout engine {i}"])
+                break
+            except EngineDiedError as e:
+                if not died(e):
+                    raise
+                restart_engine(driver, i, str(e), _who(e, i), reload=False)
 
 
 def replace_on_capacity(driver, engine: int) -> None:

@@ -272,7 +272,7 @@ class Driver:
         # separate no-grad scoring forward and compares that instead.
         separate = cfg.trainer.scoring_pass
         if cfg.rollout.sleep_level:  # colocated vLLM gives the GPU back to the trainer until the weight push
-            self._call(self.engines, "sleep", "sleep")
+            restart.on_every_engine(self, "sleep", "sleep")
         scored = self._call(self.trainer, "score", "score", samples, trainer=True)[0] if separate else None
         t2 = time.perf_counter()
         stats = self._call(self.trainer, "train_step", "train step", samples, not separate, trainer=True)[0]
@@ -293,7 +293,7 @@ class Driver:
             [sc.token_ids for sc in scored],
         )
         if cfg.rollout.sleep_level:
-            self._call(self.engines, "wake_up", "wake up")
+            restart.on_every_engine(self, "wake_up", "wake up")
         sync = restart.sync(
             self,
             lambda: sync_weights(

@@ -14,3 +14,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     inv_rms = 1.0 / sqrt32(mean_sq + eps)
     normed = (x32 * inv_rms.unsqueeze(-1)).to(x.dtype)
     return (normed.to(torch.float32) * weight.to(torch.float32)).to(x.dtype)
+
+
+def rms_norm_residual(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(s), s) with s = x + residual rounded to x's dtype."""
+    s = x + residual
+    return rms_norm(s, weight, eps), s

@@ -25,6 +25,10 @@ import torch
 import rl_kernel as rk
 from rl_kernel.integrations.vllm.sampling import FORCED_TOKENS_KEY, TEMPERATURE_KEY, _rejections
 
+# request-id prefixes of the V2 runner's own warm-up requests at engine start (vllm/v1/worker/gpu/warmup.py in 0.26):
+# they exercise every sampling feature and carry no strict temperature; no output of theirs leaves the engine
+VLLM_WARMUP_REQUESTS = ("_warmup_", "_v2_mixed_warmup")
+
 
 def strict_request_temperature(sampling_params) -> float:
     """A strict request's temperature (`extra_args[TEMPERATURE_KEY]`), after the strict contract's checks; raises
@@ -46,9 +50,17 @@ def strict_sampler(base):
         def __init__(self, base: Sampler) -> None:  # adopt vLLM's states rather than build them twice
             self.__dict__.update(base.__dict__)
             self.strict_temperature = UvaBackedTensor(base.sampling_states.max_num_reqs, dtype=torch.float64)
+            # slots no request was added to (vLLM's dummy sampler runs at profiling): T = 1, their output is
+            # dropped; add_request writes every real request's checked T > 0 over it
+            self.strict_temperature.np[:] = 1.0
+            self.strict_temperature.copy_to_uva()
 
         def add_request(self, req_idx: int, prompt_len: int, sampling_params) -> None:
-            self.strict_temperature.np[req_idx] = strict_request_temperature(sampling_params)
+            req_id = self.req_states.index_to_req_id.get(req_idx, "")
+            if req_id.startswith(VLLM_WARMUP_REQUESTS):  # vLLM's kernel warm-up at start: its tokens are dropped
+                self.strict_temperature.np[req_idx] = 1.0
+            else:
+                self.strict_temperature.np[req_idx] = strict_request_temperature(sampling_params)
             super().add_request(req_idx, prompt_len, sampling_params)
 
         def apply_staged_writes(self) -> None:
