@@ -209,18 +209,14 @@ def table(results: list[dict], top: int) -> str:
     """Strict against native: per-step device time by category, counts, then each mode's top kernels."""
     by = {r["mode"]: r for r in results}
     modes = list(by)
-    lines = [
-        f"{'per decode step':<24}"
-        + "".join(f"{m:>12}" for m in modes)
-        + ("  strict/native" if {"strict", "native"} <= set(by) else "")
-    ]
+    exact = [m for m in modes if m != "native"] if "native" in by else []  # each against native
+    ratio_heads = "".join(f"  {m + '/native':>18}" for m in exact)
+    lines = [f"{'per decode step':<24}" + "".join(f"{m:>12}" for m in modes) + ratio_heads]
 
     def row(label: str, values: list[float], fmt: str = "{:>12.3f}") -> None:
-        ratio = ""
-        if {"strict", "native"} <= set(by):
-            s, n = values[modes.index("strict")], values[modes.index("native")]
-            ratio = f"  {s / n:>12.2f}x" if n else f"  {'-':>13}"
-        lines.append(f"{label:<24}" + "".join(fmt.format(v) for v in values) + ratio)
+        n = values[modes.index("native")] if exact else 0
+        ratios = "".join(f"  {values[modes.index(m)] / n:>17.2f}x" if n else f"  {'-':>18}" for m in exact)
+        lines.append(f"{label:<24}" + "".join(fmt.format(v) for v in values) + ratios)
 
     for c in CATEGORY_NAMES:
         row(f"  {c} ms", [by[m]["category_ms_per_step"][c] for m in modes])
@@ -251,10 +247,10 @@ def make_checkpoint(directory: Path, args) -> Path:
     return make_tiny_qwen3(directory / "tiny_qwen3", num_layers=args.layers)
 
 
-def run_modes(path: Path, args, directory: Path) -> list[dict]:
-    """Each mode in a subprocess of its own (one engine per process); their JSON results, in mode order. Raises
-    RuntimeError naming the mode whose subprocess failed (its output is above)."""
-    results = []
+def run_modes(path: Path, args, directory: Path) -> tuple[list[dict], list[str]]:
+    """Each mode in a subprocess of its own (one engine per process): the JSON results of those that ran, in mode
+    order, and the modes whose subprocess failed (its output is above; the other modes still run)."""
+    results, failed = [], []
     for mode in args.modes.split(","):
         out = directory / f"{mode}.json"
         cmd = [
@@ -282,9 +278,11 @@ def run_modes(path: Path, args, directory: Path) -> list[dict]:
             env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         print(f"== {mode}: {' '.join(cmd[1:])}", flush=True)
         if subprocess.run(cmd, env=env).returncode != 0 or not out.is_file():
-            raise RuntimeError(f"the {mode} profile failed (its output is above)")
+            print(f"== {mode}: the profile failed (its output is above)", flush=True)
+            failed.append(mode)
+            continue
         results.append(json.loads(out.read_text()))
-    return results
+    return results, failed
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -338,7 +336,10 @@ def main(argv: list[str] | None = None) -> int:
         path = make_checkpoint(Path(tmp), args)
         if args.device == "cuda":
             torch.cuda.empty_cache()
-        results = run_modes(path, args, Path(tmp))
+        results, failed = run_modes(path, args, Path(tmp))
+    if not results:
+        print(f"vllm_decode_profile: every mode failed ({', '.join(failed)})")
+        return 1
     graphs = "eager" if args.eager or args.device == "cpu" else "CUDA graphs"
     device = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"
     print(
@@ -357,13 +358,16 @@ def main(argv: list[str] | None = None) -> int:
                 "context": args.context,
                 "new_tokens": args.new_tokens,
                 "graphs": graphs == "CUDA graphs",
+                "failed": failed,
                 "results": results,
             },
             indent=1,
         )
     )
     print(f"wrote {out}")
-    return 0
+    if failed:
+        print(f"vllm_decode_profile: failed: {', '.join(failed)}")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -375,8 +375,17 @@ def run_cuda(args) -> int:
         path = make_tiny_qwen3(
             Path(tmp) / "qwen3_8b_shapes", num_layers=args.layers, device="cuda", init_std=0.02, **QWEN3_8B
         )
-        results = [rl_kernel_mode(path, args) if m == "rl_kernel" else cuda_mode(m, path, args) for m in modes]
+        out = args.out or Path(__file__).resolve().parent / "results" / "vllm_rollout_h200.json"
+        results, failed = [], {}
+        for m in modes:
+            try:
+                results.append(rl_kernel_mode(path, args) if m == "rl_kernel" else cuda_mode(m, path, args))
+            except Exception as e:  # noqa: BLE001 - one engine's failure must not lose the other modes' measurements
+                failed[m] = f"{type(e).__name__}: {e}"[:2000]
+                print(f"{m}: failed: {failed[m]}", flush=True)
+            write_cuda_results(out, args, results, failed, partial=True)  # a stage cut by its time limit keeps these
         cuda_parity(path, results)
+    modes = [r["mode"] for r in results]
     by_mode = {r["mode"]: r for r in results}
     print(
         f"\nvLLM on {torch.cuda.get_device_name(0)}: Qwen3-8B shapes, {args.layers} layers, {args.new_tokens} "
@@ -408,10 +417,18 @@ def run_cuda(args) -> int:
                 f"{m:>7}: weight push over CUDA IPC into vLLM ({r['weight_push'][0]['bytes'] / 1e9:.2f} GB): "
                 + ", ".join(f"{x['seconds']} s ({x['gb_per_s']} GB/s)" for x in r["weight_push"])
             )
-    out = args.out or Path(__file__).resolve().parent / "results" / "vllm_rollout_h200.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
+    write_cuda_results(out, args, results, failed)
+    strict_ok = all(x["mismatches"] == 0 for m in by_mode if m != "native" for x in by_mode[m]["parity"])
+    native_differs = "native" not in by_mode or any(x["mismatches"] for x in by_mode["native"]["parity"])
+    return 0 if strict_ok and native_differs and not failed else 1
+
+
+def write_cuda_results(out: Path, args, results: list[dict], failed: dict[str, str], partial: bool = False) -> None:
+    """The CUDA run's JSON: every mode measured so far (`partial`: before the parity check) and the modes that
+    failed, with their error."""
     import vllm
 
+    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(
         json.dumps(
             {
@@ -422,15 +439,15 @@ def run_cuda(args) -> int:
                 "new_tokens": args.new_tokens,
                 "grid": args.grid,
                 "request_seeds": args.request_seeds,
+                "partial": partial,
+                "failed": failed,
                 "results": results,
             },
             indent=1,
         )
     )
-    print(f"wrote {out}")
-    strict_ok = all(x["mismatches"] == 0 for m in by_mode if m != "native" for x in by_mode[m]["parity"])
-    native_differs = "native" not in by_mode or any(x["mismatches"] for x in by_mode["native"]["parity"])
-    return 0 if strict_ok and native_differs else 1
+    if not partial:
+        print(f"wrote {out}")
 
 
 def main() -> int:
