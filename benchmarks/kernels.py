@@ -325,6 +325,12 @@ def _decode_case(
     small = dict(attention.PAGED, BLOCK_M=16)
     out16 = attention._run(q, kc, vc, qsl, seq_lens, table, page, d**-0.5, True, None, config=small)
     tile16 = bench(lambda: attention._run(q, kc, vc, qsl, seq_lens, table, page, d**-0.5, True, None, config=small))
+    default = attention.paged_attention(q, kc, vc, table, seq_lens, qsl, d**-0.5)
+    launches = {}  # other warps / pipeline stages of the default tile: time, and whether the bits equal (they must)
+    for warps, stages in ((4, 3), (8, 2), (8, 3), (2, 2)):
+        cfg = dict(attention.PAGED, num_warps=warps, num_stages=stages)
+        run = lambda: attention._run(q, kc, vc, qsl, seq_lens, table, page, d**-0.5, True, None, config=cfg)  # noqa: B023, E731
+        launches[f"w{warps}s{stages}"] = {"ms": round(bench(run), 4), "same_bits": same_bits(run(), default)}
     kv_bytes = 2 * b * ctx * hkv * d * 2
     # decode runs under CUDA graphs in serving engines: both sides captured, replays timed
     graphs = {
@@ -341,7 +347,8 @@ def _decode_case(
         fused_schedule_ms=round(fused, 4),
         split_schedule_ms=round(split, 4),
         block_m16_ms=round(tile16, 4),
-        block_m16_same_bits=same_bits(out16, attention.paged_attention(q, kc, vc, table, seq_lens, qsl, d**-0.5)),
+        block_m16_same_bits=same_bits(out16, default),
+        launches=launches,
         kv_gbps_strict=round(kv_bytes / strict * 1e-6, 1),
         graph_strict_ms=round(graphs["strict"], 4),
         graph_native_ms=round(graphs["native"], 4),

@@ -7,7 +7,7 @@ step against native's 24 at batch 128: benchmarks/results/vllm_decode_profile_h2
 log-softmax moves into V2's own extension point instead: the strict model's `get_model_state_cls` gives V2 a
 model state whose `custom_sampler` swaps vLLM's `Sampler` for `StrictSampler`, which
 - takes each request's temperature T from `extra_args[TEMPERATURE_KEY]` (vLLM's own temperature stays 1.0) into
-  a host-backed table, as vLLM keeps its own per-request sampling state, and refuses at `add_request` what the
+  a host table by request slot, and refuses at `add_request` what the
   strict contract does not cover (`sampling._rejections`; forced decoding, which needs the V1 runner);
 - replaces vLLM's `apply_sampling_params` (logit bias, penalties, temperature, min-p: all neutral for a strict
   request) by `rk.log_softmax(logits, T)`: the processed logits are the strict full-vocab log-probs, whose entry
@@ -20,6 +20,7 @@ has not run on the CPU machine. Status in docs/vllm.md.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 import rl_kernel as rk
@@ -43,36 +44,30 @@ def strict_request_temperature(sampling_params) -> float:
 
 def strict_sampler(base):
     """`StrictSampler` over vLLM's constructed V2 `Sampler` `base`: the same states, the strict processed logits."""
-    from vllm.v1.worker.gpu.buffer_utils import UvaBackedTensor
     from vllm.v1.worker.gpu.sample.sampler import Sampler
 
     class StrictSampler(Sampler):
         def __init__(self, base: Sampler) -> None:  # adopt vLLM's states rather than build them twice
             self.__dict__.update(base.__dict__)
-            self.strict_temperature = UvaBackedTensor(base.sampling_states.max_num_reqs, dtype=torch.float64)
-            # slots no request was added to (vLLM's dummy sampler runs at profiling): T = 1, their output is
-            # dropped; add_request writes every real request's checked T > 0 over it
-            self.strict_temperature.np[:] = 1.0
-            self.strict_temperature.copy_to_uva()
+            # per request slot, on the host (read there each step: no device sync for the T > 0 check); slots no
+            # request was added to (vLLM's dummy sampler runs at profiling) hold T = 1, their output dropped
+            self.strict_temperature = np.ones(base.sampling_states.max_num_reqs, dtype=np.float64)
 
-        def add_request(self, req_idx: int, prompt_len: int, sampling_params) -> None:
+        def add_request(self, req_idx: int, *args) -> None:  # (prompt_len,) sampling_params: 0.26 passes both
+            sampling_params = args[-1]
             req_id = self.req_states.index_to_req_id.get(req_idx, "")
             if req_id.startswith(VLLM_WARMUP_REQUESTS):  # vLLM's kernel warm-up at start: its tokens are dropped
-                self.strict_temperature.np[req_idx] = 1.0
+                self.strict_temperature[req_idx] = 1.0
             else:
-                self.strict_temperature.np[req_idx] = strict_request_temperature(sampling_params)
-            super().add_request(req_idx, prompt_len, sampling_params)
-
-        def apply_staged_writes(self) -> None:
-            super().apply_staged_writes()
-            self.strict_temperature.copy_to_uva()
+                self.strict_temperature[req_idx] = strict_request_temperature(sampling_params)
+            super().add_request(req_idx, *args)
 
         def apply_sampling_params(self, logits, expanded_idx_mapping, idx_mapping_np, *args, **kwargs):
             if logits.shape[0] != len(idx_mapping_np):
                 raise rk.StrictModeError(
                     "logprobs", "vllm-v2", "one logits row per request only (speculative decoding is not strict)"
                 )
-            temps = self.strict_temperature.gpu[expanded_idx_mapping]
+            temps = torch.from_numpy(self.strict_temperature[idx_mapping_np])
             return rk.log_softmax(logits.float(), temps)
 
     return StrictSampler(base)
