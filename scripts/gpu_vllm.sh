@@ -21,7 +21,7 @@
 # vllm_throughput.py, e.g. --grid 512x1,512x64 --pushes 1); BENCH_MODES, PROFILE_MODES
 # (strict,native; strict_compiled: vLLM's torch.compile of the strict model, FULL_AND_PIECEWISE; bench also takes
 # rl_kernel: rl_kernel's own paged engine); each stage's time limit in
-# seconds: TESTS_S (300), TRAIN_S (330), FAULTS_S (420), BENCH_S (480), PROFILE_S (300, per batch size), ASYNC_S (330).
+# seconds: TESTS_S (420), TRAIN_S (330), FAULTS_S (420), BENCH_S (480), PROFILE_S (300, per batch size), ASYNC_S (330).
 # Every file of $OUT ends up in $OUT/results.tar.gz (one file back from a device call), stages.txt beside it.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -58,7 +58,7 @@ stage() {  # stage NAME LIMIT_S COMMAND...: run under LIMIT_S seconds, log to $O
 
 for s in "$@"; do
   case $s in
-    tests) stage tests "${TESTS_S:-300}" env VIME_INSTAFAIL=1 $PY -m pytest tests/gpu -v -p no:cacheprovider -rA --durations=15 \
+    tests) stage tests "${TESTS_S:-420}" env VIME_INSTAFAIL=1 $PY -m pytest tests/gpu -v -p no:cacheprovider -rA --durations=15 \
              -k "${TESTS_K:-not interpreter and not vllm_train_gpu}" --junitxml="$OUT/gpu_tests.xml" ;;
     train) stage train "${TRAIN_S:-330}" env GPU_TRAIN_SKIP_INSTALL=1 GPU_TRAIN_PRESET=h200_vllm OUT="$OUT/train" \
              GPU_TRAIN_BUDGET_S=$(( ${TRAIN_S:-330} - 20 )) bash scripts/gpu_train.sh "model.tiny.num_layers=${GPU_LAYERS:-4}" ;;
