@@ -57,7 +57,8 @@ ROPE.contract(
     1,
     **_TERMS,
     precision="angle and sin/cos in fp64 (torch backend's table), rounded to fp32; rotation in fp32",
-    primitives="rl_kernel exp64/log64/sincos64 for the table; IEEE fp32 mul, add, sub, no FMA (fp fusion off)",
+    primitives="rl_kernel exp64/log64/sincos64 (the torch backend's table, or their Triton twins in the kernel); IEEE "
+    "fp32 mul, add, sub, no FMA (fp fusion off)",
 )
 
 
@@ -82,14 +83,17 @@ class _StrictRope(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, positions, theta, rotary_dim):
         _, kernels = ROPE.strict(x.device, x)
+        ctx.save_for_backward(positions)
+        ctx.rotary_dim, ctx.theta = rotary_dim, theta
+        if hasattr(kernels, "rotate_at"):  # Triton: cos/sin computed in the kernel from the positions, same bits
+            return kernels.rotate_at(x, positions, theta, rotary_dim)
         cos, sin = _cos_sin(positions, rotary_dim, theta)
-        ctx.save_for_backward(cos, sin)
-        ctx.rotary_dim = rotary_dim
         return kernels.rotate(x, cos, sin, rotary_dim)
 
     @staticmethod
     def backward(ctx, grad_out):
-        cos, sin = ctx.saved_tensors
+        (positions,) = ctx.saved_tensors
+        cos, sin = _cos_sin(positions, ctx.rotary_dim, ctx.theta)
         # The rotation is orthogonal: its adjoint is the rotation by -angle (no bit contract on gradients).
         if grad_out.is_cuda and "rope" in backends.triton_ops():
             from rl_kernel.backends.triton.rope import rotate as triton_rotate

@@ -99,6 +99,14 @@ def elementwise(gen: torch.Generator) -> None:
                 f"rope {dtype} rotary {rd} == torch backend",
                 same(rope.rotate(x, cos, sin, rd), torch_rope.rotate(x, cos, sin, rd)),
             )
+        x = torch.randn(64, 2, 32, generator=gen).to(dtype)
+        far_positions = torch.randint(0, 1 << 20, (64,), generator=gen)  # angles over many turns: all 4 quadrants
+        for rd, theta in ((32, 1e6), (16, 10000.0), (32, 1e6 / 3)):  # 1e6 / 3: a theta with no exact fp32 value
+            cos, sin = torch_rope.cos_sin(far_positions, rd, theta)
+            check(
+                f"rope {dtype} rotary {rd} theta {theta:g}, cos/sin computed in the kernel == torch backend's table",
+                same(rope.rotate_at(x, far_positions, theta, rd), torch_rope.rotate(x, cos, sin, rd)),
+            )
 
 
 def gemms(gen: torch.Generator) -> None:
@@ -534,6 +542,7 @@ def far_offsets(gen: torch.Generator) -> None:
         x,
         cos,
         sin,
+        None,
         out,
         3,
         s,
@@ -541,15 +550,21 @@ def far_offsets(gen: torch.Generator) -> None:
         s,
         32,
         cos.stride(0),
+        0,
         HALF=16,
         D=32,
         BLOCK_H=4,
         BLOCK_HALF=16,
         BLOCK_D=1,
+        AT_POSITIONS=False,
         num_warps=4,
         **LAUNCH,
     )
     check("far rows: rope", same(out.clone(), rope.rotate(x.contiguous(), cos, sin, 32)))
+    check(
+        "far rows: rope at positions",
+        same(rope.rotate_at(x, torch.arange(3) * 1000, 1e6, 32), rope.rotate(x.contiguous(), cos, sin, 32)),
+    )
 
     x = _far_copy(base, 10, torch.randn(3, 256, generator=gen).to(F16))
     w = _far_copy(base, 11, torch.randn(3, 256, generator=gen).to(F16))  # weight rows (N) past 2^31 too

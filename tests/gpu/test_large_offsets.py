@@ -106,6 +106,7 @@ def test_rope_past_2_31():
         cos, sin = torch_rope.cos_sin(pos, rotary_dim, 1e6)
         out = rope.rotate(q, cos, sin, rotary_dim)
         assert out.numel() > INT32_LIMIT
+        assert same(rope.rotate_at(q, pos, 1e6, rotary_dim), out)  # cos/sin computed in the kernel
         assert_rows_match(
             out,
             lambda a, b, c=cos, s=sin, r=rotary_dim: rope.rotate(q[a:b], c[a:b], s[a:b], r),

@@ -200,6 +200,11 @@ def test_rope_matches_torch_backend(rotary_dim):
     y = rope.rotate(x, cos, sin, rotary_dim)
     assert torch.isfinite(y).all()
     assert same(y, torch_rope.rotate(x, cos, sin, rotary_dim))
+    # cos/sin computed in the kernel from the positions (the op's path on Triton): the table's bits
+    assert same(rope.rotate_at(x, pos, 1e6, rotary_dim), y)
+    far = torch.randint(0, 1 << 20, (257,), device=DEV)
+    cos, sin = torch_rope.cos_sin(far, rotary_dim, 1e6 / 3)
+    assert same(rope.rotate_at(x, far, 1e6 / 3, rotary_dim), torch_rope.rotate(x, cos, sin, rotary_dim))
 
 
 # ---- attention ---------------------------------------------------------------------------------------

@@ -797,7 +797,8 @@ def _run(q, k, v, q_start, ctx_len, block_table, block_size, scale, paged, sched
     """q [T, H, d]; k, v [..., N, Hkv, d] with keys at row * stride(-3) (paged: a cache [blocks, block_size, Hkv, d]
     with contiguous blocks, row = block * block_size + offset; packed: [T, Hkv, d]); q_start [B + 1] and ctx_len [B]
     int; block_table [B, max_blocks] int32 (paged only). Returns a new contiguous [T, H, d] in q's dtype; rows of no
-    sequence (past q_start[B]) are left unwritten."""
+    sequence (past q_start[B]: the padding of a CUDA-graph batch) are 0 in paged calls (one memset: no program
+    covers them), unwritten in packed ones."""
     tq, heads, _ = q.shape
     kv_heads = k.shape[-2]
     cfg = dict(config or (PAGED if paged else PREFILL))
@@ -805,7 +806,7 @@ def _run(q, k, v, q_start, ctx_len, block_table, block_size, scale, paged, sched
     flat, heavy_first, tma = cfg.pop("FLAT", False), cfg.pop("HEAVY_FIRST", False), cfg.pop("TMA", False)
     g, d = _check(q, kv_heads, block_m)
     precision = _precision(q, k)
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    out = (torch.zeros_like if paged else torch.empty_like)(q, memory_format=torch.contiguous_format)
     b = ctx_len.numel()
     if tq == 0 or b == 0:
         return out

@@ -18,6 +18,14 @@ INV_LN2 = tl.constexpr(1.0 / math.log(2.0))
 LN2_HI = tl.constexpr(6.93147180369123816490e-01)
 LN2_LO = tl.constexpr(1.90821492927058770002e-10)
 SQRT2 = tl.constexpr(math.sqrt(2.0))
+PIO2_1 = tl.constexpr(1.57079632673412561417e00)  # pi/2 in three parts (Cody-Waite), as torch's sincos64
+PIO2_2 = tl.constexpr(6.07710050630396597660e-11)
+PIO2_3 = tl.constexpr(2.02226624871116645580e-21)
+TWO_OVER_PI = tl.constexpr(2.0 / math.pi)
+SN = [tl.constexpr((-1.0) ** k / math.factorial(2 * k + 1)) for k in range(11, -1, -1)]  # sin Horner
+CS = [tl.constexpr((-1.0) ** k / math.factorial(2 * k)) for k in range(11, -1, -1)]  # cos Horner
+(SN0, SN1, SN2, SN3, SN4, SN5, SN6, SN7, SN8, SN9, SN10, SN11) = SN
+(CS0, CS1, CS2, CS3, CS4, CS5, CS6, CS7, CS8, CS9, CS10, CS11) = CS
 E = [tl.constexpr(1.0 / math.factorial(k)) for k in range(13, -1, -1)]  # exp Horner, highest first
 L = [tl.constexpr(2.0 / (2 * k + 1)) for k in range(12, -1, -1)]  # log Horner, highest first
 (E0, E1, E2, E3, E4, E5, E6, E7, E8, E9, E10, E11, E12, E13) = E
@@ -82,6 +90,44 @@ def log64(x):
     acc = acc * s2 + f64(L12)
     log_m = acc * s
     return ef * f64(LN2_HI) + (ef * f64(LN2_LO) + log_m)
+
+
+@triton.jit
+def _horner12(x, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11):
+    acc = tl.zeros_like(x) + c0
+    acc = acc * x + c1
+    acc = acc * x + c2
+    acc = acc * x + c3
+    acc = acc * x + c4
+    acc = acc * x + c5
+    acc = acc * x + c6
+    acc = acc * x + c7
+    acc = acc * x + c8
+    acc = acc * x + c9
+    acc = acc * x + c10
+    acc = acc * x + c11
+    return acc
+
+
+@triton.jit
+def sincos64(x):
+    """(sin x, cos x) of fp64 x >= 0 (|x| < 2**20 pi/2), as torch's sincos64: three-part Cody-Waite reduction by
+    pi/2 and degree-23 / 22 polynomials in Horner form."""
+    k = tl.floor(x * f64(TWO_OVER_PI) + f64(0.5))
+    r = ((x - k * f64(PIO2_1)) - k * f64(PIO2_2)) - k * f64(PIO2_3)
+    r2 = r * r
+    s = _horner12(
+        r2, f64(SN0), f64(SN1), f64(SN2), f64(SN3), f64(SN4), f64(SN5), f64(SN6), f64(SN7), f64(SN8), f64(SN9),
+        f64(SN10), f64(SN11),
+    ) * r  # fmt: skip
+    c = _horner12(
+        r2, f64(CS0), f64(CS1), f64(CS2), f64(CS3), f64(CS4), f64(CS5), f64(CS6), f64(CS7), f64(CS8), f64(CS9),
+        f64(CS10), f64(CS11),
+    )  # fmt: skip
+    q = k.to(tl.int64) % 4  # k >= 0
+    sin = tl.where(q == 0, s, tl.where(q == 1, c, tl.where(q == 2, -s, -c)))
+    cos = tl.where(q == 0, c, tl.where(q == 1, -s, tl.where(q == 2, -c, s)))
+    return sin, cos
 
 
 @triton.jit

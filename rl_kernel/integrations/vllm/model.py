@@ -143,14 +143,12 @@ def write_kv_flash(
 def _paged_attention_in_place(q, k_cache, v_cache, meta, scale: float) -> torch.Tensor:
     """rk.paged_attention on vLLM's physical cache (contiguous blocks) with vLLM's block table as it is:
     no host sync, shapes fixed by the batch's shapes (CUDA-graph safe with a capture-safe backend). Query
-    rows past query_start_loc[-1] (the tokens vLLM pads a CUDA-graph batch with) are 0: no sequence's, the
-    Triton backend leaves them unwritten (docs/vllm.md, padding rows)."""
+    rows past query_start_loc[-1] (the tokens vLLM pads a CUDA-graph batch with) are no sequence's: the Triton
+    backend returns them as 0 (docs/vllm.md, padding rows)."""
     seq_lens = meta.seq_lens
-    out = rk.paged_attention(
+    return rk.paged_attention(
         q, k_cache, v_cache, meta.block_table[: seq_lens.shape[0]], seq_lens, meta.query_start_loc, scale
     )
-    rows = torch.arange(q.shape[0], device=q.device).view(-1, 1, 1)
-    return torch.where(rows < meta.query_start_loc[-1], out, 0)
 
 
 def _paged_attention_compact(q, k_cache, v_cache, meta, scale: float) -> torch.Tensor:
@@ -276,18 +274,21 @@ class RLKernelQwen3ForCausalLM(nn.Module):
         """Paged attention over vLLM's KV cache of `layer` (the new tokens' k, v written first)."""
         from vllm.model_executor.layers.attention.attention import get_attention_context
 
-        out = torch.zeros_like(q)
         meta, attn, kv_cache, slot_mapping = get_attention_context(self.attn[layer].layer_name)
-        if meta is not None:  # None only in vLLM's warm-up / profiling runs
-            n = meta.num_actual_tokens  # a Python int (padded count in a CUDA-graph batch)
-            backend = attn.get_attn_backend().get_name()
-            k_cache, v_cache = kv_cache_views(kv_cache, backend, self.shape.head_dim)
-            slots = meta.slot_mapping if slot_mapping is None else slot_mapping
-            if backend == "FLASH_ATTN" and self._flash_writer is not None:
-                write_kv_flash(self._flash_writer, attn, k[:n], v[:n], k_cache, v_cache, slots[:n])
-            else:
-                write_kv(k[:n], v[:n], k_cache, v_cache, slots[:n])
-            out[:n] = paged_attention(q[:n], k_cache, v_cache, meta, self.model.scale)
+        if meta is None:  # only in vLLM's warm-up / profiling runs
+            return torch.zeros_like(q)
+        n = meta.num_actual_tokens  # a Python int (padded count in a CUDA-graph batch)
+        backend = attn.get_attn_backend().get_name()
+        k_cache, v_cache = kv_cache_views(kv_cache, backend, self.shape.head_dim)
+        slots = meta.slot_mapping if slot_mapping is None else slot_mapping
+        if backend == "FLASH_ATTN" and self._flash_writer is not None:
+            write_kv_flash(self._flash_writer, attn, k[:n], v[:n], k_cache, v_cache, slots[:n])
+        else:
+            write_kv(k[:n], v[:n], k_cache, v_cache, slots[:n])
+        if n == q.shape[0]:  # every row is the metadata's (no zero-fill and copy: two launches less per layer)
+            return paged_attention(q, k_cache, v_cache, meta, self.model.scale)
+        out = torch.zeros_like(q)
+        out[:n] = paged_attention(q[:n], k_cache, v_cache, meta, self.model.scale)
         return out
 
     @staticmethod
