@@ -27,7 +27,7 @@ from rl_kernel.ops.attention import attention_varlen, paged_attention, write_kv_
 from rl_kernel.ops.collective import all_reduce
 from rl_kernel.ops.gemm import linear, linear_fp32, row_parallel_linear
 from rl_kernel.ops.logprob import log_softmax, logprobs
-from rl_kernel.ops.norm import rms_norm
+from rl_kernel.ops.norm import qk_norm, rms_norm
 from rl_kernel.ops.rope import rope
 
 __all__ = [
@@ -51,6 +51,7 @@ __all__ = [
     "mode",
     "paged_attention",
     "rms_norm",
+    "qk_norm",
     "rope",
     "row_parallel_linear",
     "set_backend",

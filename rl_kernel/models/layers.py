@@ -109,12 +109,14 @@ class Attention(nn.Module):
         self.rotary = Rotary(config.rope_theta)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, attn_fn: AttentionFn) -> torch.Tensor:
-        d = self.head_dim
-        q, k, v = self.qkv_proj(x).split([self.heads * d, self.kv_heads * d, self.kv_heads * d], dim=-1)
-        q = self.rotary(self.q_norm(q.reshape(-1, self.heads, d)), positions)
-        k = self.rotary(self.k_norm(k.reshape(-1, self.kv_heads, d)), positions)
-        out = attn_fn(self.layer, q, k, v.reshape(-1, self.kv_heads, d))
-        return self.o_proj(out.reshape(-1, self.heads * d))
+        d, heads, kv_heads = self.head_dim, self.heads, self.kv_heads
+        qk, v = self.qkv_proj(x).split([(heads + kv_heads) * d, kv_heads * d], dim=-1)
+        # q and k heads normed (each by its own weight) and rotated together: per head the same operations as
+        # one q_norm, k_norm and rope each, in two launches instead of four
+        qk = qk.reshape(-1, heads + kv_heads, d)
+        qk = self.rotary(rk.qk_norm(qk, self.q_norm.weight, self.k_norm.weight, heads, self.q_norm.eps), positions)
+        out = attn_fn(self.layer, qk[:, :heads], qk[:, heads:], v.reshape(-1, kv_heads, d))
+        return self.o_proj(out.reshape(-1, heads * d))
 
 
 class MLP(nn.Module):

@@ -1,8 +1,9 @@
 """What rl_kernel's ops share to be opaque `torch.library` custom ops, for code that torch.compile traces
 (each op file registers its own: `rl_kernel::<name>`, with its fake implementation).
 
-While Dynamo traces (`torch.compiler.is_compiling()`), the public ops (`rk.rms_norm`, `rk.rope`, `rk.linear`,
-`rk.linear_fp32`, `rk.row_parallel_linear`, `rk.silu_and_mul`, `rk.attention_varlen`, `rk.paged_attention`)
+While Dynamo traces (`torch.compiler.is_compiling()`), the public ops (`rk.rms_norm`, `rk.qk_norm`, `rk.rope`,
+`rk.linear`, `rk.linear_fp32`, `rk.row_parallel_linear`, `rk.silu_and_mul`, `rk.attention_varlen`,
+`rk.paged_attention`)
 put one `torch.ops.rl_kernel.*` node into the graph instead of their Python body. Inductor does not look inside
 a custom op, so it neither fuses, reorders nor rewrites what the op computes; when the compiled graph runs, the
 node calls the public op eagerly (mode dispatch, contract, evidence, as without compile). A compiled forward
@@ -47,6 +48,7 @@ def like(x: torch.Tensor, *shape: int, dtype: torch.dtype | None = None) -> torc
 OPS = (
     "rms_norm",
     "rms_norm_residual",
+    "qk_norm",
     "rope",
     "linear",
     "linear_fp32",

@@ -92,6 +92,19 @@ def rms_norm(
     return NORM(_StrictRMSNorm.apply, s, weight, eps), s
 
 
+def qk_norm(qk: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, q_heads: int, eps: float) -> torch.Tensor:
+    """Qwen3's QK-norm of qk [T, q_heads + k_heads, D] (e.g. the q and k heads of the fused QKV, a strided view):
+    `rms_norm` of each head, q heads by q_weight, k heads by k_weight; returns a new [T, q_heads + k_heads, D].
+    The same bits as two `rms_norm` calls; one launch on Triton where no gradient is needed (decode)."""
+    if torch.compiler.is_compiling():  # one opaque node for torch.compile (rl_kernel.ops.library)
+        return _qk_norm_op(qk, q_weight, k_weight, q_heads, eps)
+    if NORM.is_strict() and not _needs_grad(qk, q_weight, k_weight):
+        _, kernels = NORM.strict(qk.device, qk, q_weight, k_weight)
+        return kernels.rms_norm_heads(qk, q_weight, k_weight, q_heads, eps)
+    q, k = qk[:, :q_heads], qk[:, q_heads:]
+    return torch.cat([rms_norm(q, q_weight, eps), rms_norm(k, k_weight, eps)], dim=1)
+
+
 def _needs_grad(*tensors: torch.Tensor) -> bool:
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
@@ -120,3 +133,15 @@ def _rms_norm_residual_op(
 @_rms_norm_residual_op.register_fake
 def _rms_norm_residual_fake(x, residual, weight, eps):
     return library.like(x), library.like(x)
+
+
+@torch.library.custom_op(f"{library.LIB}::qk_norm", mutates_args=())
+def _qk_norm_op(
+    qk: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, q_heads: int, eps: float
+) -> torch.Tensor:
+    return qk_norm(qk, q_weight, k_weight, q_heads, eps).contiguous()
+
+
+@_qk_norm_op.register_fake
+def _qk_norm_fake(qk, q_weight, k_weight, q_heads, eps):
+    return library.like(qk)

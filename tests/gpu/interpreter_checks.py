@@ -90,6 +90,18 @@ def elementwise(gen: torch.Generator) -> None:
             f"rms_norm {dtype} of a strided [T, H, D] view == of its copy",
             same(norm.rms_norm(q, w[:64], 1e-6), norm.rms_norm(q.contiguous(), w[:64], 1e-6)),
         )
+        qk, wk = qkv[:, : 5 * 64].view(5, 5, 64), torch.randn(64, generator=gen).to(dtype)  # 4 q heads, 1 k head
+        ref = torch.cat(
+            [
+                _rms_norm_contract(qk[:, :4].reshape(-1, 64), w[:64]).view(5, 4, 64),
+                _rms_norm_contract(qk[:, 4:].reshape(-1, 64), wk).view(5, 1, 64),
+            ],
+            dim=1,
+        )
+        check(
+            f"rms_norm {dtype} of q and k heads in one launch == torch contract",
+            same(norm.rms_norm_heads(qk, w[:64], wk, 4, 1e-6), ref),
+        )
         x = (torch.randn(7, 600, generator=gen) * 4).to(dtype)
         check(f"silu_and_mul {dtype} == torch backend", same(activation.silu_and_mul(x), torch_act.silu_and_mul(x)))
         x = torch.randn(9, 3, 32, generator=gen).to(dtype)

@@ -161,7 +161,8 @@ def test_rms_norm_matches_torch_backend_at_other_widths(rows, d):
 
 
 def test_rms_norm_residual_and_strided_heads_match_torch_backend():
-    """The fused residual form (one launch: the sum and its norm) and QK-norm read in place from a fused QKV."""
+    """The fused residual form (one launch: the sum and its norm) and QK-norm read in place from a fused QKV, q and k
+    heads each with their own weight in one launch."""
     x, res, w = randn(300, 4096, dtype=BF16, std=3.0), randn(300, 4096, dtype=BF16), randn(4096, dtype=BF16)
     y, summed = norm.rms_norm_residual(x, res, w, 1e-6)
     ref_y, ref_s = torch_norm.rms_norm_residual(x, res, w, 1e-6)
@@ -169,6 +170,8 @@ def test_rms_norm_residual_and_strided_heads_match_torch_backend():
     qkv = randn(300, 48 * 128, dtype=BF16, std=3.0)
     q = qkv[:, : 32 * 128].view(300, 32, 128)
     assert same(norm.rms_norm(q, w[:128], 1e-6), torch_norm.rms_norm(q.contiguous(), w[:128], 1e-6))
+    qk, wk = qkv[:, : 40 * 128].view(300, 40, 128), randn(128, dtype=BF16)  # Qwen3-8B's q and k heads at once
+    assert same(norm.rms_norm_heads(qk, w[:128], wk, 32, 1e-6), torch_norm.rms_norm_heads(qk, w[:128], wk, 32, 1e-6))
 
 
 def test_lse_kernel_matches_torch_log64():

@@ -103,7 +103,7 @@ def test_compiled_strict_layer_is_one_graph_of_rl_kernel_nodes(layer):
         "rl_kernel.rope.default",
         "rl_kernel.attention_varlen.default",
         "rl_kernel.silu_and_mul.default",
-        "rl_kernel.rms_norm.default",
+        "rl_kernel.qk_norm.default",
     } <= rl_ops, rl_ops
     others = [str(t) for t in ops if not str(t).startswith("rl_kernel.") and t is not operator.getitem]
     assert not others, others  # every computation is an rl_kernel node; the rest are views

@@ -22,3 +22,10 @@ def rms_norm_residual(
     """(rms_norm(s), s) with s = x + residual rounded to x's dtype."""
     s = x + residual
     return rms_norm(s, weight, eps), s
+
+
+def rms_norm_heads(
+    x: torch.Tensor, weight: torch.Tensor, weight2: torch.Tensor, first2: int, eps: float
+) -> torch.Tensor:
+    """RMSNorm of every head of x [T, H, D], heads h >= first2 scaled by weight2, the others by weight."""
+    return torch.cat([rms_norm(x[:, :first2], weight, eps), rms_norm(x[:, first2:], weight2, eps)], dim=1)

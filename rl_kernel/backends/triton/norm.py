@@ -28,11 +28,13 @@ def _rms_norm_kernel(
     x_ptr,
     res_ptr,
     w_ptr,
+    w2_ptr,
     y_ptr,
     s_ptr,
     sums_ptr,
     R,
     H,
+    W2_FROM,
     stride_xt,
     stride_xh,
     eps,
@@ -42,11 +44,12 @@ def _rms_norm_kernel(
     BLOCK_T: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
 ):
-    """Rows r = t * H + h of x (at t * stride_xt + h * stride_xh, unit last stride); y, s, residual are
-    contiguous [R, D]; sums is fp32 [R, NB] scratch."""
+    """Rows r = t * H + h of x (at t * stride_xt + h * stride_xh, unit last stride), scaled by w2 where h >= W2_FROM
+    and by w elsewhere; y, s, residual are contiguous [R, D]; sums is fp32 [R, NB] scratch."""
     rows = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     row_ok = rows < R  # R x D passes 2^31: offsets in int64 from here on
     x_rows = x_ptr + (rows // H) * stride_xt + (rows % H) * stride_xh
+    second = ((rows % H) >= W2_FROM)[:, None, None]
     dense_rows = rows * D  # y, s and residual rows
     sum_rows = sums_ptr + rows * NB
     block = tl.arange(0, CHUNK)
@@ -78,6 +81,7 @@ def _rms_norm_kernel(
         else:
             x = tl.load(x_rows[:, None, None] + c[None, :, :], mask=mask, other=0.0)
         w = tl.load(w_ptr + c, mask=c < D, other=0.0).to(tl.float32)[None, :, :]
+        w = tl.where(second, tl.load(w2_ptr + c, mask=c < D, other=0.0).to(tl.float32)[None, :, :], w)
         normed = (x.to(tl.float32) * inv_rms).to(x.dtype)
         y = (normed.to(tl.float32) * w).to(x.dtype)
         tl.store(y_ptr + dense_rows[:, None, None] + c[None, :, :], y, mask=mask)
@@ -95,7 +99,14 @@ def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
     return x2, 1, x2.stride(0), 0
 
 
-def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
+def _launch(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    weight2: torch.Tensor | None = None,
+    w2_from: int | None = None,
+):
     d = x.shape[-1]
     xv, heads, stride_t, stride_h = _rows(x)
     rows = x.numel() // d if d else 0
@@ -107,8 +118,10 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
         block_t = max(1, TILE // (chunk * 64))
         sums = torch.empty(rows * nb, dtype=torch.float32, device=x.device)
         res = residual.contiguous() if residual is not None else y
+        w = weight.contiguous()
+        w2, first2 = (w, heads) if weight2 is None else (weight2.contiguous(), w2_from)
         _rms_norm_kernel[(triton.cdiv(rows, block_t),)](
-            xv, res, weight.contiguous(), y, s, sums, rows, heads, stride_t, stride_h, eps,
+            xv, res, w, w2, y, s, sums, rows, heads, first2, stride_t, stride_h, eps,
             D=d, NB=nb, CHUNK=chunk, BLOCK_T=block_t, HAS_RESIDUAL=residual is not None, num_warps=4, **LAUNCH,
         )  # fmt: skip
     return y, s
@@ -117,6 +130,14 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim of x [..., D] under the contract; returns x's shape and dtype."""
     return _launch(x, None, weight, eps)[0]
+
+
+def rms_norm_heads(x: torch.Tensor, weight: torch.Tensor, weight2: torch.Tensor, first2: int, eps: float):
+    """RMSNorm of every head of x [T, H, D] (a strided view read in place), heads h >= first2 scaled by weight2,
+    the others by weight: Qwen3's q and k norms over the q and k heads of the fused QKV in one launch."""
+    if x.dim() != 3 or x.stride(-1) != 1:
+        raise ValueError(f"rms_norm_heads takes x [T, H, D] with a unit last stride, got {list(x.shape)}")
+    return _launch(x, None, weight, eps, weight2, first2)[0]
 
 
 def rms_norm_residual(
