@@ -564,6 +564,7 @@ def far_offsets(gen: torch.Generator) -> None:
         cos.stride(0),
         0,
         HALF=16,
+        ROTARY=32,
         D=32,
         BLOCK_H=4,
         BLOCK_HALF=16,

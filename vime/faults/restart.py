@@ -128,21 +128,23 @@ def restart_engine(driver, engine: int, cause: str, who: str | None = None, relo
 
 
 def on_every_engine(driver, method: str, what: str) -> None:
-    """`method` (no arguments) on every rollout engine, one after another: vLLM's sleep and wake-up around the
-    train step of a colocated run. An engine found dead is restarted without a reload (a fresh engine is awake,
-    and the weight push after the wake-up brings every engine behind to the trainer's version) and `method` is
-    called on it again."""
+    """`method` (no arguments) on every rollout engine at once: vLLM's sleep and wake-up around the train step of
+    a colocated run. An engine found dead is restarted without a reload (a fresh engine is awake, and the weight
+    push after the wake-up brings every engine behind to the trainer's version) and `method` is called on it
+    again."""
     from vime.cluster.remote import call
 
-    for i in range(len(driver.engines)):
+    refs = [getattr(engine, method).remote() for engine in driver.engines]
+    for i, ref in enumerate(refs):
         while True:
             try:
-                call([getattr(driver.engines[i], method).remote()], what, [f"rollout engine {i}"])
+                call([ref], what, [f"rollout engine {i}"])
                 break
             except EngineDiedError as e:
                 if not died(e):
                     raise
                 restart_engine(driver, i, str(e), _who(e, i), reload=False)
+                ref = getattr(driver.engines[i], method).remote()
 
 
 def replace_on_capacity(driver, engine: int) -> None:

@@ -20,11 +20,11 @@ from rl_kernel.backends.triton.numerics import LAUNCH, exp64, f64, log64, sincos
 
 
 @triton.jit
-def _cos_sin_at(pos_ptr, t, theta_bits, i, HALF: tl.constexpr):
-    """The torch backend's fp32 cos, sin of angle pos[t] * theta^(-2i / (2 HALF)), in fp64 as its cos_sin."""
+def _cos_sin_at(pos_ptr, t, theta_bits, i, ROTARY: tl.constexpr):
+    """The torch backend's fp32 cos, sin of angle pos[t] * theta^(-2i / ROTARY), in fp64 as its cos_sin."""
     theta = theta_bits.to(tl.int64).to(tl.float64, bitcast=True)
     two_i = (2 * i).to(tl.float64)
-    inv_freq = exp64(-(two_i / f64(2 * HALF)) * log64(tl.zeros_like(two_i) + theta))
+    inv_freq = exp64(-(two_i / f64(ROTARY)) * log64(tl.zeros_like(two_i) + theta))
     sin, cos = sincos64(tl.load(pos_ptr + t).to(tl.float64) * inv_freq)
     return cos.to(tl.float32), sin.to(tl.float32)
 
@@ -44,6 +44,7 @@ def _rope_kernel(
     stride_c,
     theta_bits,
     HALF: tl.constexpr,
+    ROTARY: tl.constexpr,
     D: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
@@ -57,7 +58,7 @@ def _rope_kernel(
     i = tl.arange(0, BLOCK_HALF)
     i_ok = i < HALF
     if AT_POSITIONS:
-        c, s = _cos_sin_at(pos_ptr, t, theta_bits, i, HALF)
+        c, s = _cos_sin_at(pos_ptr, t, theta_bits, i, ROTARY)
         c, s = c[None, :], s[None, :]
     else:
         c = tl.load(cos_ptr + t * stride_c + i, mask=i_ok, other=0.0)[None, :]
@@ -114,6 +115,7 @@ def _launch(x, rotary_dim, cos, sin, positions, theta, stride_c) -> torch.Tensor
         stride_c,
         theta_bits,
         HALF=half,
+        ROTARY=rotary_dim,
         D=d,
         BLOCK_H=block_h,
         BLOCK_HALF=triton.next_power_of_2(max(half, 1)),
