@@ -122,31 +122,39 @@ def test_a_restarted_engine_joins_a_new_group_and_takes_the_next_push(actors):
     assert timeline.engine_versions == [version + 1] * 2
 
 
-def test_an_engine_killed_before_a_push_is_restarted_and_the_sync_completes(actors, tmp_path):
-    """With the GPU transports trainer rank 0's push is what meets a dead engine: `vime.faults.restart.sync`
-    restarts the dead engine (loaded with the new version over the run's weight path, as a step's sync is)
-    and pushes to the engines still behind; then every engine serves the new version and scores as the trainer does."""
+def _trained_driver(actors):
+    """(samples, the trained version, a driver stand-in for `vime.faults.restart`): the trainer trains once on the
+    engines' samples; the engines still serve the version before, over the nccl weight path."""
     from types import SimpleNamespace
 
     from vime.config.schema import VimeConfig
-    from vime.faults import restart
-    from vime.loop.driver import call
 
     trainer, engines, new_engine = actors
     samples = _samples(engines)
     version = ray.get(trainer.train_step.remote(samples))["version"]
-    timeline = Timeline(num_engines=2, trainer_version=version, engine_versions=[version - 1] * 2)
-    cfg = VimeConfig(rollout=RolloutConfig(engine=RolloutBackend.reference))  # the fixture's engines
     driver = SimpleNamespace(
         engines=engines,
         new_engine=new_engine,
-        cfg=cfg,
+        cfg=VimeConfig(rollout=RolloutConfig(engine=RolloutBackend.reference)),  # the fixture's engines
         engine_restarts=0,
-        timeline=timeline,
+        timeline=Timeline(num_engines=2, trainer_version=version, engine_versions=[version - 1] * 2),
         trainer=[trainer],
         weight_paths=["nccl"] * 2,
     )
-    ray.kill(engines[0])
+    return samples, version, driver
+
+
+def test_an_engine_killed_before_a_push_is_restarted_and_the_sync_completes(actors, tmp_path):
+    """With the GPU transports trainer rank 0's push is what meets a dead engine: `vime.faults.restart.sync`
+    restarts the dead engine (loaded with the new version over the run's weight path, as a step's sync is)
+    and pushes to the engines still behind; then every engine serves the new version and scores as the trainer does."""
+    from vime.faults import restart
+    from vime.loop.driver import call
+
+    trainer = actors[0]
+    samples, version, driver = _trained_driver(actors)
+    timeline = driver.timeline
+    ray.kill(driver.engines[0])
     restart.sync(
         driver,
         lambda: sync_weights(
@@ -163,26 +171,12 @@ def test_a_restart_whose_reload_meets_another_dead_engine_restarts_that_one_too(
     """A lost node takes every engine on it, and each is seen dead at its own moment: engine 0 during a
     rollout (restarted, then reloaded by a push to every engine behind), engine 1 only by that reload's push.
     The reload restarts engine 1 as a step's sync would, instead of ending the run."""
-    from types import SimpleNamespace
-
-    from vime.config.schema import VimeConfig
     from vime.faults import restart
 
-    trainer, engines, new_engine = actors
-    samples = _samples(engines)
-    version = ray.get(trainer.train_step.remote(samples))["version"]
-    timeline = Timeline(num_engines=2, trainer_version=version, engine_versions=[version - 1] * 2)
-    cfg = VimeConfig(rollout=RolloutConfig(engine=RolloutBackend.reference))
-    driver = SimpleNamespace(
-        engines=engines,
-        new_engine=new_engine,
-        cfg=cfg,
-        engine_restarts=0,
-        timeline=timeline,
-        trainer=[trainer],
-        weight_paths=["nccl"] * 2,
-    )
-    for engine in engines:
+    trainer = actors[0]
+    samples, version, driver = _trained_driver(actors)
+    timeline = driver.timeline
+    for engine in driver.engines:
         ray.kill(engine)
     restart.restart_engine(driver, 0, "killed with its node")
     assert driver.engine_restarts == 2 and timeline.engine_versions == [version] * 2
@@ -196,19 +190,13 @@ def test_an_engine_dead_at_sleep_or_wake_up_is_restarted_and_the_next_push_loads
     (`vime.faults.restart.on_every_engine`; `info` stands in for them, which the reference engine lacks): it is
     restarted without a reload, the call is made on the fresh engine, and the step's weight push that follows
     brings it to the trainer's version, scoring as the trainer does."""
-    from types import SimpleNamespace
-
-    from vime.config.schema import VimeConfig
     from vime.faults import restart
     from vime.loop.driver import call
 
-    trainer, engines, new_engine = actors
-    samples = _samples(engines)
-    version = ray.get(trainer.train_step.remote(samples))["version"]
-    timeline = Timeline(num_engines=2, trainer_version=version, engine_versions=[version - 1] * 2)
-    cfg = VimeConfig(rollout=RolloutConfig(engine=RolloutBackend.reference))
-    driver = SimpleNamespace(engines=engines, new_engine=new_engine, cfg=cfg, engine_restarts=0, timeline=timeline)
-    ray.kill(engines[1])
+    trainer = actors[0]
+    samples, version, driver = _trained_driver(actors)
+    timeline = driver.timeline
+    ray.kill(driver.engines[1])
     restart.on_every_engine(driver, "info", "wake up")
     assert driver.engine_restarts == 1
     assert timeline.engine_versions == [version - 1, 0]  # the fresh engine serves its checkpoint until the push

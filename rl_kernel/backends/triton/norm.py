@@ -43,13 +43,13 @@ def _rms_norm_kernel(
     CHUNK: tl.constexpr,
     BLOCK_T: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
+    TWO_WEIGHTS: tl.constexpr,
 ):
-    """Rows r = t * H + h of x (at t * stride_xt + h * stride_xh, unit last stride), scaled by w2 where h >= W2_FROM
-    and by w elsewhere; y, s, residual are contiguous [R, D]; sums is fp32 [R, NB] scratch."""
+    """Rows r = t * H + h of x (at t * stride_xt + h * stride_xh, unit last stride), scaled by w (TWO_WEIGHTS: by
+    w2 where h >= W2_FROM); y, s, residual are contiguous [R, D]; sums is fp32 [R, NB] scratch."""
     rows = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     row_ok = rows < R  # R x D passes 2^31: offsets in int64 from here on
     x_rows = x_ptr + (rows // H) * stride_xt + (rows % H) * stride_xh
-    second = ((rows % H) >= W2_FROM)[:, None, None]
     dense_rows = rows * D  # y, s and residual rows
     sum_rows = sums_ptr + rows * NB
     block = tl.arange(0, CHUNK)
@@ -81,7 +81,9 @@ def _rms_norm_kernel(
         else:
             x = tl.load(x_rows[:, None, None] + c[None, :, :], mask=mask, other=0.0)
         w = tl.load(w_ptr + c, mask=c < D, other=0.0).to(tl.float32)[None, :, :]
-        w = tl.where(second, tl.load(w2_ptr + c, mask=c < D, other=0.0).to(tl.float32)[None, :, :], w)
+        if TWO_WEIGHTS:
+            second = ((rows % H) >= W2_FROM)[:, None, None]
+            w = tl.where(second, tl.load(w2_ptr + c, mask=c < D, other=0.0).to(tl.float32)[None, :, :], w)
         normed = (x.to(tl.float32) * inv_rms).to(x.dtype)
         y = (normed.to(tl.float32) * w).to(x.dtype)
         tl.store(y_ptr + dense_rows[:, None, None] + c[None, :, :], y, mask=mask)
@@ -119,10 +121,11 @@ def _launch(
         sums = torch.empty(rows * nb, dtype=torch.float32, device=x.device)
         res = residual.contiguous() if residual is not None else y
         w = weight.contiguous()
-        w2, first2 = (w, heads) if weight2 is None else (weight2.contiguous(), w2_from)
+        w2, first2 = (None, 0) if weight2 is None else (weight2.contiguous(), w2_from)
         _rms_norm_kernel[(triton.cdiv(rows, block_t),)](
             xv, res, w, w2, y, s, sums, rows, heads, first2, stride_t, stride_h, eps,
-            D=d, NB=nb, CHUNK=chunk, BLOCK_T=block_t, HAS_RESIDUAL=residual is not None, num_warps=4, **LAUNCH,
+            D=d, NB=nb, CHUNK=chunk, BLOCK_T=block_t, HAS_RESIDUAL=residual is not None, TWO_WEIGHTS=w2 is not None,
+            num_warps=4, **LAUNCH,
         )  # fmt: skip
     return y, s
 
