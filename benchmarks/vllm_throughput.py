@@ -18,8 +18,7 @@ shapes, both with CUDA graphs (strict: FULL_DECODE_ONLY; native: vLLM's default 
     python benchmarks/vllm_throughput.py --device cuda [--layers 36] [--new-tokens 64] [--modes strict,native]
 
 Modes on CUDA: native, strict (FULL_DECODE_ONLY graphs), strict_compiled (`strict_llm_kwargs(compile=True)`:
-vLLM's torch.compile of the strict model, FULL_AND_PIECEWISE graphs), strict_v2 (`strict_llm_kwargs(runner="v2")`:
-the strict sampler on vLLM's V2 model runner) and rl_kernel (rl_kernel's own paged engine,
+vLLM's torch.compile of the strict model, FULL_AND_PIECEWISE graphs) and rl_kernel (rl_kernel's own paged engine,
 `RolloutEngine`, eager, as `+experiment=h200_8b_layers` runs it: which rollout engine to pick); the parity of
 every mode but native must be 0.
 
@@ -126,9 +125,8 @@ QWEN3_8B = dict(
 CUDA_GRID = [(512, b) for b in (1, 16, 64, 256)] + [(4000, b) for b in (1, 16, 64)]  # (context, batch)
 PARITY_SEQS = 4
 # cuda: the strict engines, by mode name: FULL_DECODE_ONLY graphs (eager mixed batches), vLLM's torch.compile
-# of the strict model with FULL_AND_PIECEWISE graphs (`strict_llm_kwargs(compile=True)`), and the strict sampler on
-# vLLM's V2 model runner (`strict_llm_kwargs(runner="v2")`)
-STRICT_MODES = {"strict": {}, "strict_compiled": {"compile": True}, "strict_v2": {"runner": "v2"}}
+# of the strict model with FULL_AND_PIECEWISE graphs (`strict_llm_kwargs(compile=True)`)
+STRICT_MODES = {"strict": {}, "strict_compiled": {"compile": True}}
 
 
 def parse_grid(text: str) -> list[tuple[int, int]]:

@@ -224,24 +224,6 @@ def test_eager_engine_rescores_the_graph_engine_tokens_in_the_same_bits(graph_ru
     assert _mismatches(logprobs, graph_run["logprobs"]) == 0
 
 
-def test_v2_runner_strict_sampler_matches_teacher_forcing(model_path, reference):
-    """`strict_llm_kwargs(runner="v2")`: no logits processor, so vLLM runs its V2 model runner, whose sampler the
-    strict model swaps for the strict one (`sampler_v2`); every sampled token's logprob equals teacher forcing."""
-    from rl_kernel.integrations.vllm import strict_llm_kwargs, strict_sampling_params
-
-    prompts = _prompts(32, seed=3)
-    llm = _llm(**strict_llm_kwargs(model_path, device="cuda", runner="v2", **ENGINE))
-    try:
-        assert llm.llm_engine.vllm_config.use_v2_model_runner
-        params = [strict_sampling_params(temperature=TEMPERATURE, max_tokens=NEW_TOKENS, ignore_eos=True)] * 32
-        tokens, logprobs = _tokens_and_logprobs(
-            llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        )
-    finally:
-        _close(llm)
-    assert _mismatches(logprobs, _teacher_forcing(reference, prompts, tokens)) == 0
-
-
 def test_native_twin_differs_from_teacher_forcing(model_path, reference):
     from rl_kernel.integrations.vllm import native_llm_kwargs, native_sampling_params
     from rl_kernel.models.qwen3 import load_hf_state_dict

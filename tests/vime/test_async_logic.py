@@ -134,6 +134,14 @@ def test_bad_async_settings_get_one_line_errors(compose_cfg, overrides, message)
     assert "\n" not in str(info.value)
 
 
+def test_kept_versions_live_on_the_trainers_device_unless_host_is_asked(compose_cfg):
+    from vime.config.schema import KeptOn
+
+    assert validate(to_object(compose_cfg())).trainer.kept_on == KeptOn.device
+    cfg = validate(to_object(compose_cfg("algo.max_staleness=1", "algo.correction=tis", "trainer.kept_on=host")))
+    assert cfg.trainer.kept_on == KeptOn.host
+
+
 def test_kept_versions_default_covers_the_bound(compose_cfg):
     assert kept_versions(validate(to_object(compose_cfg()))) == 0
     cfg = validate(to_object(compose_cfg("algo.max_staleness=2", "algo.correction=icepop")))

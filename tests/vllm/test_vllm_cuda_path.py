@@ -33,6 +33,7 @@ from rl_kernel.integrations.vllm import (
 from rl_kernel.integrations.vllm.ipc import VllmIPCReceiver
 from rl_kernel.integrations.vllm.model import (
     RLKernelQwen3ForCausalLM,
+    _check_strict_sampling,
     _contiguous_blocks,
     _paged_attention_compact,
     _paged_attention_in_place,
@@ -95,17 +96,14 @@ def test_cuda_kwargs_refuse_what_strict_mode_cannot_run(tiny_qwen3_path):
         native_llm_kwargs(tiny_qwen3_path, device="tpu")
 
 
-def test_v2_runner_kwargs_leave_out_the_logits_processor(tiny_qwen3_path):
-    """runner='v2': no logits processor (vLLM then runs its V2 model runner, whose sampler the strict model
-    swaps); CUDA only; the default keeps the V1 processor."""
-    v1 = strict_llm_kwargs(tiny_qwen3_path, device="cuda")
-    v2 = strict_llm_kwargs(tiny_qwen3_path, device="cuda", runner="v2")
-    assert v1["logits_processors"] == [LOGITS_PROCESSOR] and "logits_processors" not in v2
-    assert {k: v for k, v in v1.items() if k != "logits_processors"} == v2
-    with pytest.raises(ValueError, match="runner='v2'.*needs Triton on a GPU: use device='cuda'"):
-        strict_llm_kwargs(tiny_qwen3_path, runner="v2")
-    with pytest.raises(ValueError, match="runner is 'v1' or 'v2', got 'v3'"):
-        strict_llm_kwargs(tiny_qwen3_path, device="cuda", runner="v3")
+def test_a_strict_model_on_vllms_v2_runner_refuses_to_start():
+    """Fail closed: vLLM's V2 model runner (which takes no custom logits processor) would sample from its own
+    log-softmax; the strict model refuses it, and with the strict processor on V1 it starts."""
+    v1 = SimpleNamespace(use_v2_model_runner=False, model_config=SimpleNamespace(logits_processors=[LOGITS_PROCESSOR]))
+    _check_strict_sampling(v1)
+    v2 = SimpleNamespace(use_v2_model_runner=True, model_config=v1.model_config)
+    with pytest.raises(rk.StrictModeError, match="V2 model runner samples without the strict logits processor"):
+        _check_strict_sampling(v2)
 
 
 def ipc_llm() -> RecordingLLM:

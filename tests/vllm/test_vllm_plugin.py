@@ -14,12 +14,10 @@ from rl_kernel.integrations.vllm import (
     MODES_KEY,
     TEMPERATURE_KEY,
     WEIGHT_TRANSFER_BACKEND,
-    forced_sampling_params,
     register,
     strict_llm_kwargs,
     strict_sampling_params,
 )
-from rl_kernel.integrations.vllm.sampler_v2 import strict_request_temperature
 from rl_kernel.integrations.vllm.sampling import StrictLogprobsProcessor
 
 pytestmark = pytest.mark.vllm
@@ -95,12 +93,3 @@ def test_strict_sampling_params_carry_temperature():
 def test_strict_processor_rejects(params, message):
     with pytest.raises(ValueError, match=message):
         StrictLogprobsProcessor.validate_params(params)
-    # the V2 runner's strict sampler refuses the same requests, at add_request
-    with pytest.raises(rk.StrictModeError, match=message):
-        strict_request_temperature(params)
-
-
-def test_v2_strict_sampler_takes_the_temperature_and_refuses_forced_decoding():
-    assert strict_request_temperature(strict_sampling_params(temperature=0.7)) == 0.7
-    with pytest.raises(rk.StrictModeError, match="forced decoding.*V1 runner"):
-        strict_request_temperature(forced_sampling_params([3, 4]))

@@ -37,6 +37,13 @@ class TrainerBackend(StrEnum):
     reference = "reference"  # FALLBACK: Qwen3Reference + a plain torch optimizer
 
 
+class KeptOn(StrEnum):
+    """Where the trainer keeps the weight versions of the asynchronous loop (`trainer.kept_on`)."""
+
+    device = "device"  # the trainer's own device: a kept version costs 2 bytes a parameter (bf16) of its memory
+    host = "host"  # CPU memory (pinned and reused on CUDA): copied over PCIe to keep and to re-score
+
+
 class StaleSamples(StrEnum):
     """What the asynchronous loop does with a GRPO group that has a token more than `algo.max_staleness`
     weight versions behind the trainer (the whole group goes: its advantages are normalised together)."""
@@ -220,9 +227,12 @@ class TrainerConfig:
     # same logprobs). true: also run the separate no-grad scoring forward first and compare that one
     # (it checks the trainer's inference path too, for one more forward per step).
     scoring_pass: bool = False
-    # Weight versions kept in host memory (algo.max_staleness >= 1) to reproduce the behaviour logprobs of
-    # stale tokens; 0: max_staleness + 1, the fewest that cover every allowed lag.
+    # Weight versions kept (algo.max_staleness >= 1) to reproduce the behaviour logprobs of stale tokens;
+    # 0: max_staleness + 1, the fewest that cover every allowed lag.
     kept_versions: int = 0
+    # Where they are kept. device: swapping a version in to re-score is a copy at memory speed (Qwen3-8B: 16 GB
+    # of GPU memory per version); host: no GPU memory, two PCIe copies of the weights per re-scored version.
+    kept_on: KeptOn = KeptOn.device
 
     def __post_init__(self) -> None:
         _check_side("trainer", self.boundary_modes, self.tp)

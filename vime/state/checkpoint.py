@@ -394,13 +394,13 @@ def save_kept(path: Path, kept: dict[int, dict[str, torch.Tensor]], current: int
     (Path(path) / KEPT).mkdir(parents=True, exist_ok=True)
     for version, tensors in kept.items():
         if version != current:
-            torch.save(tensors, kept_path(path, version))
+            torch.save({k: v.cpu() for k, v in tensors.items()}, kept_path(path, version))
 
 
-def load_kept(path: Path) -> dict[int, dict[str, torch.Tensor]]:
-    """The kept weight versions `save_kept` wrote under checkpoint `path` ({} when it wrote none)."""
+def load_kept(path: Path, device: str | torch.device = "cpu") -> dict[int, dict[str, torch.Tensor]]:
+    """The kept weight versions `save_kept` wrote under checkpoint `path` ({} when it wrote none), on `device`."""
     files = sorted((Path(path) / KEPT).glob("version_*.pt"))
-    return {int(f.stem.removeprefix("version_")): torch.load(f, weights_only=True) for f in files}
+    return {int(f.stem.removeprefix("version_")): torch.load(f, weights_only=True, map_location=device) for f in files}
 
 
 def save_rank_rng(path: Path, rank: int) -> None:

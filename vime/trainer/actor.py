@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from vime.config.schema import TrainerBackend, TrainerConfig
+from vime.config.schema import KeptOn, TrainerBackend, TrainerConfig
 from vime.engines import Sample, Scored, Trainer, one_temperature
 from vime.faults import stops
 from vime.rollout.actor import apply_modes, redirect_output
@@ -40,7 +40,8 @@ class TrainerWorker:
         kept_versions: int = 0,
     ):
         """`correction`: LossConfig's off-policy correction fields (correction, is_cap, icepop_low/high);
-        `kept_versions`: how many weight versions to keep in host memory for `score_behaviour` (0: none)."""
+        `kept_versions`: how many weight versions to keep for `score_behaviour` (0: none), where
+        `cfg.kept_on` says."""
         redirect_output()
         stops.forked_children_die_with_this_process()
         apply_modes(modes)
@@ -53,7 +54,7 @@ class TrainerWorker:
             **(correction or {}),
         )
         self.kept_versions = kept_versions
-        self.kept: dict[int, dict[str, torch.Tensor]] = {}  # version -> HF-named weights (host memory)
+        self.kept: dict[int, dict[str, torch.Tensor]] = {}  # version -> HF-named weights (`cfg.kept_on`)
         self._paged = None  # a Qwen3Reference for mixed-version re-scoring, made on first use
         torch.manual_seed(seed)
         self.engine: Trainer | None = None
@@ -99,15 +100,19 @@ class TrainerWorker:
     # ---- behaviour versions (the asynchronous loop) ---------------------------------------------------
 
     def _keep(self) -> None:
-        """Keep this version's weights (HF-named, host memory; collective) and drop versions beyond the
-        last `kept_versions`."""
+        """Keep this version's weights (HF-named, where `cfg.kept_on` says; collective) and drop versions beyond
+        the last `kept_versions`. The HF conversion runs on the trainer's device either way: on the host it
+        would be a single-threaded pass over every weight, seconds a step at Qwen3-8B scale."""
         if not self.kept_versions:
             return
-        self.kept[self.version] = self.engine.export_hf(device="cpu")
-        for v in [v for v in self.kept if v <= self.version - self.kept_versions]:
-            del self.kept[v]
+        expired = [self.kept.pop(v) for v in sorted(self.kept) if v <= self.version - self.kept_versions]
+        weights = self.engine.export_hf(device=self._args[2])
+        if self.cfg.kept_on == KeptOn.host and torch.device(self._args[2]).type == "cuda":
+            weights = to_pinned_host(weights, expired[0] if expired else None)
+        self.kept[self.version] = weights
 
     def _weights_of(self, version: int) -> dict[str, torch.Tensor]:
+        """Version `version`'s kept weights, on the trainer's device."""
         if version not in self.kept:
             from vime.errors import WeightSyncError
 
@@ -116,7 +121,7 @@ class TrainerWorker:
                 f"{sorted(self.kept)} (trainer.kept_versions={self.kept_versions}): raise "
                 "trainer.kept_versions or lower algo.max_staleness"
             )
-        return self.kept[version]
+        return {k: v.to(self._args[2], non_blocking=True) for k, v in self.kept[version].items()}
 
     def score_behaviour(self, samples: list[Sample]) -> list[Scored]:
         """Every token's logprob under the weight version(s) that produced it (collective): samples of one
@@ -278,7 +283,7 @@ class TrainerWorker:
         checkpoint.load_rank_rng(Path(path), self.rank)
         self.version = int(torch.load(Path(path) / checkpoint.STATE, weights_only=False)["version"])
         if self.kept_versions:  # the versions the rollouts in flight are re-scored under, then this one
-            self.kept = checkpoint.load_kept(Path(path))
+            self.kept = checkpoint.load_kept(Path(path), self._args[2] if self.cfg.kept_on == KeptOn.device else "cpu")
             self._keep()
         if dist.is_initialized():
             dist.barrier()
@@ -340,3 +345,16 @@ class TrainerWorker:
         buckets = self.export_buckets(bucket_bytes)
         nbytes = sum(t.numel() * t.element_size() for b in buckets for t in b.values())
         return {"buckets": [ray.put(buckets)] if self.rank == 0 else [], "bytes": nbytes, "count": len(buckets)}
+
+
+def to_pinned_host(tensors: dict[str, torch.Tensor], reuse: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
+    """Copies of the CUDA `tensors` in pinned host memory, written into `reuse` (an expired version's copies)
+    when it has the same names, shapes and dtypes: pinning fresh memory every step costs more than the copy."""
+    same = reuse is not None and all(
+        k in reuse and reuse[k].shape == v.shape and reuse[k].dtype == v.dtype for k, v in tensors.items()
+    )
+    out = reuse if same else {k: torch.empty(v.shape, dtype=v.dtype, pin_memory=True) for k, v in tensors.items()}
+    for k, v in tensors.items():
+        out[k].copy_(v, non_blocking=True)
+    torch.cuda.current_stream().synchronize()
+    return out

@@ -173,7 +173,6 @@ def strict_llm_kwargs(
     device: str = "cpu",
     transport: str | None = None,
     compile: bool = False,
-    runner: str = "v1",
     **engine_kwargs: Any,
 ) -> dict[str, Any]:
     """`vllm.LLM` / engine arguments for a strict engine over the Qwen3 checkpoint at `model`.
@@ -192,15 +191,10 @@ def strict_llm_kwargs(
     "FULL_AND_PIECEWISE"`); on CPU vLLM's CPU compilation instead of eager execution. Default off: the
     eager (CPU) and FULL_DECODE_ONLY (CUDA) engines are unchanged.
 
-    `runner="v2"` (CUDA only): no logits processor, so that vLLM runs its V2 model runner, whose sampler the strict
-    model replaces (`rl_kernel.integrations.vllm.sampler_v2`); written for vLLM 0.26, not yet run on a GPU. The
-    default `"v1"`: the strict logits processor on vLLM's V1 runner (CPU and GPU, tested on both).
+    The strict logits processor keeps vLLM on its V1 model runner (vLLM's V2 runner takes no custom logits
+    processor); a strict model on the V2 runner refuses to start.
     """
     _check_architecture(model)
-    if runner not in ("v1", "v2"):
-        raise ValueError(f"runner is 'v1' or 'v2', got {runner!r}")
-    if runner == "v2" and str(device).split(":")[0] != "cuda":
-        raise ValueError("runner='v2' is vLLM's V2 model runner, which needs Triton on a GPU: use device='cuda'")
     extra = dict(engine_kwargs.pop("additional_config", None) or {}) | {MODES_KEY: full_modes(modes)}
     if compile:
         extra[COMPILE_KEY] = True
@@ -228,7 +222,7 @@ def strict_llm_kwargs(
     return {
         "model": str(model),
         "hf_overrides": {"architectures": [ARCH]},
-        **({"logits_processors": [LOGITS_PROCESSOR]} if runner == "v1" else {}),
+        "logits_processors": [LOGITS_PROCESSOR],
         **forced,
         "worker_extension_cls": WORKER_EXTENSION,
         "additional_config": extra,

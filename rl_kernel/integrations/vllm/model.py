@@ -175,19 +175,22 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     return _paged_attention_compact(q, k_cache, v_cache, meta, scale)
 
 
-def _check_strict_sampling(vllm_config) -> bool:
-    """Fail closed unless the engine samples from strict log-probs: vLLM's V2 model runner takes the strict sampler
-    (`get_model_state_cls`), the V1 runner needs the strict logits processor among its logits processors. Returns
-    whether the engine runs vLLM's V2 model runner."""
+def _check_strict_sampling(vllm_config) -> None:
+    """Fail closed unless the engine samples from strict log-probs: vLLM's V1 model runner with the strict logits
+    processor among its logits processors."""
     if getattr(vllm_config, "use_v2_model_runner", False):
-        return True
+        raise rk.StrictModeError(
+            "logprobs",
+            "vllm",
+            "vLLM's V2 model runner samples without the strict logits processor: build the engine with "
+            "strict_llm_kwargs (whose processor keeps vLLM on its V1 runner) and leave VLLM_USE_V2_MODEL_RUNNER unset",
+        )
     processors = vllm_config.model_config.logits_processors or ()
     named = [p if isinstance(p, str) else f"{p.__module__}:{p.__qualname__}" for p in processors]
     if LOGITS_PROCESSOR not in named:
         raise ValueError(
             "rl_kernel's strict vLLM model is on vLLM's V1 model runner without the strict logits processor "
-            f"({LOGITS_PROCESSOR}): build the engine with strict_llm_kwargs(runner='v1'), or for runner='v2' let "
-            "vLLM run its V2 runner (a GPU with Triton; VLLM_USE_V2_MODEL_RUNNER unset or 1)"
+            f"({LOGITS_PROCESSOR}): build the engine with strict_llm_kwargs"
         )
     return False
 
@@ -229,10 +232,7 @@ class RLKernelQwen3ForCausalLM(nn.Module):
             )
         for boundary, mode in full_modes(modes).items():
             rk.set_mode(mode, boundary)
-        self.v2_runner = _check_strict_sampling(vllm_config)
-        # on vLLM's V2 runner the strict sampler's model state sets this; logits served without it would be
-        # sampled by vLLM's own sampler
-        self.strict_sampler = False
+        _check_strict_sampling(vllm_config)
         self.config = config
         self.shape = Qwen3Config.from_hf({**config.to_dict(), "architectures": ["Qwen3ForCausalLM"]}, "hf_config")
         self.vocab_size = config.vocab_size
@@ -291,13 +291,6 @@ class RLKernelQwen3ForCausalLM(nn.Module):
         out[:n] = paged_attention(q[:n], k_cache, v_cache, meta, self.model.scale)
         return out
 
-    @staticmethod
-    def get_model_state_cls():
-        """vLLM's V2 model runner asks the model for its model state: the default one with the strict sampler."""
-        from rl_kernel.integrations.vllm.sampler_v2 import strict_model_state_cls
-
-        return strict_model_state_cls()
-
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)
 
@@ -306,10 +299,6 @@ class RLKernelQwen3ForCausalLM(nn.Module):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """fp32 logits [T, vocab_size] under the GEMM contract, unrounded (input to rk.log_softmax)."""
-        if self.v2_runner and not self.strict_sampler:
-            raise rk.StrictModeError(
-                "logprobs", "vllm-v2", "vLLM's V2 runner did not take the strict sampler (get_model_state_cls)"
-            )
         return self.model.lm_head.logits(hidden_states)[:, : self.vocab_size]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
