@@ -50,6 +50,26 @@ def test_gpu_memory_check_names_the_layers_that_fit(compose_cfg):
     preflight.check_gpu_memory(tp8, QWEN3_8B, H200_BYTES)  # an eighth of the state per rank
 
 
+def test_gpu_memory_check_counts_the_kept_weight_versions_on_the_device(compose_cfg):
+    """Asynchronous runs keep max_staleness + 1 full bf16 copies of the weights on each trainer rank (4 B more per
+    parameter at lag 1): fewer layers fit, and the error names `trainer.kept_on=host`, which costs no GPU memory."""
+    async_ = (PRESET, "output_dir=/tmp/x", "rollout.sleep_level=0", "algo.max_staleness=1", "algo.correction=tis")
+    on_device = validate(to_object(compose_cfg(*async_)))
+    on_host = validate(to_object(compose_cfg(*async_, "trainer.kept_on=host")))
+    assert preflight.kept_bytes_per_parameter(on_device) == 4 and preflight.kept_bytes_per_parameter(on_host) == 0
+
+    def fit(cfg) -> int:
+        with pytest.raises(ConfigError) as info:
+            preflight.check_gpu_memory(cfg, QWEN3_8B, H200_BYTES)
+        assert "\n" not in str(info.value)
+        return int(str(info.value).split("model.tiny.num_layers=")[1].split(")")[0])
+
+    sync = validate(to_object(compose_cfg(PRESET, "output_dir=/tmp/x", "rollout.sleep_level=0")))
+    assert fit(on_device) < fit(on_host) == fit(sync)
+    with pytest.raises(ConfigError, match="4 B for 2 kept weight versions.*trainer.kept_on=host"):
+        preflight.check_gpu_memory(on_device, QWEN3_8B, H200_BYTES)
+
+
 @pytest.mark.parametrize(
     "overrides, match",
     [

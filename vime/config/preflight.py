@@ -8,7 +8,7 @@ import json
 import struct
 from pathlib import Path
 
-from vime.config.schema import RolloutBackend, VimeConfig
+from vime.config.schema import KeptOn, RolloutBackend, VimeConfig, kept_versions
 from vime.errors import ConfigError, DataError
 
 SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM",)
@@ -158,6 +158,7 @@ def check_safetensors(file: Path) -> None:
 
 
 TRAINER_BYTES_PER_PARAM = 18  # bf16 weights, fp32 gradients, fp32 main weights, two fp32 Adam moments
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 
 def qwen3_parameters(config: dict) -> int:
@@ -176,10 +177,18 @@ def qwen3_parameters(config: dict) -> int:
     return embeddings + layers * per_layer + d_model
 
 
+def kept_bytes_per_parameter(cfg: VimeConfig) -> int:
+    """GPU bytes per model parameter that a trainer rank spends on the asynchronous loop's kept weight versions:
+    full copies (not TP shards) in the model dtype, on the device unless `trainer.kept_on=host`."""
+    if cfg.trainer.kept_on != KeptOn.device:
+        return 0
+    return kept_versions(cfg) * DTYPE_BYTES[str(cfg.model.dtype)]
+
+
 def check_gpu_memory(cfg: VimeConfig, config: dict, gpu_bytes: int) -> None:
-    """A trainer rank's state (18 B per parameter of its TP x CP share) plus, with colocated vLLM engines, the
-    `rollout.gpu_memory_utilization` share vLLM claims must fit one GPU of `gpu_bytes`; fail before any engine
-    starts, naming how many layers would fit."""
+    """A trainer rank's state (18 B per parameter of its TP x CP share) and its kept weight versions
+    (`kept_bytes_per_parameter`) plus, with colocated vLLM engines, the `rollout.gpu_memory_utilization` share vLLM
+    claims must fit one GPU of `gpu_bytes`; fail before any engine starts, naming how many layers would fit."""
     ranks = cfg.trainer.tp * cfg.trainer.cp
     vllm_share = (
         cfg.rollout.gpu_memory_utilization
@@ -187,18 +196,21 @@ def check_gpu_memory(cfg: VimeConfig, config: dict, gpu_bytes: int) -> None:
         else 0.0
     )
     room = gpu_bytes * (1 - vllm_share)
-    need = TRAINER_BYTES_PER_PARAM * qwen3_parameters(config) / ranks
+    kept = kept_bytes_per_parameter(cfg)
+    per_param = TRAINER_BYTES_PER_PARAM / ranks + kept
+    need = per_param * qwen3_parameters(config)
     if need <= room:
         return
     no_layers = qwen3_parameters(config | {"num_hidden_layers": 0})
     per_layer = qwen3_parameters(config | {"num_hidden_layers": 1}) - no_layers
-    base = TRAINER_BYTES_PER_PARAM * no_layers / ranks
-    fit = max(0, int((room - base) // (TRAINER_BYTES_PER_PARAM * per_layer / ranks)))
+    fit = max(0, int((room - per_param * no_layers) // (per_param * per_layer)))
     raise ConfigError(
         f"the trainer's state for {config['num_hidden_layers']} layers ({need / 1e9:.0f} GB per rank: "
-        f"{TRAINER_BYTES_PER_PARAM} B per parameter) does not fit the {room / 1e9:.0f} GB a GPU of "
-        f"{gpu_bytes / 1e9:.0f} GB leaves"
+        f"{TRAINER_BYTES_PER_PARAM} B per parameter"
+        + (f", and {kept} B for {kept_versions(cfg)} kept weight versions" if kept else "")
+        + f") does not fit the {room / 1e9:.0f} GB a GPU of {gpu_bytes / 1e9:.0f} GB leaves"
         + (f" beside vLLM's share (rollout.gpu_memory_utilization={vllm_share})" if vllm_share else "")
-        + f"; use at most {fit} layers (model.tiny.num_layers={fit}), more trainer ranks (trainer.tp), or a smaller "
-        "rollout.gpu_memory_utilization"
+        + f"; use at most {fit} layers (model.tiny.num_layers={fit}), more trainer ranks (trainer.tp)"
+        + (", trainer.kept_on=host" if kept else "")
+        + " or a smaller rollout.gpu_memory_utilization"
     )
