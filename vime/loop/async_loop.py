@@ -12,13 +12,13 @@ behind. With `rollout.partial=true` a push lands between engine steps of a runni
 whose later tokens then carry the newer version (mixed-version samples). A GRPO group with a token more
 than N versions behind is dropped or requeued (`algo.stale_samples`), and counted.
 
-Exact behaviour logprobs. The trainer keeps the last `trainer.kept_versions` (N+1) weight versions in
-host memory. Before the step it re-scores every stale sample (or a seeded share, `algo.behaviour_check`)
-under the version that produced it (the trainer's own Megatron forward with that version's weights), and
-mixed-version samples over one paged KV cache whose earlier runs were computed under their own versions
-(`rl_kernel.models.rollout.mixed_version_logprobs`), exactly as the engine computed them. Fresh samples
-(every token of the current version) are compared with the step's own training forward, as in the
-synchronous loop. `mismatch_count` covers all of them, at every lag; with strict ops it is 0, so the
+Exact behaviour logprobs. The trainer keeps the last `trainer.kept_versions` (N+1) weight versions (on its
+device, or in host memory with `trainer.kept_on=host`). Before the step it re-scores every stale sample (or a
+seeded share, `algo.behaviour_check`) under the version that produced it (the trainer's own Megatron forward
+with that version's weights), and mixed-version samples over one paged KV cache whose earlier runs were computed
+under their own versions (`rl_kernel.models.rollout.mixed_version_logprobs`), exactly as the engine computed them.
+Fresh samples (every token of the current version) are compared with the step's own training forward, as in
+the synchronous loop. `mismatch_count` covers all of them, at every lag; with strict ops it is 0, so the
 importance weight pi_prox / pi_behaviour of the correction (`algo.correction`) is pure staleness, and
 exactly 1.0 on every fresh token (`lag0_ratio_off` counts the tokens where it is not).
 """
