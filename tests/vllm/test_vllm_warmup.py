@@ -263,11 +263,13 @@ def test_vllm_warm_up_alone_leaves_keys_to_compile_in_serving(vllm_warmed, servi
 
 def test_warm_up_covers_both_attention_schedules_and_norm_forms(warmed):
     """The split and fused attention schedules (chosen by the batch's size), and the norm with and without its
-    fused residual."""
+    fused residual and with the QK-norm's two weights."""
     split = attention._attn_kernel.names.index("SPLIT")
     assert {spec[split][1] for spec, _ in warmed["_attn_kernel"][0]} == {True, False}
     residual = norm._rms_norm_kernel.names.index("HAS_RESIDUAL")
     assert {spec[residual][1] for spec, _ in warmed["_rms_norm_kernel"][0]} == {True, False}
+    two_weights = norm._rms_norm_kernel.names.index("TWO_WEIGHTS")
+    assert {spec[two_weights][1] for spec, _ in warmed["_rms_norm_kernel"][0]} == {True, False}
 
 
 @pytest.mark.slow  # one forward per example: about 2 s each on a loaded 2-core machine

@@ -192,7 +192,6 @@ def _check_strict_sampling(vllm_config) -> None:
             "rl_kernel's strict vLLM model is on vLLM's V1 model runner without the strict logits processor "
             f"({LOGITS_PROCESSOR}): build the engine with strict_llm_kwargs"
         )
-    return False
 
 
 def _compiled(vllm_config) -> bool:
