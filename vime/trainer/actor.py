@@ -97,6 +97,11 @@ class TrainerWorker:
         self._keep()
         return self.info()
 
+    @property
+    def device(self) -> torch.device:
+        """The device this rank trains on (a GPU; CPU in the gloo form the tests run)."""
+        return torch.device(self._args[2])
+
     # ---- behaviour versions (the asynchronous loop) ---------------------------------------------------
 
     def _keep(self) -> None:
@@ -106,8 +111,8 @@ class TrainerWorker:
         if not self.kept_versions:
             return
         expired = [self.kept.pop(v) for v in sorted(self.kept) if v <= self.version - self.kept_versions]
-        weights = self.engine.export_hf(device=self._args[2])
-        if self.cfg.kept_on == KeptOn.host and torch.device(self._args[2]).type == "cuda":
+        weights = self.engine.export_hf(device=self.device)
+        if self.cfg.kept_on == KeptOn.host and self.device.type == "cuda":
             weights = to_pinned_host(weights, expired[0] if expired else None)
         self.kept[self.version] = weights
 
@@ -121,7 +126,7 @@ class TrainerWorker:
                 f"{sorted(self.kept)} (trainer.kept_versions={self.kept_versions}): raise "
                 "trainer.kept_versions or lower algo.max_staleness"
             )
-        return {k: v.to(self._args[2], non_blocking=True) for k, v in self.kept[version].items()}
+        return {k: v.to(self.device, non_blocking=True) for k, v in self.kept[version].items()}
 
     def score_behaviour(self, samples: list[Sample]) -> list[Scored]:
         """Every token's logprob under the weight version(s) that produced it (collective): samples of one
@@ -283,7 +288,7 @@ class TrainerWorker:
         checkpoint.load_rank_rng(Path(path), self.rank)
         self.version = int(torch.load(Path(path) / checkpoint.STATE, weights_only=False)["version"])
         if self.kept_versions:  # the versions the rollouts in flight are re-scored under, then this one
-            self.kept = checkpoint.load_kept(Path(path), self._args[2] if self.cfg.kept_on == KeptOn.device else "cpu")
+            self.kept = checkpoint.load_kept(Path(path), self.device if self.cfg.kept_on == KeptOn.device else "cpu")
             self._keep()
         if dist.is_initialized():
             dist.barrier()
@@ -316,15 +321,14 @@ class TrainerWorker:
         With `ipc` and several ranks, every rank ships the handles of its own GPU's copy (colocated engines on
         every trainer GPU). `in_flight` (rollout.partial, `nccl` on CPU: gloo): the push goes to the engines'
         "weights" concurrency group, beside a running rollout, and is acknowledged once it has landed there."""
-        device = torch.device(self._args[2])  # the GPU this rank trains on (CPU: the gloo form, for tests)
-        tensors = self.engine.export_hf(device=device)
+        tensors = self.engine.export_hf(device=self.device)
         every_rank = transport == "ipc" and self.world_size > 1
         if self.rank != 0 and not every_rank:
             return {}
         if self._push is None:
             from vime.weights.sync import EnginePush
 
-            self._push = EnginePush(device, dtype=self._args[1])
+            self._push = EnginePush(self.device, dtype=self._args[1])
         ack = self._push.push(
             engines,
             tensors,
@@ -350,8 +354,10 @@ class TrainerWorker:
 def to_pinned_host(tensors: dict[str, torch.Tensor], reuse: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
     """Copies of the CUDA `tensors` in pinned host memory, written into `reuse` (an expired version's copies)
     when it has the same names, shapes and dtypes: pinning fresh memory every step costs more than the copy."""
-    same = reuse is not None and all(
-        k in reuse and reuse[k].shape == v.shape and reuse[k].dtype == v.dtype for k, v in tensors.items()
+    same = (
+        reuse is not None
+        and reuse.keys() == tensors.keys()
+        and all(reuse[k].shape == v.shape and reuse[k].dtype == v.dtype for k, v in tensors.items())
     )
     out = reuse if same else {k: torch.empty(v.shape, dtype=v.dtype, pin_memory=True) for k, v in tensors.items()}
     for k, v in tensors.items():
