@@ -171,7 +171,7 @@ status = {}
 for line in status_file.read_text().splitlines():
     name, st, secs, *_ = line.split(" ") + [""]
     status[name] = {"status": st, "wall_s": float(secs or 0)}
-TIMES = ("rollout_s", "score_s", "train_s", "sync_s", "step_s", "sync_gbps")
+TIMES = ("rollout_s", "score_s", "train_s", "sync_s", "sleep_s", "wake_s", "step_s", "sync_gbps")
 KEEP = ("step", "version", "tokens", "mismatch_count", "max_abs_diff", "mean_abs_diff", "train_mismatch_count",
         "reward_mean", "loss", "grad_norm", "clip_frac", "ratio_mean", "sync_bytes", "sync_buckets", *TIMES)
 result = {"script": "scripts/gpu_train.sh", "preset": preset, "overrides": args, "runs": {}}

@@ -11,7 +11,11 @@
 #   train    python -m vime.train +experiment=h200_vllm, strict then native (scripts/gpu_train.sh), 5 steps each
 #   faults   vime.train on vLLM (small shapes): an engine killed mid-run is restarted and reloaded over IPC; a
 #            stopped run resumed from its checkpoint over IPC (tests/gpu/test_vllm_train_gpu.py)
-#   bench    strict vs native vLLM decode and prefill at Qwen3-8B shapes (benchmarks/vllm_throughput.py)
+#   generate the headline rollout figure: whole `generate` of fresh mixed-length prompts, strict vs native vLLM at
+#            Qwen3-8B shapes, engines alive together, passes interleaved (benchmarks/rollout_generate.py)
+#   rlstep   the RL step end to end: vime.train +experiment=h200_vllm at RL sizes (RLSTEP_ARGS; default 16 layers,
+#            64 sequences x 1024 new tokens), strict then native, per-phase medians (benchmarks/rl_step.py)
+#   bench    strict vs native vLLM marginal decode and prefill at Qwen3-8B shapes (benchmarks/vllm_throughput.py)
 #   profile  where strict decode time goes against native (benchmarks/vllm_decode_profile.py: one engine per
 #            subprocess, CUDA graphs on both; per decode step device time by category, kernels, host launches),
 #            once per batch size of PROFILE_BATCHES (default 128)
@@ -32,6 +36,8 @@ export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false RAY_USAGE_STATS_ENABLED=0
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # never NVLink multicast
 export VLLM_USE_FLASHINFER_SAMPLER=0  # FlashInfer is not in the bundle
 PROFILE_BATCHES=${PROFILE_BATCHES:-128}
+RLSTEP_DEFAULT="model.tiny.num_layers=16 algo.prompts_per_step=8 algo.group_size=8 algo.max_new_tokens=1024
+  rollout.max_model_len=1280 trainer.micro_batch_size=4 steps=5"
 
 bash scripts/gpu_stage.sh
 case $? in
@@ -63,6 +69,15 @@ for s in "$@"; do
     train) stage train "${TRAIN_S:-330}" env GPU_TRAIN_SKIP_INSTALL=1 GPU_TRAIN_PRESET=h200_vllm OUT="$OUT/train" \
              GPU_TRAIN_BUDGET_S=$(( ${TRAIN_S:-330} - 20 )) bash scripts/gpu_train.sh "model.tiny.num_layers=${GPU_LAYERS:-4}" ;;
     faults) stage faults "${FAULTS_S:-420}" env VIME_INSTAFAIL=1 $PY -m pytest tests/gpu/test_vllm_train_gpu.py -v -p no:cacheprovider -rA ;;
+    generate) stage generate "${GENERATE_S:-540}" $PY benchmarks/rollout_generate.py --device cuda \
+             --layers "${BENCH_LAYERS:-36}" --modes "${GENERATE_MODES:-strict,native}" \
+             --out "$OUT/rollout_generate_h200.json" ${GENERATE_ARGS:-} ;;
+    rlstep) stage rlstep "${RLSTEP_S:-560}" env GPU_TRAIN_SKIP_INSTALL=1 GPU_TRAIN_PRESET=h200_vllm OUT="$OUT/rlstep" \
+             GPU_TRAIN_RUNS="strict_1gpu native_1gpu" GPU_TRAIN_BUDGET_S=$(( ${RLSTEP_S:-560} - 30 )) \
+             GPU_TRAIN_RUN_S=$(( (${RLSTEP_S:-560} - 40) / 2 )) bash scripts/gpu_train.sh ${RLSTEP_ARGS:-$RLSTEP_DEFAULT} \
+             checkpoint.every=0
+           $PY benchmarks/rl_step.py --runs "$OUT/rlstep/gpu_train_h200.json" --out "$OUT/rl_step_h200.json" \
+             | tee -a "$OUT/rlstep.log" ;;
     bench) stage bench "${BENCH_S:-480}" $PY benchmarks/vllm_throughput.py --device cuda --layers "${BENCH_LAYERS:-36}" \
              --modes "${BENCH_MODES:-strict,native}" --out "$OUT/vllm_rollout_h200.json" ${BENCH_ARGS:-} ;;
     profile) for b in ${PROFILE_BATCHES//,/ }; do
@@ -74,7 +89,7 @@ for s in "$@"; do
              GPU_TRAIN_RUNS="strict_nosleep_1gpu async_1gpu" GPU_TRAIN_BUDGET_S=$(( ${ASYNC_S:-330} - 20 )) \
              bash scripts/gpu_train.sh "model.tiny.num_layers=${GPU_LAYERS:-4}" steps="${ASYNC_STEPS:-10}" \
              checkpoint.every=0 ;;
-    *) echo "gpu_vllm: unknown stage $s (tests, train, faults, bench, profile, async)"; exit 2 ;;
+    *) echo "gpu_vllm: unknown stage $s (tests, train, faults, generate, rlstep, bench, profile, async)"; exit 2 ;;
   esac
 done
 grep -h "during inference" "$OUT"/*.log 2>/dev/null | sort | uniq -c | head -20 > "$OUT/jit_during_inference.txt"

@@ -271,8 +271,10 @@ class Driver:
         # the training forward itself (on-policy, the same weights); `trainer.scoring_pass` adds the
         # separate no-grad scoring forward and compares that instead.
         separate = cfg.trainer.scoring_pass
+        sleep_s = wake_s = None
         if cfg.rollout.sleep_level:  # colocated vLLM gives the GPU back to the trainer until the weight push
             restart.on_every_engine(self, "sleep", "sleep")
+            sleep_s = time.perf_counter() - t1
         scored = self._call(self.trainer, "score", "score", samples, trainer=True)[0] if separate else None
         t2 = time.perf_counter()
         stats = self._call(self.trainer, "train_step", "train step", samples, not separate, trainer=True)[0]
@@ -293,7 +295,9 @@ class Driver:
             [sc.token_ids for sc in scored],
         )
         if cfg.rollout.sleep_level:
+            t_wake = time.perf_counter()
             restart.on_every_engine(self, "wake_up", "wake up")
+            wake_s = time.perf_counter() - t_wake
         sync = restart.sync(
             self,
             lambda: sync_weights(
@@ -308,6 +312,7 @@ class Driver:
             ),
         )
         fields = {**result.metrics(), **stats, **sync, **lag_metrics(samples, version, 0), "contracts": verdict}
+        fields |= {"sleep_s": sleep_s, "wake_s": wake_s}
         return self.record(step, version, samples, (t0, t1, t2, t3), fields)
 
     def record(self, step: int, version: int, samples: list[Sample], times: tuple, fields: dict) -> StepRecord:

@@ -72,6 +72,8 @@ class Timing:
     score_s: float | None = None
     train_s: float | None = None
     sync_s: float | None = None
+    sleep_s: float | None = None  # colocated vLLM's sleep before the trainer's work (inside score_s)
+    wake_s: float | None = None  # its wake-up before the weight push (between train_s and sync_s)
     step_s: float | None = None
 
 

@@ -53,7 +53,7 @@ STATE = "state.pt"
 KEPT = "kept"  # an asynchronous run's kept weight versions
 HF_DIR = "hf_model"
 # metrics that measure wall time: they differ between any two runs, resumed or not
-TIMING_KEYS = ("rollout_s", "score_s", "train_s", "step_s", "sync_s", "sync_gbps")
+TIMING_KEYS = ("rollout_s", "score_s", "train_s", "step_s", "sync_s", "sync_gbps", "sleep_s", "wake_s")
 _HF_SIDE_FILES = (
     "config.json",
     "generation_config.json",

@@ -1,0 +1,386 @@
+"""Whole-`generate` rollout throughput, strict vs native vLLM, timed as an RL step waits for it.
+
+    python benchmarks/rollout_generate.py --device cuda [--layers 36] [--passes 3]     # the H200 headline
+    python benchmarks/rollout_generate.py --device cpu --passes 1                      # plumbing, tiny model
+
+An RL rollout is one `LLM.generate` over fresh prompts: prefill, mixed prefill + decode steps, every sampling step
+and the decode tail, all inside the wall time the trainer waits for. This benchmark times exactly that call.
+(`benchmarks/vllm_throughput.py` measures the marginal cost of a decode step over cached prompts; its figures are
+secondary rows of this one, not the headline.)
+
+Rows (`ROWS`; batch, prompts, new tokens):
+- `mixed_fixed`: `batch` fresh prompts whose lengths are log-uniform in [64, 2048] tokens (RL prompt sets skew
+  short, with a long tail), every request sampled to `--new-tokens` (`ignore_eos`).
+- `mixed_eos`: the same prompts' distribution, each request stopping at its own length, drawn geometric with mean
+  `--new-tokens` / 3 and capped at `--new-tokens` (the cap is the truncated share, about 5%). The stop is imposed
+  (`max_tokens` per request, `ignore_eos`): a random-weight model almost never samples EOS, and both engines must
+  do the same work for the ratio to mean anything. The scheduler sees requests finish at their own steps, as it
+  does when responses end at EOS.
+- secondary: `prefill` (prompts of 1024-2048 tokens, one new token each), `decode` (17-token prompts, decode-bound)
+  and `single` (batch 1).
+Every (row, pass) draws its own prompts from a fixed seed: no prefix is ever reused (prefix caching stays on, as
+in vime's engines, and finds nothing). Both engines get the same prompts in a pass.
+
+Every engine lives in this process at once, CUDA graphs on all (strict: its FULL_DECODE_ONLY graphs, or
+`strict_compiled`: vLLM's torch.compile with FULL_AND_PIECEWISE; native: vLLM's default compile and graphs), so the
+passes interleave: pass p runs every row on every engine, the engines' order alternating from pass to pass. On CUDA
+each engine takes `--memory` of the GPU (0.75) and sleeps (vLLM's sleep mode, level 1: weights to host memory, KV
+cache freed) while another one runs, as in vime's colocated runs; waking and sleeping are not timed. On CPU (no
+sleep mode) they share the memory. Each engine is warmed up first (every batch shape of the rows, mixed prefill and
+decode). Sampling at temperature 1 with each token's logprob returned, as vime samples; no per-request seeds.
+Reported per row and engine: the median generated tokens/s over the passes, its min-max spread, and strict / native
+of the medians; the GPU's SM clock, power and throttle reasons before each pass and at the end.
+
+Parity: from the first pass, `PARITY_PER_ROW` sequences of every row and engine are teacher-forced by rl_kernel's
+reference (fp32 bits of every sampled token), while the engines sleep: every strict mode must show 0, native must
+differ. Exit status 1
+otherwise, or when an engine failed. Writes JSON (default benchmarks/results/rollout_generate_<device>.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import gc
+import json
+import math
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.vllm_throughput import QWEN3_8B, STRICT_MODES, gpu_state  # noqa: E402
+from rl_kernel.integrations.vllm import (  # noqa: E402
+    native_llm_kwargs,
+    native_sampling_params,
+    strict_llm_kwargs,
+    strict_sampling_params,
+)
+from rl_kernel.models.qwen3 import Qwen3Reference  # noqa: E402
+from rl_kernel.models.tiny import make_tiny_qwen3  # noqa: E402
+from vime.loop.consistency import compare  # noqa: E402
+
+PARITY_PER_ROW = 3
+TEMPERATURE = 1.0
+
+
+@dataclass(frozen=True)
+class Row:
+    """One timed `generate`: `batch` prompts with lengths in [min_prompt, max_prompt] (log-uniform), each sampled
+    to `new_tokens` (`stop="fixed"`) or to its own drawn length (`stop="spread"`)."""
+
+    name: str
+    batch: int
+    min_prompt: int
+    max_prompt: int
+    new_tokens: int
+    stop: str = "fixed"
+    headline: bool = True
+
+
+def rows_for(device: str, new_tokens: int) -> list[Row]:
+    """The benchmark's rows: RL-shaped rollouts at batch 64 and 256 (the headline), then the secondary rows. On CPU
+    the same rows at a tiny model's scale (plumbing only)."""
+    if device == "cpu":
+        return [
+            Row("mixed_fixed", 4, 8, 64, new_tokens),
+            Row("mixed_eos", 4, 8, 64, new_tokens, stop="spread"),
+            Row("prefill", 4, 48, 64, 1, headline=False),
+            Row("single", 1, 8, 64, new_tokens, headline=False),
+        ]
+    return [
+        Row("mixed_fixed", 64, 64, 2048, new_tokens),
+        Row("mixed_fixed", 256, 64, 2048, new_tokens),
+        Row("mixed_eos", 64, 64, 2048, new_tokens, stop="spread"),
+        Row("mixed_eos", 256, 64, 2048, new_tokens, stop="spread"),
+        Row("prefill", 64, 1024, 2048, 1, headline=False),
+        Row("decode", 256, 17, 17, new_tokens, headline=False),
+        Row("single", 1, 64, 2048, new_tokens, headline=False),
+    ]
+
+
+def draw_requests(row: Row, seed: int, vocab: int) -> tuple[list[list[int]], list[int]]:
+    """(prompts, new tokens per request) of `row`, from `seed` alone: prompt lengths log-uniform in [min_prompt,
+    max_prompt], token ids uniform in [10, vocab); lengths geometric with mean new_tokens / 3, capped at new_tokens,
+    for `stop="spread"`."""
+    g = torch.Generator().manual_seed(seed)
+    lo, hi = math.log(row.min_prompt), math.log(row.max_prompt + 1)
+    lengths = (
+        torch.exp(lo + (hi - lo) * torch.rand(row.batch, generator=g)).long().clamp(row.min_prompt, row.max_prompt)
+    )
+    prompts = [torch.randint(10, vocab, (int(n),), generator=g).tolist() for n in lengths]
+    if row.stop == "fixed":
+        return prompts, [row.new_tokens] * row.batch
+    p = min(1.0, 3.0 / row.new_tokens)
+    u = torch.rand(row.batch, generator=g).clamp_min(1e-12)
+    drawn = (torch.log(u) / math.log1p(-p)).ceil().long() if p < 1 else torch.ones(row.batch, dtype=torch.long)
+    return prompts, drawn.clamp(1, row.new_tokens).tolist()
+
+
+def request_seed(row_index: int, pass_index: int) -> int:
+    """Prompts of one (row, pass): fresh in every pass, the same for every engine of the pass."""
+    return 1_000_003 * (pass_index + 1) + 7919 * row_index
+
+
+class Engine:
+    """One vLLM engine of `mode` over the checkpoint at `path` and its request maker."""
+
+    def __init__(self, mode: str, path: Path, device: str, engine_args: dict):
+        from vllm import LLM
+
+        strict = mode in STRICT_MODES
+        make_kwargs = functools.partial(strict_llm_kwargs, **STRICT_MODES[mode]) if strict else native_llm_kwargs
+        self.mode = mode
+        self.make_params = strict_sampling_params if strict else native_sampling_params
+        t0 = time.perf_counter()
+        self.llm = LLM(**make_kwargs(path, device=device, **engine_args))
+        self.start_s = round(time.perf_counter() - t0, 1)
+        self.sleeps = bool(engine_args.get("enable_sleep_mode"))
+
+    def sleep(self) -> None:
+        """Give the GPU back (weights to host memory, KV cache freed) until `wake`; no-op without sleep mode."""
+        if self.sleeps:
+            self.llm.sleep(level=1)
+
+    def wake(self) -> None:
+        if self.sleeps:
+            self.llm.wake_up()
+
+    def generate(self, prompts: list[list[int]], lengths: list[int]) -> tuple[float, list]:
+        """Wall seconds of one `generate` over `prompts` (each to its length in `lengths`) and its outputs."""
+        params = [self.make_params(temperature=TEMPERATURE, max_tokens=n, ignore_eos=True) for n in lengths]
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return time.perf_counter() - t0, outputs
+
+    def shutdown(self) -> None:
+        self.llm.llm_engine.engine_core.shutdown()
+        del self.llm
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def warm_up(engine: Engine, rows: list[Row], vocab: int) -> None:
+    """Every batch size of the rows through a mixed prefill + decode `generate` (a few new tokens), so that no
+    kernel compiles and no graph is captured inside a timed call."""
+    for batch in sorted({r.batch for r in rows}):
+        warm = Row("warm", batch, min(r.min_prompt for r in rows), max(r.max_prompt for r in rows), 8)
+        engine.generate(*draw_requests(warm, seed=batch, vocab=vocab))
+
+
+def parity_sample(row_index: int, prompts: list[list[int]], outputs: list) -> list[dict]:
+    """`PARITY_PER_ROW` sequences of one row (first, middle, last request) with their sampled tokens and logprobs."""
+    picks = sorted({0, len(prompts) // 2, len(prompts) - 1})[:PARITY_PER_ROW]
+    samples = []
+    for i in picks:
+        c = outputs[i].outputs[0]
+        samples.append(
+            {
+                "row": row_index,
+                "prompt": prompts[i],
+                "tokens": list(c.token_ids),
+                "logprobs": [step[t].logprob for step, t in zip(c.logprobs, c.token_ids)],
+            }
+        )
+    return samples
+
+
+def parity(path: Path, samples: dict[str, list[dict]], device: str) -> dict[str, list[dict]]:
+    """Per mode and row: sampled tokens whose fp32 logprob bits differ from rl_kernel's teacher forcing."""
+    reference = Qwen3Reference.from_pretrained(path, device=device)
+    result: dict[str, list[dict]] = {}
+    for mode, rows in samples.items():
+        per_row: dict[int, list[int]] = {}
+        for s in rows:
+            want = reference.sequence_logprobs([s["prompt"] + s["tokens"]], [len(s["prompt"])], TEMPERATURE)[0]
+            got = torch.tensor(s["logprobs"], dtype=torch.float32)
+            tally = per_row.setdefault(s["row"], [0, 0])
+            tally[0] += compare([got], [want.float().cpu()]).mismatch_count
+            tally[1] += got.numel()
+        result[mode] = [{"row": r, "mismatches": m, "tokens": n} for r, (m, n) in sorted(per_row.items())]
+    del reference
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return result
+
+
+def summarize(rows: list[Row], timings: dict[str, list[list[dict]]], modes: list[str]) -> list[dict]:
+    """Per row: every mode's tokens/s per pass, median, min, max; strict modes' median over native's median."""
+    table = []
+    for i, row in enumerate(rows):
+        entry = {"row": row.name, "batch": row.batch, "headline": row.headline, "modes": {}}
+        for mode in modes:
+            tps = [p[i]["tokens_per_s"] for p in timings[mode]]
+            entry["modes"][mode] = {
+                "tokens_per_s": tps,
+                "median": round(statistics.median(tps), 1),
+                "min": min(tps),
+                "max": max(tps),
+                "generated_tokens": timings[mode][-1][i]["generated_tokens"],
+                "prompt_tokens": timings[mode][-1][i]["prompt_tokens"],
+            }
+        if "native" in modes:
+            base = entry["modes"]["native"]["median"]
+            entry["ratio_to_native"] = {m: round(entry["modes"][m]["median"] / base, 3) for m in modes if m != "native"}
+        table.append(entry)
+    return table
+
+
+def print_table(title: str, table: list[dict], modes: list[str]) -> None:
+    print(f"\n{title}")
+    head = f"{'row':>12} {'batch':>5} " + " ".join(f"{m + ' tok/s med (min-max)':>34}" for m in modes)
+    exact = [m for m in modes if m != "native"]
+    print(head + ("".join(f" {m + '/native':>16}" for m in exact) if "native" in modes else ""))
+    for e in table:
+        cells = " ".join(
+            f"{e['modes'][m]['median']:>12,.0f} ({e['modes'][m]['min']:,.0f}-{e['modes'][m]['max']:,.0f})".rjust(34)
+            for m in modes
+        )
+        ratios = "".join(f" {e['ratio_to_native'][m]:>16.3f}" for m in exact) if "native" in modes else ""
+        print(f"{e['row'] + ('' if e['headline'] else '*'):>12} {e['batch']:>5} {cells}{ratios}")
+    print("(* secondary rows)")
+
+
+def engine_args(device: str, args) -> dict:
+    if device == "cpu":
+        return dict(seed=0, max_model_len=256, max_num_batched_tokens=128, max_num_seqs=8, gpu_memory_utilization=0.3)
+    return dict(
+        dtype="bfloat16",
+        seed=0,
+        max_model_len=4096,
+        max_num_seqs=256,
+        max_num_batched_tokens=8192,
+        enable_prefix_caching=True,
+        gpu_memory_utilization=args.memory,
+        enable_sleep_mode=True,
+    )
+
+
+def run(args) -> int:
+    modes = args.modes.split(",")
+    rows = rows_for(args.device, args.new_tokens)
+    out = args.out or Path(__file__).resolve().parent / "results" / f"rollout_generate_{args.device}.json"
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.device == "cuda":
+            path = make_tiny_qwen3(
+                Path(tmp) / "qwen3", num_layers=args.layers, device="cuda", init_std=0.02, **QWEN3_8B
+            )
+            gc.collect()
+            torch.cuda.empty_cache()  # the engines' memory checks must see the GPU free
+        else:
+            path = make_tiny_qwen3(Path(tmp) / "qwen3")
+        vocab = json.loads((path / "config.json").read_text())["vocab_size"]
+        result: dict = {"device": args.device, "layers": args.layers, "passes": args.passes, "modes": modes}
+        result["rows"] = [r.__dict__ for r in rows]
+        result["gpu"] = [{"when": "start", **gpu_state()}] if args.device == "cuda" else []
+        engines, failed = {}, {}
+        for mode in modes:
+            try:
+                engines[mode] = Engine(mode, path, args.device, engine_args(args.device, args))
+                warm_up(engines[mode], rows, vocab)
+                engines[mode].sleep()  # the next engine starts on a free GPU
+            except Exception as e:  # noqa: BLE001 - report the engine that failed, measure the others
+                failed[mode] = f"{type(e).__name__}: {e}"[:2000]
+                print(f"{mode}: failed to start: {failed[mode]}", flush=True)
+                engines.pop(mode, None)
+        modes = [m for m in modes if m in engines]
+        result["engine_start_s"] = {m: engines[m].start_s for m in modes}
+        timings: dict[str, list[list[dict]]] = {m: [] for m in modes}
+        samples: dict[str, list[dict]] = {m: [] for m in modes}
+        for p in range(args.passes):
+            if args.device == "cuda":
+                result["gpu"].append({"when": f"before pass {p + 1}", **gpu_state()})
+            for m in modes:
+                timings[m].append([])
+            order = modes if p % 2 == 0 else modes[::-1]
+            for m in order:
+                engines[m].wake()
+                for i, row in enumerate(rows):
+                    prompts, lengths = draw_requests(row, request_seed(i, p), vocab)
+                    wall, outputs = engines[m].generate(prompts, lengths)
+                    generated = sum(len(o.outputs[0].token_ids) for o in outputs)
+                    timings[m][p].append(
+                        {
+                            "wall_s": round(wall, 4),
+                            "generated_tokens": generated,
+                            "prompt_tokens": sum(map(len, prompts)),
+                            "tokens_per_s": round(generated / wall, 1),
+                        }
+                    )
+                    if p == 0:
+                        samples[m] += parity_sample(i, prompts, outputs)
+                engines[m].sleep()
+                print(
+                    f"pass {p + 1} {m}: "
+                    + ", ".join(f"{r.name}@{r.batch} {t['tokens_per_s']:,.0f}" for r, t in zip(rows, timings[m][p]))
+                    + " tok/s",
+                    flush=True,
+                )
+            if p == 0:  # checked while the engines sleep: a run cut short by its time limit keeps it
+                result["parity"] = parity(path, samples, args.device)
+            result["timings"] = timings  # kept if a later pass runs out of time
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps(result | {"failed": failed, "partial": True}, indent=1))
+        if args.device == "cuda":
+            result["gpu"].append({"when": "end", **gpu_state()})
+        for engine in engines.values():
+            engine.shutdown()
+        result["timings"] = timings
+        result["failed"] = failed
+        result["table"] = summarize(rows, timings, modes)
+    device_name = torch.cuda.get_device_name(0) if args.device == "cuda" else "CPU"
+    print_table(
+        f"whole generate on {device_name}: {args.layers} Qwen3-8B-shaped layers, fresh prompts, {args.passes} passes "
+        f"interleaved, temperature {TEMPERATURE}, new tokens {args.new_tokens} (fixed) / spread (eos)"
+        if args.device == "cuda"
+        else f"whole generate on CPU (tiny Qwen3, plumbing), {args.passes} passes",
+        result["table"],
+        modes,
+    )
+    print("engine start s: " + ", ".join(f"{m} {s}" for m, s in result["engine_start_s"].items()))
+    for m, per_row in result["parity"].items():
+        bad, total = sum(x["mismatches"] for x in per_row), sum(x["tokens"] for x in per_row)
+        print(f"parity {m}: {bad} / {total} sampled tokens differ from teacher forcing")
+    for g in result["gpu"]:
+        print(f"gpu {g}")
+    out.write_text(json.dumps(result, indent=1))
+    print(f"wrote {out}")
+    strict_ok = all(x["mismatches"] == 0 for m, r in result["parity"].items() if m != "native" for x in r)
+    native = result["parity"].get("native")
+    native_differs = native is None or any(x["mismatches"] for x in native)
+    return 0 if strict_ok and native_differs and not failed else 1
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
+    parser.add_argument("--layers", type=int, default=36, help="cuda: Qwen3-8B-shaped layers")
+    parser.add_argument("--new-tokens", type=int, default=None, help="new tokens per request (cuda 256, cpu 8)")
+    parser.add_argument("--passes", type=int, default=3)
+    parser.add_argument(
+        "--modes", default="strict,native", help="engines, all alive at once: strict, native, strict_compiled"
+    )
+    parser.add_argument("--memory", type=float, default=0.75, help="cuda: gpu_memory_utilization of each engine")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    if args.new_tokens is None:
+        args.new_tokens = 256 if args.device == "cuda" else 8
+    if args.device == "cpu":
+        import os
+
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

