@@ -196,19 +196,14 @@ def _engine_temp_files(pids: list[int]) -> set[str]:
     return _mapped_temp_files(pids)
 
 
-@pytest.mark.skipif(
-    os.environ.get("VIME_HEAVY_TESTS") != "1",
-    reason=(
-        "a full run with a TP2 vLLM engine beside the Megatron trainer takes minutes per step on 2 cores (the TP "
-        "workers' shared-memory all-reduce spins); run with VIME_HEAVY_TESTS=1 on a machine with 4+ cores"
-    ),
-)
 def test_a_killed_vllm_tp_worker_restarts_its_engine(tmp_path):
     """rollout.tp=2: kill -9 of the engine's TP rank 1 process after step 0. The death is reported as
     "rollout engine 0, TP rank 1 died" and handled like the engine's death: a fresh engine on weight
     version 1 redoes step 1, counted in `engine_restarts`; every step still has 0 mismatches and the run
     finishes (exit 0, W&B exit code 0). The dead engine's temporary files (its workers' shared memory in
-    /dev/shm, its /tmp/vllm_dist_* rendezvous file) are gone at the end."""
+    /dev/shm, its /tmp/vllm_dist_* rendezvous file) are gone at the end. Part of `bash scripts/test.sh full`
+    like the rest of this module (extended): on 2 cores the TP workers' shared-memory all-reduce spins, so a
+    step takes minutes."""
     import glob
 
     dist = ("/tmp/vllm_dist_*", "/dev/shm/vllm_dist_*")  # vLLM's FileStore file, its CPU all-reduce segments
