@@ -8,18 +8,38 @@ type-check but cannot run (with what to do instead).
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import importlib.util
 import math
+import sys
 from dataclasses import dataclass, field
 from enum import Enum, StrEnum
+from pathlib import Path
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import InterpolationResolutionError, ValidationError
 
-from rl_kernel.modes import BOUNDARIES
 from vime.errors import ConfigError
+
+
+def _rl_kernel_boundaries() -> tuple[str, ...]:
+    """`rl_kernel.modes.BOUNDARIES`, read from that module's source (a literal) while rl_kernel is not imported:
+    importing it imports torch (seconds), and the config is checked before any heavy import, so that a typo is
+    answered at once (tests/vime/test_errors.py times it)."""
+    if "rl_kernel.modes" in sys.modules:
+        return sys.modules["rl_kernel.modes"].BOUNDARIES
+    spec = importlib.util.find_spec("rl_kernel")  # a top-level find_spec imports nothing
+    source = Path(spec.submodule_search_locations[0], "modes.py").read_text()
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.Assign) and [ast.unparse(t) for t in node.targets] == ["BOUNDARIES"]:
+            return tuple(ast.literal_eval(node.value))
+    raise ImportError("rl_kernel/modes.py has no BOUNDARIES literal")
+
+
+BOUNDARIES = _rl_kernel_boundaries()
 
 
 class Mode(StrEnum):

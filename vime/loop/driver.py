@@ -26,7 +26,7 @@ from vime.config.layout import check_layout, ray_node_gpus, ray_node_resources, 
 from vime.config.schema import Mode, VimeConfig, as_dict, kept_versions, side_modes
 from vime.data.dataset import PromptSet, load_tokenizer, model_vocab_size
 from vime.engines import Sample
-from vime.errors import ComparabilityError, TrainingError, VimeError
+from vime.errors import ComparabilityError, DataError, TrainingError
 from vime.faults import restart, stops
 from vime.loop import consistency
 from vime.loop.async_loop import AsyncLoop, lag_metrics
@@ -48,7 +48,7 @@ def make_model(cfg: VimeConfig, output_dir: Path) -> str:
     if cfg.model.path:
         path = Path(cfg.model.path)
         if not (path / "config.json").is_file():
-            raise VimeError(
+            raise DataError(
                 f"model.path={path} is not an HF checkpoint directory (no config.json); pass a Qwen3 "
                 "checkpoint dir, or leave model.path unset to make a tiny one"
             )
