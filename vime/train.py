@@ -53,7 +53,7 @@ def main(dcfg: DictConfig) -> None:
             signum = stops.stop_signal()
             code = 128 + signum
             if driver is not None:
-                stops.report_stop(driver, f"{signal.Signals(signum).name}: stopped")
+                stops.report_stop(driver, f"{signal.Signals(signum).name}: stopped{stops.stop_note(driver)}")
             else:
                 log.warning("%s during start-up: no step ran, nothing was trained", signal.Signals(signum).name)
         except VimeError as e:

@@ -64,8 +64,10 @@ def _printed_python() -> str:
 
 
 def _stop_after_first_checkpoint(out: Path) -> tuple[int, str]:
-    """Start a 2-step run saving every step; SIGTERM it once step 0's checkpoint is complete."""
-    proc = _start(out, "steps=2", "checkpoint.every=1")
+    """Start a 2-step run saving every step; SIGTERM it once step 0's checkpoint is complete. With
+    checkpoint.on_stop=false: the stop is immediate, so what came after that checkpoint is redone on resume
+    (the default finishes and saves the step in progress: test_a_stop_saves_the_step_in_progress...)."""
+    proc = _start(out, "steps=2", "checkpoint.every=1", "checkpoint.on_stop=false")
     deadline = time.monotonic() + 420
     while not (out / "checkpoints" / "latest").is_file() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -290,6 +292,37 @@ def _gone_within(pids: set[int], seconds: float) -> list[str]:
     while alive(pids) and time.monotonic() < deadline:
         time.sleep(0.5)
     return alive(pids)
+
+
+def test_a_stop_saves_the_step_in_progress_and_the_resume_continues_after_it(tmp_path):
+    """SIGINT once step 0 is logged, in a 4-step run with no checkpoint scheduled before the end: the step in
+    progress (step 0's last bookkeeping, or step 1) finishes, a checkpoint of it is saved within
+    checkpoint.on_stop_s, the stop line says which, exit 130; `resume=` starts at the step after it (no finished
+    step is done again) and completes the run."""
+    out = tmp_path / "stopped"
+    run = _Watched(out, "steps=4")
+    deadline = time.monotonic() + 420
+    while not ((out / "metrics.jsonl").is_file() and _rows(out)) and run.proc.poll() is None:
+        assert time.monotonic() < deadline, "".join(run.lines)[-4000:]
+        time.sleep(0.2)
+    t0 = time.monotonic()
+    run.proc.send_signal(signal.SIGINT)
+    text = run.finish(timeout=240)
+    assert run.proc.returncode == 130, text[-4000:]
+    assert "SIGINT: finishing the step in progress and saving a checkpoint of it (at most 60 s" in text
+    assert time.monotonic() - t0 < 60 + 30  # the bound, and the shutdown after it
+    done = [r["step"] for r in _rows(out)]
+    last = done[-1]
+    assert done == list(range(last + 1)) and last < 3, done  # it stopped before the end, every step logged once
+    assert f"SIGINT: stopped; saved a checkpoint of step {last} (step_{last:06d}, " in text, text[-4000:]
+    assert f"continue from step_{last:06d} with: " in text and "Traceback" not in text
+    assert (out / "checkpoints" / "latest").read_text().strip() == f"step_{last:06d}"
+
+    resumed = subprocess.run(
+        train_cmd(f"resume={out}"), cwd=REPO, env=os.environ | TRAIN_ENV, capture_output=True, text=True, timeout=420
+    )
+    assert resumed.returncode == 0, resumed.stderr[-6000:]
+    assert [r["step"] for r in _rows(out)] == [0, 1, 2, 3]  # nothing done twice, nothing lost
 
 
 def test_ctrl_c_during_start_up_says_nothing_was_trained_and_leaves_nothing(tmp_path):

@@ -306,9 +306,14 @@ class CheckpointConfig:
     export_hf: bool = True  # write <output_dir>/hf_model (HF safetensors) at the end of the run
     final: bool = True  # save one after the last step (false: only `every` / `stop_after` ones; for
     # throwaway runs of a large model, e.g. the H200 preset)
+    # SIGINT / SIGTERM while the steps run: finish the step in progress and save a checkpoint of it, within
+    # `on_stop_s` seconds (past that, stop at once: the resume point is the last checkpoint). false: stop at once.
+    on_stop: bool = True
+    on_stop_s: float = 60.0
 
     def __post_init__(self) -> None:
         _require(self.every >= 0, f"checkpoint.every={self.every}", "use 0 (end only) or >= 1")
+        _require(self.on_stop_s > 0, f"checkpoint.on_stop_s={self.on_stop_s}", "use a time > 0 (seconds)")
 
 
 @dataclass

@@ -356,6 +356,14 @@ class Driver:
         )
         rows = list(self.logger.rows)  # a resumed run's steps before its checkpoint
         loop = AsyncLoop(self) if self.cfg.algo.max_staleness else None  # else: the synchronous loop
+        with stops.finishing_steps(self.cfg.checkpoint.on_stop_s if self.cfg.checkpoint.on_stop else None):
+            self.run_steps(loop, rows)
+        self.rows = rows
+        return rows
+
+    def run_steps(self, loop: AsyncLoop | None, rows: list[StepRecord]) -> None:
+        """The steps from the timeline's to `steps`, each appended to `rows`. A stop signal during one lets it
+        finish and be checkpointed (vime.faults.stops.finishing_steps), then stops."""
         for step in tqdm(range(self.timeline.step, self.cfg.steps), desc="steps", disable=None):
             row = loop.step(step) if loop is not None else self.step(step)
             self.logger.log(row)
@@ -371,10 +379,14 @@ class Driver:
                     f"strict run, step {step}: the importance ratio of {off:.0f} token(s) "
                     "produced by the current weights is not exactly 1.0"
                 )
-            if checkpoint.after_step(self, step, rows):
+            stop = checkpoint.after_step(self, step, rows)
+            if stops.stop_requested():
+                self.stop_saved = stops.save_on_stop(self, step, rows)
+                if step < self.cfg.steps - 1:
+                    raise stops.Stopped(stops.stop_signal())
+                log.warning("the stop came during the last step: the run is complete")
+            if stop:
                 break
-        self.rows = rows
-        return rows
 
     def finish(self, compare: list[StepRecord] | None = None) -> Path | None:
         """The figure (beside `compare`, a twin run's rows, when given), the W&B summary and the

@@ -44,6 +44,8 @@ RESUMABLE = (
     "checkpoint.every",
     "checkpoint.export_hf",
     "checkpoint.final",
+    "checkpoint.on_stop",
+    "checkpoint.on_stop_s",
     "verbose",
     "wandb.mode",
 )
