@@ -285,3 +285,17 @@ def test_bad_input_and_failures_have_one_format_each():
     assert one_line(DataError("x")) == "config error: x"
     assert one_line(checkpoint.CheckpointError("y")) == "config error: y"
     assert one_line(TrainingError("non-finite loss")) == "TrainingError: non-finite loss"
+
+
+def test_the_docs_commands_run_in_a_fresh_shell():
+    """docs/*.md write commands as the README does, with the venv's interpreter (`python -m ...` fails with
+    "No module named 'hydra'" in a shell where the venv is not active)."""
+    import re
+
+    bare = [
+        f"{doc.name}:{n}"
+        for doc in sorted((REPO / "docs").glob("*.md"))
+        for n, line in enumerate(doc.read_text().splitlines(), 1)
+        if re.search(r"(?<![/\w.])python -m ", line)
+    ]
+    assert not bare, f"write these as .venv/bin/python -m ...: {bare}"
