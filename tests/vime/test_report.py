@@ -168,6 +168,9 @@ def test_console_lines_are_short_and_carry_no_colour_codes():
     warn = logging.LogRecord("vime", logging.WARNING, __file__, 1, "rollout engine 0 died", None, None)
     assert re.fullmatch(r"\d\d:\d\d:\d\d step row", fmt.format(info))
     assert re.fullmatch(r"\d\d:\d\d:\d\d warning: rollout engine 0 died", fmt.format(warn))
+    said = "config error: model.path=/m: no config.json"
+    bad = logging.LogRecord("vime", logging.ERROR, __file__, 1, said, None, None)
+    assert re.fullmatch(r"\d\d:\d\d:\d\d config error: model.path=/m: no config.json", fmt.format(bad))
 
 
 RAY_INIT_FAILURE = "\n".join(

@@ -213,15 +213,16 @@ def _worst_token(runs) -> str:
 
 
 class ConsoleFormatter(logging.Formatter):
-    """The console's log lines: `HH:MM:SS message`, the level named only from WARNING up, colour codes
-    removed (train.log keeps Hydra's full format). Hydra's job_logging uses it (configs/config.yaml)."""
+    """The console's log lines: `HH:MM:SS message`, the level named only from WARNING up (not before a bad
+    input's `config error: ...`, which says what it is), colour codes removed (train.log keeps Hydra's full
+    format). Hydra's job_logging uses it (configs/config.yaml)."""
 
     def __init__(self) -> None:
         super().__init__("%(asctime)s %(message)s", datefmt="%H:%M:%S")
 
     def format(self, record: logging.LogRecord) -> str:
         line = super().format(record)
-        if record.levelno >= logging.WARNING:
+        if record.levelno >= logging.WARNING and not record.getMessage().startswith("config error: "):
             stamp, _, rest = line.partition(" ")
             line = f"{stamp} {record.levelname.lower()}: {rest}"
         return ANSI.sub("", line)

@@ -297,6 +297,7 @@ def refuse_complete(run: Path, steps: int, export_hf: bool) -> None:
     last = checkpoint.latest(run)
     if last is None:
         return  # `checkpoint.resume_point` says there is nothing to resume
+    checkpoint.check_files(last)  # every file the resume reads, before any heavy import (again in resume_point)
     done = int(checkpoint.load_state(last)["next_step"])
     exported = not export_hf or (run / checkpoint.HF_DIR / "model.safetensors").is_file()
     if done >= steps and exported:
@@ -309,7 +310,7 @@ def refuse_complete(run: Path, steps: int, export_hf: bool) -> None:
 def check(config: DictConfig) -> None:
     """The job config (the composed config without `hydra`) passes the schema, `validate` and every check that
     needs no engine and no Ray: the resources a local Ray would have, W&B online, the model's context, a CUDA
-    device (the last two import torch)."""
+    device, `model.path`'s files and tensor shapes (the last three import torch)."""
     job = copy.deepcopy(config)
     with read_write(job), open_dict(job):
         del job["hydra"]
@@ -319,6 +320,8 @@ def check(config: DictConfig) -> None:
     preflight.check_wandb(cfg)
     preflight.check_context(cfg)
     preflight.check_device(cfg)
+    if cfg.model.path and (Path(cfg.model.path) / "config.json").is_file():  # (none: the driver names the path)
+        preflight.check_checkpoint(Path(cfg.model.path))  # its files and every tensor's shape against config.json
 
 
 def check_writable(output_dir: Path) -> None:
