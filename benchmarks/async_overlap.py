@@ -18,6 +18,7 @@ devices.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import subprocess
@@ -27,13 +28,42 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+RUN_KEY = "run_key.json"  # beside wall_s.txt in a finished run's dir: what `reusable` compares
+
+
+def run_key(overrides: list[str]) -> dict:
+    """What a finished run's results depend on: the checkout's commit, a digest of its uncommitted changes (empty
+    when clean) and the vime.train overrides (those of this script, then the user's)."""
+    git = lambda *a: subprocess.run(["git", *a], cwd=REPO, capture_output=True, text=True).stdout  # noqa: E731
+    diff = git("diff", "HEAD")
+    return {
+        "commit": git("rev-parse", "HEAD").strip() or "unknown",
+        "uncommitted": hashlib.sha256(diff.encode()).hexdigest()[:16] if diff else "",
+        "overrides": list(overrides),
+    }
+
+
+def reusable(out: Path, key: dict) -> bool:
+    """Whether `out` (--workdir) holds a finished run made with `key` (reuse it); False when it holds none.
+    SystemExit when it holds one of another commit or other arguments (or one that recorded no key): its
+    numbers would be reported as this run's."""
+    if not (out / "wall_s.txt").is_file():
+        return False
+    recorded = json.loads((out / RUN_KEY).read_text()) if (out / RUN_KEY).is_file() else None
+    if recorded == key:
+        return True
+    differ = sorted(k for k in key if recorded is None or recorded.get(k) != key[k])
+    theirs = {k: (recorded or {}).get(k) for k in differ}
+    raise SystemExit(
+        f"{out} holds a finished run of other settings ({', '.join(differ)} differ: it has {theirs}, this run "
+        f"{ {k: key[k] for k in differ} }); pass another --workdir, or remove {out} to run it again"
+    )
 
 
 def run(out: Path, staleness: int, steps: int, extra: list[str]) -> tuple[list[dict], float]:
-    """(rows, wall seconds) of one run; a finished run already in `out` (--workdir) is read, not run again."""
+    """(rows, wall seconds) of one run; a finished run already in `out` (--workdir) of the same commit and
+    arguments is read, not run again (`reusable`)."""
     done = out / "wall_s.txt"
-    if done.is_file():
-        return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()], float(done.read_text())
     overrides = [
         f"steps={steps}",
         f"output_dir={out}",
@@ -44,12 +74,16 @@ def run(out: Path, staleness: int, steps: int, extra: list[str]) -> tuple[list[d
     ]
     if staleness:
         overrides.append("algo.correction=tis")
+    key = run_key(overrides)
+    if reusable(out, key):
+        return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()], float(done.read_text())
     env = os.environ | {"WANDB_MODE": "offline", "TOKENIZERS_PARALLELISM": "false"}
     t0 = time.perf_counter()
     subprocess.run(
         [sys.executable, "-m", "vime.train", *overrides], cwd=REPO, env=env, check=True, stdout=subprocess.DEVNULL
     )
     wall = time.perf_counter() - t0
+    (out / RUN_KEY).write_text(json.dumps(key) + "\n")
     done.write_text(f"{wall}\n")
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()], wall
 

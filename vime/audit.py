@@ -45,7 +45,7 @@ from omegaconf import DictConfig
 from rl_kernel import BOUNDARIES
 from vime.config.schema import VimeConfig, as_dict, config_or_exit, modes_label, register_configs
 from vime.engines import Sample
-from vime.errors import ComparabilityError, ConfigError, VimeError
+from vime.errors import ComparabilityError, ConfigError, VimeError, one_line
 from vime.loop import consistency
 from vime.loop.consistency import Consistency
 from vime.reporting.metrics_log import read_rows
@@ -443,7 +443,7 @@ def main(dcfg: DictConfig) -> None:
     try:
         audit(cfg, Path(cfg.output_dir))
     except VimeError as e:
-        log.error("%s: %s", type(e).__name__, e)
+        log.error("%s", one_line(e))
         raise SystemExit(1) from None
 
 

@@ -2,15 +2,23 @@
 
 
 class VimeError(RuntimeError):
-    """Base class of vime's errors."""
+    """Base class of vime's errors. `bad_input`: the error is about what the user gave (a config value, a
+    model, a run dir or checkpoint to resume), told as `config error: ...`, the one format of every check
+    before and after Hydra; else a failure of the run, told as `<ErrorType>: ...`."""
+
+    bad_input = False
 
 
 class ConfigError(VimeError, ValueError):
     """The configuration cannot run (the message names the key and what to use instead)."""
 
+    bad_input = True
+
 
 class DataError(VimeError, ValueError):
     """The data or tokenizer does not fit the model (e.g. tokenizer vocab larger than the model's)."""
+
+    bad_input = True
 
 
 class ComparabilityError(VimeError):
@@ -37,3 +45,9 @@ class TPWorkerDiedError(EngineDiedError):
 
 class TrainingError(VimeError):
     """The optimisation went wrong (e.g. a non-finite loss)."""
+
+
+def one_line(error: VimeError) -> str:
+    """The console line of a vime error: `config error: <message>` for bad input, `<ErrorType>: <message>`
+    for a failure of the run (its type says which part failed)."""
+    return f"config error: {error}" if error.bad_input else f"{type(error).__name__}: {error}"

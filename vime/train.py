@@ -15,14 +15,15 @@ from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig
-from tqdm.contrib.logging import logging_redirect_tqdm
 
 from vime.config.schema import config_or_exit, register_configs
-from vime.errors import ConfigError, VimeError
+from vime.errors import ConfigError, VimeError, one_line
 from vime.faults import stops
 from vime.loop.record import StepRecord
-from vime.reporting.metrics_log import read_rows
 from vime.state import rundir
+
+# Module level: only what parsing and checking the command line needs (no torch, Ray, vLLM or Megatron), so
+# that a bad value is answered within a few seconds; the rest is imported once the config is good.
 
 log = logging.getLogger("vime")
 register_configs()
@@ -31,6 +32,8 @@ register_configs()
 @hydra.main(version_base="1.3", config_path="../configs", config_name="config")
 def main(dcfg: DictConfig) -> None:
     cfg = config_or_exit(dcfg)
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
     from vime.loop.driver import Driver  # Ray, vLLM's and Megatron's imports: only once the config is good
 
     if not cfg.verbose:  # errors are reported once, by the driver, naming the engine or rank
@@ -50,12 +53,12 @@ def main(dcfg: DictConfig) -> None:
             signum = stops.stop_signal()
             code = 128 + signum
             if driver is not None:
-                stops.report_stop(driver, f"{signal.Signals(signum).name}: stopped")
+                stops.report_stop(driver, f"{signal.Signals(signum).name}: stopped{stops.stop_note(driver)}")
             else:
                 log.warning("%s during start-up: no step ran, nothing was trained", signal.Signals(signum).name)
         except VimeError as e:
             code = 1
-            log.error("%s: %s", type(e).__name__, e)
+            log.error("%s", one_line(e))
             if cfg.verbose and e.__cause__ is not None:  # the actor's own traceback, as Ray reported it
                 log.error("".join(traceback.format_exception(e.__cause__)))
             if driver is not None:
@@ -76,6 +79,8 @@ def run_compare(cfg) -> list[StepRecord] | None:
     if not cfg.compare:
         return None
     if cfg.compare != "native":
+        from vime.reporting.metrics_log import read_rows
+
         path = Path(cfg.compare) / "metrics.jsonl"
         if not path.is_file():
             raise ConfigError(
@@ -99,4 +104,5 @@ def run_compare(cfg) -> list[StepRecord] | None:
 
 if __name__ == "__main__":
     rundir.check_override_keys(sys.argv[1:])  # a mistyped key: one line, before Hydra composes anything
+    rundir.compose_or_exit(sys.argv[1:])  # Hydra's own errors (a value's type, a preset's name): one line too
     sys.exit(main())

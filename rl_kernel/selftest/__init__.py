@@ -36,6 +36,21 @@ def run_matrix(
     return matrix.run_cells(device, seed, ops) + (ranks.run_rank_cells(device, ops) if distributed else [])
 
 
+def cpu_name() -> str:
+    """This machine's CPU model (/proc/cpuinfo's `model name`, else platform's), with torch's CPU capability: what
+    decides the bits of the native kernels, so which native cells differ from the strict ones."""
+    import platform
+    from pathlib import Path
+
+    name = ""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        name = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "")
+    except OSError:
+        pass
+    return f"{name or platform.processor() or 'unknown'} [{torch.backends.cpu.get_cpu_capability()}]"
+
+
 def main(argv: list[str] | None = None) -> int:
     """The command line (see the module docstring); returns the exit code: 1 when a strict cell differs."""
     parser = argparse.ArgumentParser(prog="python -m rl_kernel.selftest", description=__doc__.split("\n\n")[0])
@@ -51,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     start = time.time()
     print(
         f"rl_kernel selftest  device={args.device}  backend={rk.get_backend()}  torch={torch.__version__}  "
-        f"threads={torch.get_num_threads()}"
+        f"threads={torch.get_num_threads()}  cpu={cpu_name()} (native cells' results depend on it)"
     )
     print("contracts (id, fingerprint):")
     print(matrix.format_contracts())

@@ -25,6 +25,7 @@ def test_selftest_cpu_subset(tmp_path, capsys):
     for contract in rk.contracts.all_contracts().values():
         assert f"{contract.id}" in out and contract.fingerprint in out
     assert "OK: strict bit-identical in" in out.splitlines()[-1]
+    assert f"cpu={selftest.cpu_name()} (native cells' results depend on it)" in out.splitlines()[0]
 
 
 def test_selftest_exit_code_on_a_strict_failure(monkeypatch, capsys):

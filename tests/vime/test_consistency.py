@@ -49,6 +49,13 @@ def test_signed_zero_counts_by_bits():
 def test_nan_is_the_worst_mismatch():
     r = compare([torch.tensor([-1.0, -2.0])], [torch.tensor([-1.5, float("nan")])])
     assert r.mismatch_count == 2 and r.worst["index"] == 1
+    assert r.max_abs_diff == float("inf") and r.worst["abs_diff"] == float("inf")  # max(0.0, nan) is 0.0
+
+
+def test_nan_before_a_finite_diff_is_still_inf():
+    """The NaN sample first, then a finite one: the running max must not drop the NaN either way."""
+    r = compare([torch.tensor([-1.0]), torch.tensor([-1.0])], [torch.tensor([float("nan")]), torch.tensor([-1.5])])
+    assert r.mismatch_count == 2 and r.max_abs_diff == float("inf")
 
 
 @pytest.mark.parametrize(

@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -323,3 +324,58 @@ def test_vllm_on_gpus_takes_ipc_and_nccl(compose_cfg):
         )
     preflight.check_weight_transport(validate(to_object(compose_cfg("+experiment=h200_8b_layers"))))
     preflight.check_weight_transport(validate(to_object(compose_cfg())))  # vLLM on CPU: the object store
+
+
+def _fresh_stop_state(monkeypatch) -> None:
+    for name, value in (("_received", []), ("_deferred", [False]), ("_late", [False]), ("_given_s", [0.0])):
+        monkeypatch.setattr(stops, name, value)
+
+
+def test_a_stop_during_the_steps_lets_the_step_finish(monkeypatch):
+    """In `finishing_steps` a first signal is not raised: the loop sees `stop_requested` (and saves the step);
+    a second one would exit at once (`_exit_now`)."""
+    _fresh_stop_state(monkeypatch)
+    before = {s: signal.getsignal(s) for s in (*stops.SIGNALS, signal.SIGALRM)}
+    try:
+        stops.install_signal_handlers()
+        with stops.finishing_steps(30.0):
+            os.kill(os.getpid(), signal.SIGTERM)
+            signal.sigtimedwait([], 0)  # a bytecode boundary: the handler has run, and raised nothing
+            assert stops.stop_requested() and stops.stop_signal() == signal.SIGTERM
+            assert signal.getsignal(signal.SIGTERM) is stops._exit_now
+        assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)  # the bound is cancelled with the steps
+        assert stops.stop_note(None) == ""
+    finally:
+        for s, h in before.items():
+            signal.signal(s, h)
+
+
+def test_a_step_that_does_not_finish_in_time_is_stopped_at_once(monkeypatch):
+    _fresh_stop_state(monkeypatch)
+    before = {s: signal.getsignal(s) for s in (*stops.SIGNALS, signal.SIGALRM)}
+    try:
+        stops.install_signal_handlers()
+        with pytest.raises(stops.Stopped) as stop, stops.finishing_steps(0.2):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)  # a step still running when the bound passes
+        assert stop.value.exit_code == 130
+        assert stops.stop_note(None) == (
+            "; the step in progress did not finish within checkpoint.on_stop_s=0.2 s: not saved"
+        )
+    finally:
+        for s, h in before.items():
+            signal.signal(s, h)
+
+
+def test_without_on_stop_a_stop_is_immediate(monkeypatch):
+    _fresh_stop_state(monkeypatch)
+    before = {s: signal.getsignal(s) for s in stops.SIGNALS}
+    try:
+        stops.install_signal_handlers()
+        with pytest.raises(stops.Stopped), stops.finishing_steps(None):
+            os.kill(os.getpid(), signal.SIGINT)
+            signal.sigtimedwait([], 0)
+        assert not stops.stop_requested()
+    finally:
+        for s, h in before.items():
+            signal.signal(s, h)

@@ -168,6 +168,9 @@ def test_console_lines_are_short_and_carry_no_colour_codes():
     warn = logging.LogRecord("vime", logging.WARNING, __file__, 1, "rollout engine 0 died", None, None)
     assert re.fullmatch(r"\d\d:\d\d:\d\d step row", fmt.format(info))
     assert re.fullmatch(r"\d\d:\d\d:\d\d warning: rollout engine 0 died", fmt.format(warn))
+    said = "config error: model.path=/m: no config.json"
+    bad = logging.LogRecord("vime", logging.ERROR, __file__, 1, said, None, None)
+    assert re.fullmatch(r"\d\d:\d\d:\d\d config error: model.path=/m: no config.json", fmt.format(bad))
 
 
 RAY_INIT_FAILURE = "\n".join(
@@ -318,3 +321,31 @@ def test_audit_of_an_earlier_run_reads_its_evidence(tmp_path):
     assert rep["total_mismatches"] == 0 and rep["tokens"] == 384 and len(rep["steps"]) == 3
     text = audit.format_run(rep)
     assert "gemm:same" in text and "3 steps, 0 mismatching tokens of 384" in text
+
+
+def test_an_asynchronous_runs_summary_shows_staleness_and_does_not_say_ratios_are_1(tmp_path):
+    """algo.max_staleness=1 algo.correction=tis: 0 mismatches still, but the importance ratios of stale tokens
+    reached 6.4; the summary must not say they are exactly 1, and shows the staleness."""
+    stale = [
+        r
+        | {
+            "staleness_mean": 0.5,
+            "staleness_max": 1,
+            "is_ratio_max": 6.4 if r["step"] == 2 else 1.5,
+            "is_clip_frac": 0.1,
+        }
+        for r in _rows(4)
+    ]
+    lines = "\n".join(report.summary_lines(_records(stale), tmp_path, None, "/m"))
+    assert "exactly 1" not in lines and "not 1 where tokens came from older weights" in lines
+    assert "  staleness        mean 0.50, max 1 weight version(s) behind; importance ratio max 6.4, clipped" in lines
+    on_policy = "\n".join(report.summary_lines(_records(_rows(4)), tmp_path, None, "/m"))
+    assert "ratios exactly 1" in on_policy and "staleness " not in on_policy
+
+
+def test_the_console_row_shows_staleness():
+    from vime.reporting.metrics_log import CONSOLE_COLUMNS
+
+    header = report.table_header(CONSOLE_COLUMNS)
+    row = report.table_row(CONSOLE_COLUMNS, _records([_rows(1)[0] | {"staleness_mean": 0.75}])[0])
+    assert header.split().index("stale") == 7 and row.split()[7] == "0.75"

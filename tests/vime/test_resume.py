@@ -64,8 +64,10 @@ def _printed_python() -> str:
 
 
 def _stop_after_first_checkpoint(out: Path) -> tuple[int, str]:
-    """Start a 2-step run saving every step; SIGTERM it once step 0's checkpoint is complete."""
-    proc = _start(out, "steps=2", "checkpoint.every=1")
+    """Start a 2-step run saving every step; SIGTERM it once step 0's checkpoint is complete. With
+    checkpoint.on_stop=false: the stop is immediate, so what came after that checkpoint is redone on resume
+    (the default finishes and saves the step in progress: test_a_stop_saves_the_step_in_progress...)."""
+    proc = _start(out, "steps=2", "checkpoint.every=1", "checkpoint.on_stop=false")
     deadline = time.monotonic() + 420
     while not (out / "checkpoints" / "latest").is_file() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -196,19 +198,14 @@ def _engine_temp_files(pids: list[int]) -> set[str]:
     return _mapped_temp_files(pids)
 
 
-@pytest.mark.skipif(
-    os.environ.get("VIME_HEAVY_TESTS") != "1",
-    reason=(
-        "a full run with a TP2 vLLM engine beside the Megatron trainer takes minutes per step on 2 cores (the TP "
-        "workers' shared-memory all-reduce spins); run with VIME_HEAVY_TESTS=1 on a machine with 4+ cores"
-    ),
-)
 def test_a_killed_vllm_tp_worker_restarts_its_engine(tmp_path):
     """rollout.tp=2: kill -9 of the engine's TP rank 1 process after step 0. The death is reported as
     "rollout engine 0, TP rank 1 died" and handled like the engine's death: a fresh engine on weight
     version 1 redoes step 1, counted in `engine_restarts`; every step still has 0 mismatches and the run
     finishes (exit 0, W&B exit code 0). The dead engine's temporary files (its workers' shared memory in
-    /dev/shm, its /tmp/vllm_dist_* rendezvous file) are gone at the end."""
+    /dev/shm, its /tmp/vllm_dist_* rendezvous file) are gone at the end. Part of `bash scripts/test.sh full`
+    like the rest of this module (extended): on 2 cores the TP workers' shared-memory all-reduce spins, so a
+    step takes minutes."""
     import glob
 
     dist = ("/tmp/vllm_dist_*", "/dev/shm/vllm_dist_*")  # vLLM's FileStore file, its CPU all-reduce segments
@@ -295,6 +292,37 @@ def _gone_within(pids: set[int], seconds: float) -> list[str]:
     while alive(pids) and time.monotonic() < deadline:
         time.sleep(0.5)
     return alive(pids)
+
+
+def test_a_stop_saves_the_step_in_progress_and_the_resume_continues_after_it(tmp_path):
+    """SIGINT once step 0 is logged, in a 4-step run with no checkpoint scheduled before the end: the step in
+    progress (step 0's last bookkeeping, or step 1) finishes, a checkpoint of it is saved within
+    checkpoint.on_stop_s, the stop line says which, exit 130; `resume=` starts at the step after it (no finished
+    step is done again) and completes the run."""
+    out = tmp_path / "stopped"
+    run = _Watched(out, "steps=4")
+    deadline = time.monotonic() + 420
+    while not ((out / "metrics.jsonl").is_file() and _rows(out)) and run.proc.poll() is None:
+        assert time.monotonic() < deadline, "".join(run.lines)[-4000:]
+        time.sleep(0.2)
+    t0 = time.monotonic()
+    run.proc.send_signal(signal.SIGINT)
+    text = run.finish(timeout=240)
+    assert run.proc.returncode == 130, text[-4000:]
+    assert "SIGINT: finishing the step in progress and saving a checkpoint of it (at most 60 s" in text
+    assert time.monotonic() - t0 < 60 + 30  # the bound, and the shutdown after it
+    done = [r["step"] for r in _rows(out)]
+    last = done[-1]
+    assert done == list(range(last + 1)) and last < 3, done  # it stopped before the end, every step logged once
+    assert f"SIGINT: stopped; saved a checkpoint of step {last} (step_{last:06d}, " in text, text[-4000:]
+    assert f"continue from step_{last:06d} with: " in text and "Traceback" not in text
+    assert (out / "checkpoints" / "latest").read_text().strip() == f"step_{last:06d}"
+
+    resumed = subprocess.run(
+        train_cmd(f"resume={out}"), cwd=REPO, env=os.environ | TRAIN_ENV, capture_output=True, text=True, timeout=420
+    )
+    assert resumed.returncode == 0, resumed.stderr[-6000:]
+    assert [r["step"] for r in _rows(out)] == [0, 1, 2, 3]  # nothing done twice, nothing lost
 
 
 def test_ctrl_c_during_start_up_says_nothing_was_trained_and_leaves_nothing(tmp_path):

@@ -28,6 +28,17 @@ def check_lengths(cfg: VimeConfig, prompts: list[list[int]]) -> None:
         )
 
 
+def check_new_tokens(cfg: VimeConfig) -> None:
+    """`algo.max_new_tokens` must leave room for a prompt in `rollout.max_model_len`, whatever the prompts (the
+    exact check with the longest prompt, `check_lengths`, needs the tokenizer): refused before any import."""
+    if cfg.algo.max_new_tokens >= cfg.rollout.max_model_len:
+        raise ConfigError(
+            f"algo.max_new_tokens={cfg.algo.max_new_tokens} >= rollout.max_model_len={cfg.rollout.max_model_len}"
+            f": no room for a prompt; lower algo.max_new_tokens below {cfg.rollout.max_model_len} (less the "
+            "longest prompt) or raise rollout.max_model_len"
+        )
+
+
 def model_max_positions(cfg: VimeConfig) -> tuple[int | None, str]:
     """(the checkpoint's `max_position_embeddings`, where it was read); None when `model.path` has no
     readable config.json (`check_checkpoint` names that problem)."""
@@ -129,12 +140,63 @@ def check_checkpoint(path: Path) -> None:
             f"{path} has no *.safetensors weights; save the checkpoint with safetensors "
             "(save_pretrained(..., safe_serialization=True))"
         )
-    for f in files:
-        check_safetensors(f)
+    check_tensor_shapes(path, {f: check_safetensors(f) for f in files})
 
 
-def check_safetensors(file: Path) -> None:
-    """The file holds its whole header and every tensor its header lists (a truncated copy does not)."""
+def check_tensor_shapes(path: Path, headers: dict[Path, dict]) -> None:
+    """Every tensor of the checkpoint's safetensors `headers` (file -> header) has the shape its config.json gives
+    it, and every tensor that config needs is there (rl_kernel's Qwen3 weight layout, the table every loader
+    uses): a config.json that does not describe its weights is refused naming both numbers, instead of a run
+    whose missing rows are made up. DataError naming the file and tensor."""
+    from rl_kernel.models.qwen3 import read_config
+    from rl_kernel.models.qwen3_layout import weight_layout
+
+    try:
+        config = read_config(path)
+    except (KeyError, TypeError, ValueError) as e:
+        raise DataError(f"{Path(path) / 'config.json'}: {e}; fix it or use the checkpoint's own config.json") from None
+    layout = weight_layout(config)
+    found = {name: (f, meta["shape"]) for f, h in headers.items() for name, meta in h.items() if name != "__metadata__"}
+    if config.tie_word_embeddings and "lm_head.weight" in found:  # a tied head stored anyway: the embedding's shape
+        layout = layout | {"lm_head.weight": layout["model.embed_tokens.weight"]}
+    for name, (f, shape) in found.items():
+        if name not in layout:
+            raise DataError(
+                f"{f}: tensor {name} is not a weight of the Qwen3 that {Path(path) / 'config.json'} describes "
+                f"({config.num_layers} layers); fix config.json or use the checkpoint it came with"
+            )
+        want = list(layout[name].shape)
+        if list(shape) != want:
+            raise DataError(
+                f"{f}: {name} has shape {list(shape)}, but {Path(path) / 'config.json'} gives it {want} "
+                f"({_shape_fields(name, config)}); fix config.json or use the checkpoint it came with"
+            )
+    missing = [name for name in layout if name not in found]
+    if missing:
+        raise DataError(
+            f"{path}: the safetensors files lack {len(missing)} tensor(s) that config.json's Qwen3 needs, e.g. "
+            f"{', '.join(missing[:3])}; fix config.json (num_hidden_layers={config.num_layers}?) or copy the "
+            "missing files"
+        )
+
+
+def _shape_fields(name: str, config) -> str:
+    """The config.json fields that make tensor `name`'s shape, with their values."""
+    if name in ("model.embed_tokens.weight", "lm_head.weight"):
+        return f"vocab_size={config.vocab_size}, hidden_size={config.hidden_size}"
+    fields = {
+        "hidden_size": config.hidden_size,
+        "num_attention_heads": config.num_heads,
+        "num_key_value_heads": config.num_kv_heads,
+        "head_dim": config.head_dim,
+        "intermediate_size": config.intermediate_size,
+    }
+    return ", ".join(f"{k}={v}" for k, v in fields.items())
+
+
+def check_safetensors(file: Path) -> dict:
+    """The file holds its whole header and every tensor its header lists (a truncated copy does not); returns
+    the header (tensor name -> dtype, shape, data_offsets)."""
     fix = "copy or download it again"
     try:
         size = file.stat().st_size
@@ -155,6 +217,53 @@ def check_safetensors(file: Path) -> None:
     end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
     if 8 + n + end > size:
         raise DataError(f"{file} is truncated: its tensors need {8 + n + end} bytes, the file has {size}; {fix}")
+    return header
+
+
+def check_device(cfg: VimeConfig) -> None:
+    """`device=cuda` needs a CUDA device torch can see (the tiny-model maker would fail with a traceback)."""
+    if cfg.device != "cuda":
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ConfigError(
+            f"device=cuda, but torch {torch.__version__} sees no CUDA device on this machine "
+            f"(torch.cuda.is_available() is False, CUDA build: {torch.version.cuda or 'none'}); use device=cpu"
+        )
+
+
+WANDB_HOST = "api.wandb.ai"
+
+
+def check_wandb(cfg: VimeConfig, timeout_s: float = 3.0) -> None:
+    """`wandb.mode=online` needs an API key (WANDB_API_KEY, or a `wandb login` entry in ~/.netrc) and a reachable
+    W&B server (WANDB_BASE_URL, default https://api.wandb.ai), checked here in at most `timeout_s` rather than by
+    W&B's own retries after every engine has started."""
+    if cfg.wandb.mode != "online":
+        return
+    import netrc
+    import os
+    import socket
+    from urllib.parse import urlparse
+
+    url = urlparse(os.environ.get("WANDB_BASE_URL") or f"https://{WANDB_HOST}")
+    host, port = url.hostname or WANDB_HOST, url.port or (80 if url.scheme == "http" else 443)
+    key = os.environ.get("WANDB_API_KEY")
+    if not key:
+        try:
+            key = (netrc.netrc().authenticators(host) or (None, None, None))[2]
+        except (OSError, netrc.NetrcParseError):
+            key = None
+    fix = "use wandb.mode=offline (and `wandb sync` the run's wandb/ dir later)"
+    if not key:
+        raise ConfigError(
+            f"wandb.mode=online: no W&B API key (WANDB_API_KEY unset, none for {host} in ~/.netrc); {fix}"
+        )
+    try:
+        socket.create_connection((host, port), timeout=timeout_s).close()
+    except OSError as e:
+        raise ConfigError(f"wandb.mode=online: cannot reach {host}:{port} ({e}); {fix}") from None
 
 
 TRAINER_BYTES_PER_PARAM = 18  # bf16 weights, fp32 gradients, fp32 main weights, two fp32 Adam moments

@@ -8,18 +8,38 @@ type-check but cannot run (with what to do instead).
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import importlib.util
 import math
+import sys
 from dataclasses import dataclass, field
 from enum import Enum, StrEnum
+from pathlib import Path
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import InterpolationResolutionError, ValidationError
 
-from rl_kernel.modes import BOUNDARIES
 from vime.errors import ConfigError
+
+
+def _rl_kernel_boundaries() -> tuple[str, ...]:
+    """`rl_kernel.modes.BOUNDARIES`, read from that module's source (a literal) while rl_kernel is not imported:
+    importing it imports torch (seconds), and the config is checked before any heavy import, so that a typo is
+    answered at once (tests/vime/test_errors.py times it)."""
+    if "rl_kernel.modes" in sys.modules:
+        return sys.modules["rl_kernel.modes"].BOUNDARIES
+    spec = importlib.util.find_spec("rl_kernel")  # a top-level find_spec imports nothing
+    source = Path(spec.submodule_search_locations[0], "modes.py").read_text()
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.Assign) and [ast.unparse(t) for t in node.targets] == ["BOUNDARIES"]:
+            return tuple(ast.literal_eval(node.value))
+    raise ImportError("rl_kernel/modes.py has no BOUNDARIES literal")
+
+
+BOUNDARIES = _rl_kernel_boundaries()
 
 
 class Mode(StrEnum):
@@ -286,9 +306,14 @@ class CheckpointConfig:
     export_hf: bool = True  # write <output_dir>/hf_model (HF safetensors) at the end of the run
     final: bool = True  # save one after the last step (false: only `every` / `stop_after` ones; for
     # throwaway runs of a large model, e.g. the H200 preset)
+    # SIGINT / SIGTERM while the steps run: finish the step in progress and save a checkpoint of it, within
+    # `on_stop_s` seconds (past that, stop at once: the resume point is the last checkpoint). false: stop at once.
+    on_stop: bool = True
+    on_stop_s: float = 60.0
 
     def __post_init__(self) -> None:
         _require(self.every >= 0, f"checkpoint.every={self.every}", "use 0 (end only) or >= 1")
+        _require(self.on_stop_s > 0, f"checkpoint.on_stop_s={self.on_stop_s}", "use a time > 0 (seconds)")
 
 
 @dataclass

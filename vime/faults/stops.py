@@ -1,5 +1,9 @@
 """Clean stops: Ctrl-C / SIGTERM, exit codes, and the report a stopped run leaves.
 
+A stop while the steps run loses no finished step (`finishing_steps`, unless `checkpoint.on_stop=false`): the
+step in progress finishes, a checkpoint of it is saved and the run stops, all within `checkpoint.on_stop_s`
+(past that, the stop lands as an immediate one: the last checkpoint stays the resume point, and a save cut
+short is never `latest`). A stop at any other time (start-up, the end), or with `checkpoint.on_stop=false`:
 SIGINT and SIGTERM raise `Stopped` in the driver's main thread (wherever it waits, Ray included);
 `train.py` then flushes what the run has (metrics are written per step; the plot is drawn; the
 summary and the resume command are printed), shuts the engines down, hands W&B the exit code and
@@ -18,6 +22,7 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -62,7 +67,83 @@ def _stop(signum: int, frame) -> None:
     _received.append(signum)
     for s in SIGNALS:  # the clean-up that follows is not interrupted again; a second signal ends it at once
         signal.signal(s, _exit_now)
-    raise Stopped(signum)
+    seconds = _finish_s[0]
+    if seconds is None:
+        raise Stopped(signum)
+    _deferred[0], _given_s[0] = True, seconds  # the loop finishes the step, saves it and stops (`stop_requested`)
+    signal.signal(signal.SIGALRM, _too_late)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    name = signal.Signals(signum).name
+    log.warning(
+        "%s: finishing the step in progress and saving a checkpoint of it (at most %.0f s; %s again exits now)",
+        name,
+        seconds,
+        name,
+    )
+
+
+# A stop while the steps run (`finishing_steps`): the seconds it gives the step in progress and its checkpoint
+# (None: stops are immediate), whether one is pending, and whether it ran out of time.
+_finish_s: list[float | None] = [None]
+_deferred = [False]
+_given_s = [0.0]
+_late = [False]
+
+
+def _too_late(signum: int, frame) -> None:
+    del signum, frame
+    _late[0] = True
+    raise Stopped(stop_signal())
+
+
+@contextlib.contextmanager
+def finishing_steps(seconds: float | None) -> Iterator[None]:
+    """While the run's steps run (the driver's loop, main thread): a first SIGINT / SIGTERM lets the step in
+    progress finish; the loop then sees `stop_requested()`, saves that step (`save_on_stop`) and raises
+    `Stopped`. After `seconds` without that, `Stopped` is raised wherever the run waits (`stop_note` says the step
+    was not saved). None: every stop is immediate (`checkpoint.on_stop=false`)."""
+    _finish_s[0] = seconds
+    try:
+        yield
+    finally:
+        _finish_s[0] = None
+        if threading.current_thread() is threading.main_thread():
+            signal.setitimer(signal.ITIMER_REAL, 0)
+
+
+def stop_requested() -> bool:
+    """Whether a stop signal arrived while the steps ran and waits for the step in progress to finish."""
+    return _deferred[0]
+
+
+def save_on_stop(driver, step: int, rows: list) -> str:
+    """Checkpoint step `step` (the last finished one) unless the schedule did; returns what the stop line says of
+    it. A save that fails (a trainer rank died) keeps the last checkpoint as the resume point, said so."""
+    import time
+
+    from vime.errors import VimeError
+    from vime.state import checkpoint
+
+    path = checkpoint.step_dir(driver.output_dir, step)
+    if checkpoint.latest(driver.output_dir) == path:
+        return f"step {step} is checkpointed ({path.name})"
+    run = getattr(driver.logger, "run", None)
+    t0 = time.perf_counter()
+    try:
+        checkpoint.save(driver, step, rows, run.id if run is not None else None)
+    except VimeError as e:
+        return f"no checkpoint of step {step} could be saved ({e})"
+    return f"saved a checkpoint of step {step} ({path.name}, {time.perf_counter() - t0:.1f} s)"
+
+
+def stop_note(driver) -> str:
+    """What the stop line adds about the checkpoint of the stop (nothing when the stop was immediate)."""
+    saved = getattr(driver, "stop_saved", None) if driver is not None else None
+    if saved:
+        return f"; {saved}"
+    if _late[0]:
+        return f"; the step in progress did not finish within checkpoint.on_stop_s={_given_s[0]:g} s: not saved"
+    return ""
 
 
 def install_signal_handlers() -> None:

@@ -63,7 +63,8 @@ def compare(
     """Per-token comparison of fp32 logprobs, sample by sample (all tokens given are active).
 
     mismatch_count counts tokens whose fp32 bit patterns differ (so -0.0 vs 0.0 and NaNs count by
-    bits); abs diffs are taken in fp64. The worst token is the mismatched one with the largest
+    bits); abs diffs are taken in fp64, a NaN's as inf (so `max_abs_diff` is inf, never 0.0, when a
+    logprob is NaN; `mean_abs_diff` leaves NaN tokens out). The worst token is the mismatched one with the largest
     |diff| (the first one on ties); `positions` / `token_ids` label it when given.
     """
     if len(rollout) != len(trainer):
@@ -80,8 +81,9 @@ def compare(
         mismatches += int(differ.sum())
         tokens += a.numel()
         diff_sum += float(diff.nan_to_num(nan=0.0).sum())
-        if a.numel():
-            max_diff = max(max_diff, float(diff.max()))
+        if a.numel():  # a NaN diff (a NaN on either side) is inf, as rl_kernel.bits.max_abs_diff has it:
+            # Python's max(0.0, nan) would return 0.0 and hide it
+            max_diff = max(max_diff, float(diff.nan_to_num(nan=float("inf")).max()))
         if bool(differ.any()):
             d = torch.where(differ, diff.nan_to_num(nan=float("inf")), torch.tensor(-1.0, dtype=torch.float64))
             j = int(d.argmax())

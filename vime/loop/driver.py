@@ -26,7 +26,7 @@ from vime.config.layout import check_layout, ray_node_gpus, ray_node_resources, 
 from vime.config.schema import Mode, VimeConfig, as_dict, kept_versions, side_modes
 from vime.data.dataset import PromptSet, load_tokenizer, model_vocab_size
 from vime.engines import Sample
-from vime.errors import ComparabilityError, TrainingError, VimeError
+from vime.errors import ComparabilityError, DataError, TrainingError
 from vime.faults import restart, stops
 from vime.loop import consistency
 from vime.loop.async_loop import AsyncLoop, lag_metrics
@@ -48,7 +48,7 @@ def make_model(cfg: VimeConfig, output_dir: Path) -> str:
     if cfg.model.path:
         path = Path(cfg.model.path)
         if not (path / "config.json").is_file():
-            raise VimeError(
+            raise DataError(
                 f"model.path={path} is not an HF checkpoint directory (no config.json); pass a Qwen3 "
                 "checkpoint dir, or leave model.path unset to make a tiny one"
             )
@@ -361,6 +361,14 @@ class Driver:
         )
         rows = list(self.logger.rows)  # a resumed run's steps before its checkpoint
         loop = AsyncLoop(self) if self.cfg.algo.max_staleness else None  # else: the synchronous loop
+        with stops.finishing_steps(self.cfg.checkpoint.on_stop_s if self.cfg.checkpoint.on_stop else None):
+            self.run_steps(loop, rows)
+        self.rows = rows
+        return rows
+
+    def run_steps(self, loop: AsyncLoop | None, rows: list[StepRecord]) -> None:
+        """The steps from the timeline's to `steps`, each appended to `rows`. A stop signal during one lets it
+        finish and be checkpointed (vime.faults.stops.finishing_steps), then stops."""
         for step in tqdm(range(self.timeline.step, self.cfg.steps), desc="steps", disable=None):
             row = loop.step(step) if loop is not None else self.step(step)
             self.logger.log(row)
@@ -376,10 +384,14 @@ class Driver:
                     f"strict run, step {step}: the importance ratio of {off:.0f} token(s) "
                     "produced by the current weights is not exactly 1.0"
                 )
-            if checkpoint.after_step(self, step, rows):
+            stop = checkpoint.after_step(self, step, rows)
+            if stops.stop_requested():
+                self.stop_saved = stops.save_on_stop(self, step, rows)
+                if step < self.cfg.steps - 1:
+                    raise stops.Stopped(stops.stop_signal())
+                log.warning("the stop came during the last step: the run is complete")
+            if stop:
                 break
-        self.rows = rows
-        return rows
 
     def finish(self, compare: list[StepRecord] | None = None) -> Path | None:
         """The figure (beside `compare`, a twin run's rows, when given), the W&B summary and the

@@ -26,6 +26,7 @@ CONSOLE_COLUMNS = (
     ("tokens", "{:>6d}", lambda r: r.consistency.tokens),
     ("mismatch", "{:>8d}", lambda r: r.consistency.mismatch_count),
     ("max|diff|", "{:>10.3e}", lambda r: r.consistency.max_abs_diff),
+    ("stale", "{:>5.2f}", lambda r: r.offpolicy.staleness_mean),  # weight versions behind, mean of the step
     ("loss", "{:>10.2e}", lambda r: r.train.loss),
     ("grad_norm", "{:>9.3e}", lambda r: r.train.grad_norm),
     ("step_s", "{:>7.1f}", lambda r: r.timing.step_s),

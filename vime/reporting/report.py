@@ -213,15 +213,16 @@ def _worst_token(runs) -> str:
 
 
 class ConsoleFormatter(logging.Formatter):
-    """The console's log lines: `HH:MM:SS message`, the level named only from WARNING up, colour codes
-    removed (train.log keeps Hydra's full format). Hydra's job_logging uses it (configs/config.yaml)."""
+    """The console's log lines: `HH:MM:SS message`, the level named only from WARNING up (not before a bad
+    input's `config error: ...`, which says what it is), colour codes removed (train.log keeps Hydra's full
+    format). Hydra's job_logging uses it (configs/config.yaml)."""
 
     def __init__(self) -> None:
         super().__init__("%(asctime)s %(message)s", datefmt="%H:%M:%S")
 
     def format(self, record: logging.LogRecord) -> str:
         line = super().format(record)
-        if record.levelno >= logging.WARNING:
+        if record.levelno >= logging.WARNING and not record.getMessage().startswith("config error: "):
             stamp, _, rest = line.partition(" ")
             line = f"{stamp} {record.levelname.lower()}: {rest}"
         return ANSI.sub("", line)
@@ -280,6 +281,23 @@ def step_table(rows: Sequence[StepRecord], max_rows: int = 12) -> list[str]:
     ]
 
 
+def staleness_line(rows: Sequence[StepRecord]) -> str | None:
+    """The summary's staleness line when any token was sampled by weights older than the trainer's (the
+    asynchronous loop): staleness mean / max in weight versions and the importance ratios it brought; None
+    when every token was on-policy (the ratios are then exactly 1 wherever the bits agree)."""
+    worst = max((r.offpolicy.staleness_max or 0 for r in rows), default=0)
+    if not worst:
+        return None
+    means = [r.offpolicy.staleness_mean for r in rows if r.offpolicy.staleness_mean is not None]
+    ratios = [r.offpolicy.is_ratio_max for r in rows if r.offpolicy.is_ratio_max is not None]
+    clipped = [r.offpolicy.is_clip_frac for r in rows if r.offpolicy.is_clip_frac is not None]
+    return (
+        f"  staleness        mean {sum(means) / max(1, len(means)):.2f}, max {worst} weight version(s) behind"
+        + (f"; importance ratio max {max(ratios):.3g}" if ratios else "")
+        + (f", clipped/masked share {sum(clipped) / len(clipped):.3f}" if clipped else "")
+    )
+
+
 SUMMARY_WIDTH = 110  # the summary's lines fit 120 columns with the console's `HH:MM:SS ` prefix
 
 
@@ -305,7 +323,13 @@ def summary_lines(
     head = sum(r.rollout.reward_mean for r in rows[:k]) / k
     tail = sum(r.rollout.reward_mean for r in rows[-k:]) / k
     mode = _label(rows)
-    if mism == 0:
+    stale = staleness_line(rows)
+    if mism == 0 and stale:
+        meaning = (
+            "0: the trainer recomputed the exact fp32 bits the engine sampled with; the importance ratios are "
+            "not 1 where tokens came from older weights (staleness below)"
+        )
+    elif mism == 0:
         meaning = "0: the trainer recomputed the exact fp32 bits the engine sampled with (ratios exactly 1)"
     else:
         meaning = (
@@ -324,6 +348,8 @@ def summary_lines(
         f"steps {head:.3f}, last {k} steps {tail:.3f})",
         f"  time per step    median {step_s[len(step_s) // 2]:.2f} s (min {step_s[0]:.2f}, max {step_s[-1]:.2f})",
     ]
+    if stale:
+        lines.append(stale)
     restarts = rows[-1].engine_restarts
     if restarts:
         lines.append(f"  engine restarts  {restarts} (dead rollout engines restarted, their share of the step redone)")

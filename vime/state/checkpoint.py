@@ -31,10 +31,12 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import json
 import logging
 import os
 import random
 import shutil
+import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -68,6 +70,8 @@ _HF_SIDE_FILES = (
 
 class CheckpointError(VimeError):
     """A checkpoint is missing, incomplete or does not belong to this run (the message names the path)."""
+
+    bad_input = True  # what `resume=` points at
 
 
 def step_dir(output_dir: Path, step: int) -> Path:
@@ -179,10 +183,71 @@ def resume_point(cfg, output_dir: Path) -> Path | None:
         )
     state = load_state(path)
     check_resumable(cfg, state, path)
+    check_files(path)
     wandb_id = state.get("wandb_id")
     if wandb_id:
         os.environ["WANDB_RUN_ID"], os.environ["WANDB_RESUME"] = wandb_id, "allow"
     return path
+
+
+def check_files(path: Path) -> None:
+    """CheckpointError naming the first file of checkpoint `path` that a resume would read and could not: every
+    torch file (state, each rank's RNG, kept versions, the reference trainer's state) must be a whole zip
+    archive, and the trainer's distributed checkpoint (Megatron torch_dist: `.metadata`, `metadata.json`, the
+    `*.distcp` shards) must hold every byte range its metadata lists. Checked before any engine starts (a
+    truncated shard would otherwise fail as an EOFError deep in the trainer's load, minutes later); reads the
+    archives' directories and the shards' sizes, not their data."""
+    path = Path(path)
+    fix = f"resume from an earlier step_* dir (edit {path.parent / LATEST}) or start a new run"
+    for file in sorted(path.rglob("*.pt")):
+        _check_zip(file, fix)
+    trainer = path / "trainer"
+    if (trainer / "metadata.json").is_file():
+        try:
+            json.loads((trainer / "metadata.json").read_text())
+        except (OSError, ValueError) as e:
+            raise CheckpointError(f"cannot read {trainer / 'metadata.json'}: {e}; {fix}") from None
+    if (trainer / ".metadata").is_file():
+        _check_distcp(trainer, fix)
+
+
+def _check_zip(file: Path, fix: str) -> None:
+    """`file` (torch.save's zip format) has its central directory and every member inside the file."""
+    try:
+        size = file.stat().st_size
+        with zipfile.ZipFile(file) as z:
+            end = max((i.header_offset + i.compress_size for i in z.infolist()), default=0)
+    except (OSError, zipfile.BadZipFile, EOFError) as e:
+        raise CheckpointError(f"{file} is damaged or truncated ({size_or(file)} bytes: {e}); {fix}") from None
+    if end > size:
+        raise CheckpointError(f"{file} is truncated: its contents need {end} bytes, the file has {size}; {fix}")
+
+
+def _check_distcp(trainer: Path, fix: str) -> None:
+    """Every shard file the torch.distributed.checkpoint `.metadata` of `trainer` lists holds its byte ranges."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        storage = FileSystemReader(str(trainer)).read_metadata().storage_data or {}
+    except Exception as e:  # noqa: BLE001 - any failure to read it is a damaged file, named as such
+        raise CheckpointError(f"cannot read {trainer / '.metadata'} ({type(e).__name__}: {e}); {fix}") from None
+    need: dict[str, int] = {}
+    for info in storage.values():
+        need[info.relative_path] = max(need.get(info.relative_path, 0), int(info.offset) + int(info.length))
+    for name, end in sorted(need.items()):
+        size = size_or(trainer / name)
+        if size is None:
+            raise CheckpointError(f"{trainer / name} is missing (listed in {trainer / '.metadata'}); {fix}")
+        if size < end:
+            raise CheckpointError(f"{trainer / name} is truncated: it needs {end} bytes, the file has {size}; {fix}")
+
+
+def size_or(file: Path) -> int | None:
+    """The size of `file` in bytes, None when it cannot be read."""
+    try:
+        return Path(file).stat().st_size
+    except OSError:
+        return None
 
 
 def check_resumable(cfg, state: dict[str, Any], path: Path) -> None:

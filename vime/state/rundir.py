@@ -23,7 +23,9 @@ import dataclasses
 import difflib
 import shutil
 import sys
+import tempfile
 import time
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +37,6 @@ from vime.config import preflight
 from vime.config.schema import VimeConfig, to_object, validate
 from vime.errors import ConfigError, VimeError
 from vime.reporting.commands import resume_command
-from vime.state import checkpoint
 
 RESUMABLE = (
     "steps",
@@ -43,6 +44,8 @@ RESUMABLE = (
     "checkpoint.every",
     "checkpoint.export_hf",
     "checkpoint.final",
+    "checkpoint.on_stop",
+    "checkpoint.on_stop_s",
     "verbose",
     "wandb.mode",
 )
@@ -81,25 +84,27 @@ def refuse_existing(output_dir: Path) -> None:
     """SystemExit when `output_dir` holds a run (a logged step or a checkpoint) or files vime did not
     write; a directory left by a start that never completed a step is emptied for reuse (one line on
     stderr says so)."""
+    from vime.state import checkpoint  # torch: imported once the command line is known to be good
+
     if not output_dir.is_dir() or not any(output_dir.iterdir()):
         return
     entries = sorted(p.name for p in output_dir.iterdir())
     held = ", ".join(entries[:6])
     if (output_dir / checkpoint.CHECKPOINTS / checkpoint.LATEST).is_file():
         raise SystemExit(
-            f"output_dir={output_dir} already holds a run ({held}); vime never overwrites one: continue "
-            f"that run with `{resume_command(output_dir)}`, or pass a new output_dir=..."
+            f"config error: output_dir={output_dir} already holds a run ({held}); vime never overwrites one: continue "
+            f"that run with `{continue_command(output_dir)}`, or pass a new output_dir=..."
         )
     steps = logged_steps(output_dir)
     if steps:
         raise SystemExit(
-            f"output_dir={output_dir} already holds a run of {steps} logged step(s) ({held}) and no "
+            f"config error: output_dir={output_dir} already holds a run of {steps} logged step(s) ({held}) and no "
             "checkpoint to resume from; vime never overwrites a run: pass a new output_dir=..."
         )
     foreign = [e for e in entries if e not in RUN_ENTRIES]
     if foreign:
         raise SystemExit(
-            f"output_dir={output_dir} holds files vime did not write ({', '.join(foreign[:6])}); "
+            f"config error: output_dir={output_dir} holds files vime did not write ({', '.join(foreign[:6])}); "
             "pass an empty or new output_dir=..."
         )
     for entry in entries:
@@ -164,6 +169,84 @@ def check_override_keys(argv: list[str]) -> None:
             raise SystemExit(error)
 
 
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"  # vime.train's Hydra config dir (configs/ at the root)
+
+
+def compose_or_exit(argv: list[str], config_dir: Path = CONFIGS) -> None:
+    """Compose the config of these command-line overrides as `@hydra.main` will, and answer Hydra's own errors
+    (a value of the wrong type or not in an enum, a preset that does not exist, an override it cannot parse)
+    with one line, `config error: <override>: <what>; <what to do>`, instead of Hydra's report and its
+    HYDRA_FULL_ERROR hint. Hydra's own flags (`--cfg job`, `-m`, ...) are left to Hydra."""
+    if any(a.startswith("-") for a in argv):
+        return
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException, MissingConfigException, OverrideParseException
+
+    from vime.config.schema import register_configs
+
+    register_configs()
+    try:
+        with initialize_config_dir(config_dir=str(config_dir), version_base="1.3"):
+            compose("config", argv, return_hydra_config=True)
+    except MissingConfigException as e:
+        raise SystemExit(missing_preset_line(argv, config_dir, e)) from None
+    except OverrideParseException as e:
+        first = str(e).splitlines()
+        raise SystemExit(
+            f"config error: {first[0]}: {first[1] if len(first) > 1 else 'not key=value'}; write overrides as "
+            "key=value (quote values with spaces: key='a b')"
+        ) from None
+    except HydraException as e:
+        raise SystemExit(override_error_line(argv, e)) from None
+
+
+def override_error_line(argv: list[str], error: Exception) -> str:
+    """One line for Hydra's error merging an override: the override, the first line of what OmegaConf said,
+    and what the key takes (its schema default as an example)."""
+    cause = error.__cause__
+    key = getattr(cause, "full_key", None) or ""
+    given = next((a for a in argv if _key(a).split("@", 1)[0] == key), key)
+    what = (getattr(cause, "msg", None) or str(cause or error)).splitlines()[0]
+    keys, free = schema_keys()
+    parent = key.rpartition(".")[0]
+    if parent in free and "not in struct" in what:  # a new key of a free dict (rollout.boundary_modes.attention)
+        return free_key_line(given, parent)
+    default = OmegaConf.select(OmegaConf.structured(VimeConfig), key, default=None) if key in keys else None
+    hint = f"give {key} a value of its type (its default: {key}={_plain(default)})" if key in keys else ""
+    return f"config error: {given}: {what}" + (f"; {hint}" if hint else "")
+
+
+def free_key_line(given: str, parent: str) -> str:
+    """A `parent.name=value` override of a dict-valued key: Hydra needs `+` to add a name. For the
+    per-boundary modes the name and value are checked here, so the answer is the fix."""
+    name, _, value = given.lstrip("+").partition("=")
+    name = name.rsplit(".", 1)[1]
+    if parent.endswith("boundary_modes"):
+        from vime.config.schema import BOUNDARIES, Mode
+
+        if name not in BOUNDARIES:
+            return f"config error: {given}: {name!r} is no boundary; use one of {', '.join(BOUNDARIES)}"
+        if value not in [m.value for m in Mode]:
+            return f"config error: {given}: Invalid value {value!r}, expected one of [strict, native]"
+    return f"config error: {given}: {parent} starts empty, so a name is added with +; write +{given.lstrip('+')}"
+
+
+def missing_preset_line(argv: list[str], config_dir: Path, error: Exception) -> str:
+    """One line for a config group option (`+experiment=...`) that does not exist: the presets there are."""
+    text = str(error)
+    for arg in argv:
+        group, _, option = arg.lstrip("+~").partition("=")
+        folder = config_dir / group
+        if folder.is_dir() and not (folder / f"{option}.yaml").is_file():
+            names = ", ".join(sorted(p.stem for p in folder.glob("*.yaml")))
+            return f"config error: {arg}: no preset {option!r} in configs/{group}/; use one of: {names}"
+    return f"config error: {text.splitlines()[0]}"
+
+
+def _plain(value: Any) -> Any:
+    return value.value if isinstance(value, Enum) else value
+
+
 def _key(override: str) -> str:
     return override.split("=", 1)[0].lstrip("+~")
 
@@ -171,6 +254,8 @@ def _key(override: str) -> str:
 def apply_resume(config: DictConfig, overrides: list[str]) -> None:
     """Replace the composed job config by the one the run in `config.resume` recorded, keeping the
     `RESUMABLE` keys given on this command line."""
+    from vime.state import checkpoint  # torch: imported once the command line is known to be good
+
     run = Path(config.resume)
     saved = checkpoint.saved_config(run)
     given = {_key(o) for o in overrides} - {"resume"}
@@ -191,12 +276,28 @@ def apply_resume(config: DictConfig, overrides: list[str]) -> None:
     config.hydra.output_subdir = f".hydra/resume-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
+def continue_command(run: Path) -> str:
+    """The command that continues the run in `run` (it has a checkpoint): `resume=<run>`, with more `steps=`
+    when that run has done all its steps (a plain resume of it is refused: `refuse_complete`)."""
+    from vime.state import checkpoint
+
+    try:
+        done = int(checkpoint.load_state(checkpoint.latest(run))["next_step"])
+        saved = int(checkpoint.saved_config(run).get("steps", 0))
+    except (checkpoint.CheckpointError, TypeError, KeyError, ValueError):
+        return resume_command(run)  # an unreadable checkpoint: the resume names what is wrong with it
+    return resume_command(run) + (f" steps={done + max(done, 1)}" if done >= saved else "")
+
+
 def refuse_complete(run: Path, steps: int, export_hf: bool) -> None:
     """ConfigError when the run in `run` has done all `steps` (and its export), so `resume=` would start
     engines to run no step: say it is complete and how to extend it."""
+    from vime.state import checkpoint  # torch: imported once the command line is known to be good
+
     last = checkpoint.latest(run)
     if last is None:
         return  # `checkpoint.resume_point` says there is nothing to resume
+    checkpoint.check_files(last)  # every file the resume reads, before any heavy import (again in resume_point)
     done = int(checkpoint.load_state(last)["next_step"])
     exported = not export_hf or (run / checkpoint.HF_DIR / "model.safetensors").is_file()
     if done >= steps and exported:
@@ -207,12 +308,40 @@ def refuse_complete(run: Path, steps: int, export_hf: bool) -> None:
 
 
 def check(config: DictConfig) -> None:
-    """The job config (the composed config without `hydra`) passes the schema, `validate` and the
-    checks that need no engine (`preflight.check_context`)."""
+    """The job config (the composed config without `hydra`) passes the schema, `validate` and every check that
+    needs no engine and no Ray: the resources a local Ray would have, W&B online, the model's context, a CUDA
+    device, `model.path`'s files and tensor shapes (the last three import torch)."""
     job = copy.deepcopy(config)
     with read_write(job), open_dict(job):
         del job["hydra"]
-    preflight.check_context(validate(to_object(job)))
+    cfg = validate(to_object(job))
+    preflight.check_new_tokens(cfg)
+    preflight.check_local_resources(cfg)
+    preflight.check_wandb(cfg)
+    preflight.check_context(cfg)
+    preflight.check_device(cfg)
+    if cfg.model.path and (Path(cfg.model.path) / "config.json").is_file():  # (none: the driver names the path)
+        preflight.check_checkpoint(Path(cfg.model.path))  # its files and every tensor's shape against config.json
+
+
+def check_writable(output_dir: Path) -> None:
+    """ConfigError (one line) when `output_dir` cannot be made or written in: its nearest existing ancestor is a
+    regular file, or creating a file there fails (read-only, no permission). Checked by writing, not by mode
+    bits, which root and read-only mounts make lie. (Hydra would fail later in its log handler.)"""
+    probe = Path(output_dir).absolute()
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if not probe.is_dir():
+        raise ConfigError(
+            f"output_dir={output_dir}: {probe} is a file, not a directory; pass an output_dir=... in a directory"
+        )
+    try:
+        tempfile.TemporaryFile(dir=probe).close()
+    except OSError as e:
+        raise ConfigError(
+            f"output_dir={output_dir}: cannot write in {probe} ({e.strerror}); pass an output_dir=... in a "
+            "directory you can write"
+        ) from None
 
 
 def prepare(config: DictConfig) -> None:
@@ -222,6 +351,7 @@ def prepare(config: DictConfig) -> None:
             apply_resume(config, list(config.hydra.overrides.task))
         else:
             config.output_dir = str(config.output_dir)  # resolve ${now:...} once: the checked dir is the one used
+            check_writable(Path(config.output_dir))
             refuse_existing(Path(config.output_dir))
     check(config)
 
