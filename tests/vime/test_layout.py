@@ -225,3 +225,22 @@ def test_plan_places_the_seed_preset_on_8_gpus_each_one_trainer_rank_and_one_wor
         gpus = [gpu for gpu, v in on.items() if v["worker"][0][0] == engine]
         assert len(set(gpus)) == 4 and set(gpus) == {rank_gpu[r] for r in range(4 * engine, 4 * engine + 4)}
     assert plan["memory_gib_per_gpu"]["gpu"] == 139.8 and plan["memory_gib_per_gpu"]["free"] > 0
+
+
+def test_a_sharded_checkpoint_whose_index_names_a_missing_file_is_refused(tmp_path):
+    import json
+    import shutil
+
+    from rl_kernel.models.tiny import make_tiny_qwen3
+    from vime.config import preflight
+    from vime.errors import DataError
+
+    ckpt = make_tiny_qwen3(tmp_path / "ckpt", num_layers=1)
+    shutil.move(ckpt / "model.safetensors", ckpt / "model-00001-of-00002.safetensors")
+    weight_map = {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}
+    (ckpt / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(DataError, match=r"names 1 file\(s\) not in .*model-00002-of-00002.safetensors"):
+        preflight.check_checkpoint(ckpt)
+    weight_map["b"] = weight_map["a"]
+    (ckpt / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    preflight.check_checkpoint(ckpt)

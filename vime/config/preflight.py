@@ -129,6 +129,24 @@ def check_checkpoint(path: Path) -> None:
         )
     for f in files:
         check_safetensors(f)
+    check_safetensors_index(path)
+
+
+def check_safetensors_index(path: Path) -> None:
+    """A sharded checkpoint's `model.safetensors.index.json` (when there is one) is readable and every file its
+    weight map names is in the directory. Raises DataError naming the file."""
+    index = Path(path) / "model.safetensors.index.json"
+    if not index.is_file():
+        return
+    try:
+        files = set(json.loads(index.read_text())["weight_map"].values())
+    except (OSError, ValueError, KeyError, AttributeError) as e:
+        raise DataError(f"cannot read the weight map of {index}: {e!r}; copy or download it again") from None
+    missing = sorted(f for f in files if not (Path(path) / f).is_file())
+    if missing:
+        raise DataError(
+            f"{index} names {len(missing)} file(s) not in {path}, e.g. {missing[0]}; copy or download them again"
+        )
 
 
 def check_safetensors(file: Path) -> None:

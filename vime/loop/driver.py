@@ -71,7 +71,7 @@ def make_model(cfg: VimeConfig, output_dir: Path) -> str:
         num_kv_heads=t.num_kv_heads,
         head_dim=t.head_dim,
         dtype=cfg.model.dtype,
-        device=cfg.device,
+        device="cpu" if cfg.plan else cfg.device,  # a plan never initialises CUDA
     )
     log.info("made a tiny Qwen3 checkpoint at %s", path)
     return str(path)
