@@ -45,10 +45,14 @@ def main(dcfg: DictConfig) -> None:
     # behind between the per-step rows
     with logging_redirect_tqdm(loggers=[logging.getLogger()]):
         try:
-            compare = run_compare(cfg)  # `compare=native`: the native twin first (its own dir), then this run
-            driver = Driver(cfg, Path(cfg.output_dir))
-            driver.run()
-            driver.finish(compare)
+            if cfg.plan:  # the checks and the placement only, no engine (vime/cluster/plan.py)
+                driver = Driver(cfg, Path(cfg.output_dir))
+                driver.setup()
+            else:
+                compare = run_compare(cfg)  # `compare=native`: the native twin first (its own dir), then this run
+                driver = Driver(cfg, Path(cfg.output_dir))
+                driver.run()
+                driver.finish(compare)
         except KeyboardInterrupt:  # stops.Stopped, or Ray's re-raise of it from a blocking call
             signum = stops.stop_signal()
             code = 128 + signum

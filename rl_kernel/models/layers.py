@@ -19,6 +19,7 @@ from torch import nn
 
 import rl_kernel as rk
 from rl_kernel.models.qwen3_layout import VOCAB_DIVISOR, TPShape, local_views, weight_layout
+from rl_kernel.ops.collective import gather_ranks
 
 # attn_fn(layer, q [T, H, d], k [T, Hkv, d], v [T, Hkv, d]) -> [T, H, d], after QK-norm and RoPE.
 AttentionFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -30,10 +31,9 @@ def _weight(*shape: int, dtype: torch.dtype, device) -> nn.Parameter:
 
 
 def _gather(x: torch.Tensor, group: dist.ProcessGroup) -> list[torch.Tensor]:
-    """Every rank's x, in rank order (a bit copy)."""
-    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, x.contiguous(), group=group)
-    return parts
+    """Every rank's x, in rank order (a bit copy; over the group's device gather where one is registered:
+    rl_kernel.ops.collective.use_gather)."""
+    return list(gather_ranks(x, group).unbind(0))
 
 
 class StrictLinear(nn.Module):

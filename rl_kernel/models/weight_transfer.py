@@ -281,15 +281,21 @@ class WeightSender:
     def _ship(self, msg: dict, buf: torch.Tensor) -> torch.Tensor | None:
         """Data plane of one bucket: send `msg` and move `buf`; returns what must outlive the push."""
         if self.transport == "ipc":
-            from torch.multiprocessing.reductions import reduce_tensor
-
-            torch.cuda.current_stream(buf.device).synchronize()  # the receiver reads on its own stream
-            handles = {str(torch.cuda.get_device_properties(buf.device).uuid): reduce_tensor(buf)[1]}
+            handles = ipc_handles(buf)
             self._send({**msg, "ipc_handle": self.merge_handles(handles) if self.merge_handles else handles})
             return buf
         self._send(msg)
         broadcast(buf, self.group, self.src)
         return None
+
+
+def ipc_handles(buf: torch.Tensor) -> dict[str, tuple]:
+    """{this GPU's uuid: the CUDA IPC handle (torch's `reduce_tensor` args) of `buf`}, once the buffer's writes
+    are done (the receiver reads on its own stream)."""
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    torch.cuda.current_stream(buf.device).synchronize()
+    return {str(torch.cuda.get_device_properties(buf.device).uuid): reduce_tensor(buf)[1]}
 
 
 # ---- receiver --------------------------------------------------------------------------------------------

@@ -61,6 +61,7 @@ def rank_outputs(rank: int, world: int, device: str) -> dict[str, torch.Tensor |
         "all_reduce/again": rk.all_reduce(inp["parts"][rank], group),
         "misaligned_error": None,
     }
+    out |= device_gather_outputs(rank, world, inp)
     if rk.get_mode("gemm") == "strict" and world > 1:
         # a shard that would split a K group: K = 12 is one torch-contract group; canonical TP 1 < tp on triton
         k = 12
@@ -74,6 +75,38 @@ def rank_outputs(rank: int, world: int, device: str) -> dict[str, torch.Tensor |
         finally:
             rk.set_canonical_tp(world)
     return out
+
+
+def _concat_gather(group: dist.ProcessGroup):
+    """A device communicator's all-gather as vLLM's `GroupCoordinator.all_gather(t, dim=0)` gives it (a
+    concatenation along dim 0, rank order), over its own transport calls: the stand-in of the CUDA path's
+    NCCL communicator on gloo ranks."""
+
+    def gather(t: torch.Tensor) -> torch.Tensor:
+        parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, t, group=group)
+        return torch.cat(parts, dim=0)
+
+    return gather
+
+
+def device_gather_outputs(rank: int, world: int, inp: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The row-parallel linear and the all-reduce again, their partials gathered through a registered device
+    gather (`rl_kernel.ops.collective.use_gather`, the strict vLLM model's path on CUDA) on a group of its own."""
+    from rl_kernel.ops.collective import use_gather
+
+    group = dist.new_group(list(range(world)))
+    use_gather(group, _concat_gather(group))
+    kl = TP_K // world
+    try:
+        return {
+            "row_parallel/device_gather": rk.row_parallel_linear(
+                inp["x"][:, rank * kl : (rank + 1) * kl], inp["wk"][:, rank * kl : (rank + 1) * kl], group, inp["bias"]
+            ),
+            "all_reduce/device_gather": rk.all_reduce(inp["parts"][rank], group),
+        }
+    finally:
+        use_gather(group, None)
 
 
 def _dist_worker(rank: int, world: int, port: int, backend: str, device: str, path: str) -> None:

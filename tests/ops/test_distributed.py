@@ -81,3 +81,19 @@ def test_world_one_group_is_the_unsharded_op(ranks):
     out = ranks[1][0]["strict"]
     assert same_bits(out["row_parallel/full"], out["row_parallel/sharded"])
     assert torch.isfinite(out["logprobs/full"]).all()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_device_gather_path_gives_the_bits_of_the_gloo_path(ranks, world):
+    """The strict vLLM model's CUDA path (partials gathered by a device communicator registered for the group,
+    then the same rank-order tree) equals the torch.distributed gloo path and the unsharded op, bit for bit."""
+    for out in ranks[world]:
+        strict = out["strict"]
+        assert same_bits(strict["row_parallel/device_gather"], strict["row_parallel/sharded"])
+        assert same_bits(strict["row_parallel/device_gather"], strict["row_parallel/full"])
+        assert same_bits(strict["all_reduce/device_gather"], strict["all_reduce/out"])
+        assert same_bits(strict["all_reduce/device_gather"], tree_in_rank_order(strict["all_reduce/parts"]))
+    # native twin: the framework's all-reduce of bf16 partials does not give the unsharded bits
+    assert all(
+        not same_bits(o["native"]["row_parallel/device_gather"], o["native"]["row_parallel/full"]) for o in ranks[world]
+    )

@@ -538,3 +538,34 @@ def test_a_lost_trainer_node_stops_the_run_and_resume_on_a_new_one_finishes_it(o
     rows = _rows(out / "metrics.jsonl")
     assert [r["step"] for r in rows] == [0, 1, 2, 3] and _all_strict_zero(rows), rows
     assert "placement: trainer rank 0 on node 127.0.0.5" in done.stdout, done.stdout[-6000:]
+
+
+@pytest.mark.slow
+def test_plan_of_the_disaggregated_preset_uses_16_gpus_of_two_nodes_none_shared(tmp_path):
+    """`+experiment=qwen3_8b_grpo_tp2x4 +placement=disaggregated plan=true` on a simulated cluster of two nodes
+    declaring 8 GPUs each (the trainer's, the head, and a rollout node): Ray puts the 8 trainer ranks on the
+    trainer node's 8 GPUs and the 4 TP2 engines' 8 vLLM workers on the rollout node's 8 GPUs, no GPU shared
+    (what each stand-in's ray.get_gpu_ids() says), each engine's workers on 2 distinct GPUs of one node."""
+    from collections import Counter
+
+    from rl_kernel.models.tiny import make_tiny_qwen3
+    from tests.vime.test_layout import _on_gpus, _plan
+
+    c, _ = _cluster(
+        {"num_cpus": 64, "num_gpus": 8, "resources": {"vime_trainer": 1}},
+        {"B": {"num_cpus": 64, "num_gpus": 8, "resources": {"vime_rollout": 1}, "node_ip_address": "127.0.0.3"}},
+    )
+    try:
+        ckpt = make_tiny_qwen3(tmp_path / "ckpt", num_heads=8, num_kv_heads=4, hidden_size=64, head_dim=32)
+        over = ("+experiment=qwen3_8b_grpo_tp2x4", "+placement=disaggregated", f"model.path={ckpt}")
+        plan = _plan(tmp_path / "out", *over, f"ray.address={c.address}", env={"QWEN3_8B_PATH": str(ckpt)})
+    finally:
+        c.shutdown()
+    on = _on_gpus(plan)
+    assert plan["gpus"] == len(on) == 16
+    assert all(len(v["trainer"]) + len(v["worker"]) == 1 for v in on.values()), dict(on)  # none shared
+    trainer_nodes = {node for (node, _), v in on.items() if v["trainer"]}
+    worker_nodes = {node for (node, _), v in on.items() if v["worker"]}
+    assert worker_nodes == {"127.0.0.3"} and len(trainer_nodes) == 1 and trainer_nodes != worker_nodes
+    engines = Counter(v["worker"][0][0] for v in on.values() if v["worker"])
+    assert engines == {0: 2, 1: 2, 2: 2, 3: 2}

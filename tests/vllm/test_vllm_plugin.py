@@ -13,6 +13,7 @@ from rl_kernel.integrations.vllm import (
     ARCH,
     MODES_KEY,
     TEMPERATURE_KEY,
+    TP_COLLECTIVE_KEY,
     WEIGHT_TRANSFER_BACKEND,
     register,
     strict_llm_kwargs,
@@ -49,12 +50,14 @@ def test_strict_llm_kwargs(tiny_qwen3_path):
 def test_strict_llm_kwargs_carry_every_boundarys_mode(tiny_qwen3_path):
     """Modes reach the engine's processes in its config, every boundary named: strict unless given."""
     assert strict_llm_kwargs(tiny_qwen3_path)["additional_config"] == {
-        MODES_KEY: dict.fromkeys(rk.BOUNDARIES, "strict")
+        MODES_KEY: dict.fromkeys(rk.BOUNDARIES, "strict"),
+        TP_COLLECTIVE_KEY: "device",  # the TP collectives' path, also decided by the config, not the environment
     }
     kwargs = strict_llm_kwargs(tiny_qwen3_path, {"attention": "native"}, additional_config={"other": 1})
     assert kwargs["additional_config"] == {
         "other": 1,
         MODES_KEY: dict.fromkeys(rk.BOUNDARIES, "strict") | {"attention": "native"},
+        TP_COLLECTIVE_KEY: "device",
     }
     with pytest.raises(ValueError, match="boundary 'attn'"):
         strict_llm_kwargs(tiny_qwen3_path, {"attn": "native"})

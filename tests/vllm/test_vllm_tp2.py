@@ -76,6 +76,35 @@ def test_strict_model_without_modes_refuses_to_start(tiny_qwen3_path):
     assert done.returncode != 0 and "started without explicit rl_kernel modes" in done.stderr, done.stderr[-3000:]
 
 
+def test_tp_collective_kwargs_refuse_gloo_under_cuda_graphs(tiny_qwen3_path):
+    """CUDA graphs with TP > 1 capture the device collective; the gloo one cannot be recorded: refused at start,
+    in one line, unless the engine runs eagerly."""
+    from rl_kernel.integrations.vllm import TP_COLLECTIVE_KEY
+
+    cuda = strict_llm_kwargs(tiny_qwen3_path, device="cuda", tensor_parallel_size=4)
+    assert cuda["additional_config"][TP_COLLECTIVE_KEY] == "device" and "enforce_eager" not in cuda
+    with pytest.raises(ValueError, match=r"^CUDA graphs with tensor_parallel_size=4 cannot capture") as info:
+        strict_llm_kwargs(tiny_qwen3_path, device="cuda", tensor_parallel_size=4, tp_collective="cpu")
+    assert "\n" not in str(info.value)
+    eager = strict_llm_kwargs(
+        tiny_qwen3_path, device="cuda", tensor_parallel_size=4, tp_collective="cpu", enforce_eager=True
+    )
+    assert eager["additional_config"][TP_COLLECTIVE_KEY] == "cpu"
+    with pytest.raises(ValueError, match="tp_collective must be one of"):
+        strict_llm_kwargs(tiny_qwen3_path, tp_collective="nccl")
+
+
+def test_tp2_strict_over_the_gloo_cpu_group_gives_the_same_bits(tiny_qwen3_path, reference):
+    """tp_collective='cpu' (torch.distributed over vLLM's gloo group, the former path) equals the reference bit
+    for bit too: the device path changed the transport of the partials, not a bit of the result."""
+    kwargs = strict_llm_kwargs(tiny_qwen3_path, tensor_parallel_size=2, tp_collective="cpu", **ENGINE_ARGS)
+    with running_llm(**kwargs) as llm:
+        result = _check(llm, reference, 7, strict_sampling_params)
+        paths = llm.collective_rpc("rl_kernel_tp_collective")
+    assert [p["path"] for p in paths] == ["cpu", "cpu"] and all(p["gathers"]["device"] == 0 for p in paths), paths
+    assert result["mismatches"] == 0, result
+
+
 @pytest.fixture(scope="module")
 def llm(tiny_qwen3_path):
     with running_llm(**strict_llm_kwargs(tiny_qwen3_path, tensor_parallel_size=2, **ENGINE_ARGS)) as engine:
@@ -90,8 +119,15 @@ def test_tp2_strict_logprobs_equal_reference_bitwise(llm, reference, batch):
 
 
 def test_tp2_evidence_rank_order_reduction(llm):
+    """Both ranks reduce in rank order, gathering the partials over vLLM's device communicator (the path a CUDA
+    engine takes over NCCL; here vLLM's CPU communicator), not torch.distributed over the gloo CPU group."""
+    before = llm.collective_rpc("rl_kernel_tp_collective")
     reset_evidence(llm)
     llm.generate([{"prompt_token_ids": [5, 6, 7, 8]}], strict_sampling_params(max_tokens=2), use_tqdm=False)
+    after = llm.collective_rpc("rl_kernel_tp_collective")
+    for b, a in zip(before, after):
+        assert a["path"] == "device" and a["gathers"]["device"] > b["gathers"]["device"], (b, a)
+        assert a["gathers"]["torch.distributed"] == b["gathers"]["torch.distributed"], (b, a)
     ranks = worker_evidence(llm)
     assert len(ranks) == 2
     for records in ranks:

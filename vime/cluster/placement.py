@@ -321,12 +321,13 @@ def tcp_url(host: str, port: int) -> str:
     return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
 
 
-def weight_paths(cfg, trainer_pg: PlacementGroup, rollout_pg: PlacementGroup) -> tuple[str | None, list, list]:
-    """(trainer rank 0's node, each engine's node, each engine's weight path), from the nodes Ray placed the
-    bundles on (vime.config.layout.engine_transports); logged for a run on a cluster (`ray.address`)."""
+def weight_paths(cfg, trainer_node: str | None, engine_nodes: list) -> tuple[str | None, list, list]:
+    """(trainer rank 0's node, each engine's node, each engine's weight path), from the nodes Ray placed trainer
+    rank 0 and each engine's actor on (vime.cluster.groups; vime.config.layout.engine_transports); logged for a
+    run on a cluster (`ray.address`)."""
     from vime.config.layout import engine_transports
 
-    trainer_node, engine_nodes = bundle_nodes(trainer_pg)[0], bundle_nodes(rollout_pg)
+    engine_nodes = list(engine_nodes)
     paths = engine_transports(cfg, trainer_node, engine_nodes)
     if cfg.ray.address:
         log.info(

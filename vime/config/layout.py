@@ -75,13 +75,11 @@ def role_resources(cfg: VimeConfig) -> dict[str, str | None]:
 
 
 def role_needs(cfg: VimeConfig) -> dict[str, tuple[int, dict[str, float]]]:
-    """Actors and the resources of one actor's bundle, per role."""
-    gpus = cfg.ray.gpus_per_actor if cfg.device == "cuda" else 0.0
-    one = lambda g: {"CPU": cfg.ray.cpus_per_actor} | ({"GPU": g} if g else {})  # noqa: E731
-    return {
-        "trainer": (cfg.trainer.tp * cfg.trainer.cp, one(gpus)),
-        "rollout": (cfg.rollout.num_engines, one(gpus * cfg.rollout.tp)),
-    }
+    """Bundles and the resources of one bundle, per role (`ray_spec`; colocated engines on GPUs live in the
+    trainer's bundles: none of their own)."""
+    groups = ray_spec(cfg).groups
+    need = lambda role: (len(groups[role]), {k: v for k, v in groups[role][0].items() if k in ("CPU", "GPU")})  # noqa: E731
+    return {"trainer": need("trainer"), "rollout": need("rollout") if groups.get("rollout") else (0, {})}
 
 
 def check_roles(cfg: VimeConfig, nodes: list[dict[str, float]]) -> None:
@@ -212,3 +210,88 @@ def engine_transports(cfg: VimeConfig, trainer_node: str, engine_nodes: list[str
     if cfg.device == "cuda":
         return [Transport.ipc if w.colocate else Transport.nccl] * len(engine_nodes)
     return [Transport.object_store if node == trainer_node else Transport.gloo for node in engine_nodes]
+
+
+# ---- what is asked of Ray ------------------------------------------------------------------------------
+# On GPUs every GPU is one bundle of its placement group ({"GPU": 1, "CPU": ray.cpus_per_actor}), and each
+# actor or vLLM worker takes a fixed share of its bundle's GPU (a Ray fraction: Ray assigns the bundle's one
+# GPU to every actor in it and counts the GPU once). Colocated (`weights.colocate=true`, the pattern of
+# verl / slime): bundle j holds trainer rank j (half the GPU) and the vLLM TP worker of the engine that
+# shares trainer TP group j's GPUs (VLLM_RAY_PER_WORKER_GPUS of vLLM's Ray executor, placed by
+# VLLM_RAY_BUNDLE_INDICES), and the first GPU of each engine also the engine's own actor (its engine core
+# and Ray executor: a tenth). Disaggregated: a trainer group and a rollout group, one GPU per bundle each.
+# A TP1 engine runs its one worker in its own actor (vLLM's uniprocess executor): the actor takes the
+# worker's share. vLLM's TP workers take no CPU (vLLM's own choice); the trainer rank and the engine actor
+# share a colocated bundle's CPUs (half each).
+COLOCATED_TRAINER_SHARE = 0.5  # a trainer rank's share of the GPU it shares with an engine's worker
+COLOCATED_WORKER_SHARE = 0.4  # a vLLM TP worker's share there (TP > 1); alone on its GPU: 1 - ENGINE_GPU_SHARE
+ENGINE_GPU_SHARE = 0.1  # the engine actor of a TP > 1 engine, on its worker 0's GPU
+
+
+@dataclass(frozen=True)
+class Shares:
+    """What each actor asks of its bundle: GPUs (fractions of the bundle's one GPU) and CPUs."""
+
+    trainer_gpus: float
+    trainer_cpus: float
+    engine_gpus: float  # the rollout actor; a TP1 engine's actor is its worker
+    engine_cpus: float
+    worker_gpus: float  # vLLM's VLLM_RAY_PER_WORKER_GPUS (TP > 1 on GPUs; 0 otherwise: no Ray workers)
+
+
+@dataclass(frozen=True)
+class RaySpec:
+    """The placement groups asked of Ray ({group name: bundles}; "trainer", and "rollout" unless colocated on
+    GPUs, where every bundle of "trainer" also holds an engine's worker) and the actors' shares."""
+
+    groups: dict[str, list[dict[str, float]]]
+    shares: Shares
+
+    def totals(self) -> dict[str, float]:
+        """CPUs and GPUs of all bundles together: what the run reserves of the cluster."""
+        out: dict[str, float] = {}
+        for bundles in self.groups.values():
+            for b in bundles:
+                for k, v in b.items():
+                    if k in ("CPU", "GPU"):
+                        out[k] = out.get(k, 0.0) + v
+        return out
+
+
+def gpu_colocated(cfg: VimeConfig) -> bool:
+    """Rollout engines on the trainer's GPUs: one placement group, each GPU one bundle shared by a trainer rank
+    and an engine's TP worker."""
+    return cfg.device == "cuda" and cfg.weights.colocate
+
+
+def ray_vllm_workers(cfg: VimeConfig) -> bool:
+    """vLLM's TP workers are Ray actors of vLLM's Ray executor placed in the run's bundles (TP > 1 on GPUs);
+    on CPU vLLM's mp executor starts them as processes of the engine's actor (its CPU platform has no Ray
+    executor), and a TP1 engine runs its worker in its own actor."""
+    return cfg.device == "cuda" and cfg.rollout.tp > 1
+
+
+def ray_spec(cfg: VimeConfig) -> RaySpec:
+    """The bundles of each placement group and the actors' shares (the comment above): the one description of
+    what the run asks of Ray, used by the preflight's count, the role check and the driver."""
+    c, marks = cfg.ray.cpus_per_actor, role_resources(cfg)
+    mark = lambda role: {marks[role]: ROLE_MARK} if marks[role] else {}  # noqa: E731
+    n_ranks, n_engines, tp = cfg.trainer.tp * cfg.trainer.cp, cfg.rollout.num_engines, cfg.rollout.tp
+    if cfg.device != "cuda":  # one bundle per actor, CPUs only
+        cpu = {
+            "trainer": [{"CPU": c} | mark("trainer")] * n_ranks,
+            "rollout": [{"CPU": c} | mark("rollout")] * n_engines,
+        }
+        return RaySpec(cpu, Shares(0.0, c, 0.0, c, 0.0))
+    gpu = {"CPU": c, "GPU": 1.0}
+    if cfg.weights.colocate:
+        worker = COLOCATED_WORKER_SHARE if tp > 1 else 0.0
+        engine = ENGINE_GPU_SHARE if tp > 1 else 1.0 - COLOCATED_TRAINER_SHARE  # TP1: the actor is the worker
+        shares = Shares(COLOCATED_TRAINER_SHARE, c / 2, engine, c / 2, worker)
+        return RaySpec({"trainer": [gpu | mark("trainer")] * n_ranks}, shares)
+    worker = 1.0 - ENGINE_GPU_SHARE if tp > 1 else 0.0
+    engine = ENGINE_GPU_SHARE if tp > 1 else 1.0
+    return RaySpec(
+        {"trainer": [gpu | mark("trainer")] * n_ranks, "rollout": [gpu | mark("rollout")] * (n_engines * tp)},
+        Shares(1.0, c, engine, c, worker),
+    )

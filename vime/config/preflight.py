@@ -66,13 +66,11 @@ def check_context(cfg: VimeConfig) -> None:
 
 
 def required_resources(cfg: VimeConfig) -> dict[str, float]:
-    """Logical Ray resources the layout reserves: one bundle per trainer rank and per rollout engine."""
-    gpus = cfg.ray.gpus_per_actor if cfg.device == "cuda" else 0.0
-    actors = cfg.trainer.tp * cfg.trainer.cp + cfg.rollout.num_engines
-    need = {"CPU": cfg.ray.cpus_per_actor * actors}
-    if gpus:
-        need["GPU"] = gpus * (cfg.trainer.tp * cfg.trainer.cp + cfg.rollout.num_engines * cfg.rollout.tp)
-    return need
+    """Logical Ray resources the layout reserves: the bundles of its placement groups
+    (`vime.config.layout.ray_spec`, exactly what the driver asks of Ray: on GPUs one bundle per GPU)."""
+    from vime.config.layout import ray_spec
+
+    return ray_spec(cfg).totals()
 
 
 def check_resources(cfg: VimeConfig, available: dict[str, float], where: str) -> None:
@@ -140,7 +138,25 @@ def check_checkpoint(path: Path) -> None:
             f"{path} has no *.safetensors weights; save the checkpoint with safetensors "
             "(save_pretrained(..., safe_serialization=True))"
         )
+    check_safetensors_index(path)  # a missing shard is named as such, before the shapes it would leave missing
     check_tensor_shapes(path, {f: check_safetensors(f) for f in files})
+
+
+def check_safetensors_index(path: Path) -> None:
+    """A sharded checkpoint's `model.safetensors.index.json` (when there is one) is readable and every file its
+    weight map names is in the directory. Raises DataError naming the file."""
+    index = Path(path) / "model.safetensors.index.json"
+    if not index.is_file():
+        return
+    try:
+        files = set(json.loads(index.read_text())["weight_map"].values())
+    except (OSError, ValueError, KeyError, AttributeError) as e:
+        raise DataError(f"cannot read the weight map of {index}: {e!r}; copy or download it again") from None
+    missing = sorted(f for f in files if not (Path(path) / f).is_file())
+    if missing:
+        raise DataError(
+            f"{index} names {len(missing)} file(s) not in {path}, e.g. {missing[0]}; copy or download them again"
+        )
 
 
 def check_tensor_shapes(path: Path, headers: dict[Path, dict]) -> None:
@@ -294,32 +310,74 @@ def kept_bytes_per_parameter(cfg: VimeConfig) -> int:
     return kept_versions(cfg) * DTYPE_BYTES[str(cfg.model.dtype)]
 
 
+REFERENCE_BYTES_PER_PARAM = 6  # the KL reference policy: a Megatron policy's bf16 weights and fp32 main copy
+# (its Adam moments and gradients are never made: it takes no step)
+
+
+def memory_per_parameter(cfg: VimeConfig) -> dict[str, float]:
+    """GPU bytes per model parameter on one trainer rank's GPU, by what holds them. Megatron here keeps no
+    distributed optimizer, so a CP rank holds its TP shard's whole state: the state divides by `trainer.tp`
+    only. `push_buffers`: the weight push exports the full HF tensors on the GPU in the model dtype (every rank
+    with `ipc` and several ranks, rank 0 otherwise; counted on every GPU) and keeps them until the engines'
+    acknowledgement."""
+    dtype = DTYPE_BYTES[str(cfg.model.dtype)]
+    tp = cfg.trainer.tp
+    return {
+        "trainer_state": TRAINER_BYTES_PER_PARAM / tp,
+        "reference_policy": REFERENCE_BYTES_PER_PARAM / tp if cfg.algo.kl_coef > 0 else 0.0,
+        "push_buffers": float(dtype),
+        "kept_versions": float(kept_bytes_per_parameter(cfg)),
+    }
+
+
+def vllm_gpu_share(cfg: VimeConfig) -> float:
+    """The fraction of a trainer GPU that colocated vLLM engines claim (`rollout.gpu_memory_utilization`; 0 when
+    the engines have GPUs of their own or are not vLLM)."""
+    colocated = cfg.rollout.engine == RolloutBackend.vllm and cfg.weights.colocate
+    return cfg.rollout.gpu_memory_utilization if colocated else 0.0
+
+
+def gpu_memory_plan(cfg: VimeConfig, config: dict, gpu_bytes: float) -> dict[str, float]:
+    """Bytes on the most loaded GPU (a trainer rank's, beside its colocated vLLM worker), by what holds them,
+    with the total `need`, the GPU's size and what is `free`. Activations are not counted."""
+    params = qwen3_parameters(config)
+    plan = {k: v * params for k, v in memory_per_parameter(cfg).items()}
+    plan["vllm"] = vllm_gpu_share(cfg) * gpu_bytes
+    need = sum(plan.values())
+    return plan | {"need": need, "gpu": float(gpu_bytes), "free": gpu_bytes - need}
+
+
 def check_gpu_memory(cfg: VimeConfig, config: dict, gpu_bytes: int) -> None:
-    """A trainer rank's state (18 B per parameter of its TP x CP share) and its kept weight versions
-    (`kept_bytes_per_parameter`) plus, with colocated vLLM engines, the `rollout.gpu_memory_utilization` share vLLM
-    claims must fit one GPU of `gpu_bytes`; fail before any engine starts, naming how many layers would fit."""
-    ranks = cfg.trainer.tp * cfg.trainer.cp
-    vllm_share = (
-        cfg.rollout.gpu_memory_utilization
-        if (cfg.rollout.engine == RolloutBackend.vllm and cfg.weights.colocate)
-        else 0.0
-    )
-    room = gpu_bytes * (1 - vllm_share)
-    kept = kept_bytes_per_parameter(cfg)
-    per_param = TRAINER_BYTES_PER_PARAM / ranks + kept
-    need = per_param * qwen3_parameters(config)
-    if need <= room:
+    """Everything `gpu_memory_plan` counts (a trainer rank's state of its TP share, the KL reference policy when
+    `algo.kl_coef > 0`, the push buffers, the kept weight versions) plus colocated vLLM's
+    `rollout.gpu_memory_utilization` share must fit one GPU of `gpu_bytes`; else fail before any engine starts,
+    in one line naming the values to change and how many layers would fit."""
+    plan = gpu_memory_plan(cfg, config, gpu_bytes)
+    if plan["free"] >= 0:
         return
+    per = memory_per_parameter(cfg)
+    per_param, vllm_share = sum(per.values()), vllm_gpu_share(cfg)
+    room = gpu_bytes * (1 - vllm_share)
     no_layers = qwen3_parameters(config | {"num_hidden_layers": 0})
     per_layer = qwen3_parameters(config | {"num_hidden_layers": 1}) - no_layers
     fit = max(0, int((room - per_param * no_layers) // (per_param * per_layer)))
+    kept = per["kept_versions"]
+    trainer_bytes = plan["need"] - plan["vllm"]
+    util = int((gpu_bytes - trainer_bytes) / gpu_bytes * 100) / 100  # the vLLM share that leaves the trainer room
+    parts = [f"{TRAINER_BYTES_PER_PARAM} B per parameter / trainer.tp={cfg.trainer.tp}"]
+    if per["reference_policy"]:
+        ref = plan["reference_policy"] / 1e9
+        parts.append(f"the KL reference policy (algo.kl_coef={cfg.algo.kl_coef:g}) {ref:.0f} GB")
+    parts.append(f"push buffers {plan['push_buffers'] / 1e9:.0f} GB")
+    if kept:
+        parts.append(f"and {kept:g} B for {kept_versions(cfg)} kept weight versions")
     raise ConfigError(
-        f"the trainer's state for {config['num_hidden_layers']} layers ({need / 1e9:.0f} GB per rank: "
-        f"{TRAINER_BYTES_PER_PARAM} B per parameter"
-        + (f", and {kept} B for {kept_versions(cfg)} kept weight versions" if kept else "")
+        f"the trainer's state for {config['num_hidden_layers']} layers ({trainer_bytes / 1e9:.0f} GB per rank: "
+        + ", ".join(parts)
         + f") does not fit the {room / 1e9:.0f} GB a GPU of {gpu_bytes / 1e9:.0f} GB leaves"
         + (f" beside vLLM's share (rollout.gpu_memory_utilization={vllm_share})" if vllm_share else "")
-        + f"; use at most {fit} layers (model.tiny.num_layers={fit}), more trainer ranks (trainer.tp)"
+        + (f"; set rollout.gpu_memory_utilization <= {util:.2f}" if vllm_share and util >= 0.1 else "")
+        + f"; or use at most {fit} layers (model.tiny.num_layers={fit}), more trainer ranks (trainer.tp)"
         + (", trainer.kept_on=host" if kept else "")
-        + " or a smaller rollout.gpu_memory_utilization"
+        + (", algo.kl_coef=0" if per["reference_policy"] else "")
     )

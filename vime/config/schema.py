@@ -270,7 +270,7 @@ class RayConfig:
     num_cpus: int = 4  # logical CPUs given to the local Ray (bundles reserve these)
     num_gpus: int = 0
     cpus_per_actor: float = 1.0
-    gpus_per_actor: float = 0.0
+    gpus_per_actor: float = 0.0  # not read: on GPUs each GPU is one bundle (vime.config.layout.ray_spec)
     # Across nodes (`ray.address`): a custom node resource marking the nodes each role may run on
     # (`ray start --resources='{"vime_trainer": 1}'`); null: any node. configs/placement/*.yaml set them.
     trainer_resource: str | None = None
@@ -347,6 +347,10 @@ class VimeConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     resume: str | None = None  # an earlier run's output_dir: continue it from its last checkpoint
     audit: AuditConfig = field(default_factory=AuditConfig)
+    # plan=true: every check that needs no engine, the placement groups with stand-in actors placed, a table and
+    # <output_dir>/plan.json; exits 0 without starting an engine or touching CUDA (vime/cluster/plan.py)
+    plan: bool = False
+    plan_gpu_gib: float = 139.8  # the GPU size a plan checks memory against (H200: 139.8 GiB); no GPU is read
 
 
 def register_configs() -> None:

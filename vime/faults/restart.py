@@ -158,10 +158,12 @@ def replace_on_capacity(driver, engine: int) -> None:
     if pg is None:  # an engine set up without a placement group (tests of the restart path)
         return
     cfg, before = driver.cfg, driver.engine_nodes[engine]
-    node = placement.wait_bundle_node(pg, engine, cfg.ray.restart_wait_s)
+    index = getattr(driver, "engine_bundles", None)
+    index = index[engine] if index else engine  # the bundle of the engine's actor (vime.cluster.groups)
+    node = placement.wait_bundle_node(pg, index, cfg.ray.restart_wait_s)
     if node is None:
         mark = role_resources(cfg)["rollout"]
-        bundle = pg.bundle_specs[engine]
+        bundle = pg.bundle_specs[index]
         fate = "is gone" if before not in placement.alive_nodes() else "has no room for it"
         raise EngineDiedError(
             f"rollout engine {engine} died, its node {placement.node_address(before)} {fate}, and no alive node "

@@ -19,10 +19,11 @@ import torch
 from tqdm import tqdm
 
 import rl_kernel as rk
-from vime.cluster import placement
+from vime.cluster import placement, plan
+from vime.cluster.groups import make_groups
 from vime.cluster.remote import BUCKET_BYTES, call
 from vime.config import preflight
-from vime.config.layout import check_layout, ray_node_gpus, ray_node_resources, read_config_json, role_resources
+from vime.config.layout import check_layout, ray_node_gpus, ray_node_resources, read_config_json
 from vime.config.schema import Mode, VimeConfig, as_dict, kept_versions, side_modes
 from vime.data.dataset import PromptSet, load_tokenizer, model_vocab_size
 from vime.engines import Sample
@@ -70,7 +71,7 @@ def make_model(cfg: VimeConfig, output_dir: Path) -> str:
         num_kv_heads=t.num_kv_heads,
         head_dim=t.head_dim,
         dtype=cfg.model.dtype,
-        device=cfg.device,
+        device="cpu" if cfg.plan else cfg.device,  # a plan never initialises CUDA
     )
     log.info("made a tiny Qwen3 checkpoint at %s", path)
     return str(path)
@@ -105,10 +106,9 @@ class Driver:
         self.vocab_size = model_vocab_size(self.model_path)
         self.prompts = PromptSet(cfg.data, self.tokenizer, self.vocab_size)
         preflight.check_lengths(cfg, [p.token_ids for p in self.prompts.prompts])
-        if cfg.device == "cuda" and torch.cuda.is_available():
-            preflight.check_gpu_memory(
-                cfg, read_config_json(self.model_path), torch.cuda.get_device_properties(0).total_memory
-            )
+        if cfg.device == "cuda" and (cfg.plan or torch.cuda.is_available()):  # a plan never initialises CUDA
+            gpu_bytes = cfg.plan_gpu_gib * 2**30 if cfg.plan else torch.cuda.get_device_properties(0).total_memory
+            preflight.check_gpu_memory(cfg, read_config_json(self.model_path), gpu_bytes)
         resume_from = checkpoint.resume_point(cfg, self.output_dir)
         # the GEMM contract's row-parallel K groups: the widest TP of any engine, the same on both sides and
         # in this process, which checks the contracts they ran
@@ -132,7 +132,7 @@ class Driver:
         report.route_engine_output(Path(env["VIME_ENGINE_LOG"]) if "VIME_ENGINE_LOG" in env else None)
         placement.start_ray(cfg.ray, env, log_to_driver=cfg.verbose, log_file=env.get("VIME_ENGINE_LOG"))
         nodes = ray.nodes()
-        check_layout(
+        layout = check_layout(
             cfg,
             ray_node_gpus(nodes),
             read_config_json(self.model_path),  # before any engine
@@ -143,15 +143,18 @@ class Driver:
             preflight.check_resources(
                 cfg, ray.available_resources(), f"the cluster at {cfg.ray.address} has {ray.available_resources()}"
             )
-        gpus = cfg.ray.gpus_per_actor if cfg.device == "cuda" else 0.0
         n_ranks = cfg.trainer.tp * cfg.trainer.cp
-        marks = role_resources(cfg)  # the nodes each role may run on (any, on one node)
-        trainer_pg = placement.make_group("trainer", [placement.bundle(cfg.ray, gpus, marks["trainer"])] * n_ranks)
-        self.rollout_pg = rollout_pg = placement.make_group(
-            "rollout", [placement.bundle(cfg.ray, gpus * cfg.rollout.tp, marks["rollout"])] * cfg.rollout.num_engines
-        )
+        # one bundle per GPU, engine i's TP workers on trainer TP group i's GPUs (vime.cluster.groups)
+        self.groups = groups = make_groups(cfg, layout)
+        self.rollout_pg = groups.rollout_pg
+        self.engine_bundles = [groups.engine_bundle(i) for i in range(cfg.rollout.num_engines)]
         # each engine's weight path by its node (vime.config.layout.engine_transports); a restart may move it
-        self.trainer_node, self.engine_nodes, self.weight_paths = placement.weight_paths(cfg, trainer_pg, rollout_pg)
+        self.trainer_node, self.engine_nodes, self.weight_paths = placement.weight_paths(
+            cfg, groups.trainer[0].node, [e[0].node for e in groups.engines]
+        )
+        if cfg.plan:  # stand-ins placed as the actors would be; no engine starts
+            self.plan = plan.write_plan(cfg, groups, self.model_path, self.output_dir)
+            return
         # in-flight weight updates (rollout.partial) arrive in their own concurrency group, beside a rollout
         Rollout = (
             ray.remote(concurrency_groups={"weights": 1})(RolloutWorker)
@@ -160,9 +163,8 @@ class Driver:
         )
         Trainer = ray.remote(TrainerWorker)
         self.new_engine = lambda i: Rollout.options(  # noqa: E731 - also used to replace a dead engine
-            num_cpus=cfg.ray.cpus_per_actor,
-            num_gpus=gpus * cfg.rollout.tp,
-            scheduling_strategy=placement.in_group(rollout_pg, i),
+            **groups.engine_options(i),
+            **({"runtime_env": {"env_vars": groups.engine_env(i)}} if groups.engine_env(i) else {}),
             name=f"rollout-{i}" + (f"-restart{self.engine_restarts}" if self.engine_restarts else ""),
         ).remote(
             i,
@@ -177,9 +179,7 @@ class Driver:
         self.engines = [self.new_engine(i) for i in range(cfg.rollout.num_engines)]
         self.trainer = [
             Trainer.options(
-                num_cpus=cfg.ray.cpus_per_actor,
-                num_gpus=gpus,
-                scheduling_strategy=placement.in_group(trainer_pg, r),
+                **groups.trainer_options(r),
                 name=f"trainer-{r}",
             ).remote(
                 r,

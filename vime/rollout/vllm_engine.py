@@ -8,11 +8,14 @@ kernels (`native_llm_kwargs`). Both take new weights through vLLM's weight-updat
 `rl_kernel_cpu` engine: one update session per weight version (opened by its first bucket, finished
 when the version is set), which for vLLM's own model redoes vLLM's post-load weight processing.
 Either way vLLM stamps each output with its engine weight version, which becomes the per-token
-version of the sample. On CUDA (written, never run: docs/vllm.md) the engine uses vLLM's `ipc` or `nccl`
-engine (`weights.transport`) and takes trainer rank 0's pushes (`receive_weights`) instead: rl_kernel's `ipc`
-push translated into vLLM's calls, or vLLM's own nccl rendezvous and wire driven from trainer rank 0.
+version of the sample. On CUDA the engine uses vLLM's `ipc` or `nccl` engine (`weights.transport`) and takes
+trainer rank 0's pushes (`receive_weights`) instead: rl_kernel's `ipc` push translated into vLLM's calls (ran
+on one H200, TP1, colocated with the trainer: docs/vllm.md "What has run where"), or vLLM's own nccl
+rendezvous and wire driven from trainer rank 0 (never run).
 
-With `rollout.tp > 1` vLLM's multiprocess executor runs every TP rank in its own process. A watcher
+With `rollout.tp > 1` on GPUs vLLM's Ray executor runs each TP rank as a Ray actor in the bundle of its
+GPU (vime.cluster.groups; never run on GPUs: no multi-GPU vLLM run here). On CPU vLLM's multiprocess
+executor runs every TP rank in its own process. A watcher
 thread records the first of them to exit; the engine then reports "rollout engine i, TP rank r died"
 (`TPWorkerDiedError`, which the driver handles as the engine's death: `vime/faults/restart.py`) and removes
 the engine's temporary files (its shared-memory segments in /dev/shm, its /tmp/vllm_dist_* rendezvous
@@ -173,8 +176,10 @@ class VllmRollout:
         self.partial = bool(getattr(cfg, "partial", False))
         if self.partial:  # in-flight updates: no cached block may hold K/V of an older version for a new request
             engine_kwargs["enable_prefix_caching"] = False
-        if cfg.tp > 1:  # inside a Ray actor vLLM would pick its Ray executor, which its CPU platform lacks
-            engine_kwargs["distributed_executor_backend"] = "mp"
+        if cfg.tp > 1:
+            # on GPUs vLLM's Ray executor starts the TP workers in the run's bundles, one per GPU (the actor's
+            # environment names them: vime.cluster.groups); vLLM's CPU platform has no Ray executor: mp
+            engine_kwargs["distributed_executor_backend"] = "ray" if device == "cuda" else "mp"
             if device == "cpu" and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
                 # vLLM's automatic binding wants one NUMA node per TP worker: give each worker one core.
                 cpus = sorted(os.sched_getaffinity(0))
@@ -393,7 +398,8 @@ class VllmRollout:
         """vLLM's mp executor's worker handles (`.proc`, `.rank`): TP > 1 with the engine core in this
         process; [] otherwise (one process, or the engine core in its own process: VIME_VLLM_MP=1)."""
         core = getattr(getattr(self.llm.llm_engine, "engine_core", None), "engine_core", None)
-        return list(getattr(getattr(core, "model_executor", None), "workers", None) or [])
+        workers = getattr(getattr(core, "model_executor", None), "workers", None) or []
+        return [w for w in workers if hasattr(w, "proc")]  # vLLM's Ray workers (CUDA) are Ray's to watch
 
     def _watch_workers(self) -> None:
         workers = self._workers()

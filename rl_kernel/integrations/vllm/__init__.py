@@ -44,6 +44,10 @@ WORKER_EXTENSION = "rl_kernel.integrations.vllm.worker.RLKernelWorkerExtension"
 SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM",)
 MODES_KEY = "rl_kernel_modes"  # additional_config entry: {boundary: mode} for every boundary
 COMPILE_KEY = "rl_kernel_compile"  # additional_config entry: True where vLLM compiles the strict model
+TP_COLLECTIVE_KEY = "rl_kernel_tp_collective"  # additional_config entry: how the strict model's TP collectives move
+# partials: "device" (vLLM's device communicator: NCCL on CUDA, capturable; its shared memory on CPU) or "cpu"
+# (torch.distributed over vLLM's gloo CPU group: host memory, not capturable by a CUDA graph)
+TP_COLLECTIVES = ("device", "cpu")
 
 __all__ = [
     "ARCH",
@@ -166,6 +170,20 @@ def _device_kwargs(device: str, transport: str | None) -> dict[str, Any]:
     return {"weight_transfer_config": {"backend": transport}}
 
 
+def _check_tp_collective(device: str, tp_collective: str, engine_kwargs: dict) -> None:
+    """One-line ValueError for a TP collective the engine cannot run: unknown, or gloo's under CUDA graphs."""
+    if tp_collective not in TP_COLLECTIVES:
+        raise ValueError(f"tp_collective must be one of {TP_COLLECTIVES}, got {tp_collective!r}")
+    tp = int(engine_kwargs.get("tensor_parallel_size", 1) or 1)
+    graphs = not engine_kwargs.get("enforce_eager", False)
+    if str(device).startswith("cuda") and tp > 1 and graphs and tp_collective == "cpu":
+        raise ValueError(
+            f"CUDA graphs with tensor_parallel_size={tp} cannot capture the strict model's TP collectives over "
+            "vLLM's gloo CPU group (tp_collective='cpu'): use tp_collective='device' (vLLM's NCCL communicator) "
+            "or enforce_eager=True"
+        )
+
+
 def strict_llm_kwargs(
     model: str | Path,
     modes: dict[str, str] | None = None,
@@ -173,6 +191,7 @@ def strict_llm_kwargs(
     device: str = "cpu",
     transport: str | None = None,
     compile: bool = False,
+    tp_collective: str = "device",
     **engine_kwargs: Any,
 ) -> dict[str, Any]:
     """`vllm.LLM` / engine arguments for a strict engine over the Qwen3 checkpoint at `model`.
@@ -191,11 +210,19 @@ def strict_llm_kwargs(
     "FULL_AND_PIECEWISE"`); on CPU vLLM's CPU compilation instead of eager execution. Default off: the
     eager (CPU) and FULL_DECODE_ONLY (CUDA) engines are unchanged.
 
+    `tp_collective` (`TP_COLLECTIVES`): over which of vLLM's TP groups the strict model gathers its row-parallel
+    partials and vocab shards (the rank-order sum that follows is the same kernels either way: equal bits).
+    "device", the default: vLLM's device communicator (NCCL on CUDA, which vLLM's CUDA graphs capture); "cpu":
+    torch.distributed over vLLM's gloo group, which a CUDA graph cannot record: refused on CUDA with TP > 1
+    unless `enforce_eager=True`.
+
     The strict logits processor keeps vLLM on its V1 model runner (vLLM's V2 runner takes no custom logits
     processor); a strict model on the V2 runner refuses to start.
     """
     _check_architecture(model)
+    _check_tp_collective(device, tp_collective, engine_kwargs)
     extra = dict(engine_kwargs.pop("additional_config", None) or {}) | {MODES_KEY: full_modes(modes)}
+    extra[TP_COLLECTIVE_KEY] = tp_collective
     if compile:
         extra[COMPILE_KEY] = True
     forced = {"logprobs_mode": "processed_logits", **_device_kwargs(device, transport)}

@@ -3,15 +3,16 @@
 Registered as `RLKernelQwen3ForCausalLM` (see `rl_kernel.integrations.vllm.register`). vLLM keeps its
 scheduler, continuous batching, chunked prefill, prefix caching and paged KV cache; the forward is
 `rl_kernel.models.layers.Qwen3Model` (the reference model's blocks: every number computed by
-rl_kernel ops, row-parallel reductions in rank order over vLLM's gloo CPU TP group, vocab-parallel
-embedding and LM head gathered as bit copies; rl_kernel modes from the engine's `additional_config`,
-set in every process that builds the model). This module supplies only:
+rl_kernel ops, row-parallel reductions as an all-gather of the partials then a rank-order sum,
+vocab-parallel embedding and LM head gathered as bit copies, the gathers over vLLM's device
+communicator by default (`tp_group`: NCCL on CUDA); rl_kernel modes from the engine's
+`additional_config`, set in every process that builds the model). This module supplies only:
 
 - the attention function: `rk.write_kv_cache`'s copy + `rk.paged_attention` over vLLM's own KV cache
   tensor, with the block table, sequence lengths, query start locations and slot mapping of vLLM's
   attention metadata (vLLM's attention kernels never run). It reads the CPU backend's cache layout and
   FlashAttention's (`kv_cache_views`); on the latter the write and the attention have fixed shapes and
-  no host sync, for vLLM's CUDA graphs of decode batches (written against vLLM's source, never run);
+  no host sync, for vLLM's CUDA graphs of decode batches (ran on one H200, TP1: docs/vllm.md);
 - `compute_logits`: the fp32 logits of the whole vocab (input to the strict logits processor's
   `rk.log_softmax`);
 - weight loading from HF checkpoint names, sharded by `rl_kernel.models.qwen3_layout` (the table the
@@ -26,13 +27,14 @@ import torch
 from torch import nn
 
 import rl_kernel as rk
-from rl_kernel.integrations.vllm import COMPILE_KEY, LOGITS_PROCESSOR, MODES_KEY
+from rl_kernel.integrations.vllm import COMPILE_KEY, LOGITS_PROCESSOR, MODES_KEY, TP_COLLECTIVE_KEY
 from rl_kernel.integrations.vllm.attention_op import register_layer, vllm_attention
 from rl_kernel.integrations.vllm.warmup import uses_triton, warm_up
 from rl_kernel.models.layers import Qwen3Model
 from rl_kernel.models.qwen3 import Qwen3Config
 from rl_kernel.models.qwen3_layout import weight_layout
 from rl_kernel.modes import full_modes
+from rl_kernel.ops.collective import use_gather
 from vllm.compilation.decorators import support_torch_compile
 
 SUPPORTED_MODEL_TYPES = ("qwen3",)
@@ -175,6 +177,19 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     return _paged_attention_compact(q, k_cache, v_cache, meta, scale)
 
 
+def tp_group(tp, collective: str = "device"):
+    """The process group the strict model's TP collectives run over (None: TP1), from vLLM's TP
+    GroupCoordinator `tp`: "device", its device group, whose all-gathers go through vLLM's device communicator
+    (`tp.all_gather`: NCCL on CUDA, capturable under vLLM's CUDA graphs; shared memory on CPU); "cpu", its gloo
+    CPU group over torch.distributed (host memory). The merge after the gather is the same either way."""
+    if tp.world_size == 1:
+        return None
+    if collective == "cpu":
+        return tp.cpu_group
+    use_gather(tp.device_group, lambda t: tp.all_gather(t, dim=0))
+    return tp.device_group
+
+
 def _check_strict_sampling(vllm_config) -> None:
     """Fail closed unless the engine samples from strict log-probs: vLLM's V1 model runner with the strict logits
     processor among its logits processors."""
@@ -236,7 +251,9 @@ class RLKernelQwen3ForCausalLM(nn.Module):
         self.shape = Qwen3Config.from_hf({**config.to_dict(), "architectures": ["Qwen3ForCausalLM"]}, "hf_config")
         self.vocab_size = config.vocab_size
         tp = get_tp_group()
-        self.model = Qwen3Model(self.shape, tp.cpu_group if tp.world_size > 1 else None, vllm_config.model_config.dtype)
+        collective = (vllm_config.additional_config or {}).get(TP_COLLECTIVE_KEY, "device")
+        self.tp_collective = collective if tp.world_size > 1 else None  # what rl_kernel_tp_collective reports
+        self.model = Qwen3Model(self.shape, tp_group(tp, collective), vllm_config.model_config.dtype)
         s = self.model.shape
         # vLLM's Attention layers are kept only so that vLLM allocates, binds and schedules each layer's
         # paged KV cache; their forward (vLLM's attention kernels) is never called.

@@ -28,3 +28,11 @@ class RLKernelWorkerExtension:
     def rl_kernel_modes(self) -> dict[str, str]:
         """The rl_kernel mode per boundary in this worker process."""
         return rk.current_modes()
+
+    def rl_kernel_tp_collective(self) -> dict:
+        """The strict model's TP collective path in this worker ({"path": "device" | "cpu" | None (TP1 or not the
+        strict model), "gathers": eager all-gathers run so far per transport}: rl_kernel.ops.collective)."""
+        from rl_kernel.ops.collective import GATHERS_RUN
+
+        model = self.model_runner.get_model()
+        return {"path": getattr(model, "tp_collective", None), "gathers": dict(GATHERS_RUN)}
