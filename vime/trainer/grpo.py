@@ -336,7 +336,7 @@ def _rank_seq_mean(model: PolicyModel, p: Packed, index: torch.Tensor):
 
     def seq_mean(values: torch.Tensor) -> torch.Tensor:
         full = model.gather_logprobs(values.detach(), index, p.cu_seqlens)
-        means = [chunk.mean() if chunk.numel() else torch.zeros(()) for chunk in full[p.rows].split(p.counts)]
+        means = [float(chunk.mean()) if chunk.numel() else 0.0 for chunk in full[p.rows].split(p.counts)]
         return p.on_rows(means)[index].to(values.device, values.dtype)
 
     return seq_mean
