@@ -136,15 +136,16 @@ class DataConfig:
 
 @dataclass
 class AlgoConfig:
-    """GRPO: `prompts_per_step` prompts x `group_size` samples per step, one optimizer step per batch."""
+    """GRPO and its variants: `prompts_per_step` prompts x `group_size` samples per step, `mini_batches` optimizer
+    steps per pass over them, `ppo_epochs` passes (docs/vime.md "Objectives")."""
 
     prompts_per_step: int = 4
     group_size: int = 4
     max_new_tokens: int = 8
     temperature: float = 1.0
     clip_eps: float = 0.2
-    kl_coef: float = 0.0  # k3 KL to the initial policy; 0 disables the reference forward
-    adv_eps: float = 1e-6  # advantages = (r - mean) / (std + adv_eps) within a group
+    kl_coef: float = 0.0  # KL to the initial policy (kl_estimator; loss term or kl_in_reward); 0: no reference forward
+    adv_eps: float = 1e-6  # grpo: advantages = (r - mean) / (std + adv_eps) within a group (reinforce_pp: the batch)
     # Asynchronous RL (vime/loop/async_loop.py). 0: the synchronous on-policy loop. N >= 1: the rollouts of the
     # next N steps run while the trainer trains and syncs; a token may be up to N weight versions old.
     max_staleness: int = 0
