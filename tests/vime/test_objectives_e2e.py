@@ -88,3 +88,31 @@ def test_reinforce_pp_kl_in_reward_dual_clip_token_sum_norm(tmp_path):
     )
     assert rows[0]["kl_penalty_mean"] == 0.0 and all("kl_penalty_mean" in r for r in rows)
     assert all(r["kl"] == 0.0 for r in rows)  # no KL term in the loss
+
+
+DYNAMIC = ("algo.dynamic_sampling=true", "algo.max_sample_rounds=3", "algo.adv_estimator=drgrpo")
+
+
+@pytest.mark.extended
+def test_dynamic_sampling_resumes_at_its_data_position(tmp_path):
+    """A run stopped after step 0 (which sampled several prompt batches) and resumed continues from the batches
+    it consumed: the same rows as the uninterrupted twin. (Resumed at batch `step` instead, step 1 would train
+    on prompts step 0 had sampled already, and `prompts_consumed` would differ.)"""
+    from tests.vime.conftest import TRAIN_ENV, train_cmd
+    from vime.state.checkpoint import TIMING_KEYS
+
+    twin = _train(tmp_path / "twin", *DYNAMIC, steps=2)
+    assert twin[0]["sample_rounds"] > 1, twin[0]  # else this test shows nothing
+    out = tmp_path / "stopped"
+    env = os.environ | TRAIN_ENV
+    cmd = ["steps=2", f"output_dir={out}", "fail_on_mismatch=true", *SMALL, *DYNAMIC, "checkpoint.stop_after=0"]
+    first = subprocess.run(train_cmd(*cmd), cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert first.returncode == 0 and "stopped after step 0" in first.stdout + first.stderr, first.stderr[-4000:]
+    resumed = subprocess.run(train_cmd(f"resume={out}"), cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-6000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+    def untimed(rs: list[dict]) -> list[dict]:
+        return [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in rs]
+
+    assert untimed(rows) == untimed(twin)
