@@ -394,7 +394,7 @@ def _optimizer_step(model: PolicyModel, share: float) -> tuple[float, float]:
     """Finish one update whose loss on this rank is `share`: (its loss summed over the ranks, its gradient
     norm) after the optimizer step (collective; TrainingError on every rank when the loss or the gradients
     are not finite: nothing is updated)."""
-    loss = model.reduce_metrics({"loss": share}, {})["loss"]
+    loss = model.reduce_metrics({"loss": share}, {"loss_share_max": share})["loss"]  # (no empty collective)
     if not math.isfinite(loss):
         raise TrainingError(f"non-finite loss {loss}: lower trainer.lr or check the rewards / advantages")
     grad_norm = model.optimizer_step()
