@@ -24,7 +24,9 @@ def _spawn(tmp_path_factory: pytest.TempPathFactory, ckpt: Path, world: int, job
 
 @pytest.fixture(scope="session")
 def world1(tmp_path_factory: pytest.TempPathFactory, tiny_qwen3_path: Path) -> dict:
-    jobs = [{"tp": 1, "cp": 1, "modes": ("strict", "native"), "packings": True, "export": True, "train": True}]
+    jobs = [
+        {"tp": 1, "cp": 1, "modes": ("strict", "native"), "packings": True, "export": True, "train": True, "gspo": True}
+    ]
     return _spawn(tmp_path_factory, tiny_qwen3_path, 1, jobs)
 
 
@@ -32,7 +34,7 @@ def world1(tmp_path_factory: pytest.TempPathFactory, tiny_qwen3_path: Path) -> d
 def world2(tmp_path_factory: pytest.TempPathFactory, tiny_qwen3_path: Path) -> dict:
     jobs = [
         {"tp": 2, "cp": 1, "modes": ("strict", "native"), "export": True, "train": True},
-        {"tp": 1, "cp": 2, "modes": ("strict", "native"), "packings": True},
+        {"tp": 1, "cp": 2, "modes": ("strict", "native"), "packings": True, "gspo": True},
     ]
     return _spawn(tmp_path_factory, tiny_qwen3_path, 2, jobs)
 

@@ -118,4 +118,13 @@ def _job(job: dict, ckpt: str, device: str) -> dict:
             res["train_main"] = policy.export_hf_state_dict("main")
             res["train_model"] = policy.export_hf_state_dict("model")
         del policy
+    if job.get("gspo"):  # a GSPO step whose sequence ratios are not 1: their means span the CP ranks' tokens
+        policy = MegatronPolicy(ckpt, tp=tp, cp=cp, mode="strict", lr=LR, device=device)
+        g = torch.Generator().manual_seed(11)
+        old = [o - torch.rand(o.shape, generator=g) for o in res["ref"]]
+        batch = TrainBatch(seqs, prompts, train_inputs(res["ref"])["advantages"], old, None, TEMPERATURE)
+        wide = LossConfig(policy_loss="gspo", loss_agg="seq_mean_token_mean", gspo_clip_low=0.99, gspo_clip_high=9.0)
+        res["gspo_metrics"] = train_step(policy, batch, wide)
+        res["gspo_main_grad"] = policy.export_hf_state_dict("main_grad")
+        del policy
     return res

@@ -141,6 +141,18 @@ def test_train_step_tp2_matches_tp1(world1, world2, world4):
         assert other["train_metrics"]["mismatch_count"] == 0
 
 
+def test_gspo_step_under_cp2_matches_cp1(world1, world2):
+    """GSPO's sequence ratio is a mean over the sequence's tokens, which CP2 splits over two ranks: the step's
+    gradients match CP1's (the tolerance of the TP comparison above: 1e-2 relative per tensor; a sequence mean
+    over one rank's tokens only would move every s_i by the old logprobs' noise, U(0, 1) per token)."""
+    a, b = world1["tp1cp1"], world2["tp1cp2"]
+    rel = {name: _rel(b["gspo_main_grad"][name], g) for name, g in a["gspo_main_grad"].items()}
+    assert max(rel.values()) < 1e-2, rel
+    for m in (a["gspo_metrics"], b["gspo_metrics"]):
+        assert m["ratio_mean"] > 1.2 and m["clip_frac"] == 0.0 and m["grad_norm"] > 0  # exp(mean U(0, 1)) ~ 1.65
+    assert a["gspo_metrics"]["ratio_mean"] == pytest.approx(b["gspo_metrics"]["ratio_mean"], rel=1e-6)
+
+
 def test_train_step_matches_plain_fp32_pytorch(world1, tiny_qwen3_path):
     """Megatron (bf16 weights, strict forward, fp32 main params) vs the same loss in plain fp32
     PyTorch (HF transformers Qwen3, eager attention; torch AdamW; the same grad clipping).

@@ -156,15 +156,16 @@ class DataConfig:
 
 @dataclass
 class AlgoConfig:
-    """GRPO: `prompts_per_step` prompts x `group_size` samples per step, one optimizer step per batch."""
+    """GRPO and its variants: `prompts_per_step` prompts x `group_size` samples per step, `mini_batches` optimizer
+    steps per pass over them, `ppo_epochs` passes (docs/vime.md "Objectives")."""
 
     prompts_per_step: int = 4
     group_size: int = 4
     max_new_tokens: int = 8
     temperature: float = 1.0
     clip_eps: float = 0.2
-    kl_coef: float = 0.0  # k3 KL to the initial policy; 0 disables the reference forward
-    adv_eps: float = 1e-6  # advantages = (r - mean) / (std + adv_eps) within a group
+    kl_coef: float = 0.0  # KL to the initial policy (kl_estimator; loss term or kl_in_reward); 0: no reference forward
+    adv_eps: float = 1e-6  # grpo: advantages = (r - mean) / (std + adv_eps) within a group (reinforce_pp: the batch)
     # Asynchronous RL (vime/loop/async_loop.py). 0: the synchronous on-policy loop. N >= 1: the rollouts of the
     # next N steps run while the trainer trains and syncs; a token may be up to N weight versions old.
     max_staleness: int = 0
@@ -175,6 +176,22 @@ class AlgoConfig:
     icepop_high: float = 2.0
     behaviour_check: float = 1.0  # share of stale samples whose behaviour logprobs the trainer reproduces
     # (1.0: every token of every step; less: a seeded sample, rate logged)
+    # Objectives (docs/vime.md "Objectives"; vime/trainer/advantages.py, losses.py, grpo.py)
+    adv_estimator: str = "grpo"  # grpo | drgrpo | rloo | reinforce_pp (ADV_ESTIMATORS)
+    loss_agg: str = "token_mean"  # token_mean | seq_mean_token_mean | seq_mean_token_sum | seq_mean_token_sum_norm
+    loss_norm_tokens: float | None = None  # seq_mean_token_sum_norm's constant divisor, in tokens (Dr.GRPO)
+    policy_loss: str = "ppo"  # ppo (token ratios) | gspo (the sequence ratio)
+    clip_low: float | None = None  # ppo: ratio clipped to [1 - clip_low, 1 + clip_high]; null: clip_eps
+    clip_high: float | None = None  # (DAPO's clip-higher: clip_high > clip_low)
+    gspo_clip_low: float = 3e-4  # gspo: the sequence ratio's range (the GSPO paper's defaults)
+    gspo_clip_high: float = 4e-4
+    clip_c: float | None = None  # dual clip: for A < 0 the term is bounded by -A * clip_c (> 1); null: off
+    kl_estimator: str = "k3"  # k1 | k2 | k3 | low_var_kl (KL_ESTIMATORS), of the kl_coef term
+    kl_in_reward: bool = False  # the KL is a reward penalty (kl_coef x the sample's summed KL), not a loss term
+    dynamic_sampling: bool = False  # drop groups whose rewards all tie; sample more prompts to fill the step
+    max_sample_rounds: int = 3  # dynamic sampling: prompt batches a step may sample at most
+    mini_batches: int = 1  # optimizer steps per rollout batch (consecutive slices of it)
+    ppo_epochs: int = 1  # passes over the rollout batch
 
     def __post_init__(self) -> None:
         _require(self.prompts_per_step >= 1, f"algo.prompts_per_step={self.prompts_per_step}", "set it >= 1")
@@ -463,6 +480,7 @@ def validate(cfg: VimeConfig) -> VimeConfig:
         "colocated engines run on the trainer's nodes: unset ray.rollout_resource (or set weights.colocate=false)",
     )
     _validate_async(cfg)
+    _validate_objectives(cfg)
     if cfg.device == "cpu":
         _require(
             r.engine != RolloutBackend.vllm or r.tp <= 2,
@@ -542,6 +560,87 @@ def _validate_async(cfg: VimeConfig) -> None:
             "the asynchronous loop checks stale tokens by re-scoring them under their own versions: "
             "drop trainer.scoring_pass",
         )
+
+
+def _validate_objectives(cfg: VimeConfig) -> None:
+    """The objective's settings (advantages, loss, clips, KL, dynamic sampling, mini-batches)."""
+    from vime.trainer.advantages import ADV_ESTIMATORS
+    from vime.trainer.grpo import POLICY_LOSSES
+    from vime.trainer.losses import KL_ESTIMATORS, LOSS_AGGS
+
+    a = cfg.algo
+    for key, names in (
+        ("adv_estimator", ADV_ESTIMATORS),
+        ("loss_agg", LOSS_AGGS),
+        ("policy_loss", POLICY_LOSSES),
+        ("kl_estimator", KL_ESTIMATORS),
+    ):
+        value = getattr(a, key)
+        _require(value in names, f"algo.{key}={value!r} does not exist", f"use one of {', '.join(names)}")
+    for key in ("clip_low", "clip_high", "gspo_clip_low", "gspo_clip_high"):
+        value = getattr(a, key)
+        _require(
+            value is None or (math.isfinite(value) and value >= 0),
+            f"algo.{key}={value}",
+            "use a finite clip range >= 0 (null clip_low / clip_high: algo.clip_eps)",
+        )
+    for key in ("clip_low", "gspo_clip_low"):
+        _require((getattr(a, key) or 0.0) < 1, f"algo.{key}={getattr(a, key)}", "use a value < 1 (ratio > 0)")
+    _require(
+        a.clip_c is None or (math.isfinite(a.clip_c) and a.clip_c > 1),
+        f"algo.clip_c={a.clip_c}",
+        "the dual-clip bound is a ratio > 1 (3 is usual); null turns it off",
+    )
+    _require(
+        a.loss_agg != "seq_mean_token_sum_norm" or (a.loss_norm_tokens is not None and a.loss_norm_tokens > 0),
+        f"algo.loss_agg=seq_mean_token_sum_norm with algo.loss_norm_tokens={a.loss_norm_tokens}",
+        "set algo.loss_norm_tokens to the constant divisor in tokens (Dr.GRPO: algo.max_new_tokens)",
+    )
+    _require(
+        not a.kl_in_reward or a.kl_coef > 0,
+        f"algo.kl_in_reward=true with algo.kl_coef={a.kl_coef}",
+        "the penalty is kl_coef x the KL: set algo.kl_coef > 0",
+    )
+    _require(a.max_sample_rounds >= 1, f"algo.max_sample_rounds={a.max_sample_rounds}", "use >= 1")
+    _require(a.ppo_epochs >= 1, f"algo.ppo_epochs={a.ppo_epochs}", "use >= 1 passes over the batch")
+    batch = a.prompts_per_step * a.group_size
+    _require(
+        a.mini_batches >= 1 and batch % a.mini_batches == 0,
+        f"algo.mini_batches={a.mini_batches} does not divide the {batch} samples of a step "
+        f"(algo.prompts_per_step x group_size)",
+        "use a divisor of prompts_per_step x group_size",
+    )
+    for key in ("dynamic_sampling", "kl_in_reward"):
+        _require(
+            not getattr(a, key) or a.max_staleness == 0,
+            f"algo.{key}=true with algo.max_staleness={a.max_staleness}",
+            "it runs in the synchronous loop only: set algo.max_staleness=0",
+        )
+
+
+def loss_fields(cfg: VimeConfig) -> dict[str, Any]:
+    """The trainer's objective settings (vime.trainer.grpo.LossConfig fields; clip_low / clip_high default to
+    algo.clip_eps)."""
+    a = cfg.algo
+    return {
+        "clip_low": a.clip_eps if a.clip_low is None else a.clip_low,
+        "clip_high": a.clip_eps if a.clip_high is None else a.clip_high,
+        **{
+            k: getattr(a, k)
+            for k in (
+                "policy_loss",
+                "gspo_clip_low",
+                "gspo_clip_high",
+                "clip_c",
+                "kl_estimator",
+                "kl_in_reward",
+                "loss_agg",
+                "loss_norm_tokens",
+                "mini_batches",
+                "ppo_epochs",
+            )
+        },
+    }
 
 
 def kept_versions(cfg: VimeConfig) -> int:

@@ -40,7 +40,7 @@ from vime.errors import ComparabilityError, EngineDiedError, TrainingError
 from vime.faults import restart
 from vime.loop import consistency
 from vime.loop.record import StepRecord
-from vime.trainer.grpo import group_advantages
+from vime.trainer.advantages import advantages
 from vime.weights.sync import push_transport, sync_weights
 
 log = logging.getLogger("vime")
@@ -227,7 +227,7 @@ class AsyncLoop:
             s.reward = self.d.prompts.reward(sub.batch[s.group], s.response_ids)
         a = self.cfg.algo
         rewards = torch.tensor([s.reward for s in samples]).reshape(len(sub.batch), a.group_size)
-        for s, adv in zip(samples, group_advantages(rewards, a.adv_eps).flatten().tolist()):
+        for s, adv in zip(samples, advantages(rewards, a.adv_estimator, a.adv_eps).flatten().tolist()):
             s.advantage = adv
         return samples, sub.batch
 

@@ -24,12 +24,12 @@ from vime.cluster.groups import make_groups
 from vime.cluster.remote import BUCKET_BYTES, call
 from vime.config import preflight
 from vime.config.layout import check_layout, ray_node_gpus, ray_node_resources, read_config_json
-from vime.config.schema import Mode, VimeConfig, as_dict, kept_versions, side_modes
+from vime.config.schema import Mode, VimeConfig, as_dict, kept_versions, loss_fields, side_modes
 from vime.data.dataset import PromptSet, load_tokenizer, model_vocab_size
 from vime.engines import Sample
 from vime.errors import ComparabilityError, DataError, TrainingError
 from vime.faults import restart, stops
-from vime.loop import consistency
+from vime.loop import consistency, sampling
 from vime.loop.async_loop import AsyncLoop, lag_metrics
 from vime.loop.record import Parity, StepRecord
 from vime.loop.timeline import Timeline
@@ -38,7 +38,6 @@ from vime.reporting.metrics_log import MetricsLogger
 from vime.rollout.actor import RolloutWorker
 from vime.state import checkpoint
 from vime.trainer.actor import TrainerWorker
-from vime.trainer.grpo import group_advantages
 from vime.weights.sync import sync_weights
 
 log = logging.getLogger("vime")
@@ -192,7 +191,7 @@ class Driver:
                 cfg.seed,
                 cfg.algo.kl_coef,
                 cfg.algo.clip_eps,
-                correction_fields(cfg),
+                correction_fields(cfg) | loss_fields(cfg),
                 kept_versions(cfg),
             )
             for r in range(n_ranks)
@@ -239,6 +238,8 @@ class Driver:
         )
         if self.resumed is not None:
             checkpoint.restore_metrics(self.logger, self.resumed["rows"])
+        # prompt batches consumed so far (vime.loop.sampling): one a step unless algo.dynamic_sampling
+        self.prompt_batches = (self.resumed or {}).get("prompt_batches", self.timeline.step)
 
     def _call(self, actors: list, method: str, what: str, *args, trainer: bool = False) -> list:
         names = [f"trainer rank {i}" if trainer else f"rollout engine {i}" for i in range(len(actors))]
@@ -246,20 +247,38 @@ class Driver:
 
     # ---- one step ----------------------------------------------------------------------------
 
-    def rollout(self, step: int) -> list[Sample]:
+    def generate(self, index: int) -> tuple[list, list[Sample], list[dict]]:
+        """Prompt batch `index` rolled out (sampling seeded by `index`): (its prompts, the samples in group order
+        with their rewards, the rollout's rl_kernel evidence)."""
         a, n = self.cfg.algo, len(self.engines)
-        batch = self.prompts.batch(step, a.prompts_per_step)
+        batch = self.prompts.batch(index, a.prompts_per_step)
         per_engine = [[(g, p.token_ids) for g, p in enumerate(batch) if g % n == e] for e in range(n)]
         submit = lambda i: self.engines[i].generate.remote(  # noqa: E731
-            per_engine[i], a.group_size, a.max_new_tokens, a.temperature, [self.tokenizer.eos_token_id], step
+            per_engine[i], a.group_size, a.max_new_tokens, a.temperature, [self.tokenizer.eos_token_id], index
         )
-        outs, self.rollout_evidence = restart.generate(self, submit, n)  # a dead engine is restarted, its share redone
+        outs, evidence = restart.generate(self, submit, n)  # a dead engine is restarted, its share redone
         samples = sorted((s for out in outs for s in out), key=lambda s: s.group)  # stable: group order
         for s in samples:
             s.reward = self.prompts.reward(batch[s.group], s.response_ids)
-        rewards = torch.tensor([s.reward for s in samples]).reshape(a.prompts_per_step, a.group_size)
-        for s, adv in zip(samples, group_advantages(rewards, a.adv_eps).flatten().tolist()):
-            s.advantage = adv
+        return batch, samples, evidence
+
+    def rollout(self, step: int) -> list[Sample]:
+        """Step `step`'s samples with rewards and advantages (`vime.loop.sampling`); its sampling metrics in
+        `self.sampled`."""
+        a = self.cfg.algo
+        picked = sampling.sample_step(self.generate, self.prompt_batches, a)
+        self.prompt_batches += picked.rounds
+        self.rollout_evidence = picked.evidence
+        samples = picked.samples
+        kl = None
+        if a.kl_in_reward:  # the reward penalty: each sample's summed KL to the reference, from the trainer
+            kl = self._call(self.trainer, "reference_kl", "reference KL", samples, trainer=True)[0]
+        sampling.assign_advantages(samples, a, kl)
+        self.sampled = {
+            "sample_rounds": picked.rounds,
+            "dropped_groups": picked.dropped,
+            "prompts_consumed": self.prompt_batches * a.prompts_per_step,
+        } | ({"kl_penalty_mean": a.kl_coef * sum(kl) / len(kl)} if kl is not None else {})
         return samples
 
     def step(self, step: int) -> StepRecord:
@@ -311,8 +330,8 @@ class Driver:
                 cfg.rollout.engine,
             ),
         )
-        fields = {**result.metrics(), **stats, **sync, **lag_metrics(samples, version, 0), "contracts": verdict}
-        fields |= {"sleep_s": sleep_s, "wake_s": wake_s}
+        fields = {**result.metrics(), **stats, **sync, **lag_metrics(samples, version, 0), **self.sampled}
+        fields |= {"contracts": verdict, "sleep_s": sleep_s, "wake_s": wake_s}
         return self.record(step, version, samples, (t0, t1, t2, t3), fields)
 
     def record(self, step: int, version: int, samples: list[Sample], times: tuple, fields: dict) -> StepRecord:
@@ -373,7 +392,7 @@ class Driver:
             row = loop.step(step) if loop is not None else self.step(step)
             self.logger.log(row)
             rows.append(row)
-            c, off = row.consistency, row.offpolicy.lag0_ratio_off
+            c, off = row.consistency, (row.offpolicy.lag0_ratio_off or 0) + (row.train.first_ratio_off or 0)
             if self.cfg.fail_on_mismatch and self.strict and c.mismatch_count:
                 raise ComparabilityError(
                     f"strict run, step {step}: {c.mismatch_count} of {c.tokens} tokens "
@@ -381,8 +400,8 @@ class Driver:
                 )
             if self.cfg.fail_on_mismatch and self.strict and off:
                 raise ComparabilityError(
-                    f"strict run, step {step}: the importance ratio of {off:.0f} token(s) "
-                    "produced by the current weights is not exactly 1.0"
+                    f"strict run, step {step}: the importance ratio (or the first update's ratio) of {off:.0f} "
+                    "token(s) produced by the current weights is not exactly 1.0"
                 )
             stop = checkpoint.after_step(self, step, rows)
             if stops.stop_requested():

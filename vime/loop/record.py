@@ -50,6 +50,13 @@ class Rollout:
     tied_groups: int = 0
     correct_frac: float = 0.0
     response_len_mean: float = 0.0
+    # the synchronous loop's sampling (vime/loop/sampling.py): prompt batches the step sampled, tied groups
+    # algo.dynamic_sampling dropped, prompts consumed by the run so far (the data position); algo.kl_in_reward:
+    # the mean reward penalty kl_coef x summed KL
+    sample_rounds: int | None = None
+    dropped_groups: int | None = None
+    prompts_consumed: int | None = None
+    kl_penalty_mean: float | None = None
 
 
 @dataclass
@@ -62,6 +69,8 @@ class Train:
     ratio_mean: float | None = None
     kl: float | None = None
     grad_norm: float | None = None
+    updates: int | None = None  # optimizer steps of the step (algo.mini_batches x ppo_epochs)
+    first_ratio_off: float | None = None  # tokens of the first update whose ratio is not exactly 1 (must be 0)
 
 
 @dataclass

@@ -158,6 +158,7 @@ def save(driver, step: int, rows: list[StepRecord], wandb_id: str | None) -> Pat
         "rows": [r.row() for r in rows],
         "rng": rng_state(),
         "wandb_id": wandb_id,
+        "prompt_batches": getattr(driver, "prompt_batches", step + 1),  # the data position (vime.loop.sampling)
     }
     if in_flight is not None:
         state["async"] = in_flight

@@ -39,7 +39,8 @@ class TrainerWorker:
         correction: dict | None = None,
         kept_versions: int = 0,
     ):
-        """`correction`: LossConfig's off-policy correction fields (correction, is_cap, icepop_low/high);
+        """`correction`: LossConfig fields over `clip_eps` / `kl_coef` (the off-policy correction's: correction,
+        is_cap, icepop_low/high; the objective's: `vime.config.schema.loss_fields`);
         `kept_versions`: how many weight versions to keep for `score_behaviour` (0: none), where
         `cfg.kept_on` says."""
         redirect_output()
@@ -48,11 +49,8 @@ class TrainerWorker:
         self.rank, self.world_size, self.cfg, self.modes = rank, world_size, cfg, modes
         self._args = (model_path, dtype, device)
         self.loss = LossConfig(
-            clip_low=clip_eps,
-            clip_high=clip_eps,
-            kl_coef=kl_coef,  # fixed for the run
-            **(correction or {}),
-        )
+            **({"clip_low": clip_eps, "clip_high": clip_eps, "kl_coef": kl_coef} | (correction or {}))
+        )  # fixed for the run
         self.kept_versions = kept_versions
         self.kept: dict[int, dict[str, torch.Tensor]] = {}  # version -> HF-named weights (`cfg.kept_on`)
         self._paged = None  # a Qwen3Reference for mixed-version re-scoring, made on first use
@@ -210,6 +208,24 @@ class TrainerWorker:
                 vocab_size=self.engine.vocab_size,
             )
             for s, lp, p in zip(samples, logprobs, positions)
+        ]
+
+    def reference_kl(self, samples: list[Sample]) -> list[float]:
+        """Per sample, the summed per-token KL (`algo.kl_estimator`) of its rollout logprobs to the reference
+        policy's (the frozen initial weights; collective): the reward penalty of `algo.kl_in_reward`."""
+        from vime.trainer.grpo import score
+        from vime.trainer.losses import kl_penalty
+
+        ref = score(
+            self.engine.ref,
+            [s.prompt_ids + s.response_ids for s in samples],
+            [len(s.prompt_ids) for s in samples],
+            one_temperature(samples),
+            self.engine.micro_batch_size,
+        )
+        return [
+            float(kl_penalty(torch.tensor(s.logprobs, dtype=torch.float32), r, self.loss.kl_estimator).sum())
+            for s, r in zip(samples, ref)
         ]
 
     def evidence(self) -> list[dict]:

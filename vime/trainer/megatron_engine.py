@@ -73,7 +73,7 @@ class MegatronTrainer:
         return logprobs, [list(range(p, len(s))) for s, p in zip(sequences, prompt_lens)]
 
     def train_step(self, batch: grpo.TrainBatch) -> dict[str, float]:
-        if self.ref is not None:
+        if self.loss.kl_in_loss:  # with algo.kl_in_reward the KL went into the rewards (`reference_kl`)
             batch.ref_logprobs = grpo.score(
                 self.ref, batch.sequences, batch.prompt_lens, batch.temperature, self.micro_batch_size
             )
