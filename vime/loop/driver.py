@@ -24,9 +24,11 @@ from vime.cluster.remote import BUCKET_BYTES, call
 from vime.config import preflight
 from vime.config.layout import check_layout, ray_node_gpus, ray_node_resources, read_config_json, role_resources
 from vime.config.schema import Mode, VimeConfig, as_dict, kept_versions, side_modes
-from vime.data.dataset import PromptSet, load_tokenizer, model_vocab_size
+from vime.data.dataset import load_tokenizer, make_prompts, model_vocab_size, stop_token_ids
+from vime.data.reward_pool import Rewards
 from vime.engines import Sample
 from vime.errors import ComparabilityError, TrainingError, VimeError
+from vime.eval import Evaluator
 from vime.faults import restart, stops
 from vime.loop import consistency
 from vime.loop.async_loop import AsyncLoop, lag_metrics
@@ -69,6 +71,7 @@ def make_model(cfg: VimeConfig, output_dir: Path) -> str:
         num_heads=t.num_heads,
         num_kv_heads=t.num_kv_heads,
         head_dim=t.head_dim,
+        chat=t.chat,
         dtype=cfg.model.dtype,
         device=cfg.device,
     )
@@ -103,7 +106,12 @@ class Driver:
         self.model_path = make_model(cfg, self.output_dir)
         self.tokenizer = load_tokenizer(self.model_path)
         self.vocab_size = model_vocab_size(self.model_path)
-        self.prompts = PromptSet(cfg.data, self.tokenizer, self.vocab_size)
+        # prompts, stop tokens, the reward function and the eval set: every bad input is named before any engine
+        self.prompts = make_prompts(cfg.data, self.tokenizer, self.vocab_size, self.model_path)
+        self.stop_ids = stop_token_ids(cfg.data, self.tokenizer)
+        self.rewards = Rewards(cfg, self.tokenizer, self.stop_ids, cfg.algo.max_new_tokens)
+        self.reward_metrics: dict = {}
+        self.evaluator = Evaluator.build(cfg, self.tokenizer, self.vocab_size, self.model_path, self.output_dir)
         preflight.check_lengths(cfg, [p.token_ids for p in self.prompts.prompts])
         if cfg.device == "cuda" and torch.cuda.is_available():
             preflight.check_gpu_memory(
@@ -139,6 +147,7 @@ class Driver:
             ray_node_resources(nodes),
         )
         stops.install_signal_handlers()  # after ray.init: its core worker sets its own SIGTERM handler
+        self.rewards.start()
         if cfg.ray.address:
             preflight.check_resources(
                 cfg, ray.available_resources(), f"the cluster at {cfg.ray.address} has {ray.available_resources()}"
@@ -251,12 +260,11 @@ class Driver:
         batch = self.prompts.batch(step, a.prompts_per_step)
         per_engine = [[(g, p.token_ids) for g, p in enumerate(batch) if g % n == e] for e in range(n)]
         submit = lambda i: self.engines[i].generate.remote(  # noqa: E731
-            per_engine[i], a.group_size, a.max_new_tokens, a.temperature, [self.tokenizer.eos_token_id], step
+            per_engine[i], a.group_size, a.max_new_tokens, a.temperature, self.stop_ids, step
         )
         outs, self.rollout_evidence = restart.generate(self, submit, n)  # a dead engine is restarted, its share redone
         samples = sorted((s for out in outs for s in out), key=lambda s: s.group)  # stable: group order
-        for s in samples:
-            s.reward = self.prompts.reward(batch[s.group], s.response_ids)
+        self.reward_metrics = self.rewards.score(batch, samples, step)
         rewards = torch.tensor([s.reward for s in samples]).reshape(a.prompts_per_step, a.group_size)
         for s, adv in zip(samples, group_advantages(rewards, a.adv_eps).flatten().tolist()):
             s.advantage = adv
@@ -307,7 +315,14 @@ class Driver:
                 cfg.rollout.engine,
             ),
         )
-        fields = {**result.metrics(), **stats, **sync, **lag_metrics(samples, version, 0), "contracts": verdict}
+        fields = {
+            **result.metrics(),
+            **stats,
+            **sync,
+            **lag_metrics(samples, version, 0),
+            **self.reward_metrics,
+            "contracts": verdict,
+        }
         return self.record(step, version, samples, (t0, t1, t2, t3), fields)
 
     def record(self, step: int, version: int, samples: list[Sample], times: tuple, fields: dict) -> StepRecord:
@@ -357,6 +372,7 @@ class Driver:
         rows = list(self.logger.rows)  # a resumed run's steps before its checkpoint
         loop = AsyncLoop(self) if self.cfg.algo.max_staleness else None  # else: the synchronous loop
         for step in tqdm(range(self.timeline.step, self.cfg.steps), desc="steps", disable=None):
+            self.evaluate(step)
             row = loop.step(step) if loop is not None else self.step(step)
             self.logger.log(row)
             rows.append(row)
@@ -373,8 +389,15 @@ class Driver:
                 )
             if checkpoint.after_step(self, step, rows):
                 break
+        else:
+            self.evaluate(self.cfg.steps)
         self.rows = rows
         return rows
+
+    def evaluate(self, step: int) -> None:
+        """Evaluate the weights step `step` trains (version `step`) when eval is due then (vime/eval.py)."""
+        if self.evaluator is not None and self.evaluator.due(step):
+            self.evaluator.run(self, step)
 
     def finish(self, compare: list[StepRecord] | None = None) -> Path | None:
         """The figure (beside `compare`, a twin run's rows, when given), the W&B summary and the
