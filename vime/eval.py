@@ -89,7 +89,7 @@ class Evaluator:
         ]
         outs = call(refs, f"eval at step {step}", [f"rollout engine {i}" for i in range(n) if shares[i]])
         samples: list[Sample] = sorted((s for out in outs for s in out), key=lambda s: s.group)
-        scores, errors = driver.rewards.values(self.prompts, samples, step)
+        scores, errors, _ = driver.rewards.values(self.prompts, samples, step)
         passed: list[list[bool]] = [[] for _ in self.prompts]
         for s, score in zip(samples, scores):
             passed[s.group].append(score >= self.e.pass_threshold)

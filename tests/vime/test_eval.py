@@ -81,3 +81,55 @@ def test_step_record_carries_reward_errors_truncation_and_extras():
     w = rec.wandb()
     assert w["reward/errors"] == 2 and w["reward/format"] == 0.75 and w["response/truncated_frac"] == 0.25
     assert "reward_errors" not in StepRecord.from_row({"step": 0}).row()  # a run that measured none has none
+
+
+def test_run_scores_reports_and_writes_the_completions(tmp_path, monkeypatch):
+    """Evaluator.run over stand-in engines (each `generate` answers right for even rows, wrong for odd ones, on its
+    share): pass@1 / pass@n from the run's reward, the eval.jsonl row, step_<N>.jsonl, the W&B log."""
+    from vime.cluster import remote
+    from vime.config.schema import RewardConfig
+    from vime.data.dataset import Prompt
+    from vime.data.reward_pool import Rewards
+    from vime.engines import Sample
+
+    table = dict(enumerate("\x00\x01#0123456789 "))
+    tok = SimpleNamespace(decode=lambda ids: "".join(table[i] for i in ids))
+    ids = {c: i for i, c in table.items()}
+    prompts = [Prompt(10 + g, None, [3], f"q{g}", f"#### {g}", {}) for g in range(4)]
+    seeds = []
+
+    class Engine:
+        def __init__(self, e):
+            self.e, self.generate = e, SimpleNamespace(remote=self.remote)
+
+        def remote(self, share, n, max_new, temperature, stop_ids, seed_step):
+            seeds.append(seed_step)
+            out = []
+            for g, _ in share:
+                for k in range(n):
+                    text = f"#### {g if g % 2 == 0 or k == 0 else g + 1}"
+                    resp = [ids[c] for c in text] + [1]
+                    out.append(Sample(g, [3], resp, [0.0] * len(resp), [0] * len(resp), self.e, temperature))
+            return out
+
+    logged = []
+    cfg = VimeConfig(eval=EvalConfig(path="x", n=3), reward=RewardConfig(fn="math", num_workers=0))
+    driver = SimpleNamespace(
+        engines=[Engine(0), Engine(1)],
+        stop_ids=[0, 1],
+        tokenizer=tok,
+        rewards=Rewards(cfg, tok, [0, 1], 8),
+        logger=SimpleNamespace(run=SimpleNamespace(log=lambda d, step: logged.append((step, d)))),
+    )
+    monkeypatch.setattr(remote, "call", lambda refs, what, names: refs)
+    row = Evaluator(cfg, prompts, tmp_path).run(driver, 5)
+    # rows 0, 2: 3 of 3 right; rows 1, 3: only the first sample right
+    assert row["pass@1"] == pytest.approx((1 + 1 / 3 + 1 + 1 / 3) / 4) and row["pass@n"] == 1.0
+    assert row["step"] == 5 and row["prompts"] == 4 and row["n"] == 3 and row["reward_errors"] == 0
+    assert seeds == [12345 * 1_000_000 + 5] * 2  # the eval's own sampling seed, on both engines
+    assert read_rows(tmp_path) == [row]
+    lines = [json.loads(line) for line in (tmp_path / "eval" / "step_5.jsonl").read_text().splitlines()]
+    assert len(lines) == 12
+    assert [(d["row"], d["sample"], d["passed"]) for d in lines[3:6]] == [(11, 0, True), (11, 1, False), (11, 2, False)]
+    assert lines[3]["response"] == "#### 1" and lines[3]["label"] == "#### 1"
+    assert logged == [(5, {f"eval/{k}": v for k, v in row.items() if k != "step"})]

@@ -7,6 +7,7 @@ import math
 import sys
 import textwrap
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -108,6 +109,8 @@ def test_user_functions_resolve_by_module_or_file(user_module):
     by_file = rewards.resolve(f"{user_module / 'fns.py'}:score")
     assert by_file("p", "a", "b", {}) == {"score": 0.0, "length": 1}
     assert rewards.import_paths("myrewards.fns:score") == [str(user_module.parent)]
+    assert rewards.absolute("rel/fns.py:score") == f"{Path.cwd() / 'rel' / 'fns.py'}:score"  # what workers import
+    assert rewards.absolute("myrewards.fns:score") == "myrewards.fns:score" and rewards.absolute(None) is None
     assert rewards.import_paths("math") == [] and rewards.import_paths(f"{user_module / 'fns.py'}:score") == []
 
 

@@ -93,6 +93,7 @@ class Rewards:
     def __init__(self, cfg, tokenizer, stop_ids: list[int], max_new_tokens: int):
         r = cfg.reward
         self.spec, self.cfg, self.tokenizer, self.stop_ids = r.fn or "task", r, tokenizer, list(stop_ids)
+        self.worker_spec = rewards.absolute(r.fn)  # a file path as the driver resolves it (a worker's cwd may differ)
         self.max_new_tokens = max_new_tokens
         self.local = Scorer(r.fn, r.pattern, [])  # ConfigError here names a bad fn before anything starts
         self.paths = rewards.import_paths(r.fn)
@@ -109,7 +110,7 @@ class Rewards:
 
         Worker = ray.remote(num_cpus=0)(RewardWorker)  # noqa: N806 - a class
         self.workers = [
-            Worker.options(name=f"reward-{i}").remote(self.cfg.fn, self.cfg.pattern, self.paths)
+            Worker.options(name=f"reward-{i}").remote(self.worker_spec, self.cfg.pattern, self.paths)
             for i in range(self.cfg.num_workers)
         ]
         names = [f"reward worker {i}" for i in range(len(self.workers))]

@@ -167,6 +167,14 @@ def _load_module(where: str, spec: str):
         ) from None
 
 
+def absolute(spec: str | None) -> str | None:
+    """`spec` with a `path/to/file.py` made absolute (against this process's working directory)."""
+    if not spec or not spec.rpartition(":")[0].endswith(".py"):
+        return spec
+    where, _, name = spec.rpartition(":")
+    return f"{Path(where).expanduser().resolve()}:{name}"
+
+
 def import_paths(spec: str | None) -> list[str]:
     """The sys.path entries a worker needs to import `module.path:function` as the driver did (none for a
     built-in or a file path): the directory its top package is in."""
