@@ -3,7 +3,8 @@
 The checkpoint is a plain Hugging Face one (config.json + model.safetensors), so transformers,
 vLLM, Megatron's HF loader and `Qwen3Reference` all load it. The tokenizer is character-level:
 special tokens, printable ASCII, then filler tokens `<t{i}>` up to the model vocab, so every id the
-model can sample decodes to something.
+model can sample decodes to something. `chat=True` adds a newline and Qwen3's special tokens (`<|endoftext|>`
+as eos, `<|im_start|>`, `<|im_end|>`, `<think>`, `</think>`) before the fillers, and a Qwen3-style chat template.
 """
 
 from __future__ import annotations
@@ -14,23 +15,42 @@ from pathlib import Path
 import torch
 
 SPECIAL_TOKENS = ("<pad>", "<unk>", "<bos>", "<eos>")
+QWEN3_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>")
+# Qwen3's template, less tools: turns as <|im_start|>role\n...<|im_end|>\n; the generation prompt opens the
+# assistant's turn, with an empty think block when enable_thinking is false
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}"
+    "{%- if enable_thinking is defined and enable_thinking is false -%}{{- '<think>\\n\\n</think>\\n\\n' -}}"
+    "{%- endif -%}{%- endif -%}"
+)
 
 
-def _tokenizer(vocab_size: int):
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+def _tokenizer(vocab_size: int, chat: bool = False):
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     chars = [c for c in string.printable if c not in "\t\n\r\x0b\x0c"]  # 95 printable, incl. space
-    words = list(SPECIAL_TOKENS) + chars
+    words = list(SPECIAL_TOKENS) + chars + (["\n", *QWEN3_SPECIAL_TOKENS] if chat else [])
     if vocab_size < len(words):
         raise ValueError(f"vocab_size={vocab_size} is below the {len(words)} tokens of the char tokenizer")
     words += [f"<t{i}>" for i in range(len(words), vocab_size)]
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    # one token per character ("[\\s\\S]": the newline too, which "." does not match)
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("[\\s\\S]" if chat else "."), behavior="isolated")
     tok.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>", bos_token="<bos>", eos_token="<eos>"
+    if not chat:
+        return PreTrainedTokenizerFast(
+            tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>", bos_token="<bos>", eos_token="<eos>"
+        )
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in QWEN3_SPECIAL_TOKENS])
+    out = PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>", bos_token="<bos>", eos_token="<|endoftext|>"
     )
+    out.chat_template = CHAT_TEMPLATE
+    return out
 
 
 MAX_POSITION_EMBEDDINGS = 4096  # the context of every tiny checkpoint
@@ -50,12 +70,14 @@ def make_tiny_qwen3(
     dtype: str = "bfloat16",
     device: str = "cpu",
     init_std: float = 0.1,
+    chat: bool = False,
 ) -> Path:
     """Write a randomly initialised (seeded) Qwen3ForCausalLM checkpoint and its tokenizer to `path`.
 
     Untied LM head, rope theta 1e6, 4096 max positions; weights stored in `dtype` ("bfloat16",
     "float32" or "float16"); linear and embedding weights drawn with standard deviation `init_std`. The same
-    arguments give the same bytes. Returns `path`.
+    arguments give the same bytes. `chat=True`: the tokenizer with Qwen3's special tokens and a chat template
+    (`_tokenizer`). Returns `path`.
     `device="cpu"` initialises the weights as transformers does; another device (a GPU: seconds for
     billions of parameters, where transformers' CPU init takes minutes) draws them there from one seeded
     generator with the same distributions (linear and embedding weights normal(0, init_std), norm weights
@@ -67,7 +89,7 @@ def make_tiny_qwen3(
         raise ValueError(f"dtype must be 'bfloat16', 'float32' or 'float16', got {dtype!r}")
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    tokenizer = _tokenizer(vocab_size)
+    tokenizer = _tokenizer(vocab_size, chat)
     config = Qwen3Config(
         vocab_size=vocab_size,
         hidden_size=hidden_size,

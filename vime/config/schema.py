@@ -119,6 +119,7 @@ class TinyModelConfig:
     num_heads: int = 4
     num_kv_heads: int = 2
     head_dim: int = 32
+    chat: bool = False  # a tokenizer with Qwen3's special tokens and a chat template (for data.chat_template)
 
 
 class LogitsDtype(StrEnum):
@@ -151,7 +152,89 @@ class DataConfig:
     max_operand: int = 99  # arithmetic: operands in [0, max_operand]
     min_len: int = 3  # reverse: string lengths in [min_len, max_len]
     max_len: int = 6
-    seed: int = 0
+    seed: int = 0  # the generated tasks' draw, and the shuffle of data.path's rows
+    # Dataset files (vime/data/files.py); null: the generated `task`. A file, a dir or a glob of .jsonl /
+    # .json / .parquet shards, read offline with `datasets`.
+    path: str | None = None
+    prompt_key: str = "prompt"  # column of the prompt: a string, or chat messages [{"role", "content"}]
+    answer_key: str = "answer"  # column of the label the reward gets; every other column is its metadata
+    shuffle: bool = True  # reshuffle the rows every epoch (seeded by `seed` and the epoch)
+    max_prompt_tokens: int | None = None  # drop longer prompts (counted at start-up); null: keep every one
+    chat_template: bool = False  # render prompts with the tokenizer's chat template (a generation prompt)
+    system_prompt: str | None = None  # with chat_template: a system message before each prompt
+    template_kwargs: dict[str, Any] = field(default_factory=dict)  # to the template, e.g. {enable_thinking: false}
+
+    def __post_init__(self) -> None:
+        _require(
+            self.max_prompt_tokens is None or self.max_prompt_tokens >= 1,
+            f"data.max_prompt_tokens={self.max_prompt_tokens}",
+            "use null (keep every prompt) or a token count >= 1",
+        )
+
+
+# what a reward function's failure (exception, timeout, NaN / inf, not a number) does (`reward.on_error`)
+ON_ERROR = {
+    "raise": "stop the run with one line naming the sample, the function and the error",
+    "zero": "the sample's reward is 0, counted in reward/errors",
+}
+
+
+@dataclass
+class RewardConfig:
+    """The reward of a response (vime/data/rewards.py). `fn`: a built-in (`task`: the generated task's; `math`,
+    `exact`, `regex`) or the user's `module.path:function` / `path/to/file.py:function`, called as
+    score(prompt: str, response: str, label, metadata: dict) -> float | dict (a dict: `score` plus extras logged
+    as reward/<name>), plain or `async def`. null: `task` (with data.task; data.path needs a fn)."""
+
+    fn: str | None = None
+    pattern: str | None = None  # fn=regex: the response scores 1 when it has a match whose group 1 (else the
+    # whole match) equals the label; `{label}` in the pattern is replaced by the escaped label first
+    num_workers: int = 2  # Ray actors that score a step's samples in parallel (0: in the driver, one at a time)
+    timeout_s: float = 30.0  # per sample; a slower call is an error (reward.on_error)
+    on_error: str = "raise"  # raise | zero (ON_ERROR)
+    # DAPO's overlong shaping: a response longer than algo.max_new_tokens - overlong_buffer tokens loses up to
+    # overlong_penalty, linearly over the buffer (0: off)
+    overlong_buffer: int = 0
+    overlong_penalty: float = 1.0
+
+    def __post_init__(self) -> None:
+        _require(self.num_workers >= 0, f"reward.num_workers={self.num_workers}", "use 0 (in the driver) or more")
+        _require(self.timeout_s > 0 and math.isfinite(self.timeout_s), f"reward.timeout_s={self.timeout_s}", "use > 0")
+        _require(self.on_error in ON_ERROR, f"reward.on_error={self.on_error!r}", f"use one of {', '.join(ON_ERROR)}")
+        _require(self.overlong_buffer >= 0, f"reward.overlong_buffer={self.overlong_buffer}", "use 0 (off) or more")
+        _require(
+            self.overlong_penalty >= 0 and math.isfinite(self.overlong_penalty),
+            f"reward.overlong_penalty={self.overlong_penalty}",
+            "use a finite penalty >= 0",
+        )
+
+
+@dataclass
+class EvalConfig:
+    """Held-out evaluation on the rollout engines between steps (vime/eval.py): at step 0, every `every` steps
+    and at the end; `n` samples per prompt at `temperature`; pass@1 (mean over the n), pass@n, response_len_mean
+    as eval/* in W&B and on the console, rows in <output_dir>/eval.jsonl, completions in
+    <output_dir>/eval/step_<N>.jsonl. The file's format and keys are data's (data.prompt_key, answer_key,
+    chat_template). A sample passes when its reward is >= `pass_threshold`."""
+
+    path: str | None = None  # null: no evaluation
+    every: int = 0  # also every N steps (0: only at step 0 and at the end)
+    n: int = 4
+    temperature: float = 1.0
+    max_prompts: int = 0  # the first this many rows (0: all)
+    max_new_tokens: int | None = None  # null: algo.max_new_tokens
+    pass_threshold: float = 1.0
+    seed: int = 12345  # the eval sampling's seed, apart from the training's (eval does not move its RNG)
+
+    def __post_init__(self) -> None:
+        _require(self.every >= 0, f"eval.every={self.every}", "use 0 (start and end only) or N >= 1")
+        _require(self.n >= 1, f"eval.n={self.n}", "use n >= 1 samples per prompt")
+        _require(self.max_prompts >= 0, f"eval.max_prompts={self.max_prompts}", "use 0 (all) or more")
+        _require(
+            math.isfinite(self.temperature) and self.temperature > 0,
+            f"eval.temperature={self.temperature}",
+            "use a finite temperature > 0",
+        )
 
 
 @dataclass
@@ -368,6 +451,8 @@ class VimeConfig:
     # <output_dir>/plan.json; exits 0 without starting an engine or touching CUDA (vime/cluster/plan.py)
     plan: bool = False
     plan_gpu_gib: float = 139.8  # the GPU size a plan checks memory against (H200: 139.8 GiB); no GPU is read
+    reward: RewardConfig = field(default_factory=RewardConfig)  # the reward function (vime/data/rewards.py)
+    eval: EvalConfig = field(default_factory=EvalConfig)  # held-out evaluation (vime/eval.py)
 
 
 def register_configs() -> None:
@@ -481,6 +566,7 @@ def validate(cfg: VimeConfig) -> VimeConfig:
     )
     _validate_async(cfg)
     _validate_objectives(cfg)
+    _validate_data(cfg)
     if cfg.device == "cpu":
         _require(
             r.engine != RolloutBackend.vllm or r.tp <= 2,
@@ -641,6 +727,30 @@ def loss_fields(cfg: VimeConfig) -> dict[str, Any]:
             )
         },
     }
+
+
+def _validate_data(cfg: VimeConfig) -> None:
+    """Data, reward and eval settings that meet (issue 36)."""
+    _require(
+        not cfg.data.path or cfg.reward.fn not in (None, "task"),
+        f"data.path={cfg.data.path} with reward.fn={cfg.reward.fn or 'null'} (the generated task's reward)",
+        "set reward.fn: math, exact, regex or your module.path:function",
+    )
+    _require(
+        cfg.reward.fn != "regex" or bool(cfg.reward.pattern),
+        "reward.fn=regex without reward.pattern",
+        "set reward.pattern (e.g. 'answer: (\\d+)')",
+    )
+    _require(
+        cfg.reward.overlong_buffer < cfg.algo.max_new_tokens,
+        f"reward.overlong_buffer={cfg.reward.overlong_buffer} >= algo.max_new_tokens={cfg.algo.max_new_tokens}",
+        "use a buffer below algo.max_new_tokens (or 0: off)",
+    )
+    _require(
+        not cfg.eval.path or cfg.algo.max_staleness == 0,
+        f"eval.path with algo.max_staleness={cfg.algo.max_staleness}",
+        "evaluation runs between the synchronous loop's steps: set algo.max_staleness=0 or unset eval.path",
+    )
 
 
 def kept_versions(cfg: VimeConfig) -> int:

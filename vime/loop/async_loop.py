@@ -187,7 +187,7 @@ class AsyncLoop:
         if self.cfg.rollout.partial and self.cfg.rollout.partial_wait:
             wait = max(0, step - self.n + 1)  # the version pushed after the step that runs beside this rollout
         return self.d.engines[engine].generate.remote(
-            share, a.group_size, a.max_new_tokens, a.temperature, [self.d.tokenizer.eos_token_id], step, wait, True
+            share, a.group_size, a.max_new_tokens, a.temperature, self.d.stop_ids, step, wait, True
         )
 
     def submit(self, step: int) -> None:
@@ -223,8 +223,7 @@ class AsyncLoop:
         outs = [out for out, _ in shares]
         self.d.rollout_evidence = [e for _, ev in shares for e in ev]
         samples = sorted((s for out in outs for s in out), key=lambda s: s.group)
-        for s in samples:
-            s.reward = self.d.prompts.reward(sub.batch[s.group], s.response_ids)
+        self.d.reward_metrics = self.d.rewards.score(sub.batch, samples, step)
         a = self.cfg.algo
         rewards = torch.tensor([s.reward for s in samples]).reshape(len(sub.batch), a.group_size)
         for s, adv in zip(samples, advantages(rewards, a.adv_estimator, a.adv_eps).flatten().tolist()):
@@ -290,6 +289,7 @@ class AsyncLoop:
             **stats,
             **sync,
             **lag_metrics(samples, version, self.n),
+            **d.reward_metrics,
             "rollout_staleness_max": lag_all["staleness_max"],
             "stale_groups": len(stale),
             "requeued_groups": len(stale) * (cfg.algo.stale_samples == "requeue"),

@@ -25,9 +25,11 @@ from vime.cluster.remote import BUCKET_BYTES, call
 from vime.config import preflight
 from vime.config.layout import check_layout, ray_node_gpus, ray_node_resources, read_config_json
 from vime.config.schema import Mode, VimeConfig, as_dict, kept_versions, loss_fields, side_modes
-from vime.data.dataset import PromptSet, load_tokenizer, model_vocab_size
+from vime.data.dataset import load_tokenizer, make_prompts, model_vocab_size, stop_token_ids
+from vime.data.reward_pool import Rewards
 from vime.engines import Sample
 from vime.errors import ComparabilityError, DataError, TrainingError
+from vime.eval import Evaluator
 from vime.faults import restart, stops
 from vime.loop import consistency, sampling
 from vime.loop.async_loop import AsyncLoop, lag_metrics
@@ -69,6 +71,7 @@ def make_model(cfg: VimeConfig, output_dir: Path) -> str:
         num_heads=t.num_heads,
         num_kv_heads=t.num_kv_heads,
         head_dim=t.head_dim,
+        chat=t.chat,
         dtype=cfg.model.dtype,
         device="cpu" if cfg.plan else cfg.device,  # a plan never initialises CUDA
     )
@@ -103,7 +106,12 @@ class Driver:
         self.model_path = make_model(cfg, self.output_dir)
         self.tokenizer = load_tokenizer(self.model_path)
         self.vocab_size = model_vocab_size(self.model_path)
-        self.prompts = PromptSet(cfg.data, self.tokenizer, self.vocab_size)
+        # prompts, stop tokens, the reward function and the eval set: every bad input is named before any engine
+        self.prompts = make_prompts(cfg.data, self.tokenizer, self.vocab_size, self.model_path)
+        self.stop_ids = stop_token_ids(cfg.data, self.tokenizer)
+        self.rewards = Rewards(cfg, self.tokenizer, self.stop_ids, cfg.algo.max_new_tokens)
+        self.reward_metrics: dict = {}
+        self.evaluator = Evaluator.build(cfg, self.tokenizer, self.vocab_size, self.model_path, self.output_dir)
         preflight.check_lengths(cfg, [p.token_ids for p in self.prompts.prompts])
         if cfg.device == "cuda" and (cfg.plan or torch.cuda.is_available()):  # a plan never initialises CUDA
             gpu_bytes = cfg.plan_gpu_gib * 2**30 if cfg.plan else torch.cuda.get_device_properties(0).total_memory
@@ -138,6 +146,7 @@ class Driver:
             ray_node_resources(nodes),
         )
         stops.install_signal_handlers()  # after ray.init: its core worker sets its own SIGTERM handler
+        self.rewards.start()
         if cfg.ray.address:
             preflight.check_resources(
                 cfg, ray.available_resources(), f"the cluster at {cfg.ray.address} has {ray.available_resources()}"
@@ -254,18 +263,19 @@ class Driver:
         batch = self.prompts.batch(index, a.prompts_per_step)
         per_engine = [[(g, p.token_ids) for g, p in enumerate(batch) if g % n == e] for e in range(n)]
         submit = lambda i: self.engines[i].generate.remote(  # noqa: E731
-            per_engine[i], a.group_size, a.max_new_tokens, a.temperature, [self.tokenizer.eos_token_id], index
+            per_engine[i], a.group_size, a.max_new_tokens, a.temperature, self.stop_ids, index
         )
         outs, evidence = restart.generate(self, submit, n)  # a dead engine is restarted, its share redone
         samples = sorted((s for out in outs for s in out), key=lambda s: s.group)  # stable: group order
-        for s in samples:
-            s.reward = self.prompts.reward(batch[s.group], s.response_ids)
+        self.reward_metrics = self.rewards.score(batch, samples, index)
+        self.reward_errors += self.reward_metrics["reward_errors"]
         return batch, samples, evidence
 
     def rollout(self, step: int) -> list[Sample]:
         """Step `step`'s samples with rewards and advantages (`vime.loop.sampling`); its sampling metrics in
         `self.sampled`."""
         a = self.cfg.algo
+        self.reward_errors = 0
         picked = sampling.sample_step(self.generate, self.prompt_batches, a)
         self.prompt_batches += picked.rounds
         self.rollout_evidence = picked.evidence
@@ -274,6 +284,9 @@ class Driver:
         if a.kl_in_reward:  # the reward penalty: each sample's summed KL to the reference, from the trainer
             kl = self._call(self.trainer, "reference_kl", "reference KL", samples, trainer=True)[0]
         sampling.assign_advantages(samples, a, kl)
+        truncated = sum(s.finish_reason == "length" for s in samples) / max(1, len(samples))
+        # errors of every round sampled; the truncated share of the samples trained on
+        self.reward_metrics |= {"reward_errors": self.reward_errors, "truncated_frac": truncated}
         self.sampled = {
             "sample_rounds": picked.rounds,
             "dropped_groups": picked.dropped,
@@ -331,7 +344,7 @@ class Driver:
             ),
         )
         fields = {**result.metrics(), **stats, **sync, **lag_metrics(samples, version, 0), **self.sampled}
-        fields |= {"contracts": verdict, "sleep_s": sleep_s, "wake_s": wake_s}
+        fields |= {**self.reward_metrics, "contracts": verdict, "sleep_s": sleep_s, "wake_s": wake_s}
         return self.record(step, version, samples, (t0, t1, t2, t3), fields)
 
     def record(self, step: int, version: int, samples: list[Sample], times: tuple, fields: dict) -> StepRecord:
@@ -389,6 +402,7 @@ class Driver:
         """The steps from the timeline's to `steps`, each appended to `rows`. A stop signal during one lets it
         finish and be checkpointed (vime.faults.stops.finishing_steps), then stops."""
         for step in tqdm(range(self.timeline.step, self.cfg.steps), desc="steps", disable=None):
+            self.evaluate(step)
             row = loop.step(step) if loop is not None else self.step(step)
             self.logger.log(row)
             rows.append(row)
@@ -411,6 +425,13 @@ class Driver:
                 log.warning("the stop came during the last step: the run is complete")
             if stop:
                 break
+        else:
+            self.evaluate(self.cfg.steps)
+
+    def evaluate(self, step: int) -> None:
+        """Evaluate the weights step `step` trains (version `step`) when eval is due then (vime/eval.py)."""
+        if self.evaluator is not None and self.evaluator.due(step):
+            self.evaluator.run(self, step)
 
     def finish(self, compare: list[StepRecord] | None = None) -> Path | None:
         """The figure (beside `compare`, a twin run's rows, when given), the W&B summary and the

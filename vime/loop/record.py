@@ -60,6 +60,23 @@ class Rollout:
 
 
 @dataclass
+class Response:
+    """How the step's responses ended: the share cut at algo.max_new_tokens (no stop token)."""
+
+    truncated_frac: float | None = None
+
+
+@dataclass
+class Reward:
+    """The reward function's side (vime/data/reward_pool.py): samples whose call failed under
+    reward.on_error=zero (scored 0), and the step's mean of each extra value a dict-returning function gave
+    (`extras[name]`: row key and W&B key `reward/<name>`)."""
+
+    reward_errors: int | None = None
+    extras: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
 class Train:
     """The trainer's update: the loss and its parts, the PPO ratio's mean and clipped share, the gradient norm."""
 
@@ -132,6 +149,8 @@ class StepRecord:
     timing: Timing = field(default_factory=Timing)
     weights: Weights = field(default_factory=Weights)
     offpolicy: OffPolicy = field(default_factory=OffPolicy)
+    response: Response = field(default_factory=Response)
+    reward: Reward = field(default_factory=Reward)
     samples: list = field(default_factory=list)
     contracts: dict[str, str] = field(default_factory=dict)
     strict: bool = False
@@ -139,7 +158,16 @@ class StepRecord:
     rollout_engine: str = ""
     trainer_engine: str = ""
 
-    GROUPS: ClassVar[tuple[str, ...]] = ("consistency", "rollout", "train", "timing", "weights", "offpolicy")
+    GROUPS: ClassVar[tuple[str, ...]] = (
+        "consistency",
+        "rollout",
+        "train",
+        "timing",
+        "weights",
+        "offpolicy",
+        "response",
+        "reward",
+    )
 
     def row(self) -> dict[str, Any]:
         """The flat row of metrics.jsonl: every field by its name (a group's unset optional fields left
@@ -151,6 +179,8 @@ class StepRecord:
                 value = getattr(group, f.name)
                 if f.name == "lag_share":
                     out |= {f"lag_share_{k}": v for k, v in sorted(value.items())}
+                elif f.name == "extras":
+                    out |= {f"reward/{k}": _jsonable(v) for k, v in sorted(value.items())}
                 elif value is not None:
                     out[f.name] = _jsonable(value)
         return out | {
@@ -167,10 +197,12 @@ class StepRecord:
         """The record of a flat row (`row()`'s inverse, or the metrics a step gathered); a key no group
         declares raises ValueError naming it."""
         groups = {name: {} for name in cls.GROUPS}
-        top, shares = {}, {}
+        top, shares, extras = {}, {}, {}
         for key, value in row.items():
             if key.startswith("lag_share_"):
                 shares[int(key.removeprefix("lag_share_"))] = float(value)
+            elif key.startswith("reward/"):
+                extras[key.removeprefix("reward/")] = float(_number(value))
             elif key in _OWNER:
                 groups[_OWNER[key]][key] = _number(value)
             elif key in _TOP:
@@ -178,6 +210,7 @@ class StepRecord:
             else:
                 raise ValueError(f"step metric {key!r} is not a field of vime.loop.record.StepRecord: declare it there")
         groups["offpolicy"]["lag_share"] = shares
+        groups["reward"]["extras"] = extras
         return cls(**top, **{name: _GROUP_TYPES[name](**values) for name, values in groups.items()})
 
     def parity_summary(self) -> dict[str, float]:
@@ -190,8 +223,10 @@ class StepRecord:
         out = {}
         for key, value in self.row().items():
             group = "offpolicy" if key.startswith("lag_share_") else _OWNER.get(key)
-            if group and isinstance(value, int | float) and not isinstance(value, bool):
-                out[f"{group}/{key}"] = value
+            if key.startswith("reward/") and isinstance(value, int | float):
+                out[key] = value
+            elif group and isinstance(value, int | float) and not isinstance(value, bool):
+                out[f"{group}/{key.removeprefix('reward_') if group == 'reward' else key}"] = value
         return out
 
 
@@ -211,6 +246,13 @@ _GROUP_TYPES = {
     "timing": Timing,
     "weights": Weights,
     "offpolicy": OffPolicy,
+    "response": Response,
+    "reward": Reward,
 }
-_OWNER = {f.name: name for name, cls in _GROUP_TYPES.items() for f in dataclasses.fields(cls) if f.name != "lag_share"}
+_OWNER = {
+    f.name: name
+    for name, cls in _GROUP_TYPES.items()
+    for f in dataclasses.fields(cls)
+    if f.name not in ("lag_share", "extras")
+}
 _TOP = {f.name for f in fields(StepRecord)} - set(StepRecord.GROUPS)

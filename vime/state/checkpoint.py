@@ -6,7 +6,8 @@ Layout under `<output_dir>`:
     checkpoints/step_<k>/trainer/    the trainer's native distributed checkpoint: Megatron
                                      dist-checkpointing (model + optimizer, every rank writes its shards)
     checkpoints/step_<k>/rng/        RNG states of every trainer rank
-    checkpoints/step_<k>/state.pt    driver state: next step (the data position), weight version,
+    checkpoints/step_<k>/state.pt    driver state: next step, the prompt stream's position and epoch
+                                     order (`data`), weight version,
                                      metrics so far, driver RNG states, the W&B run id; an asynchronous
                                      run (algo.max_staleness >= 1) adds its rollouts in flight (`async`)
     checkpoints/step_<k>/kept/       an asynchronous run's kept weight versions older than the
@@ -159,6 +160,7 @@ def save(driver, step: int, rows: list[StepRecord], wandb_id: str | None) -> Pat
         "rng": rng_state(),
         "wandb_id": wandb_id,
         "prompt_batches": getattr(driver, "prompt_batches", step + 1),  # the data position (vime.loop.sampling)
+        "data": driver.prompts.state_dict(),  # the prompt stream's position and the epoch's order
     }
     if in_flight is not None:
         state["async"] = in_flight
@@ -343,6 +345,8 @@ def restore(driver, path: Path) -> dict[str, Any]:
         driver.cfg.rollout.engine,
     )
     set_rng_state(state["rng"])
+    if "data" in state:  # (a checkpoint of a vime before dataset files has none: its task batches are by step)
+        driver.prompts.load_state_dict(state["data"])
     log.info("resumed from %s: weight version %d, next step %d", path, state["version"], state["next_step"])
     if (
         state["next_step"] >= driver.cfg.steps
