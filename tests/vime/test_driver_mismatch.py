@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 
 from vime.config.schema import RolloutBackend, TrainerBackend, VimeConfig, side_modes
-from vime.data.dataset import PromptSet, load_tokenizer, model_vocab_size
 from vime.engines import Sample
 from vime.loop import driver as driver_mod
 from vime.loop.driver import Driver, correction_fields
@@ -68,9 +67,8 @@ def _driver(tmp_path: Path, model: Path, monkeypatch: pytest.MonkeyPatch, flip: 
     trainer.start("")
     d.engines, d.trainer, d.weight_paths = [_Here(rollout)], [_Here(trainer)], ["object_store"]
     d.timeline.acknowledged(0, 0)
-    d.tokenizer = load_tokenizer(str(model))
-    d.vocab_size = model_vocab_size(str(model))
-    d.prompts = PromptSet(cfg.data, d.tokenizer, d.vocab_size)
+    d.model_path = str(model)
+    d.load_data()
     d.labels = {"rollout_engine": "reference", "trainer_engine": "reference"}
     return d
 

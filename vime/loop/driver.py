@@ -92,6 +92,7 @@ class Driver:
         self.resumed: dict | None = None  # the driver state of the checkpoint this run continues from
         self.stopped_after: int | None = None  # set when `checkpoint.stop_after` ended the run early
         self.engine_restarts = 0  # rollout engines restarted after dying (vime/faults/restart.py)
+        self.prompt_batches = 0  # prompt batches consumed (vime.loop.sampling); a resume sets its checkpoint's
 
     # ---- set-up ----------------------------------------------------------------------------
 
@@ -104,14 +105,7 @@ class Driver:
 
             transformers.utils.logging.disable_progress_bar()
         self.model_path = make_model(cfg, self.output_dir)
-        self.tokenizer = load_tokenizer(self.model_path)
-        self.vocab_size = model_vocab_size(self.model_path)
-        # prompts, stop tokens, the reward function and the eval set: every bad input is named before any engine
-        self.prompts = make_prompts(cfg.data, self.tokenizer, self.vocab_size, self.model_path)
-        self.stop_ids = stop_token_ids(cfg.data, self.tokenizer)
-        self.rewards = Rewards(cfg, self.tokenizer, self.stop_ids, cfg.algo.max_new_tokens)
-        self.reward_metrics: dict = {}
-        self.evaluator = Evaluator.build(cfg, self.tokenizer, self.vocab_size, self.model_path, self.output_dir)
+        self.load_data()
         preflight.check_lengths(cfg, [p.token_ids for p in self.prompts.prompts])
         if cfg.device == "cuda" and (cfg.plan or torch.cuda.is_available()):  # a plan never initialises CUDA
             gpu_bytes = cfg.plan_gpu_gib * 2**30 if cfg.plan else torch.cuda.get_device_properties(0).total_memory
@@ -249,6 +243,18 @@ class Driver:
             checkpoint.restore_metrics(self.logger, self.resumed["rows"])
         # prompt batches consumed so far (vime.loop.sampling): one a step unless algo.dynamic_sampling
         self.prompt_batches = (self.resumed or {}).get("prompt_batches", self.timeline.step)
+
+    def load_data(self) -> None:
+        """The tokenizer of `self.model_path`, the prompts, stop tokens, reward function and eval set: every bad
+        input is named before any engine starts."""
+        cfg = self.cfg
+        self.tokenizer = load_tokenizer(self.model_path)
+        self.vocab_size = model_vocab_size(self.model_path)
+        self.prompts = make_prompts(cfg.data, self.tokenizer, self.vocab_size, self.model_path)
+        self.stop_ids = stop_token_ids(cfg.data, self.tokenizer)
+        self.rewards = Rewards(cfg, self.tokenizer, self.stop_ids, cfg.algo.max_new_tokens)
+        self.reward_metrics: dict = {}
+        self.evaluator = Evaluator.build(cfg, self.tokenizer, self.vocab_size, self.model_path, self.output_dir)
 
     def _call(self, actors: list, method: str, what: str, *args, trainer: bool = False) -> list:
         names = [f"trainer rank {i}" if trainer else f"rollout engine {i}" for i in range(len(actors))]
