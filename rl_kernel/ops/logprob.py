@@ -25,6 +25,7 @@ from rl_kernel.contracts import Contract
 from rl_kernel.errors import StrictModeError
 from rl_kernel.modes import logits_dtype
 from rl_kernel.ops.spec import OpSpec
+from rl_kernel.ops.truncation import Truncation, truncated_logprobs
 
 KERNELS = {"torch": "rl_kernel.backends.torch.logprob", "triton": "rl_kernel.backends.triton.logprob"}
 # With a gradient to compute, the Triton forward's fp32 logits (T x V/tp x 4 bytes, as native training holds) are
@@ -208,28 +209,46 @@ def _check_targets(targets: torch.Tensor, vocab_size: int) -> None:
 
 class StrictLogprobs(torch.autograd.Function):
     """One autograd form for every backend: the forward under the contract by the backend's kernel module
-    (`kernels.forward` -> fp32 logprobs, fp64 lse); the backward (no bit contract) by its `kernels.backward`,
-    given the lse and the logits slices the forward kept (`keep`, see KEEP_LOGITS; a backend may keep none)."""
+    (`kernels.forward` -> fp32 logprobs, fp64 lse; with `with_entropy` also the fp32 full-vocab entropy, a
+    second output); the backward (no bit contract) by its `kernels.backward`, given the lse and the logits
+    slices the forward kept (`keep`, see KEEP_LOGITS; a backend may keep none), and the entropy's gradient."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, temps, vocab_start, vocab_size, group, kernels, logits):
+    def forward(ctx, hidden, weight, targets, temps, vocab_start, vocab_size, group, kernels, logits, with_entropy):
         keep = [] if KEEP_LOGITS and any(ctx.needs_input_grad[:2]) else None
+        extra = {}
+        if with_entropy:
+            extra["entropy"] = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
         out, lse = kernels.forward(
-            hidden, weight, targets, temps, vocab_start, vocab_size, group, keep=keep, logits_dtype=logits
+            hidden, weight, targets, temps, vocab_start, vocab_size, group, keep=keep, logits_dtype=logits, **extra
         )
-        ctx.save_for_backward(hidden, weight, targets, temps, lse)
+        ent = extra.get("entropy")
+        ctx.save_for_backward(hidden, weight, targets, temps, lse, ent)
         ctx.kernels, ctx.kept = kernels, keep
         ctx.vocab_start, ctx.vocab_size, ctx.group = vocab_start, vocab_size, group
-        return out
+        return (out, ent) if with_entropy else out
 
     @staticmethod
-    def backward(ctx, grad_out):
-        hidden, weight, targets, temps, lse = ctx.saved_tensors
+    def backward(ctx, grad_out, grad_ent=None):
+        hidden, weight, targets, temps, lse, ent = ctx.saved_tensors
         kept, ctx.kept = ctx.kept, None
+        extra = {} if grad_ent is None else {"grad_entropy": grad_ent, "entropy": ent}
+        if grad_out is None:
+            grad_out = torch.zeros_like(lse, dtype=torch.float32)
         grad_h, grad_w = ctx.kernels.backward(
-            grad_out, hidden, weight, targets, temps, lse, ctx.vocab_start, ctx.vocab_size, ctx.group, kept=kept
+            grad_out,
+            hidden,
+            weight,
+            targets,
+            temps,
+            lse,
+            ctx.vocab_start,
+            ctx.vocab_size,
+            ctx.group,
+            kept=kept,
+            **extra,
         )
-        return grad_h, grad_w, None, None, None, None, None, None, None
+        return grad_h, grad_w, None, None, None, None, None, None, None, None
 
 
 def logprobs(
@@ -239,21 +258,64 @@ def logprobs(
     temperature: float | torch.Tensor = 1.0,
     vocab_size: int | None = None,
     group: dist.ProcessGroup | None = None,
-) -> torch.Tensor:
+    *,
+    truncation: Truncation | None = None,
+    with_entropy: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """fp32 log p(targets[t] | hidden[t]) under softmax((hidden @ weight.T) / temperature), over the
     first `vocab_size` vocab entries (padded LM-head rows excluded).
 
     hidden [T, D]; weight [V_local, D], this rank's contiguous vocab slice when `group` is given
     (rank order); targets [T] int token ids in [0, vocab_size); temperature a float > 0 or a [T]
     tensor. Every rank returns the full [T] result. Differentiable in strict mode.
+
+    `truncation` (top-k / top-p / min-p, `rl_kernel.ops.truncation`): the log-probability under the
+    renormalised distribution over each row's support, equal in bits to the engine's
+    `truncate_log_softmax` entry; -inf for a target outside its support. `with_entropy`: returns
+    (logprobs, entropy), the fp32 entropy [T] of the full-vocab softmax at the temperature, from the same
+    pass (no bit contract; differentiable).
     """
     vocab_start, vocab_local, vocab_size = _vocab_layout(weight.shape[0], vocab_size, group)
     temps = _temperatures(temperature, hidden.shape[0], hidden.device)
     _check_targets(targets, vocab_size)
-    return LOGPROBS(_strict_logprobs, hidden, weight, targets, temps, vocab_start, vocab_size, group)
+    if truncation is not None and truncation.active:
+        out, ent = truncated_logprobs(hidden, weight, targets, temps, vocab_start, vocab_size, group, truncation)
+        return (out, ent) if with_entropy else out
+    if not with_entropy:
+        return LOGPROBS(_strict_logprobs, hidden, weight, targets, temps, vocab_start, vocab_size, group)
+    return LOGPROBS(
+        _strict_logprobs_entropy,
+        hidden,
+        weight,
+        targets,
+        temps,
+        vocab_start,
+        vocab_size,
+        group,
+        native_form=native_logprobs_entropy,
+    )
 
 
-def _strict_logprobs(hidden, weight, targets, temps, vocab_start, vocab_size, group):
+def native_logprobs_entropy(hidden, weight, targets, temps, vocab_start, vocab_size, group):
+    """Framework-style (logprobs, entropy): `native_log_softmax` of the model-dtype logits."""
+    logits = F.linear(hidden, weight.to(hidden.dtype)).to(torch.float32)
+    lp = native_log_softmax(logits, temps, vocab_start, vocab_size, group)
+    local = targets.to(torch.int64) - vocab_start
+    owned = (local >= 0) & (local < lp.shape[-1])
+    z_t = torch.where(owned, lp.gather(-1, local.clamp(0, lp.shape[-1] - 1).unsqueeze(-1)).squeeze(-1), 0.0)
+    ent = -torch.where(torch.isneginf(lp), 0.0, lp.exp() * lp).sum(-1)
+    if group is not None and dist.get_world_size(group) > 1:
+        from torch.distributed.nn.functional import all_reduce  # differentiable
+
+        z_t, ent = all_reduce(z_t, group=group), all_reduce(ent, group=group)
+    return z_t, ent
+
+
+def _strict_logprobs_entropy(hidden, weight, targets, temps, vocab_start, vocab_size, group):
+    return _strict_logprobs(hidden, weight, targets, temps, vocab_start, vocab_size, group, with_entropy=True)
+
+
+def _strict_logprobs(hidden, weight, targets, temps, vocab_start, vocab_size, group, with_entropy=False):
     contract, kernels = LOGPROBS.strict(hidden.device, hidden, weight)
     if vocab_size > torch_logprob.MAX_VOCAB:
         raise StrictModeError(
@@ -271,6 +333,7 @@ def _strict_logprobs(hidden, weight, targets, temps, vocab_start, vocab_size, gr
         group,
         kernels,
         _logits_torch_dtype(contract),
+        with_entropy,
     )
 
 

@@ -81,3 +81,16 @@ def test_world_one_group_is_the_unsharded_op(ranks):
     out = ranks[1][0]["strict"]
     assert same_bits(out["row_parallel/full"], out["row_parallel/sharded"])
     assert torch.isfinite(out["logprobs/full"]).all()
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("key", ["truncated", "entropy"])
+def test_vocab_parallel_truncation_and_entropy_strict(ranks, world, key):
+    """Top-k / top-p over a support gathered from the vocab ranks, and the entropy's int64 sum: the sharded
+    values equal the unsharded ones in bits on every rank (logprobs and entropy)."""
+    for rank, out in enumerate(ranks[world]):
+        for suffix in ("", "_entropy"):
+            full, sharded = out["strict"][f"{key}/full{suffix}"], out["strict"][f"{key}/sharded{suffix}"]
+            assert same_bits(full, sharded), f"{key}{suffix} tp{world} rank {rank}: {max_abs_diff(full, sharded)}"
+    kept = ranks[world][0]["strict"]["truncated/full"]
+    assert bool(torch.isfinite(kept[::2]).all()) and not same_bits(kept, ranks[world][0]["strict"]["entropy/full"])
