@@ -28,7 +28,7 @@ from vime.data.dataset import PromptSet, load_tokenizer, model_vocab_size
 from vime.engines import Sample
 from vime.errors import ComparabilityError, TrainingError, VimeError
 from vime.faults import restart, stops
-from vime.loop import consistency
+from vime.loop import consistency, sampling
 from vime.loop.async_loop import AsyncLoop, lag_metrics
 from vime.loop.record import Parity, StepRecord
 from vime.loop.timeline import Timeline
@@ -173,6 +173,7 @@ class Driver:
             self.rollout_modes,
             cfg.seed,
             str(self.weight_paths[i]),
+            truncation=sampling.truncation(cfg),
         )
         self.engines = [self.new_engine(i) for i in range(cfg.rollout.num_engines)]
         self.trainer = [
@@ -194,6 +195,8 @@ class Driver:
                 cfg.algo.clip_eps,
                 correction_fields(cfg),
                 kept_versions(cfg),
+                truncation=sampling.truncation(cfg),
+                entropy_coef=cfg.algo.entropy_coef,
             )
             for r in range(n_ranks)
         ]
@@ -361,6 +364,7 @@ class Driver:
             self.logger.log(row)
             rows.append(row)
             c, off = row.consistency, row.offpolicy.lag0_ratio_off
+            consistency.refuse_outside_support(c.outside_support, step)
             if self.cfg.fail_on_mismatch and self.strict and c.mismatch_count:
                 raise ComparabilityError(
                     f"strict run, step {step}: {c.mismatch_count} of {c.tokens} tokens "

@@ -25,6 +25,7 @@ class Parity:
     mismatch_count: int = 0
     max_abs_diff: float = 0.0
     mean_abs_diff: float = 0.0
+    outside_support: int = 0  # sampled tokens outside the trainer's top-k / top-p support (refused)
     # the worst token, when any differs
     worst_sample: int | None = None
     worst_index: int | None = None  # the token's index in its sample's response
@@ -62,6 +63,7 @@ class Train:
     ratio_mean: float | None = None
     kl: float | None = None
     grad_norm: float | None = None
+    entropy: float | None = None  # token mean of the policy's full-vocab entropy (nats), from the training pass
 
 
 @dataclass

@@ -38,10 +38,13 @@ class TrainerWorker:
         clip_eps: float,
         correction: dict | None = None,
         kept_versions: int = 0,
+        truncation=None,
+        entropy_coef: float = 0.0,
     ):
         """`correction`: LossConfig's off-policy correction fields (correction, is_cap, icepop_low/high);
         `kept_versions`: how many weight versions to keep for `score_behaviour` (0: none), where
-        `cfg.kept_on` says."""
+        `cfg.kept_on` says; `truncation`: the run's exact top-k / top-p / min-p (rl_kernel.ops.truncation), which
+        every scoring and training forward rebuilds; `entropy_coef`: the loss's entropy bonus."""
         redirect_output()
         stops.forked_children_die_with_this_process()
         apply_modes(modes)
@@ -51,8 +54,10 @@ class TrainerWorker:
             clip_low=clip_eps,
             clip_high=clip_eps,
             kl_coef=kl_coef,  # fixed for the run
+            entropy_coef=entropy_coef,
             **(correction or {}),
         )
+        self.truncation = truncation
         self.kept_versions = kept_versions
         self.kept: dict[int, dict[str, torch.Tensor]] = {}  # version -> HF-named weights (`cfg.kept_on`)
         self._paged = None  # a Qwen3Reference for mixed-version re-scoring, made on first use
@@ -88,12 +93,21 @@ class TrainerWorker:
             from vime.trainer.megatron_engine import MegatronTrainer
 
             self.engine = MegatronTrainer(
-                self.cfg, model_path, dtype, device, self.loss, self.rank, self.world_size, init_method, store=store
+                self.cfg,
+                model_path,
+                dtype,
+                device,
+                self.loss,
+                self.rank,
+                self.world_size,
+                init_method,
+                store=store,
+                truncation=self.truncation,
             )
         else:
             from vime.trainer.reference import ReferenceTrainer
 
-            self.engine = ReferenceTrainer(self.cfg, model_path, dtype, device, self.loss)
+            self.engine = ReferenceTrainer(self.cfg, model_path, dtype, device, self.loss, truncation=self.truncation)
         self._keep()
         return self.info()
 
@@ -208,9 +222,14 @@ class TrainerWorker:
                 version=self.version,
                 temperature=temperature,
                 vocab_size=self.engine.vocab_size,
+                **self._truncation_fields(),
             )
             for s, lp, p in zip(samples, logprobs, positions)
         ]
+
+    def _truncation_fields(self) -> dict:
+        t = self.truncation
+        return {} if t is None else {"top_k": t.top_k, "top_p": t.top_p, "min_p": t.min_p}
 
     def evidence(self) -> list[dict]:
         return self._evidence

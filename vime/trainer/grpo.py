@@ -62,6 +62,7 @@ class LossConfig:
     is_cap: float = 2.0
     icepop_low: float = 0.5
     icepop_high: float = 2.0
+    entropy_coef: float = 0.0  # loss -= entropy_coef * token mean of the full-vocab entropy (see `entropy_term`)
 
     def __post_init__(self) -> None:
         if self.clip_low < 0 or self.clip_high < 0 or self.kl_coef < 0:
@@ -147,6 +148,19 @@ def policy_loss(
     return (per_token * mask).sum() / denom, metrics
 
 
+def entropy_term(
+    entropy: torch.Tensor, mask: torch.Tensor, config: LossConfig, normalizer: float, metrics: dict
+) -> torch.Tensor:
+    """The entropy bonus -entropy_coef * sum(mask * H) / normalizer (a 0 without gradient when entropy_coef is
+    0), H [N] the full-vocab entropy (nats) of each token's policy distribution; adds `entropy_sum` (detached
+    sum over active tokens) to `metrics`."""
+    mask = mask.to(entropy.dtype)
+    metrics["entropy_sum"] = (entropy.detach() * mask).sum()
+    if config.entropy_coef == 0:
+        return torch.zeros((), dtype=entropy.dtype, device=entropy.device)
+    return -config.entropy_coef * (entropy * mask).sum() / float(normalizer)
+
+
 @dataclass
 class TrainBatch:
     """One optimizer step's samples. Per sequence i: token ids, prompt length, advantage, and the
@@ -174,9 +188,12 @@ class PolicyModel(Protocol):
         targets: torch.Tensor,
         temps: torch.Tensor,
         rows: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        entropy: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Teacher-forcing fp32 logprobs (differentiable under grad mode) of packed rows: (values, the row
-        indices they belong to). The rows computed on this rank include every row of `rows` it owns."""
+        indices they belong to). The rows computed on this rank include every row of `rows` it owns. With
+        `entropy`: (values, rows, the full-vocab entropy of each row's distribution), from the same LM-head pass.
+        Under an exact top-k / top-p truncation a token outside its support has logprob -inf."""
 
     def gather_logprobs(self, values: torch.Tensor, index: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
         """[T] logprobs of every row from the ranks' `forward_logprobs` results (the same on every rank)."""
@@ -240,14 +257,17 @@ def _micro_batch_loss(
     mask = p.on_rows([1.0] * len(mb))
     ref = None if batch.ref_logprobs is None else p.on_rows([batch.ref_logprobs[i] for i in mb])
     fresh = p.on_rows([1.0 if batch.fresh is None or batch.fresh[i] else 0.0 for i in mb])
-    lp, index = model.forward_logprobs(p.ids, p.cu_seqlens, p.targets, p.per_row([batch.temperature] * len(mb)), p.rows)
+    temps = p.per_row([batch.temperature] * len(mb))
+    lp, index, entropy = model.forward_logprobs(p.ids, p.cu_seqlens, p.targets, temps, p.rows, entropy=True)
     old, adv, mask, fresh = (t[index].to(lp.device) for t in (old, adv, mask, fresh))
     ref = None if ref is None else ref[index].to(lp.device)
     loss, m = policy_loss(lp, old, adv, mask, config, ref, normalizer=total_tokens, fresh=fresh)
+    loss = loss + entropy_term(entropy, mask, config, total_tokens, m)
     loss.backward()
     if batch.keep_logprobs:
         kept.extend(model.gather_logprobs(lp.detach(), index, p.cu_seqlens)[p.rows].split(p.counts))
     active = mask.bool()
+    sums["outside_support"] += float((torch.isneginf(lp.detach()) & active).sum())
     mine, theirs = lp.detach()[active], old[active]
     diff = mine - theirs
     sums["loss"] += float(loss.detach())
@@ -261,6 +281,7 @@ def _micro_batch_loss(
         "is_clipped",
         "lag0_ratio_off",
         "lag0_tokens",
+        "entropy_sum",
     ):
         sums[key] += float(m.get(key, 0.0))
     maxes["is_ratio_max"] = max(maxes["is_ratio_max"], float(m["is_ratio_max"]))
@@ -295,6 +316,8 @@ def train_step(model: PolicyModel, batch: TrainBatch, config: LossConfig, micro_
             "is_clipped",
             "lag0_ratio_off",
             "lag0_tokens",
+            "entropy_sum",
+            "outside_support",
         ),
         0.0,
     )
@@ -304,6 +327,11 @@ def train_step(model: PolicyModel, batch: TrainBatch, config: LossConfig, micro_
         p = pack([batch.sequences[i] for i in mb], [batch.prompt_lens[i] for i in mb])
         _micro_batch_loss(model, p, batch, mb, config, total_tokens, sums, maxes, kept)
     sums = model.reduce_metrics(sums, maxes)
+    if sums["outside_support"]:
+        raise TrainingError(
+            f"{sums['outside_support']:.0f} sampled token(s) lie outside the trainer's top-k / top-p / min-p support "
+            "(a consistency failure: the rollout and the trainer cut different supports); nothing was updated"
+        )
     if not math.isfinite(sums["loss"]):
         raise TrainingError(f"non-finite loss {sums['loss']}: lower trainer.lr or check the rewards / advantages")
     grad_norm = model.optimizer_step()
@@ -328,4 +356,5 @@ def train_step(model: PolicyModel, batch: TrainBatch, config: LossConfig, micro_
         "is_clip_frac": sums["is_clipped"] / tokens,
         "lag0_ratio_off": sums["lag0_ratio_off"],
         "lag0_tokens": sums["lag0_tokens"],
+        "entropy": sums["entropy_sum"] / tokens,
     } | ({"logprobs": kept} if batch.keep_logprobs else {})

@@ -130,16 +130,22 @@ def token_logprobs(
     temperature: torch.Tensor,
     vocab_size: int,
     strict: bool,
-) -> torch.Tensor:
-    """fp32 log p(targets | hidden) [n] over the real vocab, vocab-parallel over the TP group.
+    truncation=None,
+    with_entropy: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """fp32 log p(targets | hidden) [n] over the real vocab, vocab-parallel over the TP group; with
+    `with_entropy` (logprobs, full-vocab entropy) from the same pass.
 
-    Strict: `rk.logprobs` (exact order-free LSE; logits never gathered nor held for all rows).
-    Native: Megatron's output_layer (bf16 GEMM) and `vocab_parallel_cross_entropy` in fp32."""
+    Strict: `rk.logprobs` (exact order-free LSE; logits never gathered nor held for all rows), under
+    `truncation` (exact top-k / top-p / min-p, `rl_kernel.ops.truncation`) when given.
+    Native: Megatron's output_layer (bf16 GEMM) and `vocab_parallel_cross_entropy` in fp32; with a truncation
+    or the entropy, rl_kernel's framework-style native forms (`rk.logprobs` under native modes)."""
     tp_group = parallel_state.get_tensor_model_parallel_group()
     weight = lm_head_weight(model)
-    if strict:
+    options = {"truncation": truncation, "with_entropy": with_entropy}
+    if strict or with_entropy or (truncation is not None and truncation.active):
         group = tp_group if dist.get_world_size(tp_group) > 1 else None
-        return rk.logprobs(hidden, weight, targets, temperature, vocab_size=vocab_size, group=group)
+        return rk.logprobs(hidden, weight, targets, temperature, vocab_size=vocab_size, group=group, **options)
     rk.evidence.record(rk.contracts.native("logprobs", "megatron"), "native", hidden.device.type)
     logits, _ = model.output_layer(hidden.unsqueeze(1), weight=weight)  # [n, 1, V/tp], model dtype
     logits = logits.float() / temperature.to(torch.float32).view(-1, 1, 1)
