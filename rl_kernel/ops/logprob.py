@@ -214,7 +214,9 @@ class StrictLogprobs(torch.autograd.Function):
     slices the forward kept (`keep`, see KEEP_LOGITS; a backend may keep none), and the entropy's gradient."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, temps, vocab_start, vocab_size, group, kernels, logits, with_entropy):
+    def forward(
+        ctx, hidden, weight, targets, temps, vocab_start, vocab_size, group, kernels, logits, with_entropy=False
+    ):
         keep = [] if KEEP_LOGITS and any(ctx.needs_input_grad[:2]) else None
         extra = {}
         if with_entropy:
