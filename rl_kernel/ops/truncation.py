@@ -46,11 +46,22 @@ class Truncation:
         return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0
 
 
-def _row_params(truncation: Truncation | list[Truncation], rows: int, device) -> tuple[torch.Tensor, ...]:
-    """Per-row (top_k int64, top_p fp64, min_p fp64) [rows]."""
+def _each(truncation: Truncation | list[Truncation], rows: int) -> list[Truncation]:
     each = [truncation] * rows if isinstance(truncation, Truncation) else list(truncation)
     if len(each) != rows:
         raise ValueError(f"{rows} rows but {len(each)} truncations")
+    return each
+
+
+def _width(truncation: Truncation | list[Truncation], rows: int) -> int | None:
+    """The sorted positions the support can reach when every row has a top-k (else None: all)."""
+    ks = [t.top_k for t in _each(truncation, rows)]
+    return max(ks) if ks and min(ks) > 0 else None
+
+
+def _row_params(truncation: Truncation | list[Truncation], rows: int, device) -> tuple[torch.Tensor, ...]:
+    """Per-row (top_k int64, top_p fp64, min_p fp64) [rows]."""
+    each = _each(truncation, rows)
     k = torch.tensor([t.top_k for t in each], dtype=torch.int64, device=device)
     p = torch.tensor([float(t.top_p) for t in each], dtype=torch.float64, device=device)
     m = torch.tensor([float(t.min_p) for t in each], dtype=torch.float64, device=device)
@@ -106,7 +117,8 @@ def truncate_log_softmax(logprobs: torch.Tensor, truncation: Truncation | list[T
     out = logprobs.clone()
     rows = active.nonzero().squeeze(-1)
     if rows.numel():
-        out[rows] = kernels.truncate(logprobs[rows], *(p[rows] for p in params))[0]
+        live = [t for t in _each(truncation, logprobs.shape[0]) if t.active]
+        out[rows] = kernels.truncate(logprobs[rows], *(p[rows] for p in params), _width(live, len(live)))[0]
     return out
 
 
@@ -153,13 +165,13 @@ class TruncatedLogprobs(torch.autograd.Function):
         cut_lp = torch.empty(rows, dtype=torch.float32, device=hidden.device)
         cut_id = torch.empty(rows, dtype=torch.int64, device=hidden.device)
         norm = torch.empty(rows, dtype=torch.float64, device=hidden.device)
-        params = _row_params(truncation, rows, hidden.device)
+        params, width = _row_params(truncation, rows, hidden.device), _width(truncation, rows)
         world = dist.get_world_size(group) if group is not None else 1
         tile = max(1, TILE_ELEMENTS // max(1, weight.shape[0] * world))
         for a in range(0, rows, tile):
             b = min(rows, a + tile)
             lp = _gather_vocab(_strict_rows(hidden[a:b], weight, temps[a:b], vocab_size, group), group)
-            trunc, cut_lp[a:b], cut_id[a:b], norm[a:b] = kernels.truncate(lp, *(p[a:b] for p in params))
+            trunc, cut_lp[a:b], cut_id[a:b], norm[a:b] = kernels.truncate(lp, *(p[a:b] for p in params), width)
             out[a:b] = trunc.gather(-1, targets[a:b].unsqueeze(-1)).squeeze(-1)
             ent[a:b] = full_entropy(lp)
         ctx.save_for_backward(hidden, weight, targets, temps, cut_lp, cut_id, norm, ent)

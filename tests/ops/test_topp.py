@@ -204,3 +204,18 @@ def test_truncation_is_recorded_as_its_own_contract(gen):
         rk.logprobs(h, w, torch.zeros(40, dtype=torch.int64), temps, truncation=Truncation(top_p=0.9))
     ops = {r["op"]: r["mode"] for r in ran}
     assert ops["truncation"] == "strict" and ops["log_softmax"] == "strict"
+
+
+@settings(max_examples=60, deadline=None)
+@given(t=truncations, seed=st.integers(0, 2**31 - 1))
+def test_working_on_the_top_k_prefix_changes_no_bit(t, seed):
+    """With a top-k on every row, only the first k sorted positions are worked on: the same bits as all V."""
+    lp = _rows(torch.Generator().manual_seed(seed), 4, 300)
+    k = max(t.top_k, 1)
+    params = (torch.full((4,), k), torch.full((4,), float(t.top_p), dtype=torch.float64))
+    params += (torch.full((4,), float(t.min_p), dtype=torch.float64),)
+    whole, narrow = kernels.truncate(lp, *params), kernels.truncate(lp, *params, width=k)
+    assert all(
+        torch.equal(bits(a) if a.is_floating_point() else a, bits(b) if b.is_floating_point() else b)
+        for a, b in zip(whole, narrow)
+    )

@@ -47,12 +47,12 @@ def _teacher_forced(reference, prompts, ids, temps, truncation=None) -> torch.Te
 def test_strict_top_p_top_k_equals_teacher_forcing_and_native_twin_differs(tiny_qwen3_path, reference):
     prompts = make_prompts(24, seed=2024)
     temps = [1.0, 0.7, 1.3] * 8
-    knobs = dict(top_k=TRUNCATION.top_k, top_p=TRUNCATION.top_p)
+    knobs = dict(top_k=TRUNCATION.top_k, top_p=TRUNCATION.top_p)  # vLLM's own, for the native twin
     with running_llm(**strict_llm_kwargs(tiny_qwen3_path, **ENGINE_ARGS)) as llm:
         with pytest.raises(VLLMValidationError, match="top_p=0.9"):  # vLLM's own top-p is outside the contract
             bad = SamplingParams(temperature=1.0, top_p=0.9, extra_args={"rl_kernel_temperature": 1.0})
             llm.generate([{"prompt_token_ids": prompts[0]}], bad, use_tqdm=False)
-        params = [strict_sampling_params(t, MAX_TOKENS, ignore_eos=True, **knobs) for t in temps]
+        params = [strict_sampling_params(t, MAX_TOKENS, ignore_eos=True, truncation=TRUNCATION) for t in temps]
         ids, got = _returned(llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False))
     assert got.numel() == 24 * MAX_TOKENS
     trainer = _teacher_forced(reference, prompts, ids, temps, TRUNCATION)

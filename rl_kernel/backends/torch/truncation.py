@@ -24,10 +24,14 @@ from rl_kernel.backends.torch.numerics import exp64, log64
 FIXED_POINT_BITS = 44
 
 
-def sorted_stats(lp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(order [T, V] token ids, e [T, V] fp64 in that order, C [T, V] int64 inclusive prefix sums, max lp [T]
-    fp64) of fp32 rows lp [T, V]."""
+def sorted_stats(
+    lp: torch.Tensor, width: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(order [T, W] token ids, e [T, W] fp64 in that order, C [T, W] int64 inclusive prefix sums, max lp [T]
+    fp64) of fp32 rows lp [T, V], for the first W = `width` (default V) positions of the order."""
     values, order = torch.sort(lp, dim=-1, descending=True, stable=True)
+    if width is not None and width < lp.shape[-1]:
+        values, order = values[:, :width], order[:, :width]
     top = values[:, :1].to(torch.float64)
     e = exp64(values.to(torch.float64) - top)
     e = torch.where(torch.isneginf(values), 0.0, e)
@@ -57,16 +61,18 @@ def support_size(
 
 
 def truncate(
-    lp: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
+    lp: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor, width: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Of fp32 strict rows lp [T, V]: (the renormalised fp32 log-probabilities [T, V], -inf outside each row's
     support; the support's last kept token per row as (its lp, fp32 [T], its id, int64 [T]); the fp64 log
-    normaliser [T], max lp + log(C_{n-1} 2^-44), so that p = exp(lp - normaliser) on the support)."""
-    order, e, cum, top = sorted_stats(lp)
+    normaliser [T], max lp + log(C_{n-1} 2^-44), so that p = exp(lp - normaliser) on the support).
+    `width`: when every row has 0 < top_k <= width, only the first `width` sorted positions are worked on (the
+    support lies within them, and every C up to there is the same): the same bits, less fp64 work."""
+    order, e, cum, top = sorted_stats(lp, width)
     n = support_size(e, cum, torch.isfinite(lp).sum(-1), top_k, top_p, min_p)
     log_mass = log64(cum.gather(-1, (n - 1).unsqueeze(-1)).to(torch.float64) * (1.0 / (1 << FIXED_POINT_BITS)))
-    kept = torch.arange(lp.shape[-1], device=lp.device).unsqueeze(0) < n.unsqueeze(-1)
-    kept = torch.zeros_like(kept).scatter(-1, order, kept)  # back to token order
+    kept = torch.arange(order.shape[-1], device=lp.device).unsqueeze(0) < n.unsqueeze(-1)
+    kept = torch.zeros(lp.shape, dtype=torch.bool, device=lp.device).scatter(-1, order, kept)  # token order
     out = ((lp.to(torch.float64) - top.unsqueeze(-1)) - log_mass).to(torch.float32)
     last = order.gather(-1, (n - 1).unsqueeze(-1))
     cut_lp = lp.gather(-1, last).squeeze(-1)

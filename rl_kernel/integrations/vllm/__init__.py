@@ -262,21 +262,19 @@ def strict_sampling_params(
     seed: int | None = None,
     logprobs: int = 0,
     *,
-    top_k: int = -1,
-    top_p: float = 1.0,
-    min_p: float = 0.0,
+    truncation: Truncation | None = None,
     **kwargs: Any,
 ):
     """SamplingParams for a strict engine: softmax sampling at `temperature` (> 0) over the full vocab, or over
-    the exact top-k / top-p / min-p support (`rl_kernel.ops.truncation`; -1 / 1.0 / 0.0: off), returning each
-    sampled token's strict fp32 logprob (renormalised over the support) plus the top `logprobs` entries."""
+    `truncation`'s exact top-k / top-p / min-p support (`rl_kernel.ops.truncation.Truncation`), returning each
+    sampled token's strict fp32 logprob (renormalised over the support) plus the top `logprobs` entries.
+    vLLM's own `top_k` / `top_p` / `min_p` in `kwargs` stay outside the contract (the engine refuses them)."""
     from vllm import SamplingParams
 
     if not temperature > 0:
         raise ValueError(f"strict sampling needs temperature > 0, got {temperature}")
     extra = dict(kwargs.pop("extra_args", None) or {}) | {TEMPERATURE_KEY: float(temperature)}
-    truncation = Truncation(top_k=int(top_k), top_p=float(top_p), min_p=float(min_p))
-    if truncation.active:
+    if truncation is not None and truncation.active:
         extra[TRUNCATION_KEY] = dataclasses.asdict(truncation)
     return SamplingParams(
         temperature=1.0, max_tokens=max_tokens, seed=seed, logprobs=logprobs, extra_args=extra, **kwargs
