@@ -6,8 +6,9 @@ token's distribution is a prefix of its strict fp32 log-probabilities (`rl_kerne
 fixed-point int64 prefix sum: exact, order-free), then min-p (p >= min_p * p_max); the recorded
 log-probability of a kept token is lp - log(support mass) in fp64, rounded once to fp32; -inf elsewhere.
 An engine applies it to the rows it samples from (`truncate_log_softmax`); a trainer rebuilds each row
-from its own strict logits and takes the same entry (`truncated_logprobs`): equal bits. The trainer's
-pass also yields each token's entropy over the full vocabulary (no bit contract; an order-free int64 sum).
+from its own strict logits and takes the same entry (`rl_kernel.logprobs(..., truncation=...)`, in
+`rl_kernel.ops.logprob`): equal bits. The trainer's pass also yields each token's entropy over the full
+vocabulary (no bit contract; an order-free int64 sum).
 """
 
 from __future__ import annotations
@@ -15,13 +16,9 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
 
 from rl_kernel import evidence
 from rl_kernel.backends.torch import truncation as kernels
-from rl_kernel.backends.torch.logprob import TILE_ELEMENTS
-from rl_kernel.backends.torch.numerics import exp64
 from rl_kernel.ops.spec import OpSpec
 
 
@@ -53,13 +50,13 @@ def _each(truncation: Truncation | list[Truncation], rows: int) -> list[Truncati
     return each
 
 
-def _width(truncation: Truncation | list[Truncation], rows: int) -> int | None:
+def sort_width(truncation: Truncation | list[Truncation], rows: int) -> int | None:
     """The sorted positions the support can reach when every row has a top-k (else None: all)."""
     ks = [t.top_k for t in _each(truncation, rows)]
     return max(ks) if ks and min(ks) > 0 else None
 
 
-def _row_params(truncation: Truncation | list[Truncation], rows: int, device) -> tuple[torch.Tensor, ...]:
+def row_params(truncation: Truncation | list[Truncation], rows: int, device) -> tuple[torch.Tensor, ...]:
     """Per-row (top_k int64, top_p fp64, min_p fp64) [rows]."""
     each = _each(truncation, rows)
     k = torch.tensor([t.top_k for t in each], dtype=torch.int64, device=device)
@@ -108,7 +105,7 @@ def truncate_log_softmax(logprobs: torch.Tensor, truncation: Truncation | list[T
     """Renormalised fp32 log-probabilities over each row's support (-inf outside) of full-vocab strict
     log-probability rows [T, V] (`rl_kernel.log_softmax`'s output; one Truncation or one per row). A row whose
     truncation is off is returned unchanged. The engine samples from this."""
-    params = _row_params(truncation, logprobs.shape[0], logprobs.device)
+    params = row_params(truncation, logprobs.shape[0], logprobs.device)
     active = (params[0] > 0) | (params[1] < 1.0) | (params[2] > 0.0)
     if not TRUNCATION.is_strict():
         TRUNCATION.record_native(logprobs.device)
@@ -118,133 +115,5 @@ def truncate_log_softmax(logprobs: torch.Tensor, truncation: Truncation | list[T
     rows = active.nonzero().squeeze(-1)
     if rows.numel():
         live = [t for t in _each(truncation, logprobs.shape[0]) if t.active]
-        out[rows] = kernels.truncate(logprobs[rows], *(p[rows] for p in params), _width(live, len(live)))[0]
+        out[rows] = kernels.truncate(logprobs[rows], *(p[rows] for p in params), sort_width(live, len(live)))[0]
     return out
-
-
-def _gather_vocab(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-    """[rows, V_local] slices of every rank -> [rows, V_local * world] (rank order; a bit copy)."""
-    if group is None or dist.get_world_size(group) == 1:
-        return x
-    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, x.contiguous(), group=group)
-    return torch.cat(parts, dim=-1)
-
-
-def full_entropy(lp: torch.Tensor) -> torch.Tensor:
-    """fp32 entropy [T] of fp32 log-probability rows [T, V] (-inf entries contribute 0): -sum p lp with
-    p = exp64(lp), each term rounded to 2^-44 fixed point and summed in int64 (order-free, so any sharding
-    gives the same value)."""
-    lp64 = lp.to(torch.float64)
-    term = torch.where(torch.isneginf(lp64), 0.0, exp64(lp64) * -lp64)
-    return (
-        torch.round(term * float(1 << kernels.FIXED_POINT_BITS)).to(torch.int64).sum(-1).to(torch.float64)
-        * (1.0 / (1 << kernels.FIXED_POINT_BITS))
-    ).to(torch.float32)
-
-
-def _strict_rows(hidden, weight, temps, vocab_size, group):
-    """Strict fp32 log-probabilities of this rank's vocab slice of rows `hidden` (the engine's steps)."""
-    from rl_kernel.ops.gemm import linear_fp32
-    from rl_kernel.ops.logprob import log_softmax
-
-    return log_softmax(linear_fp32(hidden, weight), temps, vocab_size=vocab_size, group=group)
-
-
-class TruncatedLogprobs(torch.autograd.Function):
-    """Forward under the contract: per row tile, the strict rows (GEMM contract + log_softmax), gathered over
-    the vocab ranks, truncated; the target's entry and the full-vocab entropy. Backward (no bit contract): the
-    rows recomputed by the same steps, so the support is the forward's; d/dz = (onehot - p_support) g +
-    g_H * (-p (log p + H)), over T."""
-
-    @staticmethod
-    def forward(ctx, hidden, weight, targets, temps, vocab_start, vocab_size, group, truncation):
-        rows = hidden.shape[0]
-        out = torch.empty(rows, dtype=torch.float32, device=hidden.device)
-        ent = torch.empty(rows, dtype=torch.float32, device=hidden.device)
-        cut_lp = torch.empty(rows, dtype=torch.float32, device=hidden.device)
-        cut_id = torch.empty(rows, dtype=torch.int64, device=hidden.device)
-        norm = torch.empty(rows, dtype=torch.float64, device=hidden.device)
-        params, width = _row_params(truncation, rows, hidden.device), _width(truncation, rows)
-        world = dist.get_world_size(group) if group is not None else 1
-        tile = max(1, TILE_ELEMENTS // max(1, weight.shape[0] * world))
-        for a in range(0, rows, tile):
-            b = min(rows, a + tile)
-            lp = _gather_vocab(_strict_rows(hidden[a:b], weight, temps[a:b], vocab_size, group), group)
-            trunc, cut_lp[a:b], cut_id[a:b], norm[a:b] = kernels.truncate(lp, *(p[a:b] for p in params), width)
-            out[a:b] = trunc.gather(-1, targets[a:b].unsqueeze(-1)).squeeze(-1)
-            ent[a:b] = full_entropy(lp)
-        ctx.save_for_backward(hidden, weight, targets, temps, cut_lp, cut_id, norm, ent)
-        ctx.vocab_start, ctx.vocab_size, ctx.group, ctx.tile = vocab_start, vocab_size, group, tile
-        return out, ent
-
-    @staticmethod
-    def backward(ctx, grad_out, grad_ent):
-        hidden, weight, targets, temps, cut_lp, cut_id, norm, ent = ctx.saved_tensors
-        grad_out = torch.zeros_like(ent) if grad_out is None else grad_out
-        grad_ent = torch.zeros_like(ent) if grad_ent is None else grad_ent
-        w32 = weight.to(torch.float32)
-        grad_h = torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device)
-        grad_w = torch.zeros_like(w32)
-        v_local = weight.shape[0]
-        for a in range(0, hidden.shape[0], ctx.tile):
-            b = min(hidden.shape[0], a + ctx.tile)
-            with torch.no_grad():
-                lp = _strict_rows(hidden[a:b], weight, temps[a:b], ctx.vocab_size, ctx.group).to(torch.float64)
-            keep = kernels.in_support(lp, cut_lp[a:b].to(torch.float64), cut_id[a:b], ctx.vocab_start)
-            p_support = torch.where(keep, torch.exp(lp - norm[a:b].unsqueeze(-1)), 0.0)
-            p = torch.where(torch.isneginf(lp), 0.0, torch.exp(lp))
-            local = targets[a:b] - ctx.vocab_start
-            owned = ((local >= 0) & (local < v_local)).nonzero().squeeze(-1)
-            dz = -p_support * grad_out[a:b].to(torch.float64).unsqueeze(-1)
-            dz[owned, local[owned]] += grad_out[a:b][owned].to(torch.float64)
-            plogp = torch.where(p > 0, lp, 0.0)
-            dz -= grad_ent[a:b].to(torch.float64).unsqueeze(-1) * p * (plogp + ent[a:b].to(torch.float64).unsqueeze(-1))
-            dlogits = (dz / temps[a:b].to(torch.float64).unsqueeze(-1)).to(torch.float32)
-            h32 = hidden[a:b].to(torch.float32)
-            grad_h[a:b] = dlogits @ w32
-            grad_w += dlogits.T @ h32
-        if ctx.group is not None and dist.get_world_size(ctx.group) > 1:
-            dist.all_reduce(grad_h, group=ctx.group)
-        return grad_h.to(hidden.dtype), grad_w.to(weight.dtype), None, None, None, None, None, None
-
-
-def native_truncated_logprobs(hidden, weight, targets, temps, vocab_start, vocab_size, group, truncation):
-    """Framework-style: fp32 log-softmax of the model-dtype logits, gathered over the vocab ranks, vLLM-style
-    truncation (`native_truncate`); (logprobs, entropy), differentiable by autograd."""
-    from rl_kernel.ops.logprob import native_log_softmax
-
-    logits = F.linear(hidden, weight.to(hidden.dtype)).to(torch.float32)
-    lp = native_log_softmax(logits, temps, vocab_start, vocab_size, group)
-    if group is not None and dist.get_world_size(group) > 1:
-        from torch.distributed.nn.functional import all_gather  # differentiable
-
-        lp = torch.cat(all_gather(lp, group=group), dim=-1)
-    params = _row_params(truncation, hidden.shape[0], hidden.device)
-    trunc = native_truncate(lp, *params)
-    ent = -torch.where(torch.isneginf(lp), 0.0, lp.exp() * lp).sum(-1)
-    return trunc.gather(-1, targets.unsqueeze(-1)).squeeze(-1), ent
-
-
-def truncated_logprobs(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    targets: torch.Tensor,
-    temps: torch.Tensor,
-    vocab_start: int,
-    vocab_size: int,
-    group: dist.ProcessGroup | None,
-    truncation: Truncation,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(fp32 log p_support(targets) [T], fp32 full-vocab entropy [T]): the trainer's side of the contract,
-    equal in bits to the entry `truncate_log_softmax(log_softmax(linear_fp32(hidden, W)))` of each target (an
-    engine's recorded value); a target outside its support gets -inf (the caller counts and refuses it).
-    Differentiable in both outputs."""
-    if not TRUNCATION.is_strict():
-        TRUNCATION.record_native(hidden.device)
-        return native_truncated_logprobs(hidden, weight, targets, temps, vocab_start, vocab_size, group, truncation)
-    evidence.record(CONTRACT, "strict", hidden.device.type)
-    out, ent = TruncatedLogprobs.apply(
-        hidden, weight, targets.to(torch.int64), temps, vocab_start, vocab_size, group, truncation
-    )
-    return out, ent
