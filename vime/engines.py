@@ -27,7 +27,7 @@ class Sample:
     versions: list[int]  # weight version that produced each response token
     engine: int  # rollout engine id
     temperature: float
-    top_k: int = -1  # the engine's sampling parameters (-1 / 0 and 1.0: the full softmax)
+    top_k: int = -1  # the exact truncation it sampled under (rl_kernel.ops.truncation; -1 / 0, 1.0, 0.0: off)
     top_p: float = 1.0
     min_p: float = 0.0
     vocab_size: int = 0  # real vocab range the engine normalised over
