@@ -24,6 +24,7 @@ OP_BOUNDARY = {
     "attention": "attention",
     "logprobs": "logprob",
     "log_softmax": "logprob",
+    "truncation": "logprob",
     "all_reduce": "collective",
 }
 

@@ -27,8 +27,9 @@ class Sample:
     versions: list[int]  # weight version that produced each response token
     engine: int  # rollout engine id
     temperature: float
-    top_k: int = -1  # the engine's sampling parameters (-1 / 0 and 1.0: the full softmax)
+    top_k: int = -1  # the exact truncation it sampled under (rl_kernel.ops.truncation; -1 / 0, 1.0, 0.0: off)
     top_p: float = 1.0
+    min_p: float = 0.0
     vocab_size: int = 0  # real vocab range the engine normalised over
     finish_reason: str = ""
     reward: float = 0.0
@@ -47,6 +48,9 @@ class Scored:
     vocab_size: int
     versions: list[int] = dataclasses.field(default_factory=list)  # per token, when re-scored under behaviour
     # versions (vime/loop/async_loop.py)
+    top_k: int = -1  # the exact truncation it scored under (rl_kernel.ops.truncation; -1 / 1.0 / 0.0: off)
+    top_p: float = 1.0
+    min_p: float = 0.0
 
 
 def one_temperature(samples: list[Sample]) -> float:

@@ -215,10 +215,13 @@ class LMHead(nn.Module):
         return torch.cat(_gather(logits, self.group), dim=-1)
 
     def logprobs(
-        self, hidden: torch.Tensor, targets: torch.Tensor, temperature: float | torch.Tensor = 1.0
+        self, hidden: torch.Tensor, targets: torch.Tensor, temperature: float | torch.Tensor = 1.0, **options
     ) -> torch.Tensor:
-        """fp32 log p(targets | hidden) at `temperature` over the real vocab (`rk.logprobs`, vocab-parallel)."""
-        return rk.logprobs(hidden, self.weight, targets, temperature, vocab_size=self.vocab_size, group=self.group)
+        """fp32 log p(targets | hidden) at `temperature` over the real vocab (`rk.logprobs`, vocab-parallel;
+        `options`: its `truncation` / `with_entropy`)."""
+        return rk.logprobs(
+            hidden, self.weight, targets, temperature, vocab_size=self.vocab_size, group=self.group, **options
+        )
 
 
 class Qwen3Model(nn.Module):

@@ -255,25 +255,31 @@ class Qwen3Reference:
         return self.forward(input_ids, positions, lambda i, q, k, v: rk.attention_varlen(q, k, v, cu, self.scale))
 
     def logprobs(
-        self, hidden: torch.Tensor, targets: torch.Tensor, temperature: float | torch.Tensor = 1.0
+        self, hidden: torch.Tensor, targets: torch.Tensor, temperature: float | torch.Tensor = 1.0, **options
     ) -> torch.Tensor:
-        """fp32 log p(targets[t] | hidden[t]) at `temperature` over the real vocab (vocab-parallel)."""
-        return self.model.lm_head.logprobs(hidden, targets.to(self.device), temperature)
+        """fp32 log p(targets[t] | hidden[t]) at `temperature` over the real vocab (vocab-parallel; `options`:
+        `rk.logprobs`' `truncation` / `with_entropy`)."""
+        return self.model.lm_head.logprobs(hidden, targets.to(self.device), temperature, **options)
 
     def logits_fp32(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits [T, padded vocab] of the whole vocab on every rank (columns >= vocab_size: padding)."""
         return self.model.lm_head.logits(hidden)
 
     def sequence_logprobs(
-        self, sequences: list[list[int]], prompt_lens: list[int], temperature: float | list[float] = 1.0
+        self,
+        sequences: list[list[int]],
+        prompt_lens: list[int],
+        temperature: float | list[float] = 1.0,
+        truncation=None,
     ) -> list[torch.Tensor]:
         """Teacher-forcing fp32 logprobs: entry i holds log p(sequences[i][j] | sequences[i][:j]) for
         j in [prompt_lens[i], len(sequences[i])), all sequences packed into one varlen batch.
-        `temperature` is one float or one per sequence."""
+        `temperature` is one float or one per sequence; `truncation` (`rl_kernel.ops.truncation.Truncation`):
+        under the exact top-k / top-p / min-p renormalised distribution."""
         temps = [temperature] * len(sequences) if isinstance(temperature, int | float) else list(temperature)
         packed = pack(sequences, prompt_lens)
         rows = packed.rows
         with torch.no_grad():
             hidden = self.forward_packed(packed.ids, packed.cu_seqlens)
-            out = self.logprobs(hidden[rows], packed.targets[rows], packed.per_row(temps)[rows])
+            out = self.logprobs(hidden[rows], packed.targets[rows], packed.per_row(temps)[rows], truncation=truncation)
         return list(out.cpu().split(packed.counts))

@@ -14,6 +14,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import rl_kernel as rk
+from rl_kernel.ops.truncation import Truncation
 from rl_kernel.selftest.matrix import Pairs, backends_ran, compare, randn
 
 VOCAB, VOCAB_PADDED, TP_K = 500, 512, 512
@@ -62,6 +63,25 @@ def rank_outputs(rank: int, world: int, device: str) -> dict[str, torch.Tensor |
         "misaligned_error": None,
     }
     out |= device_gather_outputs(rank, world, inp)
+    # exact top-k / top-p (the support gathered over the vocab ranks) and the entropy (an order-free int64 sum)
+    # (even rows score their most likely token, always kept; odd rows a random one, mostly outside: -inf)
+    trunc = Truncation(top_k=100, top_p=0.95)
+    top = (inp["h"] @ inp["w"][:VOCAB].T).argmax(-1)
+    targets = torch.where(torch.arange(12, device=top.device) % 2 == 0, top, inp["targets"])
+    for key, kwargs in (("truncated", {"truncation": trunc}), ("entropy", {})):
+        full = rk.logprobs(inp["h"], inp["w"], targets, inp["temps"], vocab_size=VOCAB, with_entropy=True, **kwargs)
+        sharded = rk.logprobs(
+            inp["h"],
+            inp["w"][rank * vl : (rank + 1) * vl],
+            targets,
+            inp["temps"],
+            vocab_size=VOCAB,
+            group=group,
+            with_entropy=True,
+            **kwargs,
+        )
+        out[f"{key}/full"], out[f"{key}/full_entropy"] = full
+        out[f"{key}/sharded"], out[f"{key}/sharded_entropy"] = sharded
     if rk.get_mode("gemm") == "strict" and world > 1:
         # a shard that would split a K group: K = 12 is one torch-contract group; canonical TP 1 < tp on triton
         k = 12

@@ -329,6 +329,34 @@ def logprobs(gen: torch.Generator) -> None:
         "logprobs autograd grads: Triton == torch backend (1e-5)",
         all(float((a - b).abs().max()) < 1e-5 for a, b in zip(runs[0][1:], runs[1][1:])),
     )
+    _entropy(gen, h, w, tg, temps, real, out, z)
+
+
+def _entropy(gen, h, w, tg, temps, real, out, z) -> None:
+    """The entropy from the logprob pass's own tiles (spread sums W per tile, rescaled in `_total_kernel`)."""
+    from rl_kernel.backends.torch import logprob as torch_logprob
+    from rl_kernel.ops.logprob import StrictLogprobs
+
+    ent = torch.empty(h.shape[0])
+    lp, _ = logprob.logprobs_and_lse(h, w, tg, temps, 0, real, entropy=ent)
+    p = torch.softmax(z, -1)
+    ref = -(p * torch.log_softmax(z, -1)).sum(-1)
+    check("entropy beside the logprob: logprobs unchanged in bits", same(lp, out))
+    check("entropy accuracy vs fp64 (1e-5)", float((ent.double() - ref).abs().max()) < 1e-5)
+    part = torch.empty(4)
+    logprob.logprobs_and_lse(h[5:9], w, tg[5:9], temps[5:9], 0, real, entropy=part)
+    check("entropy rows alone == in batch", same(part, ent[5:9]))
+    g, ge, runs = torch.randn(h.shape[0], generator=gen), torch.randn(h.shape[0], generator=gen), []
+    for kernels in (logprob, torch_logprob):
+        hg, wg = h.float().requires_grad_(), w.float().requires_grad_()
+        lp, e = StrictLogprobs.apply(hg, wg, tg, temps, 0, real, None, kernels, torch.float32, True)
+        ((lp * g).sum() + (e * ge).sum()).backward()
+        runs.append((e.detach(), hg.grad, wg.grad))
+    check("entropy: Triton == torch backend (1e-5)", float((runs[0][0] - runs[1][0]).abs().max()) < 1e-5)
+    check(
+        "entropy autograd grads: Triton == torch backend (1e-5)",
+        all(float((a - b).abs().max()) < 1e-5 for a, b in zip(runs[0][1:], runs[1][1:])),
+    )
 
 
 def _slice_stats(logits, temps, tg, real, vocab_start=0, **options):
@@ -385,6 +413,12 @@ def logprob_slice_stats(gen: torch.Generator) -> None:
                 all(same(a, b) for a, b in zip(got, ref)),
             )
     check("logprob slice stats: the -0 target logit gives +0", ref[2][5].view(torch.int32) == 0)
+    spreads = []
+    for target_load in (False, True):
+        w_t = torch.empty(t, -(-v // logprob.VOCAB_TILE), dtype=torch.int64)
+        _slice_stats(logits, temps, tg, real, FAST_TEMP=True, TARGET_LOAD=target_load, ew_ptr=w_t, ENTROPY=True)
+        spreads.append(w_t)
+    check("logprob slice stats: entropy spreads, target read == summed out of the block", same(*spreads))
     shard = 128  # a TP rank's shard from global column 128: targets before it belong to another rank
     tg_global = tg + shard
     tg_global[:6] = torch.arange(6) * 20  # columns 0..100: not this shard's

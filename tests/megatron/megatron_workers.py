@@ -87,6 +87,7 @@ def _job(job: dict, ckpt: str, device: str) -> dict:
     from rl_kernel import evidence
     from rl_kernel.integrations.megatron import MegatronPolicy
     from rl_kernel.models.qwen3 import Qwen3Reference
+    from rl_kernel.ops.truncation import Truncation
     from vime.trainer.grpo import LossConfig, TrainBatch, score, train_step
 
     tp, cp = job["tp"], job["cp"]
@@ -110,6 +111,16 @@ def _job(job: dict, ckpt: str, device: str) -> dict:
             res[f"{mode}_mb4_reversed"] = [rev[order.index(i)] for i in range(len(seqs))]
         if job.get("export") and mode == "strict":
             res["export"] = policy.export_hf_state_dict()
+        if job.get("train"):  # exact top-p scoring (strict), and the native training step's entropy
+            truncation = Truncation(top_k=200, top_p=0.99)
+            if mode == "strict":
+                policy.truncation = truncation
+                res["strict_truncated"] = score(policy, seqs, prompts, TEMPERATURE)
+                policy.truncation = None
+                res["ref_truncated"] = ref.sequence_logprobs(seqs, prompts, TEMPERATURE, truncation)
+            else:
+                batch = TrainBatch(seqs, prompts, train_inputs(res["ref"])["advantages"], res["ref"], None, TEMPERATURE)
+                res["native_train_metrics"] = train_step(policy, batch, LossConfig(entropy_coef=0.01))
         if job.get("train") and mode == "strict":
             extra = train_inputs(res["ref"])
             batch = TrainBatch(seqs, prompts, extra["advantages"], res["ref"], extra["ref_logprobs"], TEMPERATURE)

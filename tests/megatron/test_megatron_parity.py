@@ -113,6 +113,18 @@ def test_train_step_strict_metrics(world1):
     # old logprobs are the reference's: the trainer reproduces them bit for bit, so the ratio is exactly 1
     assert m["mismatch_count"] == 0 and m["max_abs_diff"] == 0.0 and m["ratio_mean"] == 1.0
     assert m["tokens"] == 384 and m["kl"] > 0 and m["grad_norm"] > 0
+    assert m["entropy"] > 0  # train/entropy: from the strict LM-head pass
+
+
+def test_truncated_scoring_equals_reference_and_native_entropy(world1):
+    """Exact top-k / top-p: Megatron's strict scoring rebuilds the reference's truncated logprobs in bits (a
+    token outside the support: -inf on both); Megatron's native training step logs a close entropy."""
+    r = world1["tp1cp1"]
+    assert mismatches(r["strict_truncated"], r["ref_truncated"]) == 0
+    kept = torch.cat(r["ref_truncated"]).isfinite()
+    assert bool(kept.any()) and mismatches(r["strict_truncated"], r["strict"]) >= int(kept.sum())
+    strict, native = r["train_metrics"]["entropy"], r["native_train_metrics"]["entropy"]
+    assert native > 0 and abs(native - strict) < 0.05 * strict, (native, strict)
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -97,3 +97,16 @@ def test_device_gather_path_gives_the_bits_of_the_gloo_path(ranks, world):
     assert all(
         not same_bits(o["native"]["row_parallel/device_gather"], o["native"]["row_parallel/full"]) for o in ranks[world]
     )
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("key", ["truncated", "entropy"])
+def test_vocab_parallel_truncation_and_entropy_strict(ranks, world, key):
+    """Top-k / top-p over a support gathered from the vocab ranks, and the entropy's int64 sum: the sharded
+    values equal the unsharded ones in bits on every rank (logprobs and entropy)."""
+    for rank, out in enumerate(ranks[world]):
+        for suffix in ("", "_entropy"):
+            full, sharded = out["strict"][f"{key}/full{suffix}"], out["strict"][f"{key}/sharded{suffix}"]
+            assert same_bits(full, sharded), f"{key}{suffix} tp{world} rank {rank}: {max_abs_diff(full, sharded)}"
+    kept = ranks[world][0]["strict"]["truncated/full"]
+    assert bool(torch.isfinite(kept[::2]).all()) and not same_bits(kept, ranks[world][0]["strict"]["entropy/full"])

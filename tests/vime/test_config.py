@@ -71,3 +71,30 @@ def test_malformed_overrides_are_rejected(compose_cfg, override, message):
 def test_values_that_cannot_run_are_rejected(compose_cfg, override, message):
     with pytest.raises(ConfigError, match=message):
         validate(to_object(compose_cfg(override)))
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["algo.top_p=0"], "algo.top_p=0.0; use 0 < top_p <= 1"),
+        (["algo.top_p=1.5"], "algo.top_p=1.5"),
+        (["algo.top_k=-2"], "algo.top_k=-2"),
+        (["algo.min_p=1.0"], "algo.min_p=1.0"),
+        (["algo.min_p=-0.1"], "algo.min_p=-0.1"),
+        (["algo.entropy_coef=-1"], "algo.entropy_coef=-1"),
+        (["algo.top_p=0.9", "rollout.engine=reference"], "rollout.engine=reference"),
+        (["algo.top_k=20", "algo.max_staleness=1", "algo.correction=tis"], "max_staleness=1"),
+    ],
+)
+def test_bad_truncation_and_entropy_values_are_one_line_at_start_up(compose_cfg, overrides, message):
+    with pytest.raises(ConfigError, match=message.replace(".", "\\.").replace("+", "\\+")) as info:
+        validate(to_object(compose_cfg(*overrides)))
+    assert "\n" not in str(info.value)
+
+
+def test_truncation_keys_reach_the_config(compose_cfg):
+    from vime.loop.truncation import truncation
+
+    cfg = validate(to_object(compose_cfg("algo.top_p=0.9", "algo.top_k=20", "algo.entropy_coef=0.01")))
+    assert truncation(cfg).active and (truncation(cfg).top_k, truncation(cfg).top_p) == (20, 0.9)
+    assert not truncation(validate(to_object(compose_cfg()))).active

@@ -124,6 +124,29 @@ def test_gate_failures_are_errors_not_mismatches(rollout, trainer, message):
         check_comparable([s], [t], version=3)
 
 
+def test_gate_passes_a_pair_drawn_and_scored_under_one_truncation():
+    s, t = _pair({"top_k": 20, "top_p": 0.9}, {"top_k": 20, "top_p": 0.9})
+    check_comparable([s], [t], version=3)
+    s, t = _pair({"top_k": 0}, {"top_k": -1})  # both: off
+    check_comparable([s], [t], version=3)
+    s, t = _pair({"top_k": 20, "top_p": 0.9, "min_p": 0.05}, {"top_k": 20, "top_p": 0.9})
+    with pytest.raises(ComparabilityError, match="min_p=0.05"):
+        check_comparable([s], [t], version=3)
+
+
+def test_a_token_outside_the_trainer_support_is_counted_and_refused():
+    from vime.loop.consistency import refuse_outside_support
+
+    rollout = [torch.tensor([-0.5, -1.0, -0.25])]
+    trainer = [torch.tensor([-0.5, float("-inf"), -0.25])]
+    result = compare(rollout, trainer)
+    assert result.outside_support == 1 and result.mismatch_count == 1
+    assert result.metrics()["outside_support"] == 1
+    with pytest.raises(ComparabilityError, match="1 sampled token"):
+        refuse_outside_support(result.outside_support, 0)
+    refuse_outside_support(compare(rollout, rollout).outside_support, 0)
+
+
 def _evidence(mode: str) -> list[dict]:
     """Real rl_kernel evidence of a small forward (linear, rms_norm, logprobs) in `mode`."""
     x, w, head = (torch.randn(*shape, dtype=torch.bfloat16) for shape in ((4, 64), (64, 64), (32, 64)))

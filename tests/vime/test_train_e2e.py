@@ -93,6 +93,20 @@ def test_strict_run_with_bf16_logits_has_zero_mismatches_every_step(tmp_path):
         assert r["train_mismatch_count"] == 0, r
 
 
+@pytest.mark.extended  # in CI: tests/vllm/test_vllm_topp.py (engine) and tests/vime/test_topp_trainer.py (trainer)
+def test_strict_run_with_top_p_top_k_has_zero_mismatches_every_step(tmp_path):
+    """algo.top_p=0.9 algo.top_k=20: the strict vLLM engine samples from the exact truncated support and records
+    the renormalised logprob, Megatron rebuilds both from its own logits: equal bits on every token of every
+    step, no token outside the trainer's support, the truncation contract 'same' on both sides, the entropy
+    logged."""
+    rows = _train(tmp_path / "topp", "algo.top_p=0.9", "algo.top_k=20", *NO_SAVE)
+    for r in rows:
+        assert r["strict"] is True and r["mismatch_count"] == 0 and r["max_abs_diff"] == 0.0, r
+        assert r["train_mismatch_count"] == 0 and r["outside_support"] == 0, r
+        assert r["contracts"]["truncation"] == "same", r["contracts"]
+        assert r["entropy"] > 0, r
+
+
 @pytest.mark.extended  # in CI the twins of the engines' parity tests show it (tests/vllm, tests/megatron)
 def test_native_twin_shows_mismatches_every_step(native_run):
     """The all-native twin (`rollout.mode=native trainer.mode=native`) of the default run, 2 steps."""

@@ -81,6 +81,23 @@ def test_strict_sampling_params_carry_temperature():
         strict_sampling_params(temperature=0.0)
 
 
+def test_strict_sampling_params_carry_an_exact_truncation():
+    from rl_kernel.integrations.vllm import TRUNCATION_KEY, truncation_of
+    from rl_kernel.ops.truncation import Truncation
+
+    t = Truncation(top_k=20, top_p=0.9)
+    params = strict_sampling_params(temperature=0.7, truncation=t)
+    assert (params.top_k, params.top_p, params.min_p) == (0, 1.0, 0.0)  # vLLM's own stay off
+    assert params.extra_args[TRUNCATION_KEY] == {"top_k": 20, "top_p": 0.9, "min_p": 0.0}
+    assert truncation_of(params) == t
+    StrictLogprobsProcessor.validate_params(params)
+    assert TRUNCATION_KEY not in strict_sampling_params(truncation=Truncation()).extra_args  # off: the full softmax
+    for bad, message in (({"top_p": 1.5}, "top_p=1.5"), ({"top_k": 20, "typo": 1}, "must be a dict of")):
+        params = SamplingParams(logprobs=0, extra_args={TEMPERATURE_KEY: 1.0, TRUNCATION_KEY: bad})
+        with pytest.raises(ValueError, match=message):
+            StrictLogprobsProcessor.validate_params(params)
+
+
 @pytest.mark.parametrize(
     "params, message",
     [

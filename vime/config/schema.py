@@ -275,6 +275,12 @@ class AlgoConfig:
     max_sample_rounds: int = 3  # dynamic sampling: prompt batches a step may sample at most
     mini_batches: int = 1  # optimizer steps per rollout batch (consecutive slices of it)
     ppo_epochs: int = 1  # passes over the rollout batch
+    # Exact truncated sampling on the strict engines (rl_kernel.ops.truncation; docs/vllm.md): the support is
+    # cut from the strict log-probs, the recorded logprob is renormalised over it, the trainer rebuilds both.
+    top_k: int = -1  # keep the k most likely tokens (ties by token id); -1 or 0: off
+    top_p: float = 1.0  # then the smallest prefix whose (top-k renormalised) mass reaches top_p; 1.0: off
+    min_p: float = 0.0  # then tokens with p >= min_p * p_max; 0.0: off
+    entropy_coef: float = 0.0  # loss - entropy_coef * mean full-vocab entropy (train/entropy is logged always)
 
     def __post_init__(self) -> None:
         _require(self.prompts_per_step >= 1, f"algo.prompts_per_step={self.prompts_per_step}", "set it >= 1")
@@ -291,6 +297,14 @@ class AlgoConfig:
         )
         _require(0 <= self.clip_eps < 1, f"algo.clip_eps={self.clip_eps}", "use 0 <= clip_eps < 1")
         _require(self.kl_coef >= 0, f"algo.kl_coef={self.kl_coef}", "use kl_coef >= 0")
+        _require(self.top_k >= -1, f"algo.top_k={self.top_k}", "use -1 or 0 (off) or a token count >= 1")
+        _require(0 < self.top_p <= 1, f"algo.top_p={self.top_p}", "use 0 < top_p <= 1 (1.0: off)")
+        _require(0 <= self.min_p < 1, f"algo.min_p={self.min_p}", "use 0 <= min_p < 1 (0.0: off)")
+        _require(
+            math.isfinite(self.entropy_coef) and self.entropy_coef >= 0,
+            f"algo.entropy_coef={self.entropy_coef}",
+            "use entropy_coef >= 0 (0: entropy only logged)",
+        )
 
 
 @dataclass
@@ -567,6 +581,7 @@ def validate(cfg: VimeConfig) -> VimeConfig:
     _validate_async(cfg)
     _validate_objectives(cfg)
     _validate_data(cfg)
+    _validate_truncation(cfg)
     if cfg.device == "cpu":
         _require(
             r.engine != RolloutBackend.vllm or r.tp <= 2,
@@ -574,6 +589,24 @@ def validate(cfg: VimeConfig) -> VimeConfig:
             "this CPU build runs at most TP2 per engine",
         )
     return cfg
+
+
+def _validate_truncation(cfg: VimeConfig) -> None:
+    """Exact top-k / top-p / min-p (algo.top_k, top_p, min_p) run on the vLLM rollout engine, synchronously."""
+    a = cfg.algo
+    if a.top_k <= 0 and a.top_p == 1.0 and a.min_p == 0.0:
+        return
+    what = f"algo.top_k={a.top_k}, top_p={a.top_p}, min_p={a.min_p}"
+    _require(
+        cfg.rollout.engine == RolloutBackend.vllm,
+        f"{what} with rollout.engine={cfg.rollout.engine.value}",
+        "truncated sampling runs on vLLM's strict sampler: set rollout.engine=vllm (or top_k=-1 top_p=1 min_p=0)",
+    )
+    _require(
+        a.max_staleness == 0,
+        f"{what} with algo.max_staleness={a.max_staleness}",
+        "the asynchronous loop's behaviour re-scoring has no truncated form yet: use algo.max_staleness=0",
+    )
 
 
 def _validate_async(cfg: VimeConfig) -> None:

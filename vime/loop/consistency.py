@@ -1,7 +1,8 @@
 """Rollout vs trainer logprob consistency: the comparability gate and the per-step metrics.
 
 The gate runs first. It checks that the two sides computed the same quantity: same weight version,
-same token ids at the same positions, same sampling semantics (temperature, no top-k / top-p),
+same token ids at the same positions, same sampling semantics (temperature, the same exact top-k / top-p /
+min-p truncation: `rl_kernel.ops.truncation`),
 same vocab range, and the same numeric contracts for every op both sides ran strictly. A failed
 gate raises `ComparabilityError`; it is never reported as a mismatch.
 
@@ -20,6 +21,7 @@ from rl_kernel import BOUNDARIES, OP_BOUNDARY, contracts
 from rl_kernel.bits import bits
 from vime.engines import Sample, Scored
 from vime.errors import ComparabilityError
+from vime.loop import truncation
 
 
 @dataclasses.dataclass
@@ -29,6 +31,7 @@ class Consistency:
     mean_abs_diff: float
     tokens: int
     worst: dict | None  # {sample, position, token_id, rollout, trainer, abs_diff}; None when all bits agree
+    outside_support: int = 0  # sampled tokens the trainer's top-k / top-p support excludes (its logprob -inf)
 
     def metrics(self) -> dict[str, float | int]:
         m = {
@@ -36,6 +39,7 @@ class Consistency:
             "max_abs_diff": self.max_abs_diff,
             "mean_abs_diff": self.mean_abs_diff,
             "tokens": self.tokens,
+            "outside_support": self.outside_support,
         }
         if self.worst is not None:
             m |= {f"worst_{k}": v for k, v in self.worst.items()}
@@ -69,7 +73,7 @@ def compare(
     """
     if len(rollout) != len(trainer):
         raise ComparabilityError(f"{len(rollout)} rollout samples vs {len(trainer)} trainer samples")
-    mismatches, tokens, diff_sum, worst = 0, 0, 0.0, None
+    mismatches, tokens, diff_sum, worst, outside = 0, 0, 0.0, None, 0
     max_diff = 0.0
     for i, (a, b) in enumerate(zip(rollout, trainer)):
         if a.dtype != torch.float32 or b.dtype != torch.float32:
@@ -77,6 +81,7 @@ def compare(
         if a.shape != b.shape:
             raise ComparabilityError(f"sample {i}: {a.numel()} rollout logprobs vs {b.numel()} trainer logprobs")
         differ = bits(a) != bits(b)
+        outside += int((torch.isneginf(b) & ~torch.isneginf(a)).sum())
         diff = (a.to(torch.float64) - b.to(torch.float64)).abs()
         mismatches += int(differ.sum())
         tokens += a.numel()
@@ -97,7 +102,17 @@ def compare(
                     "trainer": float(b[j]),
                     "abs_diff": float(d[j]),
                 }
-    return Consistency(mismatches, max_diff, diff_sum / tokens if tokens else 0.0, tokens, worst)
+    return Consistency(mismatches, max_diff, diff_sum / tokens if tokens else 0.0, tokens, worst, outside)
+
+
+def refuse_outside_support(count: int, step: int) -> None:
+    """A sampled token outside the trainer's support is a consistency failure, never dropped: raises
+    ComparabilityError when step `step` counted any (`Consistency.outside_support`, logged first)."""
+    if count:
+        raise ComparabilityError(
+            f"step {step}: {count} sampled token(s) lie outside the trainer's top-k / top-p / "
+            "min-p support (the two sides cut different supports): the rollout and trainer disagree"
+        )
 
 
 def check_comparable(samples: Sequence[Sample], scored: Sequence[Scored], version: int) -> None:
@@ -124,10 +139,11 @@ def check_comparable(samples: Sequence[Sample], scored: Sequence[Scored], versio
             raise ComparabilityError(
                 f"{where}: trainer scored positions {list(t.positions)}, the rollout's tokens are at {expected}"
             )
-        if s.top_k not in (-1, 0) or s.top_p != 1.0:
+        if truncation.key(s.top_k, s.top_p, s.min_p) != truncation.key(t.top_k, t.top_p, t.min_p):
             raise ComparabilityError(
-                f"{where}: top_k={s.top_k}, top_p={s.top_p}: the trainer scores the full "
-                "softmax; compare only samples drawn without top-k / top-p"
+                f"{where}: drawn under top_k={s.top_k}, top_p={s.top_p}, min_p={s.min_p}, scored under "
+                f"top_k={t.top_k}, top_p={t.top_p}, min_p={t.min_p}: the trainer must rebuild the rollout's "
+                "truncation (algo.top_k / top_p / min_p reach both sides)"
             )
         if t.temperature != s.temperature:
             raise ComparabilityError(f"{where}: rollout temperature {s.temperature} vs trainer {t.temperature}")

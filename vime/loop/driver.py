@@ -35,6 +35,7 @@ from vime.loop import consistency, sampling
 from vime.loop.async_loop import AsyncLoop, lag_metrics
 from vime.loop.record import Parity, StepRecord
 from vime.loop.timeline import Timeline
+from vime.loop.truncation import truncation as truncation_of
 from vime.reporting import report
 from vime.reporting.metrics_log import MetricsLogger
 from vime.rollout.actor import RolloutWorker
@@ -177,6 +178,7 @@ class Driver:
             self.rollout_modes,
             cfg.seed,
             str(self.weight_paths[i]),
+            truncation=truncation_of(cfg),
         )
         self.engines = [self.new_engine(i) for i in range(cfg.rollout.num_engines)]
         self.trainer = [
@@ -196,6 +198,8 @@ class Driver:
                 cfg.algo.clip_eps,
                 correction_fields(cfg) | loss_fields(cfg),
                 kept_versions(cfg),
+                truncation=truncation_of(cfg),
+                entropy_coef=cfg.algo.entropy_coef,
             )
             for r in range(n_ranks)
         ]
@@ -413,6 +417,7 @@ class Driver:
             self.logger.log(row)
             rows.append(row)
             c, off = row.consistency, (row.offpolicy.lag0_ratio_off or 0) + (row.train.first_ratio_off or 0)
+            consistency.refuse_outside_support(c.outside_support, step)
             if self.cfg.fail_on_mismatch and self.strict and c.mismatch_count:
                 raise ComparabilityError(
                     f"strict run, step {step}: {c.mismatch_count} of {c.tokens} tokens "

@@ -25,6 +25,7 @@ class Parity:
     mismatch_count: int = 0
     max_abs_diff: float = 0.0
     mean_abs_diff: float = 0.0
+    outside_support: int = 0  # sampled tokens outside the trainer's top-k / top-p support (refused)
     # the worst token, when any differs
     worst_sample: int | None = None
     worst_index: int | None = None  # the token's index in its sample's response
@@ -88,6 +89,7 @@ class Train:
     grad_norm: float | None = None
     updates: int | None = None  # optimizer steps of the step (algo.mini_batches x ppo_epochs)
     first_ratio_off: float | None = None  # tokens of the first update whose ratio is not exactly 1 (must be 0)
+    entropy: float | None = None  # token mean of the policy's full-vocab entropy (nats), from the training pass
 
 
 @dataclass

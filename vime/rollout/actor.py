@@ -81,9 +81,11 @@ class RolloutWorker:
         modes: dict[str, str],
         seed: int,
         transport: str = "ipc",
+        truncation=None,
     ):
         """`transport` (this engine's weight path, vime.config.layout.engine_transports): how a vLLM engine on CUDA
-        takes weights, `ipc` or `nccl`; `gloo` on CPU: rl_kernel's push group, received here (GroupReceiver)."""
+        takes weights, `ipc` or `nccl`; `gloo` on CPU: rl_kernel's push group, received here (GroupReceiver).
+        `truncation`: the run's exact top-k / top-p / min-p (`rl_kernel.ops.truncation.Truncation`; vLLM only)."""
         redirect_output()
         apply_modes(modes)
         self.engine_id, self.cfg, self.modes, self.seed = engine_id, cfg, modes, seed
@@ -92,7 +94,9 @@ class RolloutWorker:
         if RolloutBackend(cfg.engine) == RolloutBackend.vllm:
             from vime.rollout.vllm_engine import VllmRollout
 
-            self.engine = VllmRollout(cfg, model_path, dtype, device, modes, seed + engine_id, engine_id, transport)
+            self.engine = VllmRollout(
+                cfg, model_path, dtype, device, modes, seed + engine_id, engine_id, transport, truncation
+            )
         else:
             from vime.rollout.reference import ReferenceRollout
 
@@ -161,6 +165,7 @@ class RolloutWorker:
                     temperature=temperature,
                     top_k=self.engine.top_k,
                     top_p=self.engine.top_p,
+                    min_p=getattr(self.engine, "min_p", 0.0),
                     vocab_size=self.engine.vocab_size,
                     finish_reason="stop" if tokens and tokens[-1] in stop_token_ids else "length",
                 )

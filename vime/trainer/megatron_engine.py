@@ -28,6 +28,7 @@ class MegatronTrainer:
         world_size: int,
         init_method: str,
         store=None,
+        truncation=None,
     ):
         """`init_method` (or `store`, a torch Store that replaces it) is the trainer world's rendezvous."""
         import megatron.core
@@ -61,6 +62,7 @@ class MegatronTrainer:
             device=device,
         )
         self.policy = make()
+        self.policy.truncation = truncation  # exact top-k / top-p / min-p: every forward rebuilds the support
         self.ref = make() if loss.kl_coef > 0 else None  # frozen initial policy for the KL term
         self.vocab_size = self.policy.shape.vocab_size
 

@@ -25,8 +25,9 @@ class Forward:
     """The teacher-forcing forward of a `Qwen3Reference` as the GRPO step wants it: packed sequences in,
     the logprobs of the requested rows out (one process: no ranks to gather from)."""
 
-    def __init__(self, model: Qwen3Reference):
+    def __init__(self, model: Qwen3Reference, truncation=None):
         self.model = model
+        self.truncation = truncation  # rl_kernel.ops.truncation.Truncation the logprobs are renormalised under
 
     def forward_logprobs(
         self,
@@ -35,11 +36,20 @@ class Forward:
         targets: torch.Tensor,
         temps: torch.Tensor,
         rows: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        entropy: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(logprobs, rows), and with `entropy` (logprobs, rows, full-vocab entropy) from the same pass."""
         dev = self.model.device
         hidden = self.model.forward_packed(ids.to(dev), cu_seqlens.to(dev))
         rows_d = rows.to(dev)
-        return self.model.logprobs(hidden[rows_d], targets.to(dev)[rows_d], temps.to(dev)[rows_d]), rows
+        out = self.model.logprobs(
+            hidden[rows_d],
+            targets.to(dev)[rows_d],
+            temps.to(dev)[rows_d],
+            truncation=self.truncation,
+            with_entropy=entropy,
+        )
+        return (out[0], rows, out[1]) if entropy else (out, rows)
 
     def gather_logprobs(self, values: torch.Tensor, index: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
         full = torch.zeros(int(cu_seqlens[-1]), dtype=torch.float32)
@@ -50,7 +60,9 @@ class Forward:
 class ReferenceTrainer:
     label = LABEL
 
-    def __init__(self, cfg: TrainerConfig, model_path: str, dtype: str, device: str, loss: grpo.LossConfig):
+    def __init__(
+        self, cfg: TrainerConfig, model_path: str, dtype: str, device: str, loss: grpo.LossConfig, truncation=None
+    ):
         if cfg.tp != 1 or cfg.cp != 1:
             raise ConfigError(
                 f"trainer.tp={cfg.tp}, trainer.cp={cfg.cp}: the reference fallback trainer runs "
@@ -67,7 +79,7 @@ class ReferenceTrainer:
         self.params = self._tensors(self.model)
         self.master = [torch.nn.Parameter(p.detach().to(torch.float32).clone()) for p in self.params]
         self.optimizer = torch.optim.AdamW(self.master, lr=cfg.lr, weight_decay=cfg.weight_decay)
-        self._forward = Forward(self.model)
+        self._forward = Forward(self.model, truncation)
 
     @staticmethod
     def _tensors(m: Qwen3Reference) -> list[torch.Tensor]:
@@ -91,8 +103,8 @@ class ReferenceTrainer:
 
     # ---- grpo.PolicyModel ------------------------------------------------------------------------
 
-    def forward_logprobs(self, ids, cu_seqlens, targets, temps, rows):
-        return self._forward.forward_logprobs(ids, cu_seqlens, targets, temps, rows)
+    def forward_logprobs(self, ids, cu_seqlens, targets, temps, rows, entropy=False):
+        return self._forward.forward_logprobs(ids, cu_seqlens, targets, temps, rows, entropy)
 
     def gather_logprobs(self, values, index, cu_seqlens):
         return self._forward.gather_logprobs(values, index, cu_seqlens)

@@ -53,9 +53,11 @@ def logprobs_and_lse(
     vocab_size: int,
     group: dist.ProcessGroup | None,
     logits_dtype: torch.dtype = torch.float32,
+    entropy: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 logprobs [T] and fp64 lse [T]. `logits_fn(a, b)` gives the fp32 logits of rows a:b of
-    this rank's vocab slice [b - a, vocab_local] under the GEMM contract, rounded to `logits_dtype`."""
+    this rank's vocab slice [b - a, vocab_local] under the GEMM contract, rounded to `logits_dtype`.
+    `entropy` (fp32 [T]) receives each row's full-vocab entropy (`entropy_of_tile`)."""
     device = targets.device
     out = torch.empty(rows, dtype=torch.float32, device=device)
     lse_out = torch.empty(rows, dtype=torch.float64, device=device)
@@ -64,7 +66,8 @@ def logprobs_and_lse(
         b = min(rows, a + tile)
         z = scaled_logits(logits_fn(a, b), temperature[a:b], vocab_start, vocab_size, logits_dtype)
         m = exact_all_reduce(z.amax(-1), dist.ReduceOp.MAX, group)
-        terms = torch.round(exp64(z - m.unsqueeze(-1)) * float(1 << FIXED_POINT_BITS)).to(torch.int64)
+        e = exp64(z - m.unsqueeze(-1))
+        terms = torch.round(e * float(1 << FIXED_POINT_BITS)).to(torch.int64)
         total = exact_all_reduce(terms.sum(-1), dist.ReduceOp.SUM, group)  # int64: exact in any order
         local = targets[a:b] - vocab_start
         owned = (local >= 0) & (local < vocab_local)
@@ -73,7 +76,28 @@ def logprobs_and_lse(
         lse = m + log64(total.to(torch.float64) * (1.0 / (1 << FIXED_POINT_BITS)))
         out[a:b] = (z_t - lse).to(torch.float32)
         lse_out[a:b] = lse
+        if entropy is not None:
+            entropy[a:b] = entropy_of_tile(z, m, e, total, lse, group)
     return out, lse_out
+
+
+def entropy_of_tile(
+    z: torch.Tensor,
+    m: torch.Tensor,
+    e: torch.Tensor,
+    total: torch.Tensor,
+    lse: torch.Tensor,
+    group: dist.ProcessGroup | None,
+) -> torch.Tensor:
+    """fp32 entropy [rows] of the softmax of z [rows, V_local] (this rank's slice; -inf on padded columns), from
+    the logprob pass's own numbers: the max m, e = exp64(z - m), the int64 fixed-point total and the lse.
+    H = (lse - m) + A / total with A = sum of rint(e (m - z) 2^44) in int64 (each term <= 1/e: exact and
+    order-free over tiles and ranks, like the lse; no bit contract is claimed for it)."""
+    term = torch.where(e > 0, e * (m.unsqueeze(-1) - z), 0.0)
+    spread = exact_all_reduce(
+        torch.round(term * float(1 << FIXED_POINT_BITS)).to(torch.int64).sum(-1), dist.ReduceOp.SUM, group
+    )
+    return ((lse - m) + spread.to(torch.float64) / total.to(torch.float64)).to(torch.float32)
 
 
 def forward(
@@ -86,10 +110,11 @@ def forward(
     group: dist.ProcessGroup | None,
     keep: list | None = None,
     logits_dtype: torch.dtype = torch.float32,
+    entropy: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The strict forward of `rl_kernel.logprobs`: (fp32 logprobs [T], fp64 lse [T]), the logits by the GEMM op
     (`rl_kernel.linear_fp32`, row tiles) rounded to `logits_dtype`. `keep` is left empty: the backward
-    recomputes the logits."""
+    recomputes the logits. `entropy` (fp32 [T]) receives the full-vocab entropy of each row."""
     from rl_kernel.ops.gemm import linear_fp32
 
     return logprobs_and_lse(
@@ -102,6 +127,7 @@ def forward(
         vocab_size,
         group,
         logits_dtype,
+        entropy,
     )
 
 
@@ -139,11 +165,14 @@ def backward(
     group: dist.ProcessGroup | None,
     kept: list | None = None,
     tile_elements: int = TILE_ELEMENTS,
+    grad_entropy: torch.Tensor | None = None,
+    entropy: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Gradients of logprob = z[target] - lse with z = hidden @ weight.T / T, for the forward's fp64
     `lse`: d/dz = (onehot - softmax) * grad / T. fp32 matmuls in row tiles (never all logits at once);
     the hidden gradient of a vocab slice is summed over ranks. Returns (grad_hidden, grad_weight). `kept`
-    (logits kept by the forward) is unused: this forward keeps none."""
+    (logits kept by the forward) is unused: this forward keeps none. With `grad_entropy` (and the forward's
+    `entropy` H) the entropy's gradient is added: dH/dz = -p (log p + H)."""
     v_local = weight.shape[0]
     w32 = weight.to(torch.float32)
     grad_h = torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device)
@@ -159,6 +188,12 @@ def backward(
         owned = ((local >= 0) & (local < v_local)).nonzero().squeeze(-1)
         p[owned, local[owned]] -= 1.0  # softmax - onehot
         dlogits = p * (-grad_out[a : a + tile].to(torch.float32).unsqueeze(-1) / t32)
+        if grad_entropy is not None:
+            log_p = z - lse[a : a + tile].to(torch.float32).unsqueeze(-1)
+            real = column < vocab_size
+            spread = torch.where(real, log_p + entropy[a : a + tile].to(torch.float32).unsqueeze(-1), 0.0)
+            prob = torch.where(real, torch.exp(log_p), 0.0)
+            dlogits -= prob * spread * (grad_entropy[a : a + tile].to(torch.float32).unsqueeze(-1) / t32)
         grad_h[a : a + tile] = dlogits @ w32
         grad_w += dlogits.T @ h32
     if group is not None and dist.get_world_size(group) > 1:

@@ -113,9 +113,12 @@ def _tile_sums(
     FIXED: tl.constexpr,
     LOG2E: tl.constexpr,
     RNI: tl.constexpr,
+    ew_ptr,
+    ENTROPY: tl.constexpr,
 ):
     """Per (row, vocab tile of VT columns) of a z block [BLOCK_M, BLOCK_N // VT, VT] whose first column is
-    `first`: exact max and int64 fixed-point sum of exp."""
+    `first`: exact max and int64 fixed-point sum of exp; with ENTROPY also W = the int64 fixed-point sum of
+    e (m - z) (the entropy's spread term, each <= 1/e)."""
     m = tl.max(zz, 2)
     m_use = tl.where(m == float("-inf"), 0.0, m)
     e = tl.math.exp2((zz - m_use[:, :, None]) * LOG2E)
@@ -125,6 +128,9 @@ def _tile_sums(
     mask = row_ok[:, None] & (tiles < n_tiles)[None, :]
     tl.store(m_ptr + idx, m, mask=mask)
     tl.store(s_ptr + idx, s, mask=mask)
+    if ENTROPY:
+        spread = tl.where(e > 0.0, e * (m_use[:, :, None] - zz), 0.0)
+        tl.store(ew_ptr + idx, tl.sum(_fixed_point(spread, FIXED, RNI), 2), mask=mask)
 
 
 @triton.jit
@@ -149,6 +155,8 @@ def _tile_stats(
     LOG2E: tl.constexpr,
     FAST_TEMP: tl.constexpr,
     RNI: tl.constexpr,
+    ew_ptr,
+    ENTROPY: tl.constexpr,
 ):
     """`_tile_sums` of an fp32 logits block held in registers, and the target's z for the rows whose target
     column lies in it (summed out of the block: z + 0 + ... + 0)."""
@@ -175,6 +183,8 @@ def _tile_stats(
         FIXED,
         LOG2E,
         RNI,
+        ew_ptr,
+        ENTROPY,
     )
 
 
@@ -205,6 +215,8 @@ def _fused_kernel(
     FAST_TEMP: tl.constexpr,
     RNI: tl.constexpr,
     BF16_LOGITS: tl.constexpr,
+    ew_ptr=None,
+    ENTROPY: tl.constexpr = False,
 ):
     pid_m, pid_n = _tile_ids(T, V, BLOCK_M, BLOCK_N)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -235,6 +247,8 @@ def _fused_kernel(
         LOG2E,
         FAST_TEMP,
         RNI,
+        ew_ptr,
+        ENTROPY,
     )
 
 
@@ -262,6 +276,8 @@ def _stats_kernel(
     FAST_TEMP: tl.constexpr,
     RNI: tl.constexpr,
     TARGET_LOAD: tl.constexpr,
+    ew_ptr=None,
+    ENTROPY: tl.constexpr = False,
 ):
     """The per-tile stats of a precomputed logits slice [T, cols] (fp32, or bf16 under a bf16 logit contract)
     holding local vocab columns col0..
@@ -288,7 +304,9 @@ def _stats_kernel(
         hit = owns & (local - col0 < cols) & (vocab_start + local < vocab_size)
         z_t = tl.div_rn(tl.load(logits_ptr + rows + (local - col0), mask=hit, other=0.0).to(tl.float32), temp) + 0.0
         tl.store(zt_ptr + offs_m, z_t, mask=owns)
-        _tile_sums(z, offs_m, col0 + first, row_ok, m_ptr, s_ptr, n_tiles, BLOCK_N, VT, FIXED, LOG2E, RNI)
+        _tile_sums(
+            z, offs_m, col0 + first, row_ok, m_ptr, s_ptr, n_tiles, BLOCK_N, VT, FIXED, LOG2E, RNI, ew_ptr, ENTROPY
+        )
     else:
         offs_c = first + tl.arange(0, BLOCK_N)
         logits = tl.load(
@@ -315,14 +333,30 @@ def _stats_kernel(
             LOG2E,
             FAST_TEMP,
             RNI,
+            ew_ptr,
+            ENTROPY,
         )
 
 
 @triton.jit
-def _total_kernel(m_ptr, s_ptr, big_m_ptr, total_ptr, n_tiles, LOG2E: tl.constexpr, BLOCK: tl.constexpr):
+def _total_kernel(
+    m_ptr,
+    s_ptr,
+    big_m_ptr,
+    total_ptr,
+    n_tiles,
+    LOG2E: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ew_ptr=None,
+    spread_ptr=None,
+    ENTROPY: tl.constexpr = False,
+):
+    """Per row: total = sum_j rint(S_j exp(m_j - M)) in int64; with ENTROPY also the spread
+    A = sum_j rint((W_j + (M - m_j) S_j) exp(m_j - M)) (sum_v e_v (M - z_v) at 2^-FIXED, e_v = exp(z_v - M))."""
     row = tl.program_id(0).to(tl.int64)
     big_m = tl.load(big_m_ptr + row)
     acc = tl.zeros((BLOCK,), tl.int64)
+    acc_w = tl.zeros((BLOCK,), tl.int64)
     for j0 in range(0, n_tiles, BLOCK):
         j = j0 + tl.arange(0, BLOCK)
         ok = j < n_tiles
@@ -331,8 +365,17 @@ def _total_kernel(m_ptr, s_ptr, big_m_ptr, total_ptr, n_tiles, LOG2E: tl.constex
         f = tl.math.exp2((m - big_m) * LOG2E)
         y = s.to(tl.float64) * f.to(tl.float64)
         y = (y + 4503599627370496.0) - 4503599627370496.0  # rint: y < 2^52
-        acc += tl.where(ok & (m != float("-inf")), y.to(tl.int64), 0)
+        live = ok & (m != float("-inf"))
+        acc += tl.where(live, y.to(tl.int64), 0)
+        if ENTROPY:
+            w = tl.load(ew_ptr + row * n_tiles + j, mask=ok, other=0)
+            gap = tl.where(live, big_m - m, 0.0).to(tl.float64)
+            yw = (w.to(tl.float64) + gap * s.to(tl.float64)) * f.to(tl.float64)
+            yw = (yw + 4503599627370496.0) - 4503599627370496.0
+            acc_w += tl.where(live, yw.to(tl.int64), 0)
     tl.store(total_ptr + row, tl.sum(acc, 0))
+    if ENTROPY:
+        tl.store(spread_ptr + row, tl.sum(acc_w, 0))
 
 
 @triton.jit
@@ -352,8 +395,12 @@ def _dlogits_kernel(
     LOG2E: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    ge_ptr=None,
+    ent_ptr=None,
+    ENTROPY: tl.constexpr = False,
 ):
-    """dL/dlogits = (onehot(target) - exp(z - lse)) * g / T for a logits slice (bf16 out; no bit contract)."""
+    """dL/dlogits = (onehot(target) - exp(z - lse)) * g / T for a logits slice (bf16 out; no bit contract); with
+    ENTROPY plus the entropy's -g_H p (log p + H) / T."""
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_c = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     ok = (offs_m < T)[:, None] & (offs_c < cols)[None, :]
@@ -366,7 +413,12 @@ def _dlogits_kernel(
     z = tl.load(logits_ptr + row, mask=ok, other=0.0).to(tl.float32) / temp[:, None]
     p = tl.where((col < vocab_size)[None, :], tl.math.exp2((z - lse[:, None]) * LOG2E), 0.0)
     onehot = tl.where(col[None, :] == tgt[:, None], 1.0, 0.0)
-    tl.store(dl_ptr + row, ((onehot - p) * (g / temp)[:, None]).to(dl_ptr.dtype.element_ty), mask=ok)
+    dl = (onehot - p) * (g / temp)[:, None]
+    if ENTROPY:
+        ge = tl.load(ge_ptr + offs_m, mask=offs_m < T, other=0.0)
+        ent = tl.load(ent_ptr + offs_m, mask=offs_m < T, other=0.0)
+        dl -= p * (z - lse[:, None] + ent[:, None]) * (ge / temp)[:, None]
+    tl.store(dl_ptr + row, dl.to(dl_ptr.dtype.element_ty), mask=ok)
 
 
 def _check(vocab_start: int, op: str = "logprobs") -> None:
@@ -451,13 +503,15 @@ def _tile_stats_of_rows(
     cols,
     keep=None,
     logits_dtype=torch.float32,
+    w_t=None,
 ):
     """Fill per-tile (m, S) and the targets' z for the rows of x under the contract (either server) with logits
     in `logits_dtype` (float32 or bfloat16); the cuBLASLt server's slices are `cols` wide. `keep`, a list,
-    receives its logits slices as (first column, logits)."""
+    receives its logits slices as (first column, logits). `w_t` (int64, as m_t): also each tile's entropy
+    spread W."""
     r, v_local = x.shape[0], w.shape[0]
     n_tiles = m_t.shape[1]
-    launch = _stats_launch()
+    launch = _stats_launch() | {"ew_ptr": w_t, "ENTROPY": w_t is not None}
     if tile is None and gemm.use_cublaslt(x, w, server):
         bm, bn = launch["BLOCK_M"], launch["BLOCK_N"]
 
@@ -513,6 +567,8 @@ def _tile_stats_of_rows(
         FAST_TEMP=launch["FAST_TEMP"],
         RNI=launch["RNI"],
         BF16_LOGITS=logits_dtype == torch.bfloat16,
+        ew_ptr=w_t,
+        ENTROPY=w_t is not None,
         **cfg,
         **LAUNCH,
     )
@@ -530,9 +586,12 @@ def _forward(
     tile=None,
     keep=None,
     logits_dtype=torch.float32,
+    entropy=None,
 ):
     """fp32 logprobs [T] and fp64 lse [T] with logits in `logits_dtype`. With `keep` (a list) all rows are one
-    chunk and the logits slices are kept there for the backward (when the cuBLASLt server runs)."""
+    chunk and the logits slices are kept there for the backward (when the cuBLASLt server runs). `entropy`
+    (fp32 [T]) receives each row's full-vocab entropy H = (lse - M) + A / total from the same tiles (A: the
+    spread sums, int64 like the total, so no tiling or sharding changes it; no bit contract is claimed)."""
     if logits_dtype not in (torch.float32, torch.bfloat16):
         raise StrictModeError(
             "logprobs", "triton", f"logits dtype {logits_dtype} is outside the contract (float32 or bfloat16)"
@@ -547,10 +606,12 @@ def _forward(
     big_m = torch.empty(rows, dtype=torch.float32, device=dev)
     total = torch.empty(rows, dtype=torch.int64, device=dev)
     z_t = torch.zeros(rows, dtype=torch.float32, device=dev)
+    spread = None if entropy is None else torch.empty(rows, dtype=torch.int64, device=dev)
     for a in range(0, rows, chunk):
         b = min(rows, a + chunk)
         m_t = torch.empty(b - a, n_tiles, dtype=torch.float32, device=dev)
         s_t = torch.empty(b - a, n_tiles, dtype=torch.int64, device=dev)
+        w_t = None if entropy is None else torch.empty(b - a, n_tiles, dtype=torch.int64, device=dev)
         _tile_stats_of_rows(
             x[a:b],
             weight,
@@ -566,19 +627,27 @@ def _forward(
             cols,
             keep,
             logits_dtype,
+            w_t,
         )
-        _row_max_and_total(m_t, s_t, big_m[a:b], total[a:b], group)
-        del m_t, s_t  # before the next chunk's stats are allocated
+        _row_max_and_total(m_t, s_t, big_m[a:b], total[a:b], group, w_t, None if spread is None else spread[a:b])
+        del m_t, s_t, w_t  # before the next chunk's stats are allocated
     exact_all_reduce(z_t, dist.ReduceOp.SUM, group)  # one owner per row: x + 0 + ... + 0 is exact
-    lse = _lse(big_m, total, group)
+    lse = _lse(big_m, total, group)  # (sums the totals over the ranks)
+    if entropy is not None:
+        exact_all_reduce(spread, dist.ReduceOp.SUM, group)
+        entropy.copy_((lse - big_m.to(torch.float64)) + spread.to(torch.float64) / total.to(torch.float64))
     return (z_t.to(torch.float64) - lse).to(torch.float32), lse
 
 
-def _row_max_and_total(m_t, s_t, big_m, total, group) -> None:
+def _row_max_and_total(m_t, s_t, big_m, total, group, w_t=None, spread=None) -> None:
     """Per row of a chunk's tile stats: M = max of the tile maxima (over the ranks too: exact in any order) into
-    big_m, and this rank's int64 total of its tiles' sums rescaled to M into total."""
+    big_m, and this rank's int64 total of its tiles' sums rescaled to M into total (with `w_t`, the tiles'
+    entropy spreads rescaled the same way into `spread`)."""
     exact_all_reduce(torch.amax(m_t, 1, out=big_m), dist.ReduceOp.MAX, group)
-    _total_kernel[(m_t.shape[0],)](m_t, s_t, big_m, total, m_t.shape[1], LOG2E=LOG2E, BLOCK=1024, num_warps=4, **LAUNCH)
+    extra = {} if w_t is None else {"ew_ptr": w_t, "spread_ptr": spread, "ENTROPY": True}
+    _total_kernel[(m_t.shape[0],)](
+        m_t, s_t, big_m, total, m_t.shape[1], LOG2E=LOG2E, BLOCK=1024, num_warps=4, **extra, **LAUNCH
+    )
 
 
 @triton.jit(do_not_specialize=["rows"])
@@ -689,10 +758,23 @@ def _addmm_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
 
 
-def backward(grad_out, hidden, weight, targets, temps, lse, vocab_start, vocab_size, group, kept=None):
+def backward(
+    grad_out,
+    hidden,
+    weight,
+    targets,
+    temps,
+    lse,
+    vocab_start,
+    vocab_size,
+    group,
+    kept=None,
+    grad_entropy=None,
+    entropy=None,
+):
     """(grad_hidden, grad_weight) by tensor-core GEMMs over vocab slices; fp32 state under the budget.
     `kept`: the forward's logits slices [(first column, logits)] (fp32, or bf16 under a bf16 logit contract), used
-    instead of recomputing them."""
+    instead of recomputing them. With `grad_entropy` (and the forward's `entropy`) the entropy's gradient too."""
     rows, v_local = hidden.shape[0], weight.shape[0]
     h = hidden.contiguous()
     dtype = h.dtype if h.dtype == weight.dtype and h.dtype in (torch.bfloat16, torch.float16) else torch.float32
@@ -701,6 +783,13 @@ def backward(grad_out, hidden, weight, targets, temps, lse, vocab_start, vocab_s
     grad_w = torch.empty(v_local, h.shape[1], dtype=dtype, device=h.device)
     temps32, lse32 = temps.to(torch.float32).contiguous(), lse.to(torch.float32).contiguous()
     g32, tgt = grad_out.to(torch.float32).contiguous(), targets.to(torch.int64).contiguous()
+    with_entropy = {}
+    if grad_entropy is not None:
+        with_entropy = {
+            "ge_ptr": grad_entropy.to(torch.float32).contiguous(),
+            "ent_ptr": entropy.to(torch.float32).contiguous(),
+            "ENTROPY": True,
+        }
     cols = _slice_cols(rows, weight, 4 + h.element_size())
     bm, bn = 32, 256
     slices = kept or [(c0, None) for c0 in range(0, v_local, cols)]
@@ -727,6 +816,7 @@ def backward(grad_out, hidden, weight, targets, temps, lse, vocab_start, vocab_s
             BLOCK_M=bm,
             BLOCK_N=bn,
             num_warps=8,
+            **with_entropy,
         )
         del logits
         torch.mm(dl.t(), h, out=grad_w[c0 : c0 + w_s.shape[0]])
@@ -750,13 +840,24 @@ def forward(
     group: dist.ProcessGroup | None = None,
     keep: list | None = None,
     logits_dtype: torch.dtype = torch.float32,
+    entropy: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The strict forward of `rl_kernel.logprobs` under the Triton contract: (fp32 logprobs [T], fp64 lse [T]).
     temps: fp64 [T] temperatures (> 0); weight: this rank's vocab slice starting at vocab_start; logits_dtype:
-    the contract's logit dtype. `keep` (a list) receives the logits slices for `backward`."""
+    the contract's logit dtype. `keep` (a list) receives the logits slices for `backward`; `entropy` (fp32 [T])
+    the full-vocab entropy of each row, from the same tiles."""
     _check(vocab_start)
     return _forward(
-        hidden, weight, targets, temps, vocab_start, vocab_size, group, keep=keep, logits_dtype=logits_dtype
+        hidden,
+        weight,
+        targets,
+        temps,
+        vocab_start,
+        vocab_size,
+        group,
+        keep=keep,
+        logits_dtype=logits_dtype,
+        entropy=entropy,
     )
 
 
@@ -772,11 +873,22 @@ def logprobs_and_lse(
     server=None,
     tile=None,
     logits_dtype=torch.float32,
+    entropy=None,
 ):
     """Forward only, for tests and benchmarks: (fp32 logprobs, fp64 lse). `server` ('triton', 'cublaslt')
-    and `tile` pick how the logits are computed; neither changes a bit."""
+    and `tile` pick how the logits are computed; neither changes a bit. `entropy`: as `forward`'s."""
     _check(vocab_start)
     vocab_size = weight.shape[0] if vocab_size is None else vocab_size
     return _forward(
-        hidden, weight, targets, temps, vocab_start, vocab_size, group, server, tile, logits_dtype=logits_dtype
+        hidden,
+        weight,
+        targets,
+        temps,
+        vocab_start,
+        vocab_size,
+        group,
+        server,
+        tile,
+        logits_dtype=logits_dtype,
+        entropy=entropy,
     )

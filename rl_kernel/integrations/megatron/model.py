@@ -130,20 +130,45 @@ def token_logprobs(
     temperature: torch.Tensor,
     vocab_size: int,
     strict: bool,
-) -> torch.Tensor:
-    """fp32 log p(targets | hidden) [n] over the real vocab, vocab-parallel over the TP group.
+    truncation=None,
+    with_entropy: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """fp32 log p(targets | hidden) [n] over the real vocab, vocab-parallel over the TP group; with
+    `with_entropy` (logprobs, full-vocab entropy) from the same pass.
 
-    Strict: `rk.logprobs` (exact order-free LSE; logits never gathered nor held for all rows).
-    Native: Megatron's output_layer (bf16 GEMM) and `vocab_parallel_cross_entropy` in fp32."""
+    Strict: `rk.logprobs` (exact order-free LSE; logits never gathered nor held for all rows), under
+    `truncation` (exact top-k / top-p / min-p, `rl_kernel.ops.truncation`) when given.
+    Native: Megatron's output_layer (bf16 GEMM) and `vocab_parallel_cross_entropy` in fp32 (the entropy from the
+    same logits, fp32, summed over the TP group); with a truncation, rl_kernel's framework-style native form
+    (`rk.logprobs` under native modes)."""
     tp_group = parallel_state.get_tensor_model_parallel_group()
     weight = lm_head_weight(model)
-    if strict:
+    if strict or (truncation is not None and truncation.active):
         group = tp_group if dist.get_world_size(tp_group) > 1 else None
-        return rk.logprobs(hidden, weight, targets, temperature, vocab_size=vocab_size, group=group)
+        options = {"truncation": truncation, "with_entropy": with_entropy}
+        return rk.logprobs(hidden, weight, targets, temperature, vocab_size=vocab_size, group=group, **options)
     rk.evidence.record(rk.contracts.native("logprobs", "megatron"), "native", hidden.device.type)
     logits, _ = model.output_layer(hidden.unsqueeze(1), weight=weight)  # [n, 1, V/tp], model dtype
     logits = logits.float() / temperature.to(torch.float32).view(-1, 1, 1)
     start = parallel_state.get_tensor_model_parallel_rank() * logits.shape[-1]
     padded = start + torch.arange(logits.shape[-1], device=logits.device) >= vocab_size
     logits = logits.masked_fill(padded, float("-inf"))
-    return -tensor_parallel.vocab_parallel_cross_entropy(logits, targets.unsqueeze(1))[:, 0]
+    entropy = _native_entropy(logits[:, 0], tp_group) if with_entropy else None
+    lp = -tensor_parallel.vocab_parallel_cross_entropy(logits.clone(), targets.unsqueeze(1))[:, 0]
+    return (lp, entropy) if with_entropy else lp
+
+
+def _native_entropy(logits: torch.Tensor, tp_group) -> torch.Tensor:
+    """Framework-style fp32 entropy [n] of the softmax of vocab-parallel logits [n, V/tp] (-inf on padding):
+    log S - sum e (z - M) / S with e = exp(z - M), the sums all-reduced over the TP group (differentiable)."""
+    from torch.distributed.nn.functional import all_reduce
+
+    m = logits.detach().amax(-1, keepdim=True)
+    if dist.get_world_size(tp_group) > 1:
+        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=tp_group)
+    shifted = logits - m
+    e = torch.exp(shifted)
+    total, spread = e.sum(-1), (e * torch.where(torch.isfinite(shifted), shifted, 0.0)).sum(-1)
+    if dist.get_world_size(tp_group) > 1:
+        total, spread = all_reduce(total, group=tp_group), all_reduce(spread, group=tp_group)
+    return torch.log(total) - spread / total

@@ -143,6 +143,7 @@ class MegatronPolicy:
         with cuda_as_cpu():
             self.optimizer = get_megatron_optimizer(opt_config, [self.model])
         self.steps = 0
+        self.truncation = None  # rl_kernel.ops.truncation.Truncation every forward renormalises under (None: off)
 
     @property
     def mode(self) -> str:
@@ -226,10 +227,13 @@ class MegatronPolicy:
         targets: torch.Tensor,
         temps: torch.Tensor,
         rows: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        entropy: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Teacher-forcing fp32 logprobs of this CP rank's rows of the packed batch (ids, targets and temps
-        [T], cu_seqlens [B+1]; differentiable under grad mode): (values, their row indices in [0, T)).
-        `rows` (the rows the caller needs) is ignored: each rank computes all rows it holds."""
+        [T], cu_seqlens [B+1]; differentiable under grad mode): (values, their row indices in [0, T)); with
+        `entropy` also the rows' full-vocab entropy (fp32, differentiable), from the same LM-head pass.
+        `rows` (the rows the caller needs) is ignored: each rank computes all rows it holds. Under
+        `self.truncation` (exact top-k / top-p / min-p) the logprobs are renormalised over each row's support."""
         n = ids.numel()
         layout = self._layout(cu_seqlens)
         pad = int(layout.cu_seqlens[-1]) - n  # filler tokens (id 0, temperature 1, target 0)
@@ -247,9 +251,15 @@ class MegatronPolicy:
                 temps[local].to(self.device),
                 self.shape.vocab_size,
                 self.spec_mode == "strict",
+                truncation=self.truncation,
+                with_entropy=entropy,
             )
+        lp, ent = lp if entropy else (lp, None)
         real = local < n
-        return (lp, local) if bool(real.all()) else (lp[real.to(lp.device)], local[real])
+        if not bool(real.all()):
+            keep = real.to(lp.device)
+            lp, local, ent = lp[keep], local[real], None if ent is None else ent[keep]
+        return (lp, local, ent) if entropy else (lp, local)
 
     def gather_logprobs(self, values: torch.Tensor, index: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
         """[T] fp32 logprobs of every row (CPU), each CP rank contributing the rows `forward_logprobs`

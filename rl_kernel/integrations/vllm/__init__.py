@@ -24,6 +24,7 @@ requests from `native_sampling_params(...)`. See docs/vllm.md.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import tempfile
@@ -33,8 +34,9 @@ from typing import Any
 from rl_kernel.integrations.vllm.attention_op import ATTENTION_OP
 from rl_kernel.integrations.vllm.compat import SUPPORTED_VLLM, check_vllm_version, has_nccl_trainer_engine
 from rl_kernel.integrations.vllm.compat import finish_weight_update as _finish_with_version
-from rl_kernel.integrations.vllm.sampling import FORCED_TOKENS_KEY, TEMPERATURE_KEY
+from rl_kernel.integrations.vllm.sampling import FORCED_TOKENS_KEY, TEMPERATURE_KEY, TRUNCATION_KEY, truncation_of
 from rl_kernel.modes import full_modes
+from rl_kernel.ops.truncation import Truncation
 
 ARCH = "RLKernelQwen3ForCausalLM"
 WEIGHT_TRANSFER_BACKEND = "rl_kernel_cpu"
@@ -57,6 +59,7 @@ __all__ = [
     "MODES_KEY",
     "SUPPORTED_VLLM",
     "TEMPERATURE_KEY",
+    "TRUNCATION_KEY",
     "WEIGHT_TRANSFER_BACKEND",
     "finish_weight_update",
     "forced_sampling_params",
@@ -69,6 +72,7 @@ __all__ = [
     "set_worker_modes",
     "strict_llm_kwargs",
     "strict_sampling_params",
+    "truncation_of",
     "worker_evidence",
     "worker_weight_versions",
 ]
@@ -280,15 +284,25 @@ def native_llm_kwargs(
 
 
 def strict_sampling_params(
-    temperature: float = 1.0, max_tokens: int = 16, seed: int | None = None, logprobs: int = 0, **kwargs: Any
+    temperature: float = 1.0,
+    max_tokens: int = 16,
+    seed: int | None = None,
+    logprobs: int = 0,
+    *,
+    truncation: Truncation | None = None,
+    **kwargs: Any,
 ):
-    """SamplingParams for a strict engine: softmax sampling at `temperature` (> 0) over the full vocab,
-    returning each sampled token's strict fp32 logprob (plus the top `logprobs` entries)."""
+    """SamplingParams for a strict engine: softmax sampling at `temperature` (> 0) over the full vocab, or over
+    `truncation`'s exact top-k / top-p / min-p support (`rl_kernel.ops.truncation.Truncation`), returning each
+    sampled token's strict fp32 logprob (renormalised over the support) plus the top `logprobs` entries.
+    vLLM's own `top_k` / `top_p` / `min_p` in `kwargs` stay outside the contract (the engine refuses them)."""
     from vllm import SamplingParams
 
     if not temperature > 0:
         raise ValueError(f"strict sampling needs temperature > 0, got {temperature}")
     extra = dict(kwargs.pop("extra_args", None) or {}) | {TEMPERATURE_KEY: float(temperature)}
+    if truncation is not None and truncation.active:
+        extra[TRUNCATION_KEY] = dataclasses.asdict(truncation)
     return SamplingParams(
         temperature=1.0, max_tokens=max_tokens, seed=seed, logprobs=logprobs, extra_args=extra, **kwargs
     )

@@ -7,7 +7,13 @@ row by `rk.log_softmax(logits, T)`: the strict full-vocab log-probs, entry t equ
 `rk.logprobs(hidden, lm_head, t, T)`. vLLM then divides by its temperature 1.0 (exact), samples
 from softmax(log p) = p, and with `logprobs_mode="processed_logits"` returns log p[token] unchanged.
 
-Strict contract for top-k / top-p / min-p, penalties, logit bias, bad words, allowed tokens and
+Exact top-k / top-p / min-p: the request's `extra_args[TRUNCATION_KEY]` ({"top_k", "top_p", "min_p"}, built by
+`strict_sampling_params`) has the processor replace each row by `rl_kernel.ops.truncation.truncate_log_softmax`
+of its strict log-probs: the renormalised log-probs over the contract's support, -inf elsewhere, so vLLM can
+sample only support tokens and returns their renormalised log-prob, which a trainer rebuilds in bits
+(`rk.logprobs(..., truncation=...)`). vLLM's own top_k / top_p / min_p stay off.
+
+Strict contract for vLLM's own top-k / top-p / min-p, penalties, logit bias, bad words, allowed tokens and
 prompt logprobs: not supported. Each would change the distribution after the strict log-probs (and vLLM renormalises
 those in its own, non-contract arithmetic), so a request that sets one is rejected with an error at
 submission (`validate_params`), never silently sampled from another distribution.
@@ -25,9 +31,20 @@ from __future__ import annotations
 import torch
 
 import rl_kernel as rk
+from rl_kernel.ops.truncation import Truncation, truncate_log_softmax
 
 TEMPERATURE_KEY = "rl_kernel_temperature"
 FORCED_TOKENS_KEY = "rl_kernel_forced_tokens"
+TRUNCATION_KEY = "rl_kernel_truncation"  # {"top_k": int, "top_p": float, "min_p": float}
+
+
+def truncation_of(params) -> Truncation:
+    """The exact truncation a strict request asks for (`extra_args[TRUNCATION_KEY]`; none: off). ValueError
+    (one line) on bad values."""
+    spec = (params.extra_args or {}).get(TRUNCATION_KEY) or {}
+    if not isinstance(spec, dict) or not set(spec) <= {"top_k", "top_p", "min_p"}:
+        raise ValueError(f"extra_args[{TRUNCATION_KEY!r}]={spec!r} must be a dict of top_k, top_p, min_p")
+    return Truncation(**spec)
 
 
 def _rejections(params) -> list[str]:
@@ -50,12 +67,17 @@ def _rejections(params) -> list[str]:
             f"temperature={params.temperature} must be 1.0 (the real temperature goes in "
             f"extra_args[{TEMPERATURE_KEY!r}])"
         )
+    own = f" (vLLM's own; exact truncation goes in extra_args[{TRUNCATION_KEY!r}], see strict_sampling_params)"
     if params.top_k not in (0, -1, None):
-        problems.append(f"top_k={params.top_k}")
+        problems.append(f"top_k={params.top_k}{own}")
     if params.top_p != 1.0:
-        problems.append(f"top_p={params.top_p}")
+        problems.append(f"top_p={params.top_p}{own}")
     if params.min_p != 0.0:
-        problems.append(f"min_p={params.min_p}")
+        problems.append(f"min_p={params.min_p}{own}")
+    try:
+        truncation_of(params)
+    except (TypeError, ValueError) as e:
+        problems.append(f"extra_args[{TRUNCATION_KEY!r}]: {e}")
     for name, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0)):
         if getattr(params, name) != neutral:
             problems.append(f"{name}={getattr(params, name)}")
@@ -95,12 +117,13 @@ class StrictLogprobsProcessor(LogitsProcessor):
             raise ValueError(
                 "rl_kernel strict vLLM engine cannot honour this request: "
                 + "; ".join(problems)
-                + ". Strict mode samples from the full-vocab softmax at the given temperature only "
-                "(top-k/top-p/min-p, penalties, logit bias and token masks are not in its contract)."
+                + ". Strict mode samples from the full-vocab softmax at the given temperature, or its exact "
+                "top-k/top-p/min-p truncation (penalties, logit bias and token masks are not in its contract)."
             )
 
     def __init__(self, vllm_config, device: torch.device, is_pin_memory: bool) -> None:
         self.temperatures: dict[int, float] = {}
+        self.truncations: dict[int, Truncation] = {}  # batch row -> its exact truncation (rows without: off)
         self.pin = is_pin_memory
         # the batch's temperatures as a host tensor (pinned: copied to the GPU without a wait), per distinct batch:
         # an RL batch keeps one for every step, so no decode step waits for the device
@@ -119,14 +142,19 @@ class StrictLogprobsProcessor(LogitsProcessor):
         for index in batch_update.removed:
             self.temperatures.pop(index, None)
             self.forced.pop(index, None)
+            self.truncations.pop(index, None)
         for index, params, _, output_ids in batch_update.added:
             extra = params.extra_args or {}
             self.temperatures[index] = float(extra[TEMPERATURE_KEY])
             self.forced.pop(index, None)
+            self.truncations.pop(index, None)
+            truncation = truncation_of(params)
+            if truncation.active:
+                self.truncations[index] = truncation
             if extra.get(FORCED_TOKENS_KEY) is not None:
                 self.forced[index] = ([int(t) for t in extra[FORCED_TOKENS_KEY]], output_ids)
         for a, b, direction in batch_update.moved:
-            for state in (self.temperatures, self.forced):
+            for state in (self.temperatures, self.forced, self.truncations):
                 ta, tb = state.pop(a, None), state.pop(b, None)
                 if ta is not None:
                     state[b] = ta
@@ -140,6 +168,9 @@ class StrictLogprobsProcessor(LogitsProcessor):
         if missing:
             raise rk.StrictModeError("logprobs", "vllm", f"batch rows {missing} have no strict temperature")
         logprobs = rk.log_softmax(logits, self._temps(tuple(self.temperatures[i] for i in range(logits.shape[0]))))
+        if any(i < logprobs.shape[0] for i in self.truncations):
+            off = Truncation()
+            logprobs = truncate_log_softmax(logprobs, [self.truncations.get(i, off) for i in range(logprobs.shape[0])])
         for row, (tokens, output_ids) in self.forced.items():
             j = len(output_ids)  # tokens generated so far: the next one is tokens[j]
             if row < logprobs.shape[0] and j < len(tokens):
