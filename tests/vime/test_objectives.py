@@ -178,9 +178,11 @@ class ToyPolicy:
         self.table = torch.randn(vocab, vocab, generator=torch.Generator().manual_seed(seed)).requires_grad_(True)
         self.lr = lr
 
-    def forward_logprobs(self, ids, cu_seqlens, targets, temps, rows):
+    def forward_logprobs(self, ids, cu_seqlens, targets, temps, rows, entropy=False):
         logits = self.table[ids[rows]] / temps[rows].to(self.table.dtype).unsqueeze(1)  # fp32, as the engines
-        return torch.log_softmax(logits, dim=-1).gather(1, targets[rows].unsqueeze(1)).squeeze(1), rows
+        full = torch.log_softmax(logits, dim=-1)
+        lp = full.gather(1, targets[rows].unsqueeze(1)).squeeze(1)
+        return (lp, rows, -(full.exp() * full).sum(-1)) if entropy else (lp, rows)
 
     def gather_logprobs(self, values, index, cu_seqlens):
         full = torch.zeros(int(cu_seqlens[-1]), dtype=torch.float32)
