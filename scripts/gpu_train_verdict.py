@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-TIMES = ("rollout_s", "score_s", "train_s", "sync_s", "step_s", "sync_gbps")
+TIMES = ("rollout_s", "score_s", "train_s", "sync_s", "sleep_s", "wake_s", "step_s", "sync_gbps")
 KEEP = (
     "step",
     "version",
