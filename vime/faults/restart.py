@@ -65,11 +65,11 @@ def _alive(actor) -> bool:
         raise
 
 
-def load_current_weights(driver, engine: int) -> None:
+def load_current_weights(driver, engine: int) -> dict:
     """Bring restarted rollout engine `engine` to the trainer's current weights and version, over the run's
     configured transport (the same `sync_weights` as a step's sync; only the engines behind are loaded). An
     engine found dead by this push (a lost node takes all its engines, each seen dead at its own moment) is
-    restarted too, as in a step's sync."""
+    restarted too, as in a step's sync. Returns the push's sync stats (bytes, buckets, seconds)."""
     from vime.cluster.remote import BUCKET_BYTES, call
     from vime.weights.sync import sync_weights
 
@@ -85,13 +85,14 @@ def load_current_weights(driver, engine: int) -> None:
             driver.cfg.rollout.engine,
         )
 
-    sync(driver, push)
+    return sync(driver, push)
 
 
-def restart_engine(driver, engine: int, cause: str, who: str | None = None, reload: bool = True) -> None:
+def restart_engine(driver, engine: int, cause: str, who: str | None = None, reload: bool = True) -> dict | None:
     """Replace dead rollout engine `engine` by a fresh actor serving the trainer's current version (with
     `reload=False`, the checkpoint's weights: the caller's next step is a weight push to every engine behind);
-    `who` names what died ("rollout engine 0, TP rank 1"; default: the engine)."""
+    `who` names what died ("rollout engine 0, TP rank 1"; default: the engine). Returns the stats of the weights
+    it loaded (None: none)."""
     from vime.cluster.remote import call
 
     limit = driver.cfg.rollout.max_restarts
@@ -117,14 +118,16 @@ def restart_engine(driver, engine: int, cause: str, who: str | None = None, relo
     driver.engines[engine] = driver.new_engine(engine)
     info = call([driver.engines[engine].info.remote()], "restart", [f"rollout engine {engine}"])[0]
     driver.timeline.engine_versions[engine] = info["version"]
+    loaded = None
     if reload and info["version"] != driver.timeline.trainer_version:
-        load_current_weights(driver, engine)
+        loaded = load_current_weights(driver, engine)
     log.warning(
         "rollout engine %d is back (pid %s), serving weight version %d",
         engine,
         info["pid"],
         driver.timeline.engine_versions[engine],
     )
+    return loaded
 
 
 def on_every_engine(driver, method: str, what: str) -> None:
@@ -223,12 +226,24 @@ def sync(driver, sync_fn) -> dict:
         # the push may have landed on the living engines before another was found dead (their acknowledgements
         # never came): the restarts' reloads and the retry must not offer them a version they already serve
         served_versions(driver, [i for i in range(len(driver.engines)) if i not in dead])
+        reloads = []
         for i, actor in dead.items():
             if driver.engines[i] is not actor:  # already replaced: another engine's reload push found it dead too
                 continue
-            restart_engine(driver, i, str(e), _who(e, i))
+            reloads.append(restart_engine(driver, i, str(e), _who(e, i)))
         served_versions(driver, range(len(driver.engines)))
-        return sync_fn()
+        return with_reloads(sync_fn(), [r for r in reloads if r])
+
+
+def with_reloads(stats: dict, reloads: list[dict]) -> dict:
+    """A sync's stats with what restarted engines loaded meanwhile counted in: they loaded the new version
+    themselves, so the retry pushes nothing to them, and the step's row would record 0 bytes for weights that
+    moved. Bytes, buckets and seconds add up; the rate is taken over the sums."""
+    if not reloads:
+        return stats
+    total = {k: stats[k] + sum(r[k] for r in reloads) for k in ("sync_s", "sync_bytes", "sync_buckets")}
+    rate = total["sync_bytes"] / total["sync_s"] / 1e9 if total["sync_s"] > 0 else 0.0
+    return stats | total | {"sync_gbps": rate}
 
 
 def served_versions(driver, engines) -> None:
