@@ -79,7 +79,7 @@ def test_tp2_native_twin(world1, world2):
     assert mismatches(r["native"], world1["tp1cp1"]["native"]) > 0  # native TP2 != native TP1
 
 
-@pytest.mark.extended  # a gloo world of 2 (or 4) ranks: the opt-in set
+# in the CI tier (a gloo world of 2 ranks): the seed's CP invariance, with its native twin
 def test_cp2_equals_cp1_bitwise(world1, world2):
     r = world2["tp1cp2"]
     assert mismatches(r["strict"], r["ref"]) == 0

@@ -13,7 +13,8 @@ every node its own raylet, object store and address on loopback: 127.0.0.3, 127.
   0 mismatches every step, weights over gloo (asserted per step), its native twin mismatching; the rollout
   node is lost mid-run (its raylet and every process of it killed) and the engines restart on the rollout
   node that remains, the step redone as if nothing happened.
-- Opt-in (`-m cluster`, minutes): a rollout node lost with no capacity left stops the run cleanly with the
+- Opt-in (`-m cluster`, minutes): `plan=true` of the disaggregated tp2x4 preset on two nodes of 8 fake GPUs
+  (16 GPUs, none shared, as Ray assigns them); a rollout node lost with no capacity left stops the run cleanly with the
   resume command; a lost trainer node stops it the same way and `resume=` on a fresh trainer node finishes
   it with 0 mismatches.
 """
@@ -540,6 +541,7 @@ def test_a_lost_trainer_node_stops_the_run_and_resume_on_a_new_one_finishes_it(o
     assert "placement: trainer rank 0 on node 127.0.0.5" in done.stdout, done.stdout[-6000:]
 
 
+@pytest.mark.cluster  # opt-in with the other simulated-cluster runs (about 1-2.5 min): CI keeps the colocated plan
 @pytest.mark.slow
 def test_plan_of_the_disaggregated_preset_uses_16_gpus_of_two_nodes_none_shared(tmp_path):
     """`+experiment=qwen3_8b_grpo_tp2x4 +placement=disaggregated plan=true` on a simulated cluster of two nodes

@@ -195,6 +195,8 @@ def _on_gpus(plan: dict) -> dict[tuple, dict[str, list]]:
     on: dict = defaultdict(lambda: {"trainer": [], "worker": []})
     for a, seen in zip(plan["actors"], plan["seen"]):
         assert {k: seen[k] for k in a} == a  # plan.json is the records' summary
+        if a["role"] != "rollout" or a["worker"] is None:  # vime's actors (vLLM's workers get vLLM's env)
+            assert seen["seen"]["rl_kernel_canonical_tp"] is not None, seen  # the job's env beside its own
         ray_gpu = seen["seen"]["ray_gpu_ids"]
         assert len(ray_gpu) == 1 and ray_gpu[0] == a["gpu"]  # the GPU Ray assigned, not layout arithmetic
         if a["role"] == "trainer":

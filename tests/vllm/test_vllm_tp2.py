@@ -18,7 +18,8 @@ from rl_kernel.integrations.vllm import (
     worker_evidence,
 )
 
-pytestmark = [pytest.mark.slow, pytest.mark.extended, pytest.mark.vllm]
+# CI tier: the strict TP2 parity (through the device collective) and its native twin; the rest opt-in (`extended`)
+pytestmark = [pytest.mark.vllm]
 
 
 def _check(llm, reference, batch: int, make_params) -> dict:
@@ -31,6 +32,7 @@ def _check(llm, reference, batch: int, make_params) -> dict:
     return result
 
 
+@pytest.mark.slow
 def test_tp2_native_logprobs_differ_from_reference(tiny_qwen3_path, reference):
     """Native twin (vLLM's own TP2: its kernels and all-reduce). First in the module, with its own
     engine, so that it never runs next to the strict engine below."""
@@ -40,6 +42,8 @@ def test_tp2_native_logprobs_differ_from_reference(tiny_qwen3_path, reference):
     assert result["mismatches"] > 0, result
 
 
+@pytest.mark.slow
+@pytest.mark.extended
 def test_tp2_strict_replicates_kv_heads(tmp_path_factory):
     """tp 2 > num_kv_heads 1: both ranks hold the one kv head (the layout table's KV replication, shared
     with the reference); strict TP2 logprobs equal the TP1 reference bit for bit. Before the strict
@@ -53,6 +57,8 @@ def test_tp2_strict_replicates_kv_heads(tmp_path_factory):
     assert result["mismatches"] == 0, result
 
 
+@pytest.mark.slow
+@pytest.mark.extended
 def test_tp2_workers_run_the_modes_of_the_engine_config(tiny_qwen3_path, monkeypatch):
     """The modes reach both TP worker processes in the engine's config, not through the environment they
     inherit: here that environment says native everywhere, the config says native attention only."""
@@ -69,6 +75,8 @@ def test_tp2_workers_run_the_modes_of_the_engine_config(tiny_qwen3_path, monkeyp
             assert {"gemm", "rms_norm", "log_softmax"} <= {r["op"] for r in records if r["mode"] == "strict"}
 
 
+@pytest.mark.slow
+@pytest.mark.extended
 def test_strict_model_without_modes_refuses_to_start(tiny_qwen3_path):
     """Fail closed: an engine whose arguments select the strict model but carry no rl_kernel modes does
     not start (in a fresh process: its workers would otherwise fall back to whatever their environment says)."""
@@ -94,6 +102,8 @@ def test_tp_collective_kwargs_refuse_gloo_under_cuda_graphs(tiny_qwen3_path):
         strict_llm_kwargs(tiny_qwen3_path, tp_collective="nccl")
 
 
+@pytest.mark.slow
+@pytest.mark.extended
 def test_tp2_strict_over_the_gloo_cpu_group_gives_the_same_bits(tiny_qwen3_path, reference):
     """tp_collective='cpu' (torch.distributed over vLLM's gloo group, the former path) equals the reference bit
     for bit too: the device path changed the transport of the partials, not a bit of the result."""
@@ -111,6 +121,7 @@ def llm(tiny_qwen3_path):
         yield engine
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("batch", [7, 32])
 def test_tp2_strict_logprobs_equal_reference_bitwise(llm, reference, batch):
     result = _check(llm, reference, batch, strict_sampling_params)
@@ -118,6 +129,7 @@ def test_tp2_strict_logprobs_equal_reference_bitwise(llm, reference, batch):
     assert result["mismatches"] == 0, result
 
 
+@pytest.mark.slow
 def test_tp2_evidence_rank_order_reduction(llm):
     """Both ranks reduce in rank order, gathering the partials over vLLM's device communicator (the path a CUDA
     engine takes over NCCL; here vLLM's CPU communicator), not torch.distributed over the gloo CPU group."""

@@ -47,6 +47,8 @@ class Where:
             "node": ray.util.get_node_ip_address(),
             "ray_gpu_ids": [int(g) for g in ray.get_gpu_ids()],
             "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+            # the run's own environment (Ray merges an actor's env_vars with the job's): set in every actor
+            "rl_kernel_canonical_tp": os.environ.get("RL_KERNEL_CANONICAL_TP"),
         }
 
 

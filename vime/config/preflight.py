@@ -100,10 +100,10 @@ def check_local_resources(cfg: VimeConfig) -> None:
 
 
 def check_weight_transport(cfg: VimeConfig) -> None:
-    """vLLM engines on GPUs take weights only as a push of trainer rank 0 (written, never run on a GPU:
-    docs/vllm.md): `ipc`, rl_kernel's push translated into vLLM's calls (rl_kernel.integrations.vllm.ipc;
-    with several trainer ranks each ships its own GPU's handles, vime.weights.sync), or `nccl`, vLLM's own
-    nccl trainer engine driven from trainer rank 0 (rl_kernel.integrations.vllm.nccl). Which GPUs each serves
+    """vLLM engines on GPUs take weights only as a push of trainer rank 0: `ipc`, rl_kernel's push translated
+    into vLLM's calls (rl_kernel.integrations.vllm.ipc; ran on one H200; with several trainer ranks each ships
+    its own GPU's handles, vime.weights.sync), or `nccl`, vLLM's own nccl trainer engine driven from trainer
+    rank 0 (rl_kernel.integrations.vllm.nccl; never run on a GPU: docs/vllm.md). Which GPUs each serves
     (`ipc`: engines colocated on the trainer's; `nccl`: GPUs of their own) is `vime.config.layout`'s check."""
     if (
         cfg.device == "cuda"

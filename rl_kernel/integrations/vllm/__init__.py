@@ -12,8 +12,8 @@ vLLM loads `register()` in every process through the `vllm.general_plugins` entr
 Both kinds of engine take new weights through vLLM's weight-update API and `rl_kernel_cpu`
 (`push_weights`, or `send_weights` per bucket between `llm.start_weight_update()` and
 `finish_weight_update`). With `device="cuda"` they use vLLM's own `ipc` / `nccl` engine instead
-(`rl_kernel.integrations.vllm.ipc` translates rl_kernel's ipc push; `rl_kernel.integrations.vllm.nccl`
-drives vLLM's own nccl trainer engine; written, never run on a GPU).
+(`rl_kernel.integrations.vllm.ipc` translates rl_kernel's ipc push: ran on one H200;
+`rl_kernel.integrations.vllm.nccl` drives vLLM's own nccl trainer engine: written, never run on a GPU).
 
 Strict engine: `vllm.LLM(**strict_llm_kwargs(path, modes))`, requests from `strict_sampling_params(...)`.
 Its rl_kernel modes travel in vLLM's `additional_config` (`MODES_KEY`) to every process that builds the
