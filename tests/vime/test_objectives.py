@@ -64,6 +64,15 @@ def test_rloo_is_the_scaled_drgrpo_and_unknown_estimators_are_refused():
         advantages(r, "ppo")
 
 
+def test_assign_advantages_takes_the_rewards_in_fp32_as_grpo_always_did():
+    rewards = [0.1, 0.7, 0.2, 0.9, 0.35, 0.6]  # not fp32-exact
+    samples = [_sample(i // 3, x) for i, x in enumerate(rewards)]
+    sampling.assign_advantages(samples, AlgoConfig(group_size=3))
+    assert [s.advantage for s in samples] == advantages(torch.tensor(rewards).reshape(2, 3)).flatten().tolist()
+    fp64 = advantages(torch.tensor(rewards, dtype=torch.float64).reshape(2, 3)).flatten().tolist()
+    assert [s.advantage for s in samples] != fp64  # the twin: the rewards' dtype shows in the bits
+
+
 def test_assign_advantages_subtracts_the_kl_penalty_first():
     samples = [_sample(0, 1.0), _sample(0, 1.0)]
     sampling.assign_advantages(samples, AlgoConfig(group_size=2, adv_estimator="drgrpo", kl_coef=0.5), [0.0, 2.0])

@@ -106,9 +106,9 @@ def assign_advantages(samples: list[Sample], algo: AlgoConfig, kl_sums: list[flo
     """Set each sample's advantage by `algo.adv_estimator` over its group (samples in group order, every group
     `algo.group_size` samples); `kl_sums` (with `algo.kl_in_reward`): each sample's summed KL to the reference,
     subtracted x `algo.kl_coef` from its reward first."""
-    rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
+    rewards = torch.tensor([s.reward for s in samples])  # fp32, as the advantages always took them
     if kl_sums is not None:
-        rewards = rewards - algo.kl_coef * torch.tensor(kl_sums, dtype=torch.float64)
+        rewards = rewards.double() - algo.kl_coef * torch.tensor(kl_sums, dtype=torch.float64)
     adv = advantages(rewards.reshape(-1, algo.group_size), algo.adv_estimator, algo.adv_eps)
     for s, a in zip(samples, adv.flatten().tolist()):
         s.advantage = a
