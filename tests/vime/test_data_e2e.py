@@ -164,3 +164,29 @@ def test_resume_across_an_epoch_boundary_with_eval_equals_the_uninterrupted_run(
         assert (parts / "eval" / f"step_{s}.jsonl").read_text() == (whole / "eval" / f"step_{s}.jsonl").read_text()
     a, b = (load_file(str(run / "hf_model" / "model.safetensors")) for run in (parts, whole))
     assert a.keys() == b.keys() and all(same_bits(a[k], b[k]) for k in a)
+
+
+@pytest.mark.extended
+def test_a_failing_reward_stops_the_run_naming_the_sample_or_counts_under_zero(tmp_path):
+    """reward.fn raises on the real run: exit 1 with one line naming the step, the sample and the function (no
+    traceback), W&B exit code 1; the same function returning NaN under reward.on_error=zero: the run finishes,
+    every sample counted in reward_errors."""
+    (tmp_path / "bad.py").write_text(
+        "def boom(prompt, response, label, metadata):\n    raise ValueError('no verdict for ' + label)\n"
+        "def nan(prompt, response, label, metadata):\n    return float('nan')\n"
+    )
+    train, _ = _data(tmp_path, n_train=8)
+    common = (f"data.path={train}", "data.prompt_key=question", "steps=1", "checkpoint.final=false")
+    common += ("checkpoint.export_hf=false", "algo.prompts_per_step=2", "algo.group_size=2", "algo.max_new_tokens=4")
+    out = tmp_path / "boom"
+    proc = _run(out, *common, f"reward.fn={tmp_path / 'bad.py'}:boom")
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 1, text[-4000:]
+    lines = [line for line in text.splitlines() if "RewardError: reward.fn=" in line]
+    assert len(lines) == 1 and "raised ValueError: no verdict for " in lines[0] and "on step 0, sample 0" in lines[0]
+    assert "Traceback" not in text and wandb_exit_codes(out) == [1]
+    out = tmp_path / "nan"
+    proc = _run(out, *common, f"reward.fn={tmp_path / 'bad.py'}:nan", "reward.on_error=zero")
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    (row,) = _rows(out)
+    assert row["reward_errors"] == 4 and row["reward_mean"] == 0.0 and row["mismatch_count"] == 0

@@ -275,6 +275,10 @@ def test_the_ray_pool_scores_in_parallel_and_names_a_dead_worker(user_module, tm
         "        os._exit(3)\n"
         "    time.sleep(0.25)\n"
         "    return {'score': float(response == label), 'pid': os.getpid()}\n"
+        "async def ascore(prompt, response, label, metadata):\n"
+        "    import asyncio\n"
+        "    await asyncio.sleep(0.25)\n"
+        "    return float(response == label)\n"
     )
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
@@ -288,6 +292,13 @@ def test_the_ray_pool_scores_in_parallel_and_names_a_dead_worker(user_module, tm
         assert [s.reward for s in samples] == [1.0, 0.0] * 8
         assert took < 3.0, took
         assert metrics["reward_errors"] == 0 and "reward/pid" in metrics  # an extra from the workers
+        cfg = SimpleNamespace(reward=RewardConfig(fn=f"{tmp_path / 'r.py'}:ascore", num_workers=2))
+        r_async = Rewards(cfg, _tok(), [0, 1], max_new_tokens=8)
+        r_async.start()
+        batch, samples = _step([["7", "8"]] * 8)
+        t0 = time.perf_counter()
+        r_async.score(batch, samples)  # concurrently inside each of the 2 workers
+        assert [s.reward for s in samples] == [1.0, 0.0] * 8 and time.perf_counter() - t0 < 3.0
         batch, samples = _step([["7"]], meta={"die": True})
         with pytest.raises(RewardError, match=r"reward worker 0 died while scoring samples \[0\] with reward.fn="):
             r.score(batch, samples)
