@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from vime.config.schema import DataConfig, RewardConfig, VimeConfig, validate
+from vime.config.schema import DataConfig, EvalConfig, RewardConfig, VimeConfig, validate
 from vime.data import rewards, tasks
 from vime.data.dataset import Prompt
 from vime.data.reward_pool import RewardError, Rewards, Scorer
@@ -133,6 +133,8 @@ def test_bad_reward_functions_are_one_line(user_module, spec, match):
 def test_config_checks_of_the_reward():
     with pytest.raises(ConfigError, match="data.path=x.jsonl with reward.fn=null .* set reward.fn: math"):
         validate(VimeConfig(data=DataConfig(path="x.jsonl")))
+    with pytest.raises(ConfigError, match="eval.path=t.jsonl with reward.fn=task .* set reward.fn: math"):
+        validate(VimeConfig(eval=EvalConfig(path="t.jsonl"), reward=RewardConfig(fn="task")))
     with pytest.raises(ConfigError, match="reward.fn=regex without reward.pattern"):
         validate(VimeConfig(reward=RewardConfig(fn="regex")))
     with pytest.raises(ConfigError, match="reward.on_error='skip'; use one of raise, zero"):
