@@ -44,11 +44,12 @@ def _cases(data: Path) -> dict[str, tuple[tuple[str, ...], type, str]]:
 @pytest.mark.parametrize(
     "case", ["missing file", "missing key", "too long", "signature", "not importable", "no template", "eval file"]
 )
-def test_bad_input_is_refused_before_ray_starts(compose_cfg, data, tmp_path, case):
+def test_bad_input_is_refused_before_ray_starts(compose_cfg, data, tmp_path, tiny_qwen3_path, case):
     import ray
 
     overrides, error, match = _cases(data)[case]
-    cfg = validate(to_object(compose_cfg(*overrides, f"output_dir={tmp_path / 'run'}")))
+    run = (f"output_dir={tmp_path / 'run'}", f"model.path={tiny_qwen3_path}")  # a plain tokenizer: no chat template
+    cfg = validate(to_object(compose_cfg(*overrides, *run)))
     with pytest.raises(error, match=match) as e:
         Driver(cfg, tmp_path / "run").setup()
     assert "\n" not in str(e.value) and not ray.is_initialized()
