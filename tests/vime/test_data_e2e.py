@@ -132,7 +132,8 @@ def test_gsm8k_on_a_hub_layout_checkpoint_trains_with_zero_mismatches_and_evalua
 def test_resume_across_an_epoch_boundary_with_eval_equals_the_uninterrupted_run(tmp_path):
     """6 training rows, 4 prompts a step: step 1 draws the last 2 rows of epoch 0 and the first 2 of the reshuffled
     epoch 1. A run stopped after step 0 (`checkpoint.stop_after=0`) and resumed ends with the same metrics, eval
-    rows and completions, and final weights, in bits, as the run that never stopped."""
+    rows and completions, and final weights, in bits, as the run that never stopped; and the same run with no eval
+    has the same steps (eval samples with its own seeds)."""
     from safetensors.torch import load_file
 
     from rl_kernel.bits import same_bits
@@ -165,6 +166,11 @@ def test_resume_across_an_epoch_boundary_with_eval_equals_the_uninterrupted_run(
         assert (parts / "eval" / f"step_{s}.jsonl").read_text() == (whole / "eval" / f"step_{s}.jsonl").read_text()
     a, b = (load_file(str(run / "hf_model" / "model.safetensors")) for run in (parts, whole))
     assert a.keys() == b.keys() and all(same_bits(a[k], b[k]) for k in a)
+    # eval does not perturb training: the same run without eval has the same steps, in bits
+    quiet = tmp_path / "no_eval"
+    proc = _run(quiet, *(o for o in common if not o.startswith("eval.")), "eval.path=null")
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    assert not (quiet / "eval.jsonl").exists() and untimed(_rows(quiet)) == untimed(_rows(whole))
 
 
 @pytest.mark.extended
