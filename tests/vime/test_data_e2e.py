@@ -60,9 +60,10 @@ def _data(out: Path, n_train: int = 64, n_test: int = 8) -> tuple[Path, Path]:
     )
 
 
-def _run(out: Path, *overrides: str, timeout: int = 600) -> subprocess.CompletedProcess:
+def _run(out: Path | None, *overrides: str, timeout: int = 900) -> subprocess.CompletedProcess:
+    """`python -m vime.train` into `out` (None: a `resume=` run, which keeps its own output_dir)."""
     return subprocess.run(
-        train_cmd(f"output_dir={out}", *overrides),
+        train_cmd(*([f"output_dir={out}"] if out else []), *overrides),
         cwd=REPO,
         env=os.environ | TRAIN_ENV,
         capture_output=True,
@@ -131,7 +132,8 @@ def test_gsm8k_on_a_hub_layout_checkpoint_trains_with_zero_mismatches_and_evalua
 def test_resume_across_an_epoch_boundary_with_eval_equals_the_uninterrupted_run(tmp_path):
     """6 training rows, 4 prompts a step: step 1 draws the last 2 rows of epoch 0 and the first 2 of the reshuffled
     epoch 1. A run stopped after step 0 (`checkpoint.stop_after=0`) and resumed ends with the same metrics, eval
-    rows and completions, and final weights, in bits, as the run that never stopped."""
+    rows and completions, and final weights, in bits, as the run that never stopped; and the same run with no eval
+    has the same steps (eval samples with its own seeds)."""
     from safetensors.torch import load_file
 
     from rl_kernel.bits import same_bits
@@ -152,7 +154,7 @@ def test_resume_across_an_epoch_boundary_with_eval_equals_the_uninterrupted_run(
     proc = _run(parts, *common, "checkpoint.stop_after=0")
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     assert [r["step"] for r in _rows(parts)] == [0]
-    proc = _run(parts, f"resume={parts}")
+    proc = _run(None, f"resume={parts}")
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
 
     def untimed(rows):
@@ -164,3 +166,34 @@ def test_resume_across_an_epoch_boundary_with_eval_equals_the_uninterrupted_run(
         assert (parts / "eval" / f"step_{s}.jsonl").read_text() == (whole / "eval" / f"step_{s}.jsonl").read_text()
     a, b = (load_file(str(run / "hf_model" / "model.safetensors")) for run in (parts, whole))
     assert a.keys() == b.keys() and all(same_bits(a[k], b[k]) for k in a)
+    # eval does not perturb training: the same run without eval has the same steps, in bits
+    quiet = tmp_path / "no_eval"
+    proc = _run(quiet, *(o for o in common if not o.startswith("eval.")), "eval.path=null")
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    assert not (quiet / "eval.jsonl").exists() and untimed(_rows(quiet)) == untimed(_rows(whole))
+
+
+@pytest.mark.extended
+def test_a_failing_reward_stops_the_run_naming_the_sample_or_counts_under_zero(tmp_path):
+    """reward.fn raises on the real run: exit 1 with one line naming the step, the sample and the function (no
+    traceback), W&B exit code 1; the same function returning NaN under reward.on_error=zero: the run finishes,
+    every sample counted in reward_errors."""
+    (tmp_path / "bad.py").write_text(
+        "def boom(prompt, response, label, metadata):\n    raise ValueError('no verdict for ' + label)\n"
+        "def nan(prompt, response, label, metadata):\n    return float('nan')\n"
+    )
+    train, _ = _data(tmp_path, n_train=8)
+    common = (f"data.path={train}", "data.prompt_key=question", "steps=1", "checkpoint.final=false")
+    common += ("checkpoint.export_hf=false", "algo.prompts_per_step=2", "algo.group_size=2", "algo.max_new_tokens=4")
+    out = tmp_path / "boom"
+    proc = _run(out, *common, f"reward.fn={tmp_path / 'bad.py'}:boom")
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 1, text[-4000:]
+    lines = [line for line in text.splitlines() if "RewardError: reward.fn=" in line]
+    assert len(lines) == 1 and "raised ValueError: no verdict for " in lines[0] and "on step 0, sample 0" in lines[0]
+    assert "Traceback" not in text and wandb_exit_codes(out) == [1]
+    out = tmp_path / "nan"
+    proc = _run(out, *common, f"reward.fn={tmp_path / 'bad.py'}:nan", "reward.on_error=zero")
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    (row,) = _rows(out)
+    assert row["reward_errors"] == 4 and row["reward_mean"] == 0.0 and row["mismatch_count"] == 0

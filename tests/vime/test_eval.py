@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from vime.config.schema import DataConfig, EvalConfig, VimeConfig, validate
+from vime.config.schema import DataConfig, EvalConfig, RewardConfig, VimeConfig, validate
 from vime.data import examples
 from vime.errors import ConfigError, DataError
 from vime.eval import Evaluator, pass_metrics, read_rows
@@ -60,7 +60,7 @@ def test_eval_set_checks(tmp_path, tiny_qwen3_path):
 
 
 def _async_with_eval() -> VimeConfig:
-    cfg = VimeConfig(eval=EvalConfig(path="x"))
+    cfg = VimeConfig(eval=EvalConfig(path="x"), reward=RewardConfig(fn="math"))
     cfg.algo.max_staleness, cfg.algo.correction = 1, "tis"
     return cfg
 

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from vime.config.schema import DataConfig, RewardConfig, VimeConfig, validate
+from vime.config.schema import DataConfig, EvalConfig, RewardConfig, VimeConfig, validate
 from vime.data import rewards, tasks
 from vime.data.dataset import Prompt
 from vime.data.reward_pool import RewardError, Rewards, Scorer
@@ -133,6 +133,8 @@ def test_bad_reward_functions_are_one_line(user_module, spec, match):
 def test_config_checks_of_the_reward():
     with pytest.raises(ConfigError, match="data.path=x.jsonl with reward.fn=null .* set reward.fn: math"):
         validate(VimeConfig(data=DataConfig(path="x.jsonl")))
+    with pytest.raises(ConfigError, match="eval.path=t.jsonl with reward.fn=task .* set reward.fn: math"):
+        validate(VimeConfig(eval=EvalConfig(path="t.jsonl"), reward=RewardConfig(fn="task")))
     with pytest.raises(ConfigError, match="reward.fn=regex without reward.pattern"):
         validate(VimeConfig(reward=RewardConfig(fn="regex")))
     with pytest.raises(ConfigError, match="reward.on_error='skip'; use one of raise, zero"):
@@ -275,6 +277,10 @@ def test_the_ray_pool_scores_in_parallel_and_names_a_dead_worker(user_module, tm
         "        os._exit(3)\n"
         "    time.sleep(0.25)\n"
         "    return {'score': float(response == label), 'pid': os.getpid()}\n"
+        "async def ascore(prompt, response, label, metadata):\n"
+        "    import asyncio\n"
+        "    await asyncio.sleep(0.25)\n"
+        "    return float(response == label)\n"
     )
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
@@ -288,6 +294,13 @@ def test_the_ray_pool_scores_in_parallel_and_names_a_dead_worker(user_module, tm
         assert [s.reward for s in samples] == [1.0, 0.0] * 8
         assert took < 3.0, took
         assert metrics["reward_errors"] == 0 and "reward/pid" in metrics  # an extra from the workers
+        cfg = SimpleNamespace(reward=RewardConfig(fn=f"{tmp_path / 'r.py'}:ascore", num_workers=2))
+        r_async = Rewards(cfg, _tok(), [0, 1], max_new_tokens=8)
+        r_async.start()
+        batch, samples = _step([["7", "8"]] * 8)
+        t0 = time.perf_counter()
+        r_async.score(batch, samples)  # concurrently inside each of the 2 workers
+        assert [s.reward for s in samples] == [1.0, 0.0] * 8 and time.perf_counter() - t0 < 3.0
         batch, samples = _step([["7"]], meta={"die": True})
         with pytest.raises(RewardError, match=r"reward worker 0 died while scoring samples \[0\] with reward.fn="):
             r.score(batch, samples)

@@ -770,6 +770,11 @@ def _validate_data(cfg: VimeConfig) -> None:
         "set reward.fn: math, exact, regex or your module.path:function",
     )
     _require(
+        not cfg.eval.path or cfg.reward.fn not in (None, "task"),
+        f"eval.path={cfg.eval.path} with reward.fn={cfg.reward.fn or 'null'} (the generated task's reward)",
+        "set reward.fn: math, exact, regex or your module.path:function",
+    )
+    _require(
         cfg.reward.fn != "regex" or bool(cfg.reward.pattern),
         "reward.fn=regex without reward.pattern",
         "set reward.pattern (e.g. 'answer: (\\d+)')",

@@ -43,7 +43,7 @@ class Scorer:
 
     def score(self, items: list[Item], timeout_s: float) -> list[Outcome]:
         if self.is_async:
-            return asyncio.run(self._score_async(items, timeout_s))
+            return asyncio.run(_score_async(self.fn, items, timeout_s))
         return [self._call_sync(item, timeout_s) for item in items]
 
     def _call_sync(self, item: Item, timeout_s: float) -> Outcome:
@@ -59,17 +59,22 @@ class Scorer:
         except Exception as e:  # noqa: BLE001 - the user's function: whatever it raises is reported
             return None, f"raised {type(e).__name__}: {e}"
 
-    async def _score_async(self, items: list[Item], timeout_s: float) -> list[Outcome]:
-        async def one(item: Item) -> Outcome:
-            _, prompt, response, label, metadata = item
-            try:
-                return _checked(await asyncio.wait_for(self.fn(prompt, response, label, metadata), timeout_s))
-            except TimeoutError:
-                return None, f"timed out after {timeout_s:g} s"
-            except Exception as e:  # noqa: BLE001 - the user's function
-                return None, f"raised {type(e).__name__}: {e}"
 
-        return list(await asyncio.gather(*(one(i) for i in items)))
+# A module function, not a method: an actor class with an `async def` method is an asyncio actor to Ray, whose
+# methods run inside its event loop (where `asyncio.run` cannot start another).
+async def _score_async(fn, items: list[Item], timeout_s: float) -> list[Outcome]:
+    """Every item's call at once, each within `timeout_s`."""
+
+    async def one(item: Item) -> Outcome:
+        _, prompt, response, label, metadata = item
+        try:
+            return _checked(await asyncio.wait_for(fn(prompt, response, label, metadata), timeout_s))
+        except TimeoutError:
+            return None, f"timed out after {timeout_s:g} s"
+        except Exception as e:  # noqa: BLE001 - the user's function
+            return None, f"raised {type(e).__name__}: {e}"
+
+    return list(await asyncio.gather(*(one(i) for i in items)))
 
 
 def _checked(value: Any) -> Outcome:
@@ -110,8 +115,7 @@ class Rewards:
 
         Worker = ray.remote(num_cpus=0)(RewardWorker)  # noqa: N806 - a class
         self.workers = [
-            Worker.options(name=f"reward-{i}").remote(self.worker_spec, self.cfg.pattern, self.paths)
-            for i in range(self.cfg.num_workers)
+            Worker.remote(self.worker_spec, self.cfg.pattern, self.paths) for _ in range(self.cfg.num_workers)
         ]
         names = [f"reward worker {i}" for i in range(len(self.workers))]
         call([w.ready.remote() for w in self.workers], "start", names)
