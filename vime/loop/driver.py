@@ -71,6 +71,9 @@ def make_model(cfg: VimeConfig, output_dir: Path) -> str:
         head_dim=t.head_dim,
         dtype=cfg.model.dtype,
         device=cfg.device,
+        num_experts=t.num_experts,
+        num_experts_per_tok=t.num_experts_per_tok,
+        moe_intermediate_size=t.moe_intermediate_size,
     )
     log.info("made a tiny Qwen3 checkpoint at %s", path)
     return str(path)
