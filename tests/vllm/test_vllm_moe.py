@@ -19,16 +19,14 @@ from rl_kernel.integrations.vllm import (
     strict_sampling_params,
     worker_evidence,
 )
-from rl_kernel.models.tiny import make_tiny_qwen3
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 MAX_TOKENS = 12
-TINY_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64)
 
 
 @pytest.fixture(scope="module")
-def moe_path(tmp_path_factory):
-    return make_tiny_qwen3(tmp_path_factory.mktemp("tiny_moe"), **TINY_MOE)
+def moe_path(tiny_moe_path):
+    return tiny_moe_path
 
 
 @pytest.fixture(scope="module")
