@@ -20,10 +20,6 @@ from torch import nn
 from rl_kernel.models.qwen3_moe import moe_blocks
 
 
-def _unwrap(model: nn.Module) -> nn.Module:
-    return getattr(model, "unwrap", lambda: model)() if not isinstance(model, nn.Module) else model
-
-
 def _decoder_layers(model: nn.Module) -> nn.ModuleList:
     """The decoder layers of a vLLM causal LM (`model.model.layers`, the strict and vLLM's own models alike)."""
     layers = getattr(getattr(model, "model", None), "layers", None)
@@ -51,7 +47,7 @@ class RouteRecorder:
 
     def __init__(self, model_runner, top_k: int):
         self.runner, self.top_k = model_runner, top_k
-        self.model = _unwrap(model_runner.get_model())
+        self.model = model_runner.get_model()  # unwrapped from vLLM's CUDA-graph wrappers
         self.records: list[tuple[list[str], list[int], torch.Tensor, torch.Tensor]] = []
         self._layers: list[torch.Tensor] = []
         self._positions: torch.Tensor | None = None
