@@ -114,3 +114,21 @@ def capture_routes(model: nn.Module) -> Iterator[list[list[torch.Tensor]]]:
     finally:
         for block in blocks:
             block.routes = None
+
+
+def rollout_routes(trace: list[list[tuple[int, int, int]]], captured: list[list[torch.Tensor]], lengths: list[int]):
+    """Per request, int16 [lengths[i], MoE layers, k]: the expert ids `RolloutEngine` routed each fed position to,
+    from its `trace` (per step: (request, first position, tokens)) and the routes `capture_routes` recorded over
+    the same `generate` (one tensor per step and layer, rows in the step's request order); -1 where not fed."""
+    if not captured or not captured[0]:
+        return [None] * len(lengths)
+    k = captured[0][0].shape[-1]
+    out = [torch.full((n, len(captured), k), -1, dtype=torch.int16) for n in lengths]
+    for step, rows in enumerate(t for t in trace if t):
+        ids = torch.stack([layer[step] for layer in captured], dim=1).to("cpu", torch.int16)
+        row = 0
+        for index, first, n in rows:
+            end = min(first + n, lengths[index])
+            out[index][first:end] = ids[row : row + end - first]
+            row += n
+    return out

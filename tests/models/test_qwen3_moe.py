@@ -18,7 +18,7 @@ import rl_kernel as rk
 from rl_kernel.bits import bit_mismatches, same_bits
 from rl_kernel.models import Qwen3Reference
 from rl_kernel.models.qwen3 import read_config
-from rl_kernel.models.qwen3_moe import Qwen3MoeConfig, capture_routes
+from rl_kernel.models.qwen3_moe import Qwen3MoeConfig, capture_routes, rollout_routes
 from rl_kernel.models.rollout import Request, RolloutEngine
 from rl_kernel.models.tiny import make_tiny_qwen3
 
@@ -111,34 +111,23 @@ def _requests(seed: int = 1) -> list[Request]:
     return [Request(torch.randint(4, 512, (n,), generator=g).tolist(), m, t, a) for n, m, t, a in spec]
 
 
-def _rollout_routes(trace, captured) -> dict[tuple[int, int], list[torch.Tensor]]:
-    """(request, position) -> each MoE layer's expert ids of that fed position, from the rollout's steps."""
-    routes: dict[tuple[int, int], list[torch.Tensor]] = {}
-    for step, rows in enumerate(t for t in trace if t):
-        row = 0
-        for index, first, n in rows:
-            for j in range(n):
-                routes[(index, first + j)] = [layer[step][row + j] for layer in captured]
-            row += n
-    return routes
-
-
 def _rollout_vs_teacher(model: Qwen3Reference):
     """(logprob bit mismatches, tokens, route mismatches, (token, layer) routes) of a mixed rollout."""
     reqs = _requests()
     engine = RolloutEngine(model, num_blocks=64, block_size=8, max_num_batched_tokens=13)
     with capture_routes(model.model) as captured:
         outs = engine.generate(reqs, seed=3)
-    rollout = _rollout_routes(engine.trace, captured)
     seqs = [r.prompt_ids + o.token_ids for r, o in zip(reqs, outs)]
+    rollout = rollout_routes(engine.trace, captured, [len(q) - 1 for q in seqs])
     with capture_routes(model.model) as tf_captured:
         tf = model.sequence_logprobs(seqs, [len(r.prompt_ids) for r in reqs], [r.temperature for r in reqs])
     offsets = torch.tensor([0] + [len(s) for s in seqs]).cumsum(0).tolist()
     bad_routes = compared = 0
-    for (index, position), layers in rollout.items():
-        for layer, ids in enumerate(layers):
-            compared += 1
-            bad_routes += not torch.equal(ids, tf_captured[layer][0][offsets[index] + position])
+    for index, routes in enumerate(rollout):
+        trainer = torch.stack([layer[0] for layer in tf_captured], dim=1)[offsets[index] : offsets[index] + len(routes)]
+        assert bool((routes >= 0).all())  # the reference engine feeds every position itself (no prefix cache)
+        compared += routes.shape[0] * routes.shape[1]
+        bad_routes += int((routes != trainer.to(torch.int16)).any(-1).sum())
     return bit_mismatches([o.logprobs for o in outs], tf), sum(o.logprobs.numel() for o in outs), bad_routes, compared
 
 
