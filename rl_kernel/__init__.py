@@ -27,6 +27,7 @@ from rl_kernel.ops.attention import attention_varlen, paged_attention, write_kv_
 from rl_kernel.ops.collective import all_reduce
 from rl_kernel.ops.gemm import linear, linear_fp32, row_parallel_linear
 from rl_kernel.ops.logprob import log_softmax, logprobs
+from rl_kernel.ops.moe import moe, moe_combine, moe_experts, moe_route
 from rl_kernel.ops.norm import qk_norm, rms_norm
 from rl_kernel.ops.rope import rope
 
@@ -49,6 +50,10 @@ __all__ = [
     "logits_dtype",
     "logprobs",
     "mode",
+    "moe",
+    "moe_combine",
+    "moe_experts",
+    "moe_route",
     "paged_attention",
     "rms_norm",
     "qk_norm",

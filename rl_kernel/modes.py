@@ -13,7 +13,7 @@ import contextlib
 import os
 from collections.abc import Iterator
 
-BOUNDARIES = ("norm", "gemm", "activation", "rope", "attention", "logprob", "collective")
+BOUNDARIES = ("norm", "gemm", "activation", "rope", "attention", "logprob", "collective", "moe")
 MODES = ("strict", "native")
 # Each op (as named in its contracts and evidence records) -> the boundary whose mode governs it.
 OP_BOUNDARY = {
@@ -26,6 +26,9 @@ OP_BOUNDARY = {
     "log_softmax": "logprob",
     "truncation": "logprob",
     "all_reduce": "collective",
+    "moe_router": "moe",
+    "moe_experts": "moe",
+    "moe_combine": "moe",
 }
 
 

@@ -119,6 +119,14 @@ def tiny_qwen3_fp32_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_qwen3(tmp_path_factory.mktemp("tiny_qwen3_fp32"), dtype="float32")
 
 
+@pytest.fixture(scope="session")
+def tiny_moe_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random bf16 Qwen3-MoE checkpoint (8 experts, top-2, expert width 64; make_tiny_qwen3 otherwise)."""
+    from rl_kernel.models.tiny import make_tiny_qwen3
+
+    return make_tiny_qwen3(tmp_path_factory.mktemp("tiny_moe"), num_experts=8, num_experts_per_tok=2)
+
+
 # ---- slow marker check: what starts a process or an engine -------------------------------------------------
 
 

@@ -34,6 +34,9 @@ class Sample:
     finish_reason: str = ""
     reward: float = 0.0
     advantage: float = 0.0
+    # MoE models: int16 [fed positions, MoE layers, k] expert ids the engine routed each fed position to (ascending;
+    # -1 where the engine did not compute it, a prefix-cache hit); None for a dense model or an engine that cannot say
+    routes: torch.Tensor | None = None
 
 
 @dataclasses.dataclass
@@ -51,6 +54,7 @@ class Scored:
     top_k: int = -1  # the exact truncation it scored under (rl_kernel.ops.truncation; -1 / 1.0 / 0.0: off)
     top_p: float = 1.0
     min_p: float = 0.0
+    routes: torch.Tensor | None = None  # MoE: int16 [sequence positions, MoE layers, k] expert ids of its forward
 
 
 def one_temperature(samples: list[Sample]) -> float:

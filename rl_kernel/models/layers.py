@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 import rl_kernel as rk
-from rl_kernel.models.qwen3_layout import VOCAB_DIVISOR, TPShape, local_views, weight_layout
+from rl_kernel.models.qwen3_layout import VOCAB_DIVISOR, TPShape, is_moe_layer, local_views, weight_layout
 from rl_kernel.ops.collective import gather_ranks
 
 # attn_fn(layer, q [T, H, d], k [T, Hkv, d], v [T, Hkv, d]) -> [T, H, d], after QK-norm and RoPE.
@@ -134,6 +134,44 @@ class MLP(nn.Module):
         return self.down_proj(rk.silu_and_mul(self.gate_up_proj(x)))
 
 
+class Router(nn.Module):
+    """The MoE router's weight [E, D] (HF `mlp.gate.weight`); `rk.moe_route` runs it."""
+
+    def __init__(self, experts: int, dim: int, dtype: torch.dtype = torch.bfloat16, device=None):
+        super().__init__()
+        self.weight = _weight(experts, dim, dtype=dtype, device=device)
+
+
+class Experts(nn.Module):
+    """Every expert's SwiGLU weights, fused as transformers holds them: gate_up_proj [E, 2I, D] (gate rows
+    then up rows), down_proj [E, D, I]."""
+
+    def __init__(self, experts: int, dim: int, inter: int, dtype: torch.dtype = torch.bfloat16, device=None):
+        super().__init__()
+        self.gate_up_proj = _weight(experts, 2 * inter, dim, dtype=dtype, device=device)
+        self.down_proj = _weight(experts, dim, inter, dtype=dtype, device=device)
+
+
+class SparseMoeBlock(nn.Module):
+    """Qwen3-MoE's sparse block from the strict MoE ops (`rk.moe`): route, grouped experts, combine. When
+    `routes` is a list, every forward appends its int64 expert ids [T, k] (ascending per token) to it."""
+
+    def __init__(self, config, dtype: torch.dtype = torch.bfloat16, device=None):
+        super().__init__()
+        D, experts = config.hidden_size, config.num_experts
+        self.top_k, self.renormalize = config.num_experts_per_tok, config.norm_topk_prob
+        self.gate = Router(experts, D, dtype, device)
+        self.experts = Experts(experts, D, config.moe_intermediate_size, dtype, device)
+        self.routes: list[torch.Tensor] | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        e = self.experts
+        out, ids = rk.moe(x, self.gate.weight, e.gate_up_proj, e.down_proj, self.top_k, self.renormalize)
+        if self.routes is not None:
+            self.routes.append(ids)
+        return out
+
+
 class DecoderBlock(nn.Module):
     """Pre-norm decoder layer with the residual carried alongside (fused add in the norms)."""
 
@@ -151,7 +189,12 @@ class DecoderBlock(nn.Module):
         self.input_layernorm = RMSNorm(D, eps, dtype, device)
         self.self_attn = Attention(config, shape, layer, group, dtype, device)
         self.post_attention_layernorm = RMSNorm(D, eps, dtype, device)
-        self.mlp = MLP(config, shape, group, dtype, device)
+        if is_moe_layer(config, layer):
+            if shape.tp > 1:
+                raise ValueError(f"MoE layers run at tp=1 only (expert parallelism 1); got tp={shape.tp}")
+            self.mlp = SparseMoeBlock(config, dtype, device)
+        else:
+            self.mlp = MLP(config, shape, group, dtype, device)
 
     def forward(
         self, h: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor, attn_fn: AttentionFn

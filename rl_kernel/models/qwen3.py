@@ -52,7 +52,10 @@ class Qwen3Config:
                 "Qwen3ForCausalLM; Qwen3Reference implements only that"
             )
         if cfg.get("num_experts") or cfg.get("num_local_experts"):
-            raise ValueError(f"{source}: MoE configs (num_experts) are not supported by Qwen3Reference")
+            raise ValueError(
+                f"{source}: an MoE config (num_experts) as a dense Qwen3; read it with "
+                "rl_kernel.models.qwen3.read_config (Qwen3MoeForCausalLM: rl_kernel.models.qwen3_moe)"
+            )
         unsupported = {
             "attention_bias": bool(cfg.get("attention_bias", False)),
             "use_sliding_window": bool(cfg.get("use_sliding_window", False)),
@@ -94,9 +97,15 @@ class _Shard:
 
 
 def read_config(path: str | Path) -> Qwen3Config:
-    """Shape of the HF Qwen3 checkpoint in directory `path` (config.json); clear errors otherwise."""
+    """Shape of the HF Qwen3 checkpoint in directory `path` (config.json): a `Qwen3Config`, or a
+    `rl_kernel.models.qwen3_moe.Qwen3MoeConfig` for a Qwen3MoeForCausalLM; clear errors otherwise."""
     cfg_file = _config_file(path)
-    return Qwen3Config.from_hf(json.loads(cfg_file.read_text()), str(cfg_file))
+    cfg = json.loads(cfg_file.read_text())
+    if "Qwen3MoeForCausalLM" in (cfg.get("architectures") or []) or cfg.get("model_type") == "qwen3_moe":
+        from rl_kernel.models.qwen3_moe import Qwen3MoeConfig
+
+        return Qwen3MoeConfig.from_hf(cfg, str(cfg_file))
+    return Qwen3Config.from_hf(cfg, str(cfg_file))
 
 
 def _config_file(path: str | Path) -> Path:
@@ -124,6 +133,12 @@ def load_hf_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     if "lm_head.weight" not in state and read_config(path).tie_word_embeddings:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     return state
+
+
+def _mlp_weights(mlp) -> dict[str, torch.Tensor]:
+    if hasattr(mlp, "experts"):  # an MoE block
+        return dict(router=mlp.gate.weight, gate_up=mlp.experts.gate_up_proj, down=mlp.experts.down_proj)
+    return dict(gate_up=mlp.gate_up_proj.weight, down=mlp.down_proj.weight)
 
 
 class Qwen3Reference:
@@ -175,8 +190,7 @@ class Qwen3Reference:
                 k_norm=b.self_attn.k_norm.weight,
                 qkv=b.self_attn.qkv_proj.weight,
                 o=b.self_attn.o_proj.weight,
-                gate_up=b.mlp.gate_up_proj.weight,
-                down=b.mlp.down_proj.weight,
+                **_mlp_weights(b.mlp),
             )
             for b in self.model.layers
         ]

@@ -7,7 +7,10 @@ the reference model, the vLLM model, HF <-> Megatron conversion and weight expor
   zero rows to a multiple of `vocab_multiple * tp` (`padded_vocab`, Megatron's rule) and cut on export;
 - KV replication: with tp > num_kv_heads, each kv head is held by tp / num_kv_heads consecutive ranks
   (rank r holds kv head r // (tp / num_kv_heads)), as vLLM does; export keeps one copy;
-- replicated: norms.
+- replicated: norms;
+- MoE layers (Qwen3-MoE, tp 1 only): the router `mlp.gate.weight` [E, D], and each expert j's gate/up/down
+  held in the fused 3D parameters `experts.gate_up_proj` [E, 2I, D] (gate rows then up rows) and
+  `experts.down_proj` [E, D, I] at index `expert` (the HF hub names are per expert).
 `module` names the parameter of the shared modules (`rl_kernel.models.layers`) the tensor lives in
 and `part` its segment there (q/k/v in the fused qkv_proj, gate/up in gate_up_proj).
 """
@@ -80,6 +83,7 @@ class WeightLayout:
     part: int = 0
     vocab: bool = False
     kv_heads: int = 0
+    expert: int | None = None  # MoE expert weights: the index into the fused 3D parameter
 
     def local_size(self, tp: int, vocab_multiple: int = VOCAB_DIVISOR) -> int:
         """Rows (dim 0) or columns (dim 1) of this rank's shard."""
@@ -126,6 +130,7 @@ def weight_layout(config) -> dict[str, WeightLayout]:
         t["lm_head.weight"] = WeightLayout("lm_head.weight", (c.vocab_size, D), 0, "lm_head.weight", vocab=True)
     for i in range(c.num_layers):
         p, m = f"model.layers.{i}.", f"layers.{i}."
+        moe = is_moe_layer(c, i)
         rows = [
             ("input_layernorm.weight", (D,), None, "input_layernorm.weight", 0),
             ("post_attention_layernorm.weight", (D,), None, "post_attention_layernorm.weight", 0),
@@ -140,9 +145,36 @@ def weight_layout(config) -> dict[str, WeightLayout]:
             ("mlp.down_proj.weight", (D, c.intermediate_size), 1, "mlp.down_proj.weight", 0),
         ]
         for name, shape, dim, module, part in rows:
+            if moe and name.startswith("mlp."):
+                continue
             kv = c.num_kv_heads if name in ("self_attn.k_proj.weight", "self_attn.v_proj.weight") else 0
             t[p + name] = WeightLayout(p + name, shape, dim, m + module, part, kv_heads=kv)
+        if moe:
+            t.update(_moe_rows(c, p, m))
     return t
+
+
+def is_moe_layer(config, layer: int) -> bool:
+    """Whether decoder layer `layer` of `config` is a sparse MoE block (Qwen3-MoE's rule; a dense config has
+    no `num_experts`)."""
+    experts = getattr(config, "num_experts", 0)
+    step = getattr(config, "decoder_sparse_step", 1)
+    return experts > 0 and layer not in getattr(config, "mlp_only_layers", ()) and (layer + 1) % step == 0
+
+
+def _moe_rows(c, p: str, m: str) -> dict[str, WeightLayout]:
+    """The router and every expert's gate/up/down of one MoE layer (HF prefix `p`, module prefix `m`)."""
+    D, inter = c.hidden_size, c.moe_intermediate_size
+    rows = {p + "mlp.gate.weight": WeightLayout(p + "mlp.gate.weight", (c.num_experts, D), None, m + "mlp.gate.weight")}
+    for j in range(c.num_experts):
+        e = f"{p}mlp.experts.{j}."
+        for name, shape, module, part in (
+            ("gate_proj.weight", (inter, D), "mlp.experts.gate_up_proj", 0),
+            ("up_proj.weight", (inter, D), "mlp.experts.gate_up_proj", 1),
+            ("down_proj.weight", (D, inter), "mlp.experts.down_proj", 0),
+        ):
+            rows[e + name] = WeightLayout(e + name, shape, None, m + module, part, expert=j)
+    return rows
 
 
 def local_views(
@@ -153,7 +185,9 @@ def local_views(
     views, offsets = {}, {}
     for name, w in layout.items():
         p = param(w.module)
-        if w.dim == 0:
+        if w.expert is not None:  # tp 1: the expert's whole rows of the fused 3D parameter
+            views[name] = p[w.expert].narrow(0, w.part * w.shape[0], w.shape[0])
+        elif w.dim == 0:
             n, start = w.local_size(tp, vocab_multiple), offsets.get(w.module, 0)
             views[name], offsets[w.module] = p.narrow(0, start, n), start + n
         else:

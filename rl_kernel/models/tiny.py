@@ -71,6 +71,9 @@ def make_tiny_qwen3(
     device: str = "cpu",
     init_std: float = 0.1,
     chat: bool = False,
+    num_experts: int = 0,
+    num_experts_per_tok: int = 2,
+    moe_intermediate_size: int = 64,
 ) -> Path:
     """Write a randomly initialised (seeded) Qwen3ForCausalLM checkpoint and its tokenizer to `path`.
 
@@ -82,15 +85,33 @@ def make_tiny_qwen3(
     billions of parameters, where transformers' CPU init takes minutes) draws them there from one seeded
     generator with the same distributions (linear and embedding weights normal(0, init_std), norm weights
     uniform [0.5, 1.5]), so its bytes depend on that device's generator.
+    `num_experts` > 0 makes a Qwen3MoeForCausalLM instead: every layer a sparse block of `num_experts`
+    experts of `moe_intermediate_size`, `num_experts_per_tok` routed per token, norm_topk_prob on (as
+    Qwen3-30B-A3B), the HF hub's per-expert weight names.
     """
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
     if dtype not in ("bfloat16", "float32", "float16"):
         raise ValueError(f"dtype must be 'bfloat16', 'float32' or 'float16', got {dtype!r}")
+    if num_experts < 0 or (num_experts and not 1 <= num_experts_per_tok <= num_experts):
+        raise ValueError(
+            f"num_experts={num_experts} must be >= 0 and num_experts_per_tok={num_experts_per_tok} in "
+            f"[1, num_experts] (0 experts: a dense Qwen3)"
+        )
+    config_cls, model_cls = _classes(num_experts)
+    moe = (
+        dict(
+            num_experts=num_experts,
+            num_experts_per_tok=num_experts_per_tok,
+            moe_intermediate_size=moe_intermediate_size,
+            norm_topk_prob=True,
+        )
+        if num_experts
+        else {}
+    )
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tokenizer = _tokenizer(vocab_size, chat)
-    config = Qwen3Config(
+    config = config_cls(
+        **moe,
         vocab_size=vocab_size,
         hidden_size=hidden_size,
         intermediate_size=intermediate_size,
@@ -106,7 +127,7 @@ def make_tiny_qwen3(
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
-        architectures=["Qwen3ForCausalLM"],
+        architectures=[model_cls.__name__],
     )
     if torch.device(device).type != "cpu":
         _save_random_on(torch.device(device), config, seed, getattr(torch, dtype), path)
@@ -114,7 +135,7 @@ def make_tiny_qwen3(
         return path
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = Qwen3ForCausalLM(config)
+        model = model_cls(config)
         # Non-trivial norm weights, so a wrong norm placement or a missed weight shows in the logits.
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
@@ -127,13 +148,32 @@ def make_tiny_qwen3(
     return path
 
 
-def _save_random_on(device: torch.device, config, seed: int, dtype: torch.dtype, path: Path) -> None:
-    """config.json + model.safetensors of a Qwen3ForCausalLM with weights drawn on `device` (see make_tiny_qwen3)."""
-    from safetensors.torch import save_file
-    from transformers import Qwen3ForCausalLM
+def _classes(num_experts: int):
+    """transformers' (config class, model class): Qwen3-MoE when there are experts, else dense Qwen3."""
+    if num_experts:
+        from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    with torch.device("meta"):
-        names = {n: tuple(p.shape) for n, p in Qwen3ForCausalLM(config).named_parameters()}
+        return Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    return Qwen3Config, Qwen3ForCausalLM
+
+
+def _save_random_on(device: torch.device, config, seed: int, dtype: torch.dtype, path: Path) -> None:
+    """config.json + model.safetensors of the config's model with weights drawn on `device` (see
+    make_tiny_qwen3), under the HF hub's names (rl_kernel's layout table: per-expert names for MoE)."""
+    from safetensors.torch import save_file
+
+    if getattr(config, "num_experts", 0):
+        from rl_kernel.models.qwen3_layout import weight_layout
+        from rl_kernel.models.qwen3_moe import Qwen3MoeConfig
+
+        names = {n: w.shape for n, w in weight_layout(Qwen3MoeConfig.from_hf(config.to_dict(), "tiny")).items()}
+    else:
+        from transformers import Qwen3ForCausalLM
+
+        with torch.device("meta"):
+            names = {n: tuple(p.shape) for n, p in Qwen3ForCausalLM(config).named_parameters()}
     gen = torch.Generator(device=device).manual_seed(seed)
     tensors = {}
     for name, shape in names.items():

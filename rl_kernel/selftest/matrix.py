@@ -196,6 +196,21 @@ def rowwise_cells() -> list[Cell]:
 
         return make
 
+    def moe(dtype, rows=16, d=128, experts=8, inter=64, k=2):
+        def make(device, gen):
+            x, router = randn(gen, (rows, d), dtype, device), randn(gen, (experts, d), dtype, device, 0.2)
+            gate_up = randn(gen, (experts, 2 * inter, d), dtype, device, 0.1)
+            down = randn(gen, (experts, d, inter), dtype, device, 0.1)
+
+            def block(idx):
+                rows_ = x[idx.reshape(-1).to(device)]
+                out, ids = rk.moe(rows_, router, gate_up, down, k)
+                return torch.cat([out.to(torch.float32), ids.to(torch.float32)], -1).reshape(*idx.shape, -1)
+
+            return block
+
+        return make
+
     def batch(make, rows):
         return lambda device, gen: batch_pairs(make(device, gen), rows, gen)
 
@@ -236,6 +251,9 @@ def rowwise_cells() -> list[Cell]:
         Cell("logprobs", "batch/position", "bf16 [<=16,64]x[500,64]", batch(logprobs(bf16), 16)),
         Cell("logprobs", "padding/packing", "fp32 [B*L,64]x[500,64]", padding(logprobs(f32), 16)),
         Cell("logprobs", "threads", "fp32 [16,64]x[500,64]", threads(logprobs(f32), 16), cpu_only=True),
+        Cell("moe", "batch/position", "bf16 [<=16,128] E8 top-2 I64", batch(moe(bf16), 16)),
+        Cell("moe", "batch/position", "fp32 [<=16,128] E8 top-2 I64", batch(moe(f32), 16)),
+        Cell("moe", "threads", "fp32 [16,128] E8 top-2 I64", threads(moe(f32), 16), cpu_only=True),
     ]
 
 

@@ -38,9 +38,10 @@ _interp.InterpreterBuilder.create_dot = _dot
 np.seterr(invalid="ignore", divide="ignore")  # rows past a sequence's end compute 0/0 and are never stored
 
 from rl_kernel.backends.torch import activation as torch_act  # noqa: E402
+from rl_kernel.backends.torch import moe as torch_moe  # noqa: E402
 from rl_kernel.backends.torch import rope as torch_rope  # noqa: E402
 from rl_kernel.backends.torch.numerics import blocked_sum, tree_sum  # noqa: E402
-from rl_kernel.backends.triton import activation, attention, gemm, logprob, norm, rope  # noqa: E402
+from rl_kernel.backends.triton import activation, attention, gemm, logprob, moe, norm, rope  # noqa: E402
 
 F16 = torch.float16
 FAILED: list[str] = []
@@ -735,7 +736,47 @@ def far_paged_attention(base: torch.Tensor, gen: torch.Generator) -> None:
             check(f"far cache: paged {name} ({schedule})", same(far, near))
 
 
+def moes(gen: torch.Generator) -> None:
+    """The MoE kernels: the router's picks and weights == the torch contract's (ties included), the grouped GEMM
+    == a per-expert one-chain GEMM at every group size and tile, the combine == the torch contract's."""
+    for experts, k, rows in ((8, 2, 37), (6, 3, 20), (128, 8, 17)):
+        logits = torch.randn(rows, experts, generator=gen) * 3
+        logits[:, 1] = logits[:, 0]  # ties: the lower id wins
+        logits[0] = 0.25  # a row of equal logits
+        for renorm in (True, False):
+            w, ids = moe.route(logits, k, renorm)
+            tw, tids = torch_moe.route(logits, k, renorm)
+            check(f"moe route E={experts} k={k} renorm={renorm} ids == torch contract", torch.equal(ids, tids))
+            check(f"moe route E={experts} k={k} renorm={renorm} weights == torch contract", same(w, tw))
+    d, n = 96, 40
+    w = torch.randn(4, n, d, generator=gen).to(F16)
+    for counts in ([5, 0, 70, 1], [0, 0, 3, 0], [1, 1, 1, 1]):
+        x = torch.randn(sum(counts), d, generator=gen).to(F16)
+        out = moe.grouped_linear(x, counts, w, torch.float32)
+        ref, start = [], 0
+        for e, c in enumerate(counts):
+            ref.append(gemm.matmul_fp32(x[start : start + c], w[e], schedule="fused"))
+            start += c
+        check(f"moe grouped gemm counts {counts} == per-expert gemm", same(out, torch.cat(ref)))
+        small = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32}
+        check(
+            f"moe grouped gemm counts {counts}: tile moves no bit",
+            same(moe.grouped_linear(x, counts, w, torch.float32, tile=small), out),
+        )
+    gu, dn = torch.randn(3, 64, d, generator=gen).to(F16) * 0.1, torch.randn(3, d, 32, generator=gen).to(F16) * 0.1
+    x = torch.randn(9, d, generator=gen).to(F16)
+    got = moe.grouped_mlp(x, [4, 0, 5], gu, dn)
+    alone = moe.grouped_mlp(x[4:5], [0, 0, 1], gu, dn)
+    check("moe grouped mlp: a row alone == in its group", same(alone, got[4:5]))
+    y, wts = torch.randn(11, 3, 200, generator=gen), torch.rand(11, 3, generator=gen)
+    for dtype in (F16, torch.float32):
+        check(
+            f"moe combine {dtype} == torch contract", same(moe.combine(y, wts, dtype), torch_moe.combine(y, wts, dtype))
+        )
+
+
 PARTS = (
+    moes,
     elementwise,
     gemms,
     attentions,

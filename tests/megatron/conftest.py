@@ -43,3 +43,9 @@ def world2(tmp_path_factory: pytest.TempPathFactory, tiny_qwen3_path: Path) -> d
 def world4(tmp_path_factory: pytest.TempPathFactory, tiny_qwen3_path: Path) -> dict:
     jobs = [{"tp": 2, "cp": 2, "modes": ("strict",), "train": True}]
     return _spawn(tmp_path_factory, tiny_qwen3_path, 4, jobs)
+
+
+@pytest.fixture(scope="session")
+def moe_world1(tmp_path_factory: pytest.TempPathFactory, tiny_moe_path: Path) -> dict:
+    jobs = [{"tp": 1, "cp": 1, "modes": ("strict", "native"), "export": True, "train": True, "routes": True}]
+    return _spawn(tmp_path_factory, tiny_moe_path, 1, jobs)

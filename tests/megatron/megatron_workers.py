@@ -104,6 +104,15 @@ def _job(job: dict, ckpt: str, device: str) -> dict:
         evidence.reset()
         res[f"{mode}"] = score(policy, seqs, prompts, TEMPERATURE)
         res[f"{mode}_evidence"] = sorted({(r["op"], r["mode"]) for r in evidence.snapshot()})
+        if job.get("routes"):  # each MoE layer's expert ids of every token, the trainer's and the reference's
+            from rl_kernel.models.qwen3_moe import capture_routes
+
+            with capture_routes(policy.model) as routes:
+                score(policy, seqs, prompts, TEMPERATURE)
+            with capture_routes(ref.model) as ref_routes:
+                ref.sequence_logprobs(seqs, prompts, TEMPERATURE)
+            res[f"{mode}_routes"] = [torch.cat(r) for r in routes]
+            res["ref_routes"] = [torch.cat(r) for r in ref_routes]
         if job.get("packings"):
             res[f"{mode}_mb1"] = score(policy, seqs, prompts, TEMPERATURE, micro_batch_size=1)
             order = list(reversed(range(len(seqs))))

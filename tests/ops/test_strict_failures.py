@@ -19,6 +19,7 @@ def _calls(dtype: torch.dtype) -> dict[str, tuple[str, object]]:
         return torch.ones(shape).to(dtype)
 
     cu = torch.tensor([0, 4], dtype=torch.int32)
+    ids = torch.tensor([[0, 1], [1, 3], [0, 2], [2, 3]])
     return {
         "linear": ("gemm", lambda: rk.linear(t(4, 16), t(8, 16))),
         "linear_fp32": ("gemm", lambda: rk.linear_fp32(t(4, 16), t(8, 16))),
@@ -34,6 +35,9 @@ def _calls(dtype: torch.dtype) -> dict[str, tuple[str, object]]:
             ),
         ),
         "logprobs": ("logprobs", lambda: rk.logprobs(t(4, 16), t(8, 16), torch.tensor([0, 1, 2, 3]))),
+        "moe_route": ("moe_router", lambda: rk.moe_route(t(4, 16), t(4, 16), 2)),
+        "moe_experts": ("moe_experts", lambda: rk.moe_experts(t(4, 16), ids, t(4, 8, 16), t(4, 16, 4))),
+        "moe_combine": ("moe_combine", lambda: rk.moe_combine(t(4, 2, 16), t(4, 2), ids, torch.float32)),
     }
 
 
@@ -122,7 +126,17 @@ def test_strict_run_records_only_strict_contracts():
             call()
     assert ran and rk.evidence.native_ops(ran) == []
     assert all(contracts[r["contract_id"]] == r["fingerprint"] for r in ran)
-    assert {r["op"] for r in ran} == {"gemm", "rms_norm", "silu_and_mul", "rope", "attention", "logprobs"}
+    assert {r["op"] for r in ran} == {
+        "gemm",
+        "rms_norm",
+        "silu_and_mul",
+        "rope",
+        "attention",
+        "logprobs",
+        "moe_router",
+        "moe_experts",
+        "moe_combine",
+    }
 
 
 def test_op_boundary_names_the_boundary_each_op_obeys():

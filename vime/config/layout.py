@@ -56,7 +56,10 @@ def _fail(what: str, fix: str) -> None:
 
 
 def check_model_tp(model: dict[str, Any], tp: int, side: str) -> None:
-    """`tp` must split the heads, the KV heads and the MLP width of `model` (HF config.json keys) evenly."""
+    """`tp` must split the heads, the KV heads and the MLP width of `model` (HF config.json keys) evenly; a
+    Qwen3-MoE runs at tp 1 (expert parallelism 1)."""
+    if (model.get("num_experts") or model.get("num_local_experts")) and tp > 1:
+        _fail(f"{side}.tp={tp} with a Qwen3-MoE model", f"set {side}.tp=1: MoE layers run at tp 1 (docs/moe.md)")
     heads = model["num_attention_heads"]
     for key, n in (
         ("num_attention_heads", heads),

@@ -12,6 +12,7 @@ from vime.config.schema import KeptOn, RolloutBackend, VimeConfig, kept_versions
 from vime.errors import ConfigError, DataError
 
 SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM",)
+MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM",)  # tp 1 on both sides (expert parallelism 1)
 
 
 def check_lengths(cfg: VimeConfig, prompts: list[list[int]]) -> None:
@@ -127,10 +128,13 @@ def check_checkpoint(path: Path) -> None:
     except (OSError, ValueError) as e:
         raise DataError(f"cannot read {config}: {e}; point model.path at an HF checkpoint directory") from None
     archs = meta.get("architectures") or []
-    if meta.get("model_type") != "qwen3" or not archs or not set(archs) <= set(SUPPORTED_ARCHITECTURES):
+    if archs == list(MOE_ARCHITECTURES) and meta.get("model_type") == "qwen3_moe":
+        _check_moe_config(meta, config)
+    elif meta.get("model_type") != "qwen3" or not archs or not set(archs) <= set(SUPPORTED_ARCHITECTURES):
         raise DataError(
             f"{config}: model_type={meta.get('model_type')!r}, architectures={archs} is not supported; "
-            f"vime runs Qwen3 dense checkpoints ({', '.join(SUPPORTED_ARCHITECTURES)}): use one"
+            f"vime runs Qwen3 dense checkpoints ({', '.join(SUPPORTED_ARCHITECTURES)}) and Qwen3-MoE "
+            f"({', '.join(MOE_ARCHITECTURES)}): use one"
         )
     files = sorted(path.glob("*.safetensors"))
     if not files:
@@ -210,6 +214,17 @@ def _shape_fields(name: str, config) -> str:
     return ", ".join(f"{k}={v}" for k, v in fields.items())
 
 
+def _check_moe_config(meta: dict, config: Path) -> None:
+    """What the strict Qwen3-MoE model does not cover (another MoE family's options, top-k > num_experts)
+    fails here in one line, before any engine starts."""
+    from rl_kernel.models.qwen3_moe import Qwen3MoeConfig
+
+    try:
+        Qwen3MoeConfig.from_hf(meta, str(config))
+    except ValueError as err:
+        raise DataError(f"{err}; use a Qwen3-MoE checkpoint the strict model covers (docs/moe.md)") from None
+
+
 def check_safetensors(file: Path) -> dict:
     """The file holds its whole header and every tensor its header lists (a truncated copy does not); returns
     the header (tensor name -> dtype, shape, data_offsets)."""
@@ -287,16 +302,19 @@ DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 
 def qwen3_parameters(config: dict) -> int:
-    """Parameters of a Qwen3 dense checkpoint from its HF config.json."""
+    """Parameters of a Qwen3 dense or Qwen3-MoE checkpoint from its HF config.json (a Qwen3-MoE's every layer
+    sparse: its mlp_only_layers are counted as sparse, an upper bound)."""
     d_model, layers = config["hidden_size"], config["num_hidden_layers"]
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     head_dim = config.get("head_dim") or d_model // heads
+    experts = config.get("num_experts") or config.get("num_local_experts") or 0
+    mlp = (
+        experts * 3 * d_model * config["moe_intermediate_size"] + experts * d_model  # experts and router
+        if experts
+        else 3 * d_model * config["intermediate_size"]
+    )
     per_layer = (
-        d_model * (heads + 2 * kv_heads) * head_dim
-        + heads * head_dim * d_model
-        + 3 * d_model * config["intermediate_size"]
-        + 2 * d_model
-        + 2 * head_dim
+        d_model * (heads + 2 * kv_heads) * head_dim + heads * head_dim * d_model + mlp + 2 * d_model + 2 * head_dim
     )
     embeddings = config["vocab_size"] * d_model * (1 if config.get("tie_word_embeddings") else 2)
     return embeddings + layers * per_layer + d_model

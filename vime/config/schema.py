@@ -120,6 +120,23 @@ class TinyModelConfig:
     num_kv_heads: int = 2
     head_dim: int = 32
     chat: bool = False  # a tokenizer with Qwen3's special tokens and a chat template (for data.chat_template)
+    # Qwen3-MoE (Qwen3MoeForCausalLM) when num_experts > 0: every layer a sparse block (docs/moe.md)
+    num_experts: int = 0  # 0: a dense Qwen3
+    num_experts_per_tok: int = 2  # top-k routed experts per token, 1 <= k <= num_experts
+    moe_intermediate_size: int = 64  # each expert's SwiGLU width
+
+    def __post_init__(self) -> None:
+        _require(self.num_experts >= 0, f"model.tiny.num_experts={self.num_experts}", "use 0 (dense) or more")
+        _require(
+            not self.num_experts or 1 <= self.num_experts_per_tok <= self.num_experts,
+            f"model.tiny.num_experts_per_tok={self.num_experts_per_tok} is outside [1, num_experts={self.num_experts}]",
+            "route each token to at most num_experts experts",
+        )
+        _require(
+            not self.num_experts or self.moe_intermediate_size > 0,
+            f"model.tiny.moe_intermediate_size={self.moe_intermediate_size}",
+            "give the experts a width > 0",
+        )
 
 
 class LogitsDtype(StrEnum):

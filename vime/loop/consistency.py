@@ -115,6 +115,31 @@ def refuse_outside_support(count: int, step: int) -> None:
         )
 
 
+def routing_agreement(samples: Sequence[Sample], scored: Sequence[Scored]) -> dict[str, float | int] | None:
+    """MoE routes of the rollout vs the trainer: `routing_mismatch`, the share of (token, MoE layer) routes whose
+    expert set differs, over the `routes_compared` (token, layer) pairs both sides recorded (every position the
+    rollout fed itself: prompt and response but the last token, prefix-cache hits excepted). None when no sample
+    has routes on both sides (a dense model, or an engine that does not record them). Expert ids are ascending
+    per token on both sides, so equal sets are equal rows."""
+    differ = compared = 0
+    for i, (s, t) in enumerate(zip(samples, scored)):
+        if s.routes is None or t.routes is None:
+            continue
+        fed = s.routes.shape[0]
+        if t.routes.shape[0] < fed or t.routes.shape[1:] != s.routes.shape[1:]:
+            raise ComparabilityError(
+                f"sample {i}: rollout routes {tuple(s.routes.shape)} vs trainer routes {tuple(t.routes.shape)} "
+                "([positions, MoE layers, k]): the two sides ran different MoE models"
+            )
+        known = (s.routes >= 0).all(-1)  # [positions, layers]
+        same = (s.routes == t.routes[:fed]).all(-1)
+        differ += int((known & ~same).sum())
+        compared += int(known.sum())
+    if compared == 0:
+        return None
+    return {"routing_mismatch": differ / compared, "routes_compared": compared, "routing_mismatch_count": differ}
+
+
 def check_comparable(samples: Sequence[Sample], scored: Sequence[Scored], version: int) -> None:
     """The token-level gate: raises ComparabilityError naming the first sample that fails."""
     if len(samples) != len(scored):

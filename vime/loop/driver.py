@@ -75,6 +75,9 @@ def make_model(cfg: VimeConfig, output_dir: Path) -> str:
         chat=t.chat,
         dtype=cfg.model.dtype,
         device="cpu" if cfg.plan else cfg.device,  # a plan never initialises CUDA
+        num_experts=t.num_experts,
+        num_experts_per_tok=t.num_experts_per_tok,
+        moe_intermediate_size=t.moe_intermediate_size,
     )
     log.info("made a tiny Qwen3 checkpoint at %s", path)
     return str(path)
@@ -353,7 +356,8 @@ class Driver:
                 cfg.rollout.engine,
             ),
         )
-        fields = {**result.metrics(), **stats, **sync, **lag_metrics(samples, version, 0), **self.sampled}
+        routing = consistency.routing_agreement(samples, scored) or {}
+        fields = {**result.metrics(), **routing, **stats, **sync, **lag_metrics(samples, version, 0), **self.sampled}
         fields |= {**self.reward_metrics, "contracts": verdict, "sleep_s": sleep_s, "wake_s": wake_s}
         return self.record(step, version, samples, (t0, t1, t2, t3), fields)
 
@@ -422,6 +426,11 @@ class Driver:
                 raise ComparabilityError(
                     f"strict run, step {step}: {c.mismatch_count} of {c.tokens} tokens "
                     f"differ in bits (worst {result_worst(c)})"
+                )
+            if self.cfg.fail_on_mismatch and self.strict and c.routing_mismatch_count:
+                raise ComparabilityError(
+                    f"strict run, step {step}: {c.routing_mismatch_count} of {c.routes_compared} (token, MoE layer) "
+                    "routes differ between rollout and trainer"
                 )
             if self.cfg.fail_on_mismatch and self.strict and off:
                 raise ComparabilityError(

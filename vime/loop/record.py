@@ -34,6 +34,10 @@ class Parity:
     worst_rollout: float | None = None
     worst_trainer: float | None = None
     worst_abs_diff: float | None = None
+    # MoE: (token, MoE layer) routes whose expert set differs between rollout and trainer (share, count, of compared)
+    routing_mismatch: float | None = None
+    routing_mismatch_count: int | None = None
+    routes_compared: int | None = None
     # the training forward against the same rollout logprobs (trainer.scoring_pass: a separate forward)
     train_mismatch_count: float | None = None
     train_max_abs_diff: float | None = None

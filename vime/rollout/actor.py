@@ -152,8 +152,11 @@ class RolloutWorker:
         else:
             outs = self.engine.generate(prompts, max_new_tokens, temperature, stop_token_ids, seed)
         self._evidence = self.engine.evidence(reset=True)
+        routes = getattr(self.engine, "last_routes", None) or [None] * len(outs)
         samples = []
-        for (g, ids), (tokens, logprobs, versions) in zip([gp for gp in groups for _ in range(group_size)], outs):
+        for (g, ids), (tokens, logprobs, versions), route in zip(
+            [gp for gp in groups for _ in range(group_size)], outs, routes
+        ):
             samples.append(
                 Sample(
                     group=g,
@@ -168,6 +171,7 @@ class RolloutWorker:
                     min_p=getattr(self.engine, "min_p", 0.0),
                     vocab_size=self.engine.vocab_size,
                     finish_reason="stop" if tokens and tokens[-1] in stop_token_ids else "length",
+                    routes=route,
                 )
             )
         return (samples, self._evidence) if with_evidence else samples

@@ -8,6 +8,7 @@ import torch
 
 import rl_kernel as rk
 from rl_kernel.models.qwen3 import Qwen3Reference
+from rl_kernel.models.qwen3_moe import capture_routes, moe_blocks, rollout_routes
 from rl_kernel.models.rollout import Request, RolloutEngine
 from vime.config.schema import RolloutConfig
 
@@ -24,6 +25,7 @@ class ReferenceRollout:
         self.vocab_size = self.model.config.vocab_size
         self.version = 0
         self._group = self._receiver = None  # the weight-push group (nccl) and receiver, from the first push
+        self.last_routes: list | None = None  # MoE: each request's routes of the last `generate` (Sample.routes)
 
     def generate(
         self,
@@ -41,12 +43,14 @@ class ReferenceRollout:
             self.model, self.cfg.num_blocks, self.cfg.block_size, self.cfg.max_num_batched_tokens, block_seed=seed
         )
         requests = [Request(p, max_new_tokens, temperature, stop_token_ids=tuple(stop_token_ids)) for p in prompts]
+        with capture_routes(self.model.model) as captured:
+            out = engine.generate(requests, seed=seed, between_steps=between_steps)
+        lengths = [len(p) + len(c.token_ids) - 1 for p, c in zip(prompts, out)]
+        self.last_routes = rollout_routes(engine.trace, captured, lengths) if moe_blocks(self.model.model) else None
         if between_steps is None:
-            out = engine.generate(requests, seed=seed)
             return [
                 (c.token_ids, c.logprobs.to(torch.float32).tolist(), [self.version] * len(c.token_ids)) for c in out
             ]
-        out = engine.generate(requests, seed=seed, between_steps=between_steps)
         return [(c.token_ids, c.logprobs.to(torch.float32).tolist(), list(c.versions)) for c in out]
 
     def set_modes(self, modes: dict[str, str]) -> None:

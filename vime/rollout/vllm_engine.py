@@ -145,6 +145,14 @@ def _versions(output, n: int, served: str) -> list[int]:
     return versions
 
 
+def _moe_top_k(model_path: str) -> int:
+    """num_experts_per_tok of a Qwen3-MoE checkpoint (0 for a dense one)."""
+    import json
+
+    cfg = json.loads((Path(model_path) / "config.json").read_text())
+    return int(cfg.get("num_experts_per_tok", 0)) if (cfg.get("num_experts") or cfg.get("num_local_experts")) else 0
+
+
 class VllmRollout:
     def __init__(
         self,
@@ -208,6 +216,10 @@ class VllmRollout:
         self._updating: int | None = None  # version of the open weight-update session
         self._receiver = None  # CUDA: the push's receiver (rl_kernel.integrations.vllm.ipc / .nccl), made on first use
         compat.update_weight_version(self.llm, "0")
+        self.last_routes: list | None = None  # MoE: each request's routes of the last `generate` (Sample.routes)
+        self._route_k = _moe_top_k(model_path)
+        if self._route_k and not self.llm.collective_rpc("rl_kernel_capture_routes", args=(self._route_k,))[0]:
+            self._route_k = 0
 
     def generate(
         self,
@@ -241,10 +253,13 @@ class VllmRollout:
             for _ in prompts
         ]
         served = compat.get_weight_version(self.llm)
+        if self._route_k:
+            self.llm.collective_rpc("rl_kernel_routes")  # drop what other forwards (re-scoring) recorded
         if between_steps is None:
             outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         else:
             outs = self._stepped(prompts, params, between_steps)
+        self.last_routes = self._routes(outs, prompts) if self._route_k else None
         results = []
         for out in outs:
             c = out.outputs[0]
@@ -257,6 +272,16 @@ class VllmRollout:
             logprobs = [float(c.logprobs[j][t].logprob) for j, t in enumerate(ids)]
             results.append((ids, logprobs, _versions(c, len(ids), served)))
         return results
+
+    def _routes(self, outs: list, prompts: list[list[int]]) -> list:
+        """Each request's recorded expert ids of the positions it fed (prompt and response but the last token)."""
+        from rl_kernel.integrations.vllm.routes import routes_of
+
+        records = self.llm.collective_rpc("rl_kernel_routes")[0]  # MoE engines run at tp 1
+        return [
+            routes_of(records, out.request_id, len(p) + len(out.outputs[0].token_ids) - 1)
+            for out, p in zip(outs, prompts)
+        ]
 
     def _stepped(self, prompts: list[list[int]], params: list, between_steps) -> list:
         """`llm.generate`, one engine step at a time, `between_steps` before each (vLLM's own weight-version

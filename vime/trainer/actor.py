@@ -8,7 +8,9 @@ and reports the rl_kernel evidence of its last scoring forward.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import logging
 import os
 from pathlib import Path
 
@@ -19,6 +21,8 @@ from vime.engines import Sample, Scored, Trainer, one_temperature
 from vime.faults import stops
 from vime.rollout.actor import apply_modes, redirect_output
 from vime.trainer.grpo import LossConfig, TrainBatch
+
+log = logging.getLogger(__name__)
 
 
 class TrainerWorker:
@@ -205,14 +209,20 @@ class TrainerWorker:
 
         temperature = one_temperature(samples)
         rk.evidence.reset()
-        logprobs, positions = self.engine.score(
-            [s.prompt_ids + s.response_ids for s in samples], [len(s.prompt_ids) for s in samples], temperature
-        )
+        with _capture_routes(self.engine) as captured:
+            logprobs, positions = self.engine.score(
+                [s.prompt_ids + s.response_ids for s in samples], [len(s.prompt_ids) for s in samples], temperature
+            )
         self._evidence = rk.evidence.snapshot()
-        return self._scored(samples, logprobs, positions, temperature)
+        return self._scored(samples, logprobs, positions, temperature, _per_sequence(captured, samples))
 
     def _scored(
-        self, samples: list[Sample], logprobs: list[torch.Tensor], positions: list[list[int]], temperature: float
+        self,
+        samples: list[Sample],
+        logprobs: list[torch.Tensor],
+        positions: list[list[int]],
+        temperature: float,
+        routes: list[torch.Tensor] | None = None,
     ) -> list[Scored]:
         return [
             Scored(
@@ -223,8 +233,9 @@ class TrainerWorker:
                 temperature=temperature,
                 vocab_size=self.engine.vocab_size,
                 **self._truncation_fields(),
+                routes=None if routes is None else routes[i],
             )
-            for s, lp, p in zip(samples, logprobs, positions)
+            for i, (s, lp, p) in enumerate(zip(samples, logprobs, positions))
         ]
 
     def reference_kl(self, samples: list[Sample]) -> list[float]:
@@ -270,7 +281,24 @@ class TrainerWorker:
 
         temperature = one_temperature(samples)
         rk.evidence.reset()
-        stats = self.engine.train_step(
+        with _capture_routes(self.engine if score else None) as captured:
+            stats = self._train_forward(samples, temperature, score, fresh)
+        # the packer takes response token j of sequence i at position prompt_lens[i] + j
+        scored = (
+            self._scored(
+                samples,
+                stats.pop("logprobs"),
+                [list(range(len(s.prompt_ids), len(s.prompt_ids) + len(s.response_ids))) for s in samples],
+                temperature,
+                _per_sequence(captured, samples),
+            )
+            if score
+            else None
+        )
+        return self._after_train_step(stats, scored, score)
+
+    def _train_forward(self, samples: list[Sample], temperature: float, score: bool, fresh: list[bool] | None) -> dict:
+        return self.engine.train_step(
             TrainBatch(
                 [s.prompt_ids + s.response_ids for s in samples],
                 [len(s.prompt_ids) for s in samples],
@@ -281,17 +309,10 @@ class TrainerWorker:
                 fresh=fresh,
             )
         )
-        # the packer takes response token j of sequence i at position prompt_lens[i] + j
-        scored = (
-            self._scored(
-                samples,
-                stats.pop("logprobs"),
-                [list(range(len(s.prompt_ids), len(s.prompt_ids) + len(s.response_ids))) for s in samples],
-                temperature,
-            )
-            if score
-            else None
-        )
+
+    def _after_train_step(self, stats: dict, scored: list[Scored] | None, score: bool) -> dict:
+        import rl_kernel as rk
+
         if score:
             self._evidence = rk.evidence.snapshot()
         self.version += 1
@@ -401,3 +422,41 @@ def to_pinned_host(tensors: dict[str, torch.Tensor], reuse: dict[str, torch.Tens
         out[k].copy_(v, non_blocking=True)
     torch.cuda.current_stream().synchronize()
     return out
+
+
+def _moe_root(engine):
+    """The trainer engine's torch model when it has MoE layers (Megatron's GPTModel, the reference's modules)."""
+    from rl_kernel.models.qwen3_moe import moe_blocks
+
+    policy = getattr(engine, "policy", None)
+    holder = policy if policy is not None else getattr(engine, "model", None)  # MegatronPolicy, Qwen3Reference
+    root = getattr(holder, "model", None)
+    return root if isinstance(root, torch.nn.Module) and moe_blocks(root) else None
+
+
+@contextlib.contextmanager
+def _capture_routes(engine):
+    """Each MoE layer's expert ids of every forward of the block (`rl_kernel.models.qwen3_moe.capture_routes`),
+    or None for no engine or a dense model."""
+    root = None if engine is None else _moe_root(engine)
+    if root is None:
+        yield None
+        return
+    from rl_kernel.models.qwen3_moe import capture_routes
+
+    with capture_routes(root) as captured:
+        yield captured
+
+
+def _per_sequence(captured, samples: list[Sample]) -> list[torch.Tensor] | None:
+    """int16 [sequence length, MoE layers, k] per sample from the captured forwards, whose rows are the samples'
+    sequences packed in order (micro-batches of consecutive samples); None when there is nothing to split, or
+    the rows are not that (a context-parallel rank holds only part of them)."""
+    if not captured or not captured[0]:
+        return None
+    lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
+    rows = torch.stack([torch.cat(layer) for layer in captured], dim=1).to("cpu", torch.int16)
+    if rows.shape[0] != sum(lengths):
+        log.warning("MoE routes: %d captured rows for %d sequence tokens: not compared", rows.shape[0], sum(lengths))
+        return None
+    return list(rows.split(lengths))

@@ -16,7 +16,18 @@ import os
 import sys
 
 IMPLEMENTED: frozenset[str] = frozenset(
-    {"gemm", "rms_norm", "silu_and_mul", "rope", "attention", "logprobs", "log_softmax"}
+    {
+        "gemm",
+        "rms_norm",
+        "silu_and_mul",
+        "rope",
+        "attention",
+        "logprobs",
+        "log_softmax",
+        "moe_router",
+        "moe_experts",
+        "moe_combine",
+    }
 )
 CUBLASLT_WORKSPACE_KIB = "1"
 

@@ -6,6 +6,8 @@ Megatron layouts (per TP rank r of tp):
 - linear_proj, linear_fc2: row-parallel, columns (the K axis) split contiguously.
 - word embeddings and output layer: vocab rows split contiguously; the vocab is padded to a
   multiple of 128 * tp (Megatron's rule) with zero rows that are cut again on export.
+- MoE layers (Qwen3-MoE, tp 1): `mlp.gate.weight` is HF's router; `mlp.experts.gate_up_proj` [E, 2I, D] stacks
+  every expert's [gate; up] rows, `mlp.experts.down_proj` [E, D, I] every expert's down projection.
 Conversions only move and concatenate tensors, so HF -> Megatron -> HF is bit-exact.
 """
 
@@ -25,7 +27,9 @@ def padded_vocab(config: Qwen3Config, tp: int) -> int:
 
 
 def check_tp(config: Qwen3Config, tp: int) -> None:
-    """Megatron-core splits whole query groups over TP ranks: no kv-head replication."""
+    """Megatron-core splits whole query groups over TP ranks: no kv-head replication; MoE models at tp 1."""
+    if getattr(config, "num_experts", 0) and tp > 1:
+        raise ValueError(f"a Qwen3-MoE trainer runs at tp=1 (expert parallelism 1); got tp={tp}")
     qwen3_layout.check_tp(config, tp, kv_replication=False)
 
 
@@ -68,7 +72,12 @@ def hf_to_megatron(
         v = local(h + "self_attn.v_proj.weight").reshape(-1, hd, shape.hidden_size)
         out[m + "self_attention.linear_qkv.weight"] = torch.cat([q, k, v], dim=1).reshape(-1, shape.hidden_size)
         for hf_name, mg_name in _RENAMED:
+            if qwen3_layout.is_moe_layer(shape, i) and hf_name.startswith("mlp."):
+                continue
             out[m + mg_name] = local(h + hf_name)
+        if qwen3_layout.is_moe_layer(shape, i):
+            out |= _moe_to_megatron(hf, shape, h, m)
+            continue
         out[m + "mlp.linear_fc1.weight"] = torch.cat(
             [local(h + "mlp.gate_proj.weight"), local(h + "mlp.up_proj.weight")]
         )
@@ -112,8 +121,36 @@ def megatron_to_hf(shards: list[dict[str, torch.Tensor]], shape: Qwen3Config) ->
             name = h + f"self_attn.{proj}.weight"
             hf[name] = full(name, [t[j].reshape(-1, shape.hidden_size) for t in qkv])
         for hf_name, mg_name in _RENAMED:
+            if qwen3_layout.is_moe_layer(shape, i) and hf_name.startswith("mlp."):
+                continue
             hf[h + hf_name] = full(h + hf_name, m + mg_name)
+        if qwen3_layout.is_moe_layer(shape, i):
+            hf |= _moe_to_hf(shards[0], shape, h, m)
+            continue
         fc1 = [s[m + "mlp.linear_fc1.weight"].chunk(2) for s in shards]
         hf[h + "mlp.gate_proj.weight"] = full(h + "mlp.gate_proj.weight", [g for g, _ in fc1])
         hf[h + "mlp.up_proj.weight"] = full(h + "mlp.up_proj.weight", [u for _, u in fc1])
     return {name: t.contiguous() for name, t in hf.items()}
+
+
+def _moe_to_megatron(hf: dict[str, torch.Tensor], shape, h: str, m: str) -> dict[str, torch.Tensor]:
+    """One MoE layer's Megatron tensors (HF prefix `h`, Megatron prefix `m`): the router and the stacked experts."""
+    e = [f"{h}mlp.experts.{j}." for j in range(shape.num_experts)]
+    return {
+        m + "mlp.gate.weight": hf[h + "mlp.gate.weight"],
+        m + "mlp.experts.gate_up_proj": torch.stack(
+            [torch.cat([hf[x + "gate_proj.weight"], hf[x + "up_proj.weight"]]) for x in e]
+        ),
+        m + "mlp.experts.down_proj": torch.stack([hf[x + "down_proj.weight"] for x in e]),
+    }
+
+
+def _moe_to_hf(shard: dict[str, torch.Tensor], shape, h: str, m: str) -> dict[str, torch.Tensor]:
+    """One MoE layer's HF tensors from its Megatron tensors (tp 1)."""
+    out = {h + "mlp.gate.weight": shard[m + "mlp.gate.weight"]}
+    gate_up, down = shard[m + "mlp.experts.gate_up_proj"], shard[m + "mlp.experts.down_proj"]
+    for j in range(shape.num_experts):
+        x = f"{h}mlp.experts.{j}."
+        out[x + "gate_proj.weight"], out[x + "up_proj.weight"] = gate_up[j].chunk(2)
+        out[x + "down_proj.weight"] = down[j]
+    return out

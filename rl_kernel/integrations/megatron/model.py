@@ -17,8 +17,14 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron.core.transformer.transformer_config import TransformerConfig
 from rl_kernel.integrations.megatron.convert import padded_vocab
 from rl_kernel.integrations.megatron.cp import TokenLayout
-from rl_kernel.integrations.megatron.spec import RKRMSNorm, get_rl_kernel_layer_spec, packed_params
+from rl_kernel.integrations.megatron.spec import (
+    RKRMSNorm,
+    get_rl_kernel_layer_spec,
+    get_rl_kernel_moe_layer_spec,
+    packed_params,
+)
 from rl_kernel.models.qwen3 import Qwen3Config
+from rl_kernel.models.qwen3_layout import is_moe_layer
 
 # Attribute set on the parameters that every TP rank holds whole but whose gradient each rank computes
 # only from its own attention heads (the qk-norms): their gradients are summed over the TP group. The
@@ -80,7 +86,10 @@ def build_gpt_model(
     if device.type == "cuda":  # Megatron's GPU weight init draws from its model-parallel CUDA RNG
         tensor_parallel.model_parallel_cuda_manual_seed(0)
     block = TransformerBlockSubmodules(
-        layer_specs=[get_rl_kernel_layer_spec(mode)] * shape.num_layers,
+        layer_specs=[
+            get_rl_kernel_moe_layer_spec(mode, shape) if is_moe_layer(shape, i) else get_rl_kernel_layer_spec(mode)
+            for i in range(shape.num_layers)
+        ],
         layer_norm=RKRMSNorm if mode == "strict" else WrappedTorchNorm,
     )
     model = GPTModel(

@@ -13,6 +13,10 @@ ColumnParallelLinear / RowParallelLinear with Megatron's all-reduce in the model
 MLP and SwiGLU); RoPE and core attention run rl_kernel's native ops (torch RoPE, SDPA) because
 Megatron's local DotProductAttention does not take packed (THD) sequences and TE is not installed
 here. Both specs use the same parameter names, so one converter serves both.
+MoE layers (Qwen3-MoE, tp 1 / expert parallelism 1, `get_rl_kernel_moe_layer_spec`): the layer's MLP is
+`RKMoELayer`, the shared `SparseMoeBlock` (router, grouped experts and combine by `rk.moe`; strict or native by
+the moe boundary's mode) with trained parameters `mlp.gate.weight` [E, D], `mlp.experts.gate_up_proj`
+[E, 2I, D] and `mlp.experts.down_proj` [E, D, I], in both specs.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 from rl_kernel.integrations.megatron.cp import TokenLayout, cp_attention
-from rl_kernel.models.layers import RMSNorm, Rotary
+from rl_kernel.models.layers import RMSNorm, Rotary, SparseMoeBlock
 from rl_kernel.ops.attention import ATTENTION
 
 
@@ -184,6 +188,29 @@ def get_rl_kernel_layer_spec(mode: str = "strict") -> ModuleSpec:
             mlp.keywords["submodules"], linear_fc1=RKColumnParallelLinear, linear_fc2=RKRowParallelLinear
         )
         spec.submodules.mlp = functools.partial(RKMLP.as_mlp_submodule, submodules=subs)
+    return spec
+
+
+class RKMoELayer(SparseMoeBlock):
+    """A Qwen3-MoE sparse block as Megatron's TransformerLayer builds and calls an MLP: (config, shape) in,
+    hidden states [s, b, h] -> (output, None). Parameters in the model dtype, trained."""
+
+    def __init__(self, config: TransformerConfig, shape=None, **_: object):
+        device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
+        super().__init__(shape, config.params_dtype, device)
+        for p in self.parameters():
+            p.requires_grad_(True)
+
+    def forward(self, hidden_states: torch.Tensor, padding_mask=None, **_: object):
+        out = super().forward(hidden_states.reshape(-1, hidden_states.shape[-1]))
+        return out.reshape(hidden_states.shape), None
+
+
+def get_rl_kernel_moe_layer_spec(mode: str, shape) -> ModuleSpec:
+    """The layer spec of a Qwen3-MoE sparse layer of `shape` (a `Qwen3MoeConfig`): `get_rl_kernel_layer_spec`
+    with `RKMoELayer` as its MLP."""
+    spec = get_rl_kernel_layer_spec(mode)
+    spec.submodules.mlp = ModuleSpec(module=RKMoELayer, params={"shape": shape})
     return spec
 
 

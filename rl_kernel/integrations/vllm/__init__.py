@@ -3,7 +3,8 @@
 vLLM loads `register()` in every process through the `vllm.general_plugins` entry point. It adds:
 - the model architecture `RLKernelQwen3ForCausalLM` (Qwen3 dense with rl_kernel ops at every
   boundary, `rl_kernel.integrations.vllm.model`), selected per engine with
-  `hf_overrides={"architectures": [ARCH]}`;
+  `hf_overrides={"architectures": [ARCH]}`, and `RLKernelQwen3MoeForCausalLM` (`MOE_ARCH`, Qwen3-MoE,
+  `rl_kernel.integrations.vllm.moe_model`), which `strict_llm_kwargs` selects for a Qwen3MoeForCausalLM;
 - the CPU weight-transfer engine `rl_kernel_cpu` (`rl_kernel.integrations.vllm.weight_transfer`).
 
 - worker methods for `LLM.collective_rpc` (`rl_kernel.integrations.vllm.worker`), via vLLM's
@@ -39,6 +40,7 @@ from rl_kernel.modes import full_modes
 from rl_kernel.ops.truncation import Truncation
 
 ARCH = "RLKernelQwen3ForCausalLM"
+MOE_ARCH = "RLKernelQwen3MoeForCausalLM"
 WEIGHT_TRANSFER_BACKEND = "rl_kernel_cpu"
 STRICT_IPC_BACKEND = "rl_kernel_ipc"  # vLLM's ipc engine without its layerwise reload for the strict model
 LOGITS_PROCESSOR = "rl_kernel.integrations.vllm.sampling:StrictLogprobsProcessor"
@@ -53,6 +55,7 @@ TP_COLLECTIVES = ("device", "cpu")
 
 __all__ = [
     "ARCH",
+    "MOE_ARCH",
     "ATTENTION_OP",
     "COMPILE_KEY",
     "FORCED_TOKENS_KEY",
@@ -87,6 +90,7 @@ def register() -> None:
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
     ModelRegistry.register_model(ARCH, f"rl_kernel.integrations.vllm.model:{ARCH}")
+    ModelRegistry.register_model(MOE_ARCH, f"rl_kernel.integrations.vllm.moe_model:{MOE_ARCH}")
     if WEIGHT_TRANSFER_BACKEND not in WeightTransferEngineFactory._registry:
         WeightTransferEngineFactory.register_engine(
             WEIGHT_TRANSFER_BACKEND, "rl_kernel.integrations.vllm.weight_transfer", "CPUWeightTransferEngine"
@@ -97,18 +101,25 @@ def register() -> None:
         )
 
 
-def _check_architecture(model: str | Path) -> None:
+def _check_architecture(model: str | Path) -> str:
+    """The strict model class for the checkpoint at `model`; one-line ValueError for one it cannot serve."""
     config_file = Path(model) / "config.json"
     if not config_file.is_file():
         raise ValueError(f"strict mode needs a local HF checkpoint directory with config.json; {model} has none")
     config = json.loads(config_file.read_text())
     archs = config.get("architectures") or []
+    if config.get("model_type") == "qwen3_moe" and archs == ["Qwen3MoeForCausalLM"]:
+        from rl_kernel.models.qwen3_moe import Qwen3MoeConfig
+
+        Qwen3MoeConfig.from_hf(config, str(config_file))  # what the strict MoE model does not cover fails here
+        return MOE_ARCH
     if config.get("model_type") != "qwen3" or not set(archs) <= set(SUPPORTED_ARCHITECTURES):
         raise ValueError(
             f"rl_kernel's strict vLLM engine runs Qwen3 dense checkpoints only "
-            f"({SUPPORTED_ARCHITECTURES}); {model} is model_type={config.get('model_type')!r}, "
+            f"({SUPPORTED_ARCHITECTURES}) and Qwen3MoeForCausalLM; {model} is model_type={config.get('model_type')!r}, "
             f"architectures={archs}. Use native_llm_kwargs for other models."
         )
+    return ARCH
 
 
 CUDA_WEIGHT_TRANSPORTS = ("ipc", "nccl")  # vLLM's own CUDA weight-transfer engines
@@ -223,7 +234,7 @@ def strict_llm_kwargs(
     The strict logits processor keeps vLLM on its V1 model runner (vLLM's V2 runner takes no custom logits
     processor); a strict model on the V2 runner refuses to start.
     """
-    _check_architecture(model)
+    arch = _check_architecture(model)
     _check_tp_collective(device, tp_collective, engine_kwargs)
     extra = dict(engine_kwargs.pop("additional_config", None) or {}) | {MODES_KEY: full_modes(modes)}
     extra[TP_COLLECTIVE_KEY] = tp_collective
@@ -252,7 +263,7 @@ def strict_llm_kwargs(
             raise ValueError(f"strict mode needs {key}={value!r}, got {engine_kwargs[key]!r}")
     return {
         "model": str(model),
-        "hf_overrides": {"architectures": [ARCH]},
+        "hf_overrides": {"architectures": [arch]},
         "logits_processors": [LOGITS_PROCESSOR],
         **forced,
         "worker_extension_cls": WORKER_EXTENSION,

@@ -229,11 +229,11 @@ class RLKernelQwen3ForCausalLM(nn.Module):
 
         super().__init__()
         config = vllm_config.model_config.hf_config
-        if config.model_type not in SUPPORTED_MODEL_TYPES:
+        if config.model_type not in self.model_types:
             raise ValueError(
-                f"rl_kernel's strict vLLM model supports Qwen3 (dense) checkpoints only "
-                f"(model_type {SUPPORTED_MODEL_TYPES}); this checkpoint has model_type "
-                f"{config.model_type!r}. Run it in native mode (plain vLLM) instead."
+                f"rl_kernel's strict vLLM model {type(self).__name__} supports model_type {self.model_types} "
+                f"only; this checkpoint has model_type {config.model_type!r}. Run it in native mode (plain vLLM) "
+                "instead."
             )
         if vllm_config.parallel_config.pipeline_parallel_size > 1:
             raise ValueError("the strict Qwen3 model does not support pipeline parallelism; use tensor parallelism")
@@ -248,7 +248,7 @@ class RLKernelQwen3ForCausalLM(nn.Module):
             rk.set_mode(mode, boundary)
         _check_strict_sampling(vllm_config)
         self.config = config
-        self.shape = Qwen3Config.from_hf({**config.to_dict(), "architectures": ["Qwen3ForCausalLM"]}, "hf_config")
+        self.shape = self.read_shape(config)
         self.vocab_size = config.vocab_size
         tp = get_tp_group()
         collective = (vllm_config.additional_config or {}).get(TP_COLLECTIVE_KEY, "device")
@@ -279,6 +279,13 @@ class RLKernelQwen3ForCausalLM(nn.Module):
             max_model_len=vllm_config.model_config.max_model_len,
         )
         self.warmed_up: list[int] | None = None  # the token counts the Triton warm-up ran, once it has
+
+    model_types = SUPPORTED_MODEL_TYPES  # the HF model_type(s) this class serves
+
+    @staticmethod
+    def read_shape(config) -> Qwen3Config:
+        """The model's shape from vLLM's HF config (one-line ValueError for what the strict model lacks)."""
+        return Qwen3Config.from_hf({**config.to_dict(), "architectures": ["Qwen3ForCausalLM"]}, "hf_config")
 
     def _attention_fn(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """The forward's attention: `_attention`, as one opaque custom op while torch.compile traces."""

@@ -36,3 +36,20 @@ class RLKernelWorkerExtension:
 
         model = self.model_runner.get_model()
         return {"path": getattr(model, "tp_collective", None), "gathers": dict(GATHERS_RUN)}
+
+    def rl_kernel_capture_routes(self, top_k: int) -> bool:
+        """Record each MoE layer's expert ids of every token this worker's model computes from now on
+        (`rl_kernel.integrations.vllm.routes`); False (nothing recorded) for a model without MoE layers."""
+        from rl_kernel.integrations.vllm.routes import RouteRecorder
+
+        if getattr(self, "_rl_kernel_routes", None) is None:
+            try:
+                self._rl_kernel_routes = RouteRecorder(self.model_runner, top_k)
+            except ValueError:
+                return False
+        return True
+
+    def rl_kernel_routes(self) -> dict[str, dict[str, list]]:
+        """The routes recorded since the last call, by engine request id (`RouteRecorder.take`); {} when off."""
+        recorder = getattr(self, "_rl_kernel_routes", None)
+        return recorder.take() if recorder is not None else {}
