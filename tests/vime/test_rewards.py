@@ -84,7 +84,7 @@ def user_module(tmp_path, monkeypatch):
                 return 0.5
 
             def boom(prompt, response, label, metadata):
-                raise ValueError("no answer in " + response)
+                raise ValueError("no answer in " + response + "\\nof " + label)
 
             def nan(prompt, response, label, metadata):
                 return float("nan")
@@ -221,7 +221,7 @@ def test_scores_metrics_and_extras(user_module):
 @pytest.mark.parametrize(
     "fn, meta, says",
     [
-        ("boom", {}, "raised ValueError: no answer in 7"),
+        ("boom", {}, r"raised ValueError: no answer in 7\\nof 7"),  # on one line
         ("nan", {}, "returned nan, not a finite number"),
         ("text", {}, r"returned '1.0' \(str\), not a number"),
         ("slow", {"sleep": 5}, "timed out after 0.2 s"),

@@ -57,7 +57,7 @@ class Scorer:
             self._pool = None
             return None, f"timed out after {timeout_s:g} s"
         except Exception as e:  # noqa: BLE001 - the user's function: whatever it raises is reported
-            return None, f"raised {type(e).__name__}: {e}"
+            return None, f"raised {type(e).__name__}: {_one_line(e)}"
 
 
 # A module function, not a method: an actor class with an `async def` method is an asyncio actor to Ray, whose
@@ -72,9 +72,14 @@ async def _score_async(fn, items: list[Item], timeout_s: float) -> list[Outcome]
         except TimeoutError:
             return None, f"timed out after {timeout_s:g} s"
         except Exception as e:  # noqa: BLE001 - the user's function
-            return None, f"raised {type(e).__name__}: {e}"
+            return None, f"raised {type(e).__name__}: {_one_line(e)}"
 
     return list(await asyncio.gather(*(one(i) for i in items)))
+
+
+def _one_line(error: BaseException) -> str:
+    """The error's message on one line (a user's message may quote a multi-line label or response)."""
+    return str(error).replace("\r", "\\r").replace("\n", "\\n")
 
 
 def _checked(value: Any) -> Outcome:
