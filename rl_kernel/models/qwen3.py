@@ -15,6 +15,7 @@ TP gives the same bits as TP1.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +27,7 @@ import rl_kernel as rk
 from rl_kernel.models.layers import AttentionFn, Qwen3Model
 from rl_kernel.models.packing import pack
 from rl_kernel.models.qwen3_layout import VOCAB_DIVISOR, weight_layout
+from rl_kernel.ops.moe import check_top_k
 
 
 @dataclass(frozen=True)
@@ -96,14 +98,82 @@ class _Shard:
     full_shape: tuple[int, ...]
 
 
+# HF Qwen3-MoE keys this model reads (beyond the dense Qwen3's); their meaning is transformers' Qwen3MoeConfig's.
+MOE_KEYS = (
+    "num_experts",
+    "num_local_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "norm_topk_prob",
+    "decoder_sparse_step",
+    "mlp_only_layers",
+    "router_aux_loss_coef",
+    "output_router_logits",
+)
+# Options of other MoE families (Qwen2-MoE's shared expert, DeepSeek's grouped routing and biased router) that
+# the strict model does not implement: a config that sets one is refused.
+UNSUPPORTED_KEYS = (
+    "shared_expert_intermediate_size",
+    "n_shared_experts",
+    "n_group",
+    "topk_group",
+    "routed_scaling_factor",
+    "topk_method",
+    "scoring_func",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Qwen3MoeConfig(Qwen3Config):
+    num_experts: int = 0
+    num_experts_per_tok: int = 1
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+
+    @classmethod
+    def from_hf(cls, cfg: dict, source: str = "config.json") -> Qwen3MoeConfig:
+        """Validate an HF Qwen3-MoE config dict; a one-line ValueError naming the key for what the strict
+        model does not cover (another architecture, another MoE family's options, top-k > num_experts)."""
+        archs = cfg.get("architectures") or []
+        if "Qwen3MoeForCausalLM" not in archs or cfg.get("model_type") not in (None, "qwen3_moe"):
+            raise ValueError(
+                f"{source}: architecture {archs} / model_type {cfg.get('model_type')!r} is not a "
+                "Qwen3MoeForCausalLM; rl_kernel's MoE model implements only that"
+            )
+        unsupported = [k for k in UNSUPPORTED_KEYS if cfg.get(k)]
+        if unsupported:
+            raise ValueError(f"{source}: MoE options {unsupported} are not implemented by the strict Qwen3-MoE model")
+        experts = cfg.get("num_experts", cfg.get("num_local_experts"))
+        if not experts or not cfg.get("moe_intermediate_size"):
+            raise ValueError(f"{source}: a Qwen3-MoE config needs num_experts and moe_intermediate_size > 0")
+        try:
+            check_top_k(int(cfg.get("num_experts_per_tok", 0)), int(experts))
+        except ValueError as err:
+            raise ValueError(f"{source}: {err}") from None
+        step = int(cfg.get("decoder_sparse_step", 1))
+        if step < 1:
+            raise ValueError(f"{source}: decoder_sparse_step={step} must be >= 1")
+        dense = {k: v for k, v in cfg.items() if k not in MOE_KEYS}
+        base = Qwen3Config.from_hf(dense | {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"}, source)
+        return cls(
+            **dataclasses.asdict(base),
+            num_experts=int(experts),
+            num_experts_per_tok=int(cfg["num_experts_per_tok"]),
+            moe_intermediate_size=int(cfg["moe_intermediate_size"]),
+            norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+            decoder_sparse_step=step,
+            mlp_only_layers=tuple(cfg.get("mlp_only_layers") or ()),
+        )
+
+
 def read_config(path: str | Path) -> Qwen3Config:
     """Shape of the HF Qwen3 checkpoint in directory `path` (config.json): a `Qwen3Config`, or a
-    `rl_kernel.models.qwen3_moe.Qwen3MoeConfig` for a Qwen3MoeForCausalLM; clear errors otherwise."""
+    `Qwen3MoeConfig` for a Qwen3MoeForCausalLM; clear errors otherwise."""
     cfg_file = _config_file(path)
     cfg = json.loads(cfg_file.read_text())
     if "Qwen3MoeForCausalLM" in (cfg.get("architectures") or []) or cfg.get("model_type") == "qwen3_moe":
-        from rl_kernel.models.qwen3_moe import Qwen3MoeConfig
-
         return Qwen3MoeConfig.from_hf(cfg, str(cfg_file))
     return Qwen3Config.from_hf(cfg, str(cfg_file))
 

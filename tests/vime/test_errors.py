@@ -127,6 +127,8 @@ def test_non_finite_loss_is_a_training_error(tiny_qwen3_path):
 # ---- one line for every bad input (issue 40): Hydra's own errors, the run dir, W&B, the device, the checkpoint --
 
 
+from rl_kernel.modes import BOUNDARIES  # noqa: E402
+
 PRESETS = sorted(p.stem for p in (Path(__file__).resolve().parents[2] / "configs" / "experiment").glob("*.yaml"))
 
 
@@ -144,7 +146,7 @@ PRESETS = sorted(p.stem for p in (Path(__file__).resolve().parents[2] / "configs
         ("rollout.boundary_modes.attention=fast", "config error: rollout.boundary_modes.attention=fast: Invalid "
          "value 'fast', expected one of [strict, native]"),
         ("rollout.boundary_modes.atention=native", "config error: rollout.boundary_modes.atention=native: "
-         "'atention' is no boundary; use one of norm, gemm, activation, rope, attention, logprob, collective"),
+         f"'atention' is no boundary; use one of {', '.join(BOUNDARIES)}"),
         ("rollout.boundary_modes.attention=native", "config error: rollout.boundary_modes.attention=native: "
          "rollout.boundary_modes starts empty, so a name is added with +; write "
          "+rollout.boundary_modes.attention=native"),

@@ -52,13 +52,17 @@ def test_prompts_are_fresh_every_pass_and_lengths_spread():
 
 def test_summary_takes_medians_and_ratios():
     rows = [Row("mixed_fixed", 4, 8, 64, 8)]
-    t = lambda v: {"tokens_per_s": v, "generated_tokens": 32, "prompt_tokens": 100}  # noqa: E731
+    t = lambda v: {"tokens_per_s": v, "prompt_tokens_per_s": 9 * v, "generated_tokens": 32, "prompt_tokens": 100}  # noqa: E731
     table = summarize(
         rows, {"strict": [[t(90.0)], [t(110.0)], [t(100.0)]], "native": [[t(200.0)]] * 3}, ["strict", "native"]
     )
     assert table[0]["modes"]["strict"]["median"] == 100.0
     assert (table[0]["modes"]["strict"]["min"], table[0]["modes"]["strict"]["max"]) == (90.0, 110.0)
     assert table[0]["ratio_to_native"] == {"strict": 0.5}
+    prefill = summarize(
+        [Row("prefill", 4, 8, 64, 1)], {"strict": [[t(90.0)]], "native": [[t(180.0)]]}, ["strict", "native"]
+    )
+    assert prefill[0]["counts"] == "prompt_tokens_per_s" and prefill[0]["modes"]["strict"]["median"] == 810.0
 
 
 @pytest.mark.slow
