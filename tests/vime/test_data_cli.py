@@ -67,7 +67,7 @@ def test_the_cli_prints_one_line_and_exits_1(data, tmp_path):
     )
     text = proc.stdout + proc.stderr
     assert proc.returncode == 1, text[-3000:]
-    lines = [line for line in text.splitlines() if "DataError: " in line]
+    lines = [line for line in text.splitlines() if "config error: " in line]
     assert len(lines) == 1, text[-3000:]
     assert "no column 'prompt' (data.prompt_key); the file has ['question', 'answer', 'id']" in lines[0]
     assert "Traceback" not in text and "rollout engine" not in text, text[-3000:]
