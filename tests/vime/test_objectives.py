@@ -338,3 +338,34 @@ def test_loss_fields_default_the_clip_range_to_clip_eps(compose_cfg):
     fields = loss_fields(cfg)
     assert (fields["clip_low"], fields["clip_high"], fields["policy_loss"]) == (0.1, 0.28, "gspo")
     LossConfig(**fields)  # every field is the trainer's
+
+
+class _EveryRowPolicy(ToyPolicy):
+    """Computes every packed row, as the Megatron engine does, with the prompt rows' targets outside a truncated
+    support (-inf), as an exact top-k / top-p gives them."""
+
+    def forward_logprobs(self, ids, cu_seqlens, targets, temps, rows, entropy=False):
+        every = torch.arange(ids.numel())
+        out = super().forward_logprobs(ids, cu_seqlens, targets, temps, every, entropy)
+        outside = torch.ones(ids.numel(), dtype=torch.bool)
+        outside[rows] = False
+        lp = torch.where(outside, torch.full_like(out[0], float("-inf")), out[0])
+        return (lp, every, out[2]) if entropy else (lp, every)
+
+
+@pytest.mark.parametrize("policy_loss", ["ppo", "gspo"])
+def test_rows_outside_the_responses_leave_the_loss_finite(policy_loss):
+    """-inf logprobs of prompt rows (not trained on) must not reach the loss: GSPO's token form would turn them
+    into NaN (lp - lp.detach()); the loss and gradient are those of a policy that computes the responses alone."""
+    config = LossConfig(policy_loss=policy_loss, loss_agg="seq_mean_token_mean")
+    plen = [1] * len(SEQS)
+    results = []
+    for model in (_EveryRowPolicy(), ToyPolicy()):
+        old = score(ToyPolicy(), SEQS, plen)
+        batch = TrainBatch(SEQS, plen, [0.5, -0.5, 1.0, -1.0], old)
+        results.append(train_step(model, batch, config))
+    every, alone = results
+    assert math.isfinite(every["loss"]) and math.isfinite(every["grad_norm"])
+    # the same values up to the summation order of the longer packed rows
+    assert every["loss"] == pytest.approx(alone["loss"], abs=1e-6)
+    assert every["grad_norm"] == pytest.approx(alone["grad_norm"], rel=1e-5)

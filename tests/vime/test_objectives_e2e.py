@@ -116,3 +116,21 @@ def test_dynamic_sampling_resumes_at_its_data_position(tmp_path):
         return [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in rs]
 
     assert untimed(rows) == untimed(twin)
+
+
+@pytest.mark.extended
+def test_the_issue_combination_with_exact_top_p_top_k(tmp_path):
+    """GSPO + Dr.GRPO + seq_mean_token_mean + dynamic sampling + 2 mini-batches under exact top-p 0.9 / top-k 20:
+    0 mismatches every step (checked in `_train`), no sampled token outside the trainer's support, entropy logged.
+    (Under the truncation GSPO's token form met the prompt rows' -inf logprobs: a NaN loss before the fix.)"""
+    rows = _train(
+        tmp_path / "run",
+        "algo.policy_loss=gspo",
+        "algo.adv_estimator=drgrpo",
+        "algo.loss_agg=seq_mean_token_mean",
+        "algo.dynamic_sampling=true",
+        "algo.mini_batches=2",
+        "algo.top_p=0.9",
+        "algo.top_k=20",
+    )
+    assert all(r["outside_support"] == 0 and r["entropy"] > 0 and r["updates"] == 2 for r in rows), rows

@@ -376,6 +376,9 @@ def _micro_batch_loss(model: PolicyModel, p: Packed, batch: TrainBatch, mb: rang
     temps = p.per_row([batch.temperature] * len(mb))
     lp, index, entropy = model.forward_logprobs(p.ids, p.cu_seqlens, p.targets, temps, p.rows, entropy=True)
     old, adv, mask, fresh, scale = (t[index].to(lp.device) for t in (old, adv, mask, fresh, scale))
+    # rows outside the responses carry no loss; under a top-k / top-p truncation their target (a prompt token) may
+    # lie outside the support (-inf), and GSPO's token form (lp - lp.detach()) would make that a NaN
+    lp = torch.where(mask.bool(), lp, torch.zeros_like(lp))
     ref = None if ref is None else ref[index].to(lp.device)
     prox = None if prox is None else prox[index].to(lp.device)
     seq_mean = _rank_seq_mean(model, p, index) if config.policy_loss == "gspo" else None
