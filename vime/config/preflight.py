@@ -252,8 +252,9 @@ def check_safetensors(file: Path) -> dict:
 
 
 def check_device(cfg: VimeConfig) -> None:
-    """`device=cuda` needs a CUDA device torch can see (the tiny-model maker would fail with a traceback)."""
-    if cfg.device != "cuda":
+    """`device=cuda` needs a CUDA device torch can see (the tiny-model maker would fail with a traceback); a plan
+    (`plan=true`) checks a GPU layout on any machine and never touches CUDA."""
+    if cfg.device != "cuda" or cfg.plan:
         return
     import torch
 
