@@ -187,9 +187,13 @@ class Rewards:
             s.reward = value + rewards.overlong_penalty(
                 len(s.response_ids), self.max_new_tokens, c.overlong_buffer, c.overlong_penalty
             )
-        truncated = sum(s.finish_reason == "length" for s in samples) / max(1, len(samples))
         return {
             "reward_errors": errors,
-            "truncated_frac": truncated,
+            "truncated_frac": truncated_share(samples),
             **{f"reward/{k}": sum(v) / len(v) for k, v in sorted(extras.items())},
         }
+
+
+def truncated_share(samples: list[Sample]) -> float:
+    """The share of `samples` cut at max_new_tokens (no stop token: vLLM's finish reason "length")."""
+    return sum(s.finish_reason == "length" for s in samples) / max(1, len(samples))

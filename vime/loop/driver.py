@@ -26,7 +26,7 @@ from vime.config import preflight
 from vime.config.layout import check_layout, ray_node_gpus, ray_node_resources, read_config_json
 from vime.config.schema import Mode, VimeConfig, as_dict, kept_versions, loss_fields, side_modes
 from vime.data.dataset import load_tokenizer, make_prompts, model_vocab_size, stop_token_ids
-from vime.data.reward_pool import Rewards
+from vime.data.reward_pool import Rewards, truncated_share
 from vime.engines import Sample
 from vime.errors import ComparabilityError, DataError, TrainingError
 from vime.eval import Evaluator
@@ -297,9 +297,8 @@ class Driver:
         if a.kl_in_reward:  # the reward penalty: each sample's summed KL to the reference, from the trainer
             kl = self._call(self.trainer, "reference_kl", "reference KL", samples, trainer=True)[0]
         sampling.assign_advantages(samples, a, kl)
-        truncated = sum(s.finish_reason == "length" for s in samples) / max(1, len(samples))
         # errors of every round sampled; the truncated share of the samples trained on
-        self.reward_metrics |= {"reward_errors": self.reward_errors, "truncated_frac": truncated}
+        self.reward_metrics |= {"reward_errors": self.reward_errors, "truncated_frac": truncated_share(samples)}
         self.sampled = {
             "sample_rounds": picked.rounds,
             "dropped_groups": picked.dropped,
