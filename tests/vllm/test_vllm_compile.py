@@ -160,12 +160,21 @@ def test_native_twin_compiled_layer_differs_from_eager(layer):
 def test_compile_kwargs(tiny_qwen3_path):
     """compile=True: on CUDA FULL_AND_PIECEWISE graphs split at the strict attention op, on CPU no forced eager
     execution; the default engines are unchanged; what cannot hold is refused before any engine starts."""
+    from vllm.config import CompilationConfig, CompilationMode
+
     from rl_kernel.integrations.vllm import ATTENTION_OP, COMPILE_KEY, register, strict_llm_kwargs
 
     register()  # what vLLM's plugin loader runs in every process: it registers the attention op
 
     cuda = strict_llm_kwargs(tiny_qwen3_path, device="cuda", compile=True)
-    assert cuda["compilation_config"] == {"cudagraph_mode": "FULL_AND_PIECEWISE", "splitting_ops": [ATTENTION_OP]}
+    compilation = cuda["compilation_config"]
+    assert compilation["cudagraph_mode"] == "FULL_AND_PIECEWISE" and compilation["splitting_ops"][-1] == ATTENTION_OP
+    # vLLM's own check of piecewise graphs (its graph dispatcher asserts it at engine start, on CUDA only)
+    config = CompilationConfig(mode=CompilationMode.VLLM_COMPILE, **compilation)
+    assert config.is_attention_compiled_piecewise(), compilation["splitting_ops"]
+    assert not CompilationConfig(
+        mode=CompilationMode.VLLM_COMPILE, cudagraph_mode="FULL_AND_PIECEWISE", splitting_ops=[ATTENTION_OP]
+    ).is_attention_compiled_piecewise(), "the strict op alone passes vLLM's check: listing vLLM's ops is moot"
     assert cuda["additional_config"][COMPILE_KEY] is True and "enforce_eager" not in cuda
     assert str(torch.ops.rl_kernel.vllm_attention.default) == ATTENTION_OP.replace("::", ".") + ".default"
     cpu = strict_llm_kwargs(tiny_qwen3_path, compile=True)

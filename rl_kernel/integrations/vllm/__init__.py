@@ -147,10 +147,17 @@ def _compile_config(device: str, compilation: dict, engine_kwargs: dict) -> dict
             f"{STRICT_CUDAGRAPH_MODE!r}, 'PIECEWISE' or 'NONE', got {mode!r}"
         )
     splitting = list(compilation.get("splitting_ops") or [])
-    return {
-        "compilation_config": compilation
-        | {"cudagraph_mode": mode, "splitting_ops": splitting + [ATTENTION_OP] * (ATTENTION_OP not in splitting)}
-    }
+    splitting += [op for op in (*_vllm_attention_ops(), ATTENTION_OP) if op not in splitting]
+    return {"compilation_config": compilation | {"cudagraph_mode": mode, "splitting_ops": splitting}}
+
+
+def _vllm_attention_ops() -> list[str]:
+    """vLLM's own attention ops. Its graph dispatcher admits piecewise graphs only when every one of them is in
+    `splitting_ops` (`CompilationConfig.splitting_ops_contain_attention`); the strict model calls none of them,
+    so listing them splits nothing more, and the split that matters is at `ATTENTION_OP`."""
+    from vllm.config import CompilationConfig
+
+    return list(CompilationConfig._attention_ops)
 
 
 def _rl_kernel_ops():
