@@ -54,13 +54,86 @@ def test_cpu_fallback_runs_the_strict_reduction_over_gloo_bit_for_bit(tmp_path):
     ],
 )
 def test_bad_arguments_are_refused_in_one_line(args, says, capsys):
+    with pytest.raises(SystemExit) as e:
+        _script().parse(args)
+    assert e.value.code == 2
+    assert says in capsys.readouterr().err
+
+
+def _script():
     sys.path.insert(0, str(SCRIPT.parent))
     import seed_path_gpu
 
-    with pytest.raises(SystemExit) as e:
-        seed_path_gpu.parse(args)
-    assert e.value.code == 2
-    assert says in capsys.readouterr().err
+    return seed_path_gpu
+
+
+def _tp_rank(rank: int, route_results: dict, steps=("init", "done")) -> dict:
+    return {"rank": rank, "exit": 0, "steps": [{"step": s} for s in steps], "routes": route_results}
+
+
+def _route(check: int = 0, twin: int = 5, digest: str = "d") -> dict:
+    return {
+        "checks": {"strict c": check},
+        "twins": {"native t": twin},
+        "reported": {},
+        "digests": {"strict c": digest},
+        "gathers_run": {},
+    }
+
+
+def test_judge_tp_fails_on_a_mismatch_a_silent_twin_or_ranks_that_disagree():
+    judge = _script().judge_tp
+    job = dict(name="tp_gloo", timed_out=False, limit_s=80)
+    ok = [_tp_rank(r, {"cpu_staged": _route()}) for r in range(2)]
+    assert judge({**job, "ranks": ok})[1] == []
+    bad = [_tp_rank(r, {"cpu_staged": _route(check=r)}) for r in range(2)]
+    assert judge({**job, "ranks": bad})[1] == ["cpu_staged: strict c: 1 mismatches"]
+    silent = [_tp_rank(r, {"cpu_staged": _route(twin=0)}) for r in range(2)]
+    assert "twin native t: 0 mismatches" in judge({**job, "ranks": silent})[1][0]
+    apart = [_tp_rank(r, {"cpu_staged": _route(digest=str(r))}) for r in range(2)]
+    assert judge({**job, "ranks": apart})[1] == ["cpu_staged: strict c: same bytes on every rank: 1 mismatches"]
+
+
+def test_judge_tp_records_a_transport_refusal_only_where_the_staged_route_passed():
+    judge = _script().judge_tp
+    job = dict(name="tp_gloo", timed_out=False, limit_s=80)
+    refused = {"error": "RuntimeError: no CUDA support"}
+    ranks = [_tp_rank(r, {"torch.distributed": refused, "cpu_staged": _route()}) for r in range(2)]
+    routes, failures = judge({**job, "ranks": ranks})
+    assert failures == [] and routes["torch.distributed"] == {"refused": ["RuntimeError: no CUDA support"]}
+    ranks = [_tp_rank(r, {"torch.distributed": refused, "cpu_staged": _route(check=1)}) for r in range(2)]
+    assert len(judge({**job, "ranks": ranks})[1]) == 2  # the staged route failed: the error counts too
+
+
+def test_judge_tp_nccl_refusal_and_hang_are_outcomes_a_late_rank_is_not():
+    judge = _script().judge_tp
+    refusal = [
+        {"rank": r, "exit": 0, "refused": "DistBackendError: Duplicate GPU detected", "steps": []} for r in (0, 1)
+    ]
+    assert judge(dict(name="tp_nccl", timed_out=False, limit_s=40, ranks=refusal)) == (
+        {"refused": ["DistBackendError: Duplicate GPU detected"]},
+        [],
+    )
+    hung = [{"rank": r, "exit": -9, "steps": []} for r in (0, 1)]
+    routes, failures = judge(dict(name="tp_nccl", timed_out=True, limit_s=40, ranks=hung))
+    assert failures == [] and "did not form within 40 s" in routes["refused"][0]
+    late = [_tp_rank(0, {}, steps=("init",)), _tp_rank(1, {}, steps=("init",))]
+    assert judge(dict(name="tp_gloo", timed_out=True, limit_s=80, ranks=late))[1] == ["worker did not finish"]
+
+
+def test_judge_push_needs_every_check_and_the_twin():
+    judge = _script().judge_push
+    lead = {"exit": 0, "copy_digest": "a", "checks": {"parity": 0}, "twins": {"changed": 3}, "steps": []}
+    job = dict(timed_out=False, ranks=[lead, {"exit": 0, "copy_digest": "a"}])
+    assert judge(job)[1] == []
+    assert judge({**job, "ranks": [{**lead, "checks": {"parity": 2}}, job["ranks"][1]]})[1] == ["push: parity: 2"]
+    assert judge({**job, "ranks": [{**lead, "twins": {"changed": 0}}, job["ranks"][1]]})[1] == [
+        "push: twin changed: 0 mismatches"
+    ]
+    assert judge({**job, "ranks": [lead, {"exit": 0, "copy_digest": "b"}]})[1] == [
+        "push: the two ranks packed different copies"
+    ]
+    assert judge({**job, "timed_out": True})[1] == ["push: timed out"]
 
 
 @pytest.mark.gpu
