@@ -584,9 +584,16 @@ def run_jobs(names: list[str], args: argparse.Namespace, scratch: str) -> dict[s
     """Run the jobs side by side within the budget (counted from this process's start). The tp jobs' processes
     hold on (`hold`) until the push job's engine is up, then exit: no GPU memory is freed while vLLM profiles."""
     left = max(1.0, args.budget_s - (time.monotonic() - T0))
+    import signal
+
     jobs = {n: Job(n, args, scratch, left) for n in names}
     release = os.path.join(scratch, "release")
+    stop: list[int] = []
+    signal.signal(signal.SIGTERM, lambda sig, _: stop.append(sig))  # `timeout`: end the jobs, still report
     while True:
+        if stop:
+            for j in jobs.values():
+                j.limit_s = 0.0
         if not os.path.exists(release) and ("push" not in jobs or engine_up(jobs["push"])):
             open(release, "w").close()
             if "tp_nccl" in jobs:  # a world that never forms (a hang, not a refusal) gets 40 s, counted from here
