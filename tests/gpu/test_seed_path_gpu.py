@@ -136,6 +136,61 @@ def test_judge_push_needs_every_check_and_the_twin():
     assert judge({**job, "timed_out": True})[1] == ["push: timed out"]
 
 
+def _one_gpu_rank(rank: int, port: int, out: str) -> None:
+    """A trainer rank of two on one GPU, on CPU: both ranks' handles carry the same (stand-in) GPU uuid."""
+    import ray
+    import torch.distributed as dist
+
+    import rl_kernel.models.weight_transfer as wt
+    from rl_kernel.models.weight_transfer import WeightReceiver
+    from vime.weights.sync import EnginePush
+
+    script = _script()
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    wt.ipc_handles = lambda buf: {"GPU-one": (dist.get_rank(), buf.clone())}
+    got, opened = {}, []
+
+    class OneGPUReceiver(WeightReceiver):
+        def _fetch(self, msg: dict, nbytes: int) -> torch.Tensor:
+            owner, buf = msg["ipc_handle"]["GPU-one"]
+            opened.append(owner)
+            return buf
+
+    load = lambda pairs: got.update({n: t.clone() for n, t in pairs})  # noqa: E731
+    engines = [script.InProcessEngine(OneGPUReceiver(load, torch.device("cpu")))] if rank == 0 else []
+    ray.get = script._get
+    log = script.Log(f"{out}.{rank}", rank=rank)
+    script.watched_merge(log)
+    weights = {f"w{i}": torch.full((16, 8), float(i)).to(torch.bfloat16) for i in range(4)}
+    log.data["ack"] = EnginePush(torch.device("cpu")).push(
+        engines, weights, 1, "ipc", bucket_bytes=600, every_rank=True
+    )
+    log.data["opened"], log.data["got"] = opened, sorted(got)
+    log.flush()
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_two_ranks_of_one_gpu_merge_to_one_handle_the_last_ranks(tmp_path):
+    """What the H200 push relies on, on CPU: the handle merge of `every_rank` keys by GPU uuid, so two ranks of one
+    GPU give one handle per bucket, the last rank's; the engine opens that copy and both ranks get the ack."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_one_gpu_rank, args=(port, str(tmp_path / "r")), nprocs=2, join=True)
+    ranks = [json.loads((tmp_path / f"r.{r}").read_text()) for r in range(2)]
+    ack = ranks[0]["ack"]
+    assert ack["version"] == 1 and ack["tensors"] == 4 and ack["buckets"] == 2 and ranks[1]["ack"] == ack
+    assert ranks[0]["opened"] == [1, 1] and ranks[0]["got"] == ["w0", "w1", "w2", "w3"]
+    for merge in ranks[0]["merges"]:
+        assert merge == {"rank_uuids": [["GPU-one"], ["GPU-one"]], "merged_uuids": ["GPU-one"]}
+
+
 @pytest.mark.gpu
 @pytest.mark.vllm
 @pytest.mark.slow
