@@ -29,7 +29,7 @@ from rl_kernel.ops.gemm import linear, linear_fp32, row_parallel_linear
 from rl_kernel.ops.logprob import log_softmax, logprobs
 from rl_kernel.ops.moe import moe, moe_combine, moe_experts, moe_route
 from rl_kernel.ops.norm import qk_norm, rms_norm
-from rl_kernel.ops.rope import rope
+from rl_kernel.ops.rope import qk_norm_rope, rope
 
 __all__ = [
     "BOUNDARIES",
@@ -57,6 +57,7 @@ __all__ = [
     "paged_attention",
     "rms_norm",
     "qk_norm",
+    "qk_norm_rope",
     "rope",
     "row_parallel_linear",
     "set_backend",

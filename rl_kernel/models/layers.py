@@ -112,9 +112,11 @@ class Attention(nn.Module):
         d, heads, kv_heads = self.head_dim, self.heads, self.kv_heads
         qk, v = self.qkv_proj(x).split([(heads + kv_heads) * d, kv_heads * d], dim=-1)
         # q and k heads normed (each by its own weight) and rotated together: per head the same operations as
-        # one q_norm, k_norm and rope each, in two launches instead of four
+        # one q_norm, k_norm and rope each, in one launch on Triton instead of four
         qk = qk.reshape(-1, heads + kv_heads, d)
-        qk = self.rotary(rk.qk_norm(qk, self.q_norm.weight, self.k_norm.weight, heads, self.q_norm.eps), positions)
+        qk = rk.qk_norm_rope(
+            qk, self.q_norm.weight, self.k_norm.weight, heads, self.q_norm.eps, positions, self.rotary.theta
+        )
         out = attn_fn(self.layer, qk[:, :heads], qk[:, heads:], v.reshape(-1, kv_heads, d))
         return self.o_proj(out.reshape(-1, heads * d))
 

@@ -50,6 +50,7 @@ OPS = (
     "rms_norm_residual",
     "qk_norm",
     "rope",
+    "qk_norm_rope",
     "linear",
     "linear_fp32",
     "row_parallel_linear",

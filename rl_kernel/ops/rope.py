@@ -15,7 +15,9 @@ import torch
 
 from rl_kernel import backends
 from rl_kernel.backends.torch import rope as torch_rope
+from rl_kernel.errors import StrictModeError
 from rl_kernel.ops import library
+from rl_kernel.ops.norm import NORM, qk_norm
 from rl_kernel.ops.spec import OpSpec
 
 
@@ -111,6 +113,43 @@ def rope(x: torch.Tensor, positions: torch.Tensor, theta: float, rotary_dim: int
     return ROPE(_StrictRope.apply, x, positions, theta, rotary_dim)
 
 
+def qk_norm_rope(
+    qk: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    q_heads: int,
+    eps: float,
+    positions: torch.Tensor,
+    theta: float,
+    rotary_dim: int | None = None,
+) -> torch.Tensor:
+    """Qwen3's QK-norm then RoPE of qk [T, q_heads + k_heads, d] (the q and k heads of the fused QKV, a strided
+    view) at `positions` [T]: `rope(qk_norm(qk, q_weight, k_weight, q_heads, eps), positions, theta, rotary_dim)`,
+    the same bits under both ops' contracts (each recorded as run). One launch where both run strict on Triton and
+    no gradient is needed (decode, rollout); the two ops otherwise. Returns a new [T, q_heads + k_heads, d]."""
+    rotary_dim = qk.shape[-1] if rotary_dim is None else rotary_dim
+    if torch.compiler.is_compiling():  # one opaque node for torch.compile (rl_kernel.ops.library)
+        return _qk_norm_rope_op(qk, q_weight, k_weight, q_heads, eps, positions, theta, rotary_dim)
+    if _fused_on_triton(qk, q_weight, k_weight):
+        NORM.strict(qk.device, qk, q_weight, k_weight)
+        _, kernels = ROPE.strict(qk.device, qk)
+        return kernels.qk_norm_rope(qk, q_weight, k_weight, q_heads, eps, positions, theta, rotary_dim)
+    return rope(qk_norm(qk, q_weight, k_weight, q_heads, eps), positions, theta, rotary_dim)
+
+
+def _fused_on_triton(*tensors: torch.Tensor) -> bool:
+    """Whether the norm and the rope of `tensors` both run strict on Triton, without autograd."""
+    if not (NORM.is_strict() and ROPE.is_strict()):
+        return False
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return False
+    device = tensors[0].device
+    try:
+        return all(backends.strict_backend(op, device) == "triton" for op in (NORM.op, ROPE.op))
+    except StrictModeError:
+        return False  # the two ops raise it themselves, naming op, backend and reason
+
+
 # ---- the op as one opaque node for torch.compile (rl_kernel.ops.library) ----
 
 
@@ -122,3 +161,22 @@ def _rope_op(x: torch.Tensor, positions: torch.Tensor, theta: float, rotary_dim:
 @_rope_op.register_fake
 def _rope_fake(x, positions, theta, rotary_dim):
     return library.like(x)
+
+
+@torch.library.custom_op(f"{library.LIB}::qk_norm_rope", mutates_args=())
+def _qk_norm_rope_op(
+    qk: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    q_heads: int,
+    eps: float,
+    positions: torch.Tensor,
+    theta: float,
+    rotary_dim: int,
+) -> torch.Tensor:
+    return qk_norm_rope(qk, q_weight, k_weight, q_heads, eps, positions, theta, rotary_dim).contiguous()
+
+
+@_qk_norm_rope_op.register_fake
+def _qk_norm_rope_fake(qk, q_weight, k_weight, q_heads, eps, positions, theta, rotary_dim):
+    return library.like(qk)

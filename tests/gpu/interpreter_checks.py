@@ -42,6 +42,8 @@ from rl_kernel.backends.torch import moe as torch_moe  # noqa: E402
 from rl_kernel.backends.torch import rope as torch_rope  # noqa: E402
 from rl_kernel.backends.torch.numerics import blocked_sum, tree_sum  # noqa: E402
 from rl_kernel.backends.triton import activation, attention, gemm, logprob, moe, norm, rope  # noqa: E402
+from rl_kernel.ops.norm import native_rms_norm  # noqa: E402
+from rl_kernel.ops.rope import native_rope  # noqa: E402
 
 F16 = torch.float16
 FAILED: list[str] = []
@@ -120,6 +122,36 @@ def elementwise(gen: torch.Generator) -> None:
                 f"rope {dtype} rotary {rd} theta {theta:g}, cos/sin computed in the kernel == torch backend's table",
                 same(rope.rotate_at(x, far_positions, theta, rd), torch_rope.rotate(x, cos, sin, rd)),
             )
+
+
+def qk_norm_rope(gen: torch.Generator) -> None:
+    """The fused QK-norm + RoPE kernel == the two kernels it replaces (`rms_norm_heads` then `rotate_at`), in raw
+    bits: head widths with a partial last block and dims past rotary_dim, head counts over several head blocks and
+    odd ones, q heads out of a wider fused QKV read in place; and a token alone == the same token in a batch."""
+    cases = (  # (tokens, q heads, k heads, head dim, rotary dim, theta)
+        (5, 4, 2, 128, 128, 1e6),
+        (3, 16, 4, 128, 128, 1e6),  # 20 heads: two head blocks, the second partial
+        (7, 3, 1, 64, 64, 10000.0),
+        (4, 2, 1, 200, 128, 1e6 / 3),  # 4 blocks of 64, the last partial; 72 dims past rotary_dim
+    )
+    for dtype in (F16, torch.float32):
+        for t, hq, hk, d, rd, theta in cases:
+            qkv = (torch.randn(t, (hq + 2 * hk) * d, generator=gen) * 3).to(dtype)
+            qk = qkv[:, : (hq + hk) * d].view(t, hq + hk, d)  # a strided view, as the model's
+            wq, wk = torch.randn(d, generator=gen).to(dtype), torch.randn(d, generator=gen).to(dtype)
+            pos = torch.randint(0, 1 << 20, (t,), generator=gen)
+            fused = rope.qk_norm_rope(qk, wq, wk, hq, 1e-6, pos, theta, rd)
+            unfused = rope.rotate_at(norm.rms_norm_heads(qk, wq, wk, hq, 1e-6), pos, theta, rd)
+            what = f"{dtype} T {t} heads {hq}+{hk} d {d} rotary {rd}"
+            check(f"qk_norm_rope {what} == rms_norm_heads then rope", same(fused, unfused))
+            alone = rope.qk_norm_rope(qk[t - 1 : t], wq, wk, hq, 1e-6, pos[t - 1 : t], theta, rd)
+            check(f"qk_norm_rope {what}: the last token alone == in the batch", same(alone, fused[t - 1 : t]))
+            if dtype == F16 and rd == d:  # the native twin: the framework's norm and rope give other bits
+                native = torch.cat(
+                    [native_rms_norm(qk[:, :hq], wq, 1e-6), native_rms_norm(qk[:, hq:], wk, 1e-6)], dim=1
+                )
+                native = native_rope(native, pos, theta, rd)
+                check(f"qk_norm_rope {what}: native norm + rope differ (twin)", not same(native, fused))
 
 
 def gemms(gen: torch.Generator) -> None:
@@ -778,6 +810,7 @@ def moes(gen: torch.Generator) -> None:
 PARTS = (
     moes,
     elementwise,
+    qk_norm_rope,
     gemms,
     attentions,
     split_decode,

@@ -25,6 +25,7 @@ GROUPS = (
     ["cp_attention", "gemms", "split_decode", "moes"],
     [
         "elementwise",
+        "qk_norm_rope",
         "attentions",
         "logprobs",
         "logprob_slice_stats",

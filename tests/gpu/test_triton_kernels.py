@@ -22,6 +22,8 @@ from rl_kernel.backends.triton import activation, attention, gemm, logprob, norm
 from rl_kernel.bits import bit_mismatches as mismatches  # noqa: E402
 from rl_kernel.bits import same_bits as same  # noqa: E402
 from rl_kernel.ops.attention import native_paged, native_varlen  # noqa: E402
+from rl_kernel.ops.norm import native_rms_norm  # noqa: E402
+from rl_kernel.ops.rope import native_rope  # noqa: E402
 
 DEV = "cuda"
 BF16 = torch.bfloat16
@@ -208,6 +210,41 @@ def test_rope_matches_torch_backend(rotary_dim):
     far = torch.randint(0, 1 << 20, (257,), device=DEV)
     cos, sin = torch_rope.cos_sin(far, rotary_dim, 1e6 / 3)
     assert same(rope.rotate_at(x, far, 1e6 / 3, rotary_dim), torch_rope.rotate(x, cos, sin, rotary_dim))
+
+
+@pytest.mark.parametrize("t, rotary_dim", [(1, 128), (7, 128), (128, 128), (257, 128), (257, 64)])
+def test_qk_norm_rope_one_launch_matches_the_two(t, rotary_dim):
+    """QK-norm then RoPE in one kernel (Qwen3-8B's 32 q + 8 k heads read in place from the fused QKV): the bits of
+    the two kernels it replaces and of the torch backend, a token alone as in its batch. The native twin: the
+    framework's norm then rope (vLLM / HF) give other bits."""
+    qkv = randn(t, 48 * 128, std=3.0)
+    qk, wq, wk = qkv[:, : 40 * 128].view(t, 40, 128), randn(128), randn(128)
+    pos = torch.randint(0, 40000, (t,), device=DEV)
+    poison()
+    fused = rope.qk_norm_rope(qk, wq, wk, 32, 1e-6, pos, 1e6, rotary_dim)
+    assert torch.isfinite(fused).all()
+    assert same(fused, rope.rotate_at(norm.rms_norm_heads(qk, wq, wk, 32, 1e-6), pos, 1e6, rotary_dim))
+    cos, sin = torch_rope.cos_sin(pos, rotary_dim, 1e6)
+    reference = torch_rope.rotate(torch_norm.rms_norm_heads(qk, wq, wk, 32, 1e-6), cos, sin, rotary_dim)
+    assert same(fused, reference)
+    assert same(rope.qk_norm_rope(qk[-1:], wq, wk, 32, 1e-6, pos[-1:], 1e6, rotary_dim), fused[-1:])
+    native = torch.cat([native_rms_norm(qk[:, :32], wq, 1e-6), native_rms_norm(qk[:, 32:], wk, 1e-6)], dim=1)
+    assert mismatches(native_rope(native, pos, 1e6, rotary_dim), fused) > 0
+
+
+def test_qk_norm_rope_op_records_both_contracts():
+    """rk.qk_norm_rope in strict mode on CUDA: the fused kernel, recorded under the norm's and the rope's Triton
+    contracts, the bits of rk.rope(rk.qk_norm(...)); with a gradient, the two ops (same bits)."""
+    qkv = randn(33, 48 * 128, std=3.0)
+    qk, wq, wk = qkv[:, : 40 * 128].view(33, 40, 128), randn(128), randn(128)
+    pos = torch.randint(0, 40000, (33,), device=DEV)
+    with rk.evidence.recording() as ran, rk.mode("strict"):
+        fused = rk.qk_norm_rope(qk, wq, wk, 32, 1e-6, pos, 1e6)
+        two = rk.rope(rk.qk_norm(qk, wq, wk, 32, 1e-6), pos, 1e6)
+        grad = qk.clone().requires_grad_()
+        with_grad = rk.qk_norm_rope(grad, wq, wk, 32, 1e-6, pos, 1e6)
+    assert {(r["op"], r["backend"]) for r in ran} == {("rms_norm", "triton"), ("rope", "triton")}
+    assert same(fused, two) and same(with_grad.detach(), fused)
 
 
 # ---- attention ---------------------------------------------------------------------------------------

@@ -100,10 +100,9 @@ def test_compiled_strict_layer_is_one_graph_of_rl_kernel_nodes(layer):
     assert {
         "rl_kernel.rms_norm_residual.default",
         "rl_kernel.linear.default",
-        "rl_kernel.rope.default",
+        "rl_kernel.qk_norm_rope.default",
         "rl_kernel.attention_varlen.default",
         "rl_kernel.silu_and_mul.default",
-        "rl_kernel.qk_norm.default",
     } <= rl_ops, rl_ops
     others = [str(t) for t in ops if not str(t).startswith("rl_kernel.") and t is not operator.getitem]
     assert not others, others  # every computation is an rl_kernel node; the rest are views

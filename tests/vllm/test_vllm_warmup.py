@@ -39,6 +39,7 @@ KERNELS = [
     (norm, "_rms_norm_kernel"),
     (activation, "_silu_and_mul_kernel"),
     (rope, "_rope_kernel"),
+    (rope, "_qk_norm_rope_kernel"),
     (attention, "_attn_kernel"),
     (gemm, "_fused_kernel"),
     (gemm, "_split_kernel"),
@@ -229,6 +230,7 @@ def test_serving_keys_are_all_warmed(warmed, serving_keys):
         assert not missing, f"{name}: {len(missing)} specializations met in serving were not warmed: {missing}"
     # the paths that matter were exercised
     assert serving_keys["_attn_kernel"][0] and serving_keys["_rms_norm_kernel"][0]
+    assert serving_keys["_qk_norm_rope_kernel"][0]
 
 
 @pytest.fixture(scope="module")
@@ -262,14 +264,16 @@ def test_vllm_warm_up_alone_leaves_keys_to_compile_in_serving(vllm_warmed, servi
 
 
 def test_warm_up_covers_both_attention_schedules_and_norm_forms(warmed):
-    """The split and fused attention schedules (chosen by the batch's size), and the norm with and without its
-    fused residual and with the QK-norm's two weights."""
+    """The split and fused attention schedules (chosen by the batch's size), the norm with and without its
+    fused residual, and the QK-norm (its two weights) with RoPE in one kernel: the norm kernel's two-weight form
+    no longer runs in the strict forward on Triton."""
     split = attention._attn_kernel.names.index("SPLIT")
     assert {spec[split][1] for spec, _ in warmed["_attn_kernel"][0]} == {True, False}
     residual = norm._rms_norm_kernel.names.index("HAS_RESIDUAL")
     assert {spec[residual][1] for spec, _ in warmed["_rms_norm_kernel"][0]} == {True, False}
     two_weights = norm._rms_norm_kernel.names.index("TWO_WEIGHTS")
-    assert {spec[two_weights][1] for spec, _ in warmed["_rms_norm_kernel"][0]} == {True, False}
+    assert {spec[two_weights][1] for spec, _ in warmed["_rms_norm_kernel"][0]} == {False}
+    assert warmed["_qk_norm_rope_kernel"][0] and not warmed["_rope_kernel"][0]
 
 
 @pytest.mark.slow  # one forward per example: about 2 s each on a loaded 2-core machine

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from rl_kernel.backends.triton.numerics import LAUNCH, exp64, f64, log64, sincos64
+from rl_kernel.backends.triton.numerics import LAUNCH, exp64, f64, log64, sincos64, tree_sum
 
 
 @triton.jit
@@ -124,4 +124,114 @@ def _launch(x, rotary_dim, cos, sin, positions, theta, stride_c) -> torch.Tensor
         num_warps=4,
         **LAUNCH,
     )
+    return out
+
+
+@triton.jit
+def _qk_norm_rope_kernel(
+    x_ptr,
+    w_ptr,
+    w2_ptr,
+    pos_ptr,
+    out_ptr,
+    H,
+    W2_FROM,
+    stride_xt,
+    stride_xh,
+    eps,
+    theta_bits,
+    D: tl.constexpr,
+    NB: tl.constexpr,
+    BLOCK_NB: tl.constexpr,
+    HALF: tl.constexpr,
+    ROTARY: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """Heads of token t (program (t, head block)) of x [T, H, D] (unit last stride): the norm kernel's RMSNorm
+    (`norm._rms_norm_kernel` with TWO_WEIGHTS: w2 where h >= W2_FROM) then `_rope_kernel` at pos[t] into out,
+    contiguous [T, H, D]. The same operations in the same order as the two kernels, the normed head rounded to
+    x's dtype between them as when it is stored; only the store and the reload in between are gone."""
+    t = tl.program_id(0).to(tl.int64)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = heads < H
+    base = x_ptr + (t * stride_xt + heads.to(tl.int64)[:, None] * stride_xh)  # [BLOCK_H, 1]
+    obase = out_ptr + (t * (H * D) + heads.to(tl.int64)[:, None] * D)
+    # sum of squares: 64-element blocks, a pairwise tree inside each, the block sums left to right
+    blk = tl.arange(0, BLOCK_NB)
+    cols = blk[:, None] * 64 + tl.arange(0, 64)[None, :]  # [BLOCK_NB, 64]
+    x = tl.load(base[:, :, None] + cols[None, :, :], mask=h_ok[:, None, None] & (cols < D)[None, :, :], other=0.0)
+    sq = x.to(tl.float32)
+    sq = sq * sq
+    sums = tl.reshape(tree_sum(tl.reshape(sq, (BLOCK_H * BLOCK_NB, 64)), 6), (BLOCK_H, BLOCK_NB))
+    acc = tl.sum(tl.where(blk[None, :] == 0, sums, 0.0), axis=1)  # one nonzero term: the block sum exactly
+    for b in tl.static_range(1, NB):
+        acc = acc + tl.sum(tl.where(blk[None, :] == b, sums, 0.0), axis=1)
+    mean = tl.div_rn(acc, tl.full((BLOCK_H,), D, tl.float32))
+    inv_rms = tl.div_rn(1.0, tl.sqrt_rn(mean + eps))[:, None]
+    second = (heads >= W2_FROM)[:, None]
+
+    i = tl.arange(0, BLOCK_HALF)
+    i_ok = i < HALF
+    mask = h_ok[:, None] & i_ok[None, :]
+    x1 = tl.load(base + i[None, :], mask=mask, other=0.0)
+    x2 = tl.load(base + HALF + i[None, :], mask=mask, other=0.0)
+    y1 = _normed(x1, inv_rms, w_ptr, w2_ptr, i, i_ok, second)
+    y2 = _normed(x2, inv_rms, w_ptr, w2_ptr, HALF + i, i_ok, second)
+    c, s = _cos_sin_at(pos_ptr, t, theta_bits, i, ROTARY)
+    c, s = c[None, :], s[None, :]
+    a, b = y1.to(tl.float32), y2.to(tl.float32)
+    tl.store(obase + i[None, :], (a * c - b * s).to(x1.dtype), mask=mask)
+    tl.store(obase + HALF + i[None, :], (b * c + a * s).to(x1.dtype), mask=mask)
+    if D > 2 * HALF:
+        j = 2 * HALF + tl.arange(0, BLOCK_D)
+        j_ok = j < D
+        jmask = h_ok[:, None] & j_ok[None, :]
+        xj = tl.load(base + j[None, :], mask=jmask, other=0.0)
+        tl.store(obase + j[None, :], _normed(xj, inv_rms, w_ptr, w2_ptr, j, j_ok, second), mask=jmask)
+
+
+@triton.jit
+def _normed(x, inv_rms, w_ptr, w2_ptr, c, c_ok, second):
+    """round(round(x * inv_rms) * w) in x's dtype, w the row's weight at columns c, as the norm kernel."""
+    w = tl.load(w_ptr + c, mask=c_ok, other=0.0).to(tl.float32)[None, :]
+    w = tl.where(second, tl.load(w2_ptr + c, mask=c_ok, other=0.0).to(tl.float32)[None, :], w)
+    normed = (x.to(tl.float32) * inv_rms).to(x.dtype)
+    return (normed.to(tl.float32) * w).to(x.dtype)
+
+
+def qk_norm_rope(
+    qk: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    q_heads: int,
+    eps: float,
+    positions: torch.Tensor,
+    theta: float,
+    rotary_dim: int,
+) -> torch.Tensor:
+    """Qwen3's QK-norm then RoPE in one launch: the bits of `rotate_at(norm.rms_norm_heads(qk, q_weight, k_weight,
+    q_heads, eps), positions, theta, rotary_dim)`. qk [T, H, D] (a strided view of the fused QKV is read in place,
+    unit last stride), positions [T] (int, >= 0). Returns a new contiguous [T, H, D] in qk's dtype."""
+    if qk.dim() != 3 or qk.stride(-1) != 1:
+        raise ValueError(f"qk_norm_rope takes qk [T, H, D] with a unit last stride, got {list(qk.shape)}")
+    if theta <= 0:
+        raise ValueError(f"rope theta must be > 0, got {theta}")
+    t, h, d = qk.shape
+    if not 0 < rotary_dim <= d or rotary_dim % 2:
+        raise ValueError(f"qk_norm_rope: rotary_dim must be even and in (0, {d}], got {rotary_dim}")
+    out = torch.empty((t, h, d), dtype=qk.dtype, device=qk.device)
+    if t == 0 or h == 0:
+        return out
+    half, nb = rotary_dim // 2, triton.cdiv(d, 64)
+    block_h = min(16, triton.next_power_of_2(h))
+    theta_bits = struct.unpack("<q", struct.pack("<d", float(theta)))[0]  # fp64 bits: a Python float arg is fp32
+    _qk_norm_rope_kernel[(t, triton.cdiv(h, block_h))](
+        qk, q_weight.contiguous(), k_weight.contiguous(), positions.contiguous(), out,
+        h, q_heads, qk.stride(0), qk.stride(1), eps, theta_bits,
+        D=d, NB=nb, BLOCK_NB=triton.next_power_of_2(nb), HALF=half, ROTARY=rotary_dim, BLOCK_H=block_h,
+        BLOCK_HALF=triton.next_power_of_2(max(half, 1)), BLOCK_D=triton.next_power_of_2(max(d - 2 * half, 1)),
+        num_warps=4, **LAUNCH,
+    )  # fmt: skip
     return out
