@@ -7,7 +7,8 @@
 # all are there); while parts are missing it stops there (exit 0, the missing parts named). Then each STAGE runs
 # under its own time limit with its log in $OUT/<stage>.log, so one failing stage does not hide the others:
 #   tests    GPU tests of the strict vLLM path and the Triton kernels (tests/gpu, less the CPU interpreter checks
-#            and the `faults` runs; TESTS_K replaces that selection), pytest's junit XML
+#            and the `faults` runs; TESTS_K replaces that selection), pytest's junit XML; it includes
+#            test_vllm_truncation_gpu.py (exact top-k/top-p/min-p, two engines: about a minute more)
 #   train    python -m vime.train +experiment=h200_vllm, strict then native (scripts/gpu_train.sh), 5 steps each
 #   faults   vime.train on vLLM (small shapes): an engine killed mid-run is restarted and reloaded over IPC; a
 #            stopped run resumed from its checkpoint over IPC (tests/gpu/test_vllm_train_gpu.py)
