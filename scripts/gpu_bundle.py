@@ -8,6 +8,14 @@ every requirement of what was installed is met by the tree or the image (or is l
 then `tar | xz -9e` the tree and split it into parts that each fit one transfer beside the repository
 (vime_bundle.split_archive), with manifest.json. Needs internet and a Python with pip (any version: the
 wheels are chosen for --python).
+
+Add-ons (`python scripts/gpu_bundle.py --addon moe`): a separate small archive of files the main archive strips,
+taken from the cached vLLM wheel (--cache, the version the manifest names) without rebuilding or touching the
+parts; written as --out/vime-addon-<name>-<sha12>.tar.xz and recorded in --out/manifest.json under `addons`
+(sha256, size, and each file's sha256). scripts/gpu_stage.sh installs a carried add-on into the unpacked site
+tree; a session that carries none needs only the parts. One add-on per transfer (it does not fit beside a part):
+  moe   vllm/_moe_C_stable_libtorch.abi3.so (native vLLM's MoE kernels, 47 MB; about 40 MB compressed)
+A full rebuild writes a new manifest without add-ons: run --addon again after it. No network.
 """
 
 from __future__ import annotations
@@ -168,6 +176,8 @@ MUST_HAVE = (
     "xgrammar/__init__.py",
 )
 MUST_NOT_HAVE = ("mistral_common",)
+# Optional add-ons: name -> site-relative paths (each one STRIP removed) packed from the cached vLLM wheel.
+ADDONS = {"moe": ("vllm/_moe_C_stable_libtorch.abi3.so",)}
 
 
 def say(msg: str) -> None:
@@ -372,6 +382,41 @@ def repo_bytes(repo: Path) -> int:
     return sum((repo / f).stat().st_size for f in out.split("\0") if f and (repo / f).is_file())
 
 
+def build_addon(name: str, out: Path, cache: Path, level: str, repo: Path) -> dict:
+    """The add-on `name` (ADDONS) from the cached wheel of the vLLM that out/manifest.json names, into `out`
+    beside the parts (which stay as they are). Returns its manifest entry."""
+    if name not in ADDONS:
+        raise SystemExit(f"gpu_bundle: --addon {name}: unknown add-on (known: {', '.join(sorted(ADDONS))})")
+    manifest_path = out / vime_bundle.MANIFEST
+    if not manifest_path.is_file():
+        raise SystemExit(f"gpu_bundle: --addon needs {manifest_path}: build the bundle first (without --addon)")
+    manifest = json.loads(manifest_path.read_text())
+    version = manifest["versions"]["vllm"]
+    wheel = _cached(cache / "wheels", f"vllm=={version}")
+    if wheel is None:
+        raise SystemExit(
+            f"gpu_bundle: --addon {name}: no vllm {version} wheel in {cache / 'wheels'}: pass --cache with the "
+            f"build's cache (or rebuild the bundle, which downloads it)"
+        )
+    files = {}
+    with zipfile.ZipFile(wheel) as z:
+        for rel in ADDONS[name]:
+            if rel not in manifest.get("stripped", []):
+                raise SystemExit(f"gpu_bundle: --addon {name}: {rel} is in the main archive already (not stripped)")
+            files[rel] = z.read(rel)
+    say(f"add-on {name}: {', '.join(f'{r} ({len(d) / MIB:.1f} MiB)' for r, d in files.items())} from {wheel.name}")
+    with tempfile.TemporaryDirectory(prefix="gpu_bundle.addon.") as tmp:
+        entry = vime_bundle.pack_addon(name, files, out, level=level, work=Path(tmp))
+    total = entry["size"] + repo_bytes(repo) + manifest_path.stat().st_size
+    say(
+        f"add-on {name}: {out}/{entry['name']} {entry['size'] / MIB:.2f} MiB, sha256 {entry['sha256']} "
+        f"(+ repository + manifest = {total / MIB:.2f} MiB in its transfer); parts unchanged"
+    )
+    if total > 64 * MIB:
+        raise SystemExit(f"gpu_bundle: add-on {name} with the repository is {total / MIB:.1f} MiB, over 64 MiB")
+    return entry
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--torch", default="2.11.0", help="the GPU image's torch (vLLM is chosen by its pin)")
@@ -401,8 +446,17 @@ def main(argv: list[str] | None = None) -> int:
         default=1,
         help="xz threads (default 1: one block, smallest; more: faster, a little larger)",
     )
+    ap.add_argument(
+        "--addon",
+        choices=sorted(ADDONS),
+        default=None,
+        help="build only this optional add-on from the cached vLLM wheel, beside the existing parts (no network)",
+    )
     args = ap.parse_args(argv)
     repo = Path(__file__).resolve().parent.parent
+    if args.addon:
+        build_addon(args.addon, args.out, args.cache, args.xz, repo)
+        return 0
 
     version, url, meta = choose_vllm(args.torch, args.index, args.platform, args.vllm)
     say(f"vllm {version} pins torch=={args.torch}: {url.rsplit('/', 1)[1]}")

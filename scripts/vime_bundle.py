@@ -3,12 +3,18 @@
 Standard library only: `stage` runs on the GPU image (Python 3.12, no extra packages needed), `pack` here.
 
 Bundle layout (the folder `.bundle/` of the repository):
-  manifest.json                      parts (name, size, sha256), the whole archive's sha256 and size, versions
+  manifest.json                      parts (name, size, sha256), the whole archive's sha256 and size, versions,
+                                     and the optional add-ons (`addons`: name -> archive name, size, sha256, files)
   vime-site-<sha12>.tar.xz.<i>of<n>  the parts: `cat` of all of them, in order, is the archive
+  vime-addon-<name>-<sha12>.tar.xz   an optional add-on (pack_addon): files the main archive stripped, restored
+                                     into the site tree when carried (`moe`: native vLLM's MoE kernels, _moe_C)
 
 `stage` (scripts/gpu_stage.sh) is run once per transfer: it verifies and moves arriving parts into a store that
 outlives the transfer, and once every part is there assembles, verifies and unpacks the archive into a site
-directory, writes the vLLM plugin's entry point there, and writes an env file exporting PYTHONPATH.
+directory, writes the vLLM plugin's entry point there, and writes an env file exporting PYTHONPATH. An add-on
+is optional: a session that carries none needs only the parts. One that arrives (in any transfer, before or after
+the last part) is checked against the manifest's sha256 and kept in the store; once the site is unpacked its files
+are installed into it, each checked against its own sha256, and a re-run finds them installed and does nothing.
 Exit codes: 0 ready, 3 more parts needed, 1 an error (one line on stderr saying what to do), 2 bad usage.
 """
 
@@ -169,6 +175,51 @@ def pack(
         archive.unlink(missing_ok=True)
 
 
+ADDON_GLOB = "vime-addon-*.tar.xz"
+
+
+def addon_archive_name(name: str, digest: str) -> str:
+    return f"vime-addon-{name}-{digest[:12]}.tar.xz"
+
+
+def pack_addon(name: str, files: dict[str, bytes], out_dir: Path, level: str = "9e", work: Path | None = None) -> dict:
+    """Pack `files` (site-relative path -> content) into the add-on archive `name` in `out_dir` and record it in
+    out_dir's manifest.json under `addons` (the rest of the manifest, the parts and their names are untouched;
+    an older archive of the same add-on is removed). Returns the add-on's manifest entry."""
+    manifest_path = out_dir / MANIFEST
+    manifest = _read_manifest(manifest_path)
+    work = work or out_dir
+    tree = work / f"addon-{name}.tree"
+    archive = work / f"addon-{name}.tar.xz.tmp"
+    shutil.rmtree(tree, ignore_errors=True)
+    try:
+        entries = []
+        for rel, data in sorted(files.items()):
+            dest = tree / rel
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            dest.write_bytes(data)
+            entries.append({"path": rel, "size": len(data), "sha256": hashlib.sha256(data).hexdigest()})
+        compress_tree(tree, archive, level)
+        digest = sha256_file(archive)
+        final = out_dir / addon_archive_name(name, digest)
+        for old in out_dir.glob(f"vime-addon-{name}-*.tar.xz"):
+            old.unlink()
+        shutil.move(str(archive), final)
+    finally:
+        shutil.rmtree(tree, ignore_errors=True)
+        archive.unlink(missing_ok=True)
+    entry = {
+        "name": final.name,
+        "size": final.stat().st_size,
+        "sha256": digest,
+        "files": entries,
+        "for_archive": manifest["archive"]["sha256"],
+    }
+    manifest.setdefault("addons", {})[name] = entry
+    manifest_path.write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+    return entry
+
+
 # ---------------------------------------------------------------------------------------------------- staging
 def public_version(version: str) -> tuple[int, ...]:
     """'2.11.0+cu130' -> (2, 11, 0): the release numbers a `torch==` pin compares (local label dropped)."""
@@ -255,17 +306,22 @@ class _ChunkReader(io.RawIOBase):
         return n
 
 
+def _unpack_into(parts: list[Path], dest: Path) -> None:
+    """Extract the xz tar made of `parts` (in order) into the existing folder `dest`."""
+    stream = lzma.open(io.BufferedReader(_ChunkReader(_concat(parts)), _CHUNK), "rb")
+    with tarfile.open(fileobj=stream, mode="r|") as tar:
+        if hasattr(tarfile, "data_filter"):
+            tar.extractall(dest, filter="data")
+        else:  # Python < 3.11.4: the archive was verified against the manifest's sha256 first
+            tar.extractall(dest)
+
+
 def _unpack(parts: list[Path], site: Path) -> None:
     """Unpack the archive made of `parts` into `site` (atomically: a temp dir renamed over it)."""
     tmp = site.with_name(site.name + ".unpacking")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    stream = lzma.open(io.BufferedReader(_ChunkReader(_concat(parts)), _CHUNK), "rb")
-    with tarfile.open(fileobj=stream, mode="r|") as tar:
-        if hasattr(tarfile, "data_filter"):
-            tar.extractall(tmp, filter="data")
-        else:  # Python < 3.11.4: the archive was verified against the manifest's sha256 first
-            tar.extractall(tmp)
+    _unpack_into(parts, tmp)
     if site.exists():
         shutil.rmtree(site)
     tmp.rename(site)
@@ -300,6 +356,92 @@ def _env_line(repo: Path, site: Path) -> str:
     return f"export PYTHONPATH={repo}:{site}${{PYTHONPATH:+:$PYTHONPATH}} VLLM_USE_FLASHINFER_SAMPLER=0"
 
 
+def _addon_entries(manifest: dict) -> dict[str, dict]:
+    """archive file name -> add-on entry (with its `addon` name) of the manifest's add-ons for its archive."""
+    out = {}
+    for name, entry in sorted(manifest.get("addons", {}).items()):
+        if entry.get("for_archive", manifest["archive"]["sha256"]) == manifest["archive"]["sha256"]:
+            out[entry["name"]] = {**entry, "addon": name}
+    return out
+
+
+def _take_addons(incoming: Path, store: Path, manifest: dict, log) -> list[str]:
+    """Move the add-on archives that arrived in `incoming` into `store`, each checked against the manifest
+    first. Returns the problems (one clause each); a corrupt one is removed."""
+    expected = _addon_entries(manifest)
+    bad = []
+    for path in sorted(incoming.glob(ADDON_GLOB)):
+        entry = expected.get(path.name)
+        if entry is None:
+            bad.append(
+                f"{path.name} is not an add-on of this manifest (its add-ons: "
+                f"{', '.join(expected) or 'none'}): carry the manifest.json that `scripts/gpu_bundle.py --addon` "
+                f"wrote with it"
+            )
+            continue
+        if not _part_ok(path, entry):
+            bad.append(
+                f"{path.name} is corrupt (size or sha256 differs from the manifest): carry .bundle/{path.name} "
+                f"again (or rebuild it with `python scripts/gpu_bundle.py --addon {entry['addon']}`)"
+            )
+            path.unlink()
+            continue
+        store.mkdir(parents=True, exist_ok=True)
+        shutil.move(str(path), store / path.name)
+        log(f"gpu_stage: add-on {entry['addon']} ({path.name}) verified, kept in {store}")
+    return bad
+
+
+def _addon_installed(site: Path, entry: dict) -> bool:
+    return all(
+        (site / f["path"]).is_file()
+        and (site / f["path"]).stat().st_size == f["size"]
+        and sha256_file(site / f["path"]) == f["sha256"]
+        for f in entry["files"]
+    )
+
+
+def _install_addons(store: Path, site: Path, manifest: dict, log, note_missing: bool) -> None:
+    """Install into the unpacked `site` every add-on of the manifest whose archive is in `store` and whose files
+    are not there yet (checked by sha256: a re-run does nothing). Files are unpacked next to the site, checked
+    against the manifest, then renamed into place. With `note_missing`, one line per add-on not carried."""
+    for archive_name, entry in _addon_entries(manifest).items():
+        path = store / archive_name
+        if _addon_installed(site, entry):
+            continue
+        if not path.is_file():
+            if note_missing:
+                log(f"gpu_stage: add-on {entry['addon']} not carried (optional: carry .bundle/{archive_name})")
+            continue
+        if not _part_ok(path, entry):
+            path.unlink()
+            raise StageError(
+                f"gpu_stage: the stored add-on {archive_name} no longer matches the manifest: it was removed "
+                f"from {store}; carry .bundle/{archive_name} again"
+            )
+        tmp = site.with_name(site.name + f".addon-{entry['addon']}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        try:
+            _unpack_into([path], tmp)
+            for f in entry["files"]:
+                got = tmp / f["path"]
+                if not got.is_file() or sha256_file(got) != f["sha256"]:
+                    raise StageError(
+                        f"gpu_stage: add-on {archive_name} unpacked {f['path']} with another sha256 than the "
+                        f"manifest's: rebuild it with `python scripts/gpu_bundle.py --addon {entry['addon']}`"
+                    )
+            for f in entry["files"]:
+                (site / f["path"]).parent.mkdir(parents=True, exist_ok=True)
+                os.replace(tmp / f["path"], site / f["path"])
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        log(
+            f"gpu_stage: add-on {entry['addon']} installed into {site}: "
+            f"{', '.join(f['path'] for f in entry['files'])} (sha256 checked)"
+        )
+
+
 def stage(
     incoming: Path,
     store: Path,
@@ -332,7 +474,14 @@ def stage(
 
     marker = site / MARKER
     if marker.is_file() and marker.read_text().strip() == digest:
-        return ready()  # already unpacked: nothing to verify again
+        if manifest_path != store / MANIFEST and manifest.get("addons"):
+            store.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(manifest_path, store / MANIFEST)  # its add-ons, for a later transfer without it
+        bad = _take_addons(incoming, store, manifest, log)
+        if bad:
+            raise StageError("gpu_stage: " + "; ".join(bad))
+        _install_addons(store, site, manifest, log, note_missing=False)
+        return ready()  # already unpacked: nothing to verify again (an add-on's files only, by sha256)
 
     # Keep the store to this bundle: parts or a manifest of another bundle are stale.
     store.mkdir(parents=True, exist_ok=True)
@@ -362,6 +511,7 @@ def stage(
             continue
         shutil.move(str(path), store / path.name)
         log(f"gpu_stage: {path.name} verified, kept in {store}")
+    bad += _take_addons(incoming, store, manifest, log)
     if bad:
         raise StageError("gpu_stage: " + "; ".join(bad))
 
@@ -394,6 +544,7 @@ def stage(
         f"gpu_stage: unpacked {manifest['archive']['name']} into {site} in {time.time() - t0:.1f} s "
         f"({', '.join(f'{k} {v}' for k, v in sorted(manifest['versions'].items()))})"
     )
+    _install_addons(store, site, manifest, log, note_missing=True)
     return ready()
 
 

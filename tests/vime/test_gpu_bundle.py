@@ -5,6 +5,7 @@ Also the build script's pure helpers (torch pin of a METADATA, requirement closu
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import os
@@ -12,6 +13,7 @@ import shutil
 import subprocess
 import sys
 import time
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -285,3 +287,105 @@ def test_build_helpers_read_pins_and_requirements(tmp_path: Path) -> None:
     (site / "a-1.0.dist-info" / "METADATA").write_text("Name: a\nVersion: 1.0\nRequires-Dist: nowhere\n")
     with pytest.raises(SystemExit, match="not in the bundle, not on the image"):
         gb.check_requirements(gb.installed(site), "3.12")
+
+
+# ------------------------------------------------------------------------------------------ optional add-ons
+MOE = "vllm/_moe_C_stable_libtorch.abi3.so"
+
+
+def _with_addon(b: dict) -> dict:
+    """The bundle's built manifest gains an add-on `moe` (one incompressible file); its parts stay as they were."""
+    before = [dict(p) for p in json.loads((b["built"] / vb.MANIFEST).read_text())["parts"]]
+    entry = vb.pack_addon("moe", {MOE: os.urandom(70_000)}, b["built"], level="1")
+    manifest = json.loads((b["built"] / vb.MANIFEST).read_text())
+    assert manifest["parts"] == before and manifest["addons"]["moe"] == entry
+    assert entry["name"].startswith("vime-addon-moe-") and entry["files"][0]["path"] == MOE
+    b["addon"] = entry
+    return entry
+
+
+def _carry_addon(b: dict) -> None:
+    shutil.copy(b["built"] / vb.MANIFEST, b["repo"] / ".bundle" / vb.MANIFEST)
+    shutil.copy(b["built"] / b["addon"]["name"], b["repo"] / ".bundle" / b["addon"]["name"])
+
+
+def _moe_sha(b: dict) -> str:
+    return vb.sha256_file(b["site"] / MOE)
+
+
+def test_dense_session_needs_only_the_parts_and_a_later_addon_is_installed(bundle: dict) -> None:
+    entry = _with_addon(bundle)
+    _carry(bundle, 0, 1, 2)  # the manifest names the add-on; it is not carried
+    rc, lines = _stage(bundle)
+    assert rc == vb.READY and not (bundle["site"] / MOE).exists()
+    assert any("add-on moe not carried" in line and entry["name"] in line for line in lines)
+    _carry_addon(bundle)  # a later transfer: the add-on and the manifest
+    rc, lines = _stage(bundle)
+    assert rc == vb.READY and _moe_sha(bundle) == entry["files"][0]["sha256"]
+    assert any("add-on moe installed" in line for line in lines)
+    assert (bundle["store"] / entry["name"]).is_file() and not (bundle["repo"] / ".bundle" / entry["name"]).exists()
+    mtime = (bundle["site"] / MOE).stat().st_mtime_ns
+    _carry(bundle)  # re-staging: nothing to do
+    rc, lines = _stage(bundle)
+    assert rc == vb.READY and len(lines) == 1 and (bundle["site"] / MOE).stat().st_mtime_ns == mtime
+
+
+def test_addon_before_the_last_part_is_installed_after_the_unpack(bundle: dict) -> None:
+    entry = _with_addon(bundle)
+    _carry_addon(bundle)
+    _carry(bundle, 0)
+    assert _stage(bundle)[0] == vb.MORE_PARTS and not bundle["site"].exists()
+    _carry(bundle, 1, 2)
+    assert _stage(bundle)[0] == vb.READY and _moe_sha(bundle) == entry["files"][0]["sha256"]
+
+
+def test_addon_file_changed_in_the_site_is_reinstalled_from_the_store(bundle: dict) -> None:
+    entry = _with_addon(bundle)
+    _carry(bundle, 0, 1, 2)
+    _carry_addon(bundle)
+    assert _stage(bundle)[0] == vb.READY
+    (bundle["site"] / MOE).write_bytes(b"truncated")
+    _carry(bundle)
+    rc, lines = _stage(bundle)
+    assert rc == vb.READY and _moe_sha(bundle) == entry["files"][0]["sha256"]
+    assert any("add-on moe installed" in line for line in lines)
+
+
+def test_corrupt_or_foreign_addon_is_refused_by_name(bundle: dict, tmp_path: Path) -> None:
+    entry = _with_addon(bundle)
+    _carry(bundle, 0, 1, 2)
+    assert _stage(bundle)[0] == vb.READY
+    _carry_addon(bundle)
+    bad = bundle["repo"] / ".bundle" / entry["name"]
+    data = bytearray(bad.read_bytes())
+    data[-40] ^= 0xFF
+    bad.write_bytes(bytes(data))
+    with pytest.raises(vb.StageError) as err:
+        _stage(bundle)
+    msg = str(err.value)
+    assert "\n" not in msg and entry["name"] in msg and "corrupt" in msg and "--addon moe" in msg
+    assert not bad.exists() and not (bundle["site"] / MOE).exists()
+    stray = bundle["repo"] / ".bundle" / "vime-addon-moe-000000000000.tar.xz"
+    stray.write_bytes(b"x")
+    with pytest.raises(vb.StageError, match="is not an add-on of this manifest"):
+        _stage(bundle)
+
+
+def test_build_addon_refuses_a_path_the_main_archive_keeps(tmp_path: Path) -> None:
+    gb = _load("gpu_bundle")
+    out, wheels = tmp_path / "out", tmp_path / "cache" / "wheels"
+    out.mkdir()
+    wheels.mkdir(parents=True)
+    (out / vb.MANIFEST).write_text(
+        json.dumps({"format": 1, "archive": {"sha256": "a" * 64}, "parts": [], "versions": {"vllm": "0.26.0"}})
+    )
+    with zipfile.ZipFile(wheels / "vllm-0.26.0-cp38-abi3-manylinux_2_28_x86_64.whl", "w") as z:
+        z.writestr(MOE, b"kernels")
+    with pytest.raises(SystemExit, match="is in the main archive already"):
+        gb.build_addon("moe", out, tmp_path / "cache", "1", REPO)
+    manifest = json.loads((out / vb.MANIFEST).read_text())
+    manifest["stripped"] = [MOE]
+    (out / vb.MANIFEST).write_text(json.dumps(manifest))
+    entry = gb.build_addon("moe", out, tmp_path / "cache", "1", REPO)
+    assert entry["files"] == [{"path": MOE, "size": 7, "sha256": hashlib.sha256(b"kernels").hexdigest()}]
+    assert json.loads((out / vb.MANIFEST).read_text())["addons"]["moe"]["sha256"] == entry["sha256"]

@@ -15,6 +15,7 @@ from tests.vime.conftest import REPO, TRAIN_ENV, train_cmd
 from vime.config import preflight
 from vime.config.layout import check_layout
 from vime.config.schema import Mode, RolloutBackend, TrainerBackend, to_object, validate
+from vime.errors import ConfigError
 
 PRESET = "+experiment=h200_8b_layers"
 TWO_GPUS = ("ray.num_gpus=2", "ray.gpus_per_actor=1", "weights.transport=nccl", "weights.colocate=false")
@@ -106,3 +107,54 @@ def test_h200_preset_runs_on_cpu_with_reference_rollout_and_megatron(tmp_path):
     text = (out / "train.log").read_text()
     assert "sync_GB/s" in text and "0 in total" in text
     assert not (out / "checkpoints" / "latest").exists() and not (out / "hf_model").exists()
+
+
+MOE_PRESET = "+experiment=h200_moe"
+
+
+def _moe_hf_config(cfg, layers: int | None = None) -> dict:
+    """The HF config.json fields the preflight reads, as make_tiny_qwen3 writes them for the preset."""
+    t = cfg.model.tiny
+    return {
+        "hidden_size": t.hidden_size,
+        "num_hidden_layers": t.num_layers if layers is None else layers,
+        "num_attention_heads": t.num_heads,
+        "num_key_value_heads": t.num_kv_heads,
+        "head_dim": t.head_dim,
+        "intermediate_size": t.intermediate_size,
+        "num_experts": t.num_experts,
+        "num_experts_per_tok": t.num_experts_per_tok,
+        "moe_intermediate_size": t.moe_intermediate_size,
+        "vocab_size": t.vocab_size,
+        "tie_word_embeddings": False,
+    }
+
+
+def test_h200_moe_preset_has_qwen3_30b_a3b_shapes_and_fits_one_h200_beside_vllm(compose_cfg):
+    """The MoE preset at Qwen3-30B-A3B shapes: its layer count passes the preflight memory check a plan runs on a
+    139.8 GiB H200 beside vLLM's share (the check `plan=true device=cuda` makes), with room left for activations;
+    8 layers are the preflight's limit and 9 are refused in one line naming the layer count that fits."""
+    cfg = validate(to_object(compose_cfg(MOE_PRESET, "output_dir=/tmp/x")))
+    t = cfg.model.tiny
+    assert (t.vocab_size, t.hidden_size, t.num_heads, t.num_kv_heads, t.head_dim) == (151936, 2048, 32, 4, 128)
+    assert (t.num_experts, t.num_experts_per_tok, t.moe_intermediate_size) == (128, 8, 768)
+    assert cfg.device == "cuda" and cfg.rollout.engine == RolloutBackend.vllm and cfg.fail_on_mismatch
+    assert cfg.rollout.mode == cfg.trainer.mode == Mode.strict and cfg.trainer.engine == TrainerBackend.megatron
+    assert cfg.algo.prompts_per_step * cfg.algo.group_size == 64 and cfg.algo.max_new_tokens >= 200
+    h200 = cfg.plan_gpu_gib * 2**30
+    preflight.check_gpu_memory(cfg, _moe_hf_config(cfg), h200)
+    assert preflight.gpu_memory_plan(cfg, _moe_hf_config(cfg), h200)["free"] > 10e9  # activations, context, graphs
+    preflight.check_gpu_memory(cfg, _moe_hf_config(cfg, 8), h200)
+    with pytest.raises(ConfigError, match=r"use at most 8 layers \(model.tiny.num_layers=8\)"):
+        preflight.check_gpu_memory(cfg, _moe_hf_config(cfg, 9), h200)
+    one = check_layout(cfg, [1], _moe_hf_config(cfg))  # trainer and engine share GPU 0
+    assert one.gpus_used == 1 and one.engines == [one.trainer]
+    preflight.check_local_resources(cfg)
+    native = validate(
+        to_object(
+            compose_cfg(
+                MOE_PRESET, "output_dir=/tmp/x", "rollout.mode=native", "trainer.mode=native", "fail_on_mismatch=false"
+            )
+        )
+    )
+    assert native.rollout.mode == native.trainer.mode == Mode.native
