@@ -224,6 +224,29 @@ def test_eager_engine_rescores_the_graph_engine_tokens_in_the_same_bits(graph_ru
     assert _mismatches(logprobs, graph_run["logprobs"]) == 0
 
 
+def test_compiled_strict_engine_matches_teacher_forcing(model_path, reference):
+    """The compiled strict engine (compile=True: vLLM's torch.compile of the strict model, FULL_AND_PIECEWISE graphs
+    split at the strict attention op, so mixed prefill + decode steps replay piecewise graphs): every sampled
+    token's fp32 bits equal teacher forcing, under the same chunked prefill, preemptions and prefix reuse."""
+    from rl_kernel.integrations.vllm import strict_llm_kwargs, strict_sampling_params
+    from rl_kernel.models.qwen3 import load_hf_state_dict
+
+    prompts = _prompts(48, seed=2)
+    llm = _llm(**strict_llm_kwargs(model_path, device="cuda", compile=True, **ENGINE))
+    try:
+        params = [
+            strict_sampling_params(temperature=TEMPERATURE, max_tokens=NEW_TOKENS, seed=i, ignore_eos=True)
+            for i in range(len(prompts))
+        ]
+        tokens, logprobs = _tokens_and_logprobs(
+            llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        )
+    finally:
+        _close(llm)
+    reference.load_hf_weights(load_hf_state_dict(model_path))
+    assert _mismatches(logprobs, _teacher_forcing(reference, prompts, tokens)) == 0
+
+
 def test_native_twin_differs_from_teacher_forcing(model_path, reference):
     from rl_kernel.integrations.vllm import native_llm_kwargs, native_sampling_params
     from rl_kernel.models.qwen3 import load_hf_state_dict
