@@ -82,16 +82,18 @@ def test_triton_router_equals_torch_contract_and_native_twin():
     logits = rk.linear_fp32(x, w)
     logits[:64, 7] = logits[:64, 3]  # ties: the lower id wins
     logits[64:80] = 0.5  # rows of equal logits
+    logits[80:96, 20:30] = logits[80:96].amax(-1, keepdim=True) + 1  # 10 tied at the top: the 8 lowest of them
     for renorm in (True, False):
         weights, ids = moe.route(logits, TOP_K, renorm)
         want_w, want_ids = torch_moe.route(logits.cpu(), TOP_K, renorm)
         assert torch.equal(ids.cpu(), want_ids), f"renormalize={renorm}: Triton router's picks != torch contract"
         assert same_bits(weights.cpu(), want_w), f"renormalize={renorm}: Triton router's weights != torch contract"
     assert torch.equal(ids[64].cpu(), torch.arange(TOP_K)), "equal logits: the k lowest ids"
+    assert torch.equal(ids[80:96].cpu(), torch.arange(20, 20 + TOP_K).expand(16, -1)), "a tie at the top-k edge"
     native_w, native_ids = native_route(x, w, TOP_K, True)  # HF's router: bf16 logits, torch.topk
     weights, ids = moe.route(logits, TOP_K, True)
-    differ = int((native_ids != ids)[80:].any(-1).sum()) + bit_mismatches(native_w[80:], weights[80:])
-    print(f"native router: {differ} differing picks + weights of {3000 - 80} tokens")
+    differ = int((native_ids != ids)[96:].any(-1).sum()) + bit_mismatches(native_w[96:], weights[96:])
+    print(f"native router: {differ} differing picks + weights of {3000 - 96} tokens")
     assert differ > 0, "the native router happened to give the contract's picks and weights"
 
 
