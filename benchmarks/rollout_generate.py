@@ -48,9 +48,10 @@ host memory. So (`--weights dummy`, the default for this arch on CUDA):
   token does not), from a config-only checkpoint (the 48-layer config and the tokenizer beside 1 layer's weights);
 - the engines run one after the other, not interleaved: each starts, warms up, runs every pass of every row and
   shuts down (no sleep mode) before the next starts; the passes' prompts are the same for every engine;
-- parity is checked on a checkpoint of the same shapes with `--parity-layers` layers (2) and real (seeded)
-  weights, on disk: an engine of each mode, with the timed engines' arguments, runs the first pass's
-  `PARITY_PER_ROW` sampled requests of every row (the same prompts and lengths that were timed) and their tokens
+- parity is checked first (so that a run cut by its time limit keeps it) on a checkpoint of the same shapes with
+  `--parity-layers` layers (2) and real (seeded) weights, on disk: an engine of each mode, with the timed
+  engines' arguments, runs the first pass's `PARITY_PER_ROW` sampled requests of every row (the same prompts and
+  lengths that were timed) and their tokens
   are teacher-forced by rl_kernel's reference in fp32 bits. What is checked is thus the strict engine's bits on
   what was benchmarked but for the layer count and the weights; the timed dummy-weight engines are not.
 `--weights checkpoint` keeps the Qwen3-8B flow above (one on-disk checkpoint, interleaved sleeping engines).
@@ -336,8 +337,8 @@ def config_only_checkpoint(root: Path, args) -> Path:
 
 
 def run_sequential(args) -> int:
-    """The `--weights dummy` flow (module doc, MoE): timed engines on dummy weights one after the other, then
-    parity of the first pass's sampled requests on a `--parity-layers` checkpoint with real weights."""
+    """The `--weights dummy` flow (module doc, MoE): parity of the first pass's requests on a `--parity-layers`
+    checkpoint with real weights, then the timed engines on dummy weights one after the other."""
     modes = args.modes.split(",")
     rows = rows_for(args.device, args.new_tokens)
     out = args.out or default_out(args)
@@ -350,8 +351,15 @@ def run_sequential(args) -> int:
         result["rows"] = [r.__dict__ for r in rows]
         result["gpu"] = [{"when": "start", **gpu_state()}] if args.device == "cuda" else []
         timings: dict[str, list[list[dict]]] = {}
-        picked: dict[int, tuple[list[list[int]], list[int]]] = {}
         failed, starts = {}, {}
+        picked = {}  # the first pass's parity requests per row (prompts are drawn from seeds: known up front)
+        for i, row in enumerate(rows):
+            prompts, lengths = draw_requests(row, request_seed(i, 0), vocab)
+            keep = parity_picks(len(prompts))
+            picked[i] = ([prompts[j] for j in keep], [lengths[j] for j in keep])
+        result["parity"] = sequential_parity(Path(tmp) / "parity", args, modes, picked, eargs, failed)
+        out.parent.mkdir(parents=True, exist_ok=True)  # first, so that a run cut short by its time limit keeps it
+        out.write_text(json.dumps(result | {"failed": failed, "partial": True}, indent=1))
         for m in modes:
             try:
                 engine = Engine(m, dummy_path, args.device, eargs | {"load_format": "dummy"})
@@ -370,9 +378,6 @@ def run_sequential(args) -> int:
                     prompts, lengths = draw_requests(row, request_seed(i, p), vocab)
                     wall, outputs = engine.generate(prompts, lengths)
                     timings[m][p].append(timing(wall, prompts, outputs))
-                    if p == 0:
-                        keep = parity_picks(len(prompts))
-                        picked[i] = ([prompts[j] for j in keep], [lengths[j] for j in keep])
                 print(
                     f"pass {p + 1} {m}: "
                     + ", ".join(f"{r.name}@{r.batch} {t['tokens_per_s']:,.0f}" for r, t in zip(rows, timings[m][p]))
@@ -386,7 +391,6 @@ def run_sequential(args) -> int:
             wait_for_gpu(args.memory)
         done = [m for m in modes if m in timings]
         result["engine_start_s"] = starts
-        result["parity"] = sequential_parity(Path(tmp) / "parity", args, done, rows, picked, eargs)
         if args.device == "cuda":
             result["gpu"].append({"when": "end", **gpu_state()})
         result["timings"], result["failed"] = timings, failed
@@ -394,13 +398,19 @@ def run_sequential(args) -> int:
     return report(args, result, done, out, failed)
 
 
-def sequential_parity(root: Path, args, modes: list[str], rows: list[Row], picked: dict, eargs: dict) -> dict:
-    """Per mode and row: mismatches of the first pass's picked requests, re-run by an engine of that mode over a
-    `--parity-layers` checkpoint with real weights, against teacher forcing."""
+def sequential_parity(root: Path, args, modes: list[str], picked: dict, eargs: dict, failed: dict) -> dict:
+    """Per mode and row: mismatches of the first pass's picked requests, run by an engine of that mode over a
+    `--parity-layers` checkpoint with real weights, against teacher forcing. An engine that fails is recorded in
+    `failed` (as "<mode> (parity)") and skipped."""
     path = make_checkpoint(root, args, args.parity_layers if args.device == "cuda" else 2)
     samples: dict[str, list[dict]] = {}
     for m in modes:
-        engine = Engine(m, path, args.device, eargs)
+        try:
+            engine = Engine(m, path, args.device, eargs)
+        except Exception as e:  # noqa: BLE001 - report the engine that failed, check the others
+            failed[f"{m} (parity)"] = f"{type(e).__name__}: {e}"[:2000]
+            print(f"{m} (parity): failed to start: {failed[f'{m} (parity)']}", flush=True)
+            continue
         samples[m] = []
         for i in sorted(picked):
             prompts, lengths = picked[i]
