@@ -2,6 +2,8 @@
 
     python benchmarks/rollout_generate.py --device cuda [--layers 36] [--passes 3]     # the H200 headline
     python benchmarks/rollout_generate.py --device cpu --passes 1                      # plumbing, tiny model
+    python benchmarks/rollout_generate.py --device cuda --arch qwen3_30b_a3b [--layers 48]   # the MoE headline
+    python benchmarks/rollout_generate.py --device cpu --arch qwen3_30b_a3b --passes 1       # plumbing, tiny MoE
 
 An RL rollout is one `LLM.generate` over fresh prompts: prefill, mixed prefill + decode steps, every sampling step
 and the decode tail, all inside the wall time the trainer waits for. This benchmark times exactly that call.
@@ -34,7 +36,25 @@ of the medians; the GPU's SM clock, power and throttle reasons before each pass 
 Parity: from the first pass, `PARITY_PER_ROW` sequences of every row and engine are teacher-forced by rl_kernel's
 reference (fp32 bits of every sampled token), while the engines sleep: every strict mode must show 0, native must
 differ. Exit status 1
-otherwise, or when an engine failed. Writes JSON (default benchmarks/results/rollout_generate_<device>.json).
+otherwise, or when an engine failed. Writes JSON (default benchmarks/results/rollout_generate_<device>.json,
+`_<arch>` appended for an arch other than Qwen3-8B).
+
+MoE (`--arch qwen3_30b_a3b`: Qwen3-30B-A3B's shapes, hidden 2048, 32 / 4 heads of 128, 128 experts, top-8,
+expert FFN 768, vocab 151936; 48 layers by default). A 48-layer checkpoint is ~61 GB: more than the GPU
+machine's disk takes beside the bundle, and two sleeping engines would keep ~120 GB of weights in its 128 GiB of
+host memory. So (`--weights dummy`, the default for this arch on CUDA):
+- the timed engines load vLLM's dummy weights (`load_format="dummy"`: every tensor filled from a fixed seed, in
+  both engines; the strict model and vLLM's own fill different layouts, so their weights differ, their work per
+  token does not), from a config-only checkpoint (the 48-layer config and the tokenizer beside 1 layer's weights);
+- the engines run one after the other, not interleaved: each starts, warms up, runs every pass of every row and
+  shuts down (no sleep mode) before the next starts; the passes' prompts are the same for every engine;
+- parity is checked first (so that a run cut by its time limit keeps it) on a checkpoint of the same shapes with
+  `--parity-layers` layers (2) and real (seeded) weights, on disk: an engine of each mode, with the timed
+  engines' arguments, runs the first pass's `PARITY_PER_ROW` sampled requests of every row (the same prompts and
+  lengths that were timed) and their tokens
+  are teacher-forced by rl_kernel's reference in fp32 bits. What is checked is thus the strict engine's bits on
+  what was benchmarked but for the layer count and the weights; the timed dummy-weight engines are not.
+`--weights checkpoint` keeps the Qwen3-8B flow above (one on-disk checkpoint, interleaved sleeping engines).
 """
 
 from __future__ import annotations
@@ -68,6 +88,19 @@ from vime.loop.consistency import compare  # noqa: E402
 
 PARITY_PER_ROW = 3
 TEMPERATURE = 1.0
+QWEN3_30B_A3B = dict(
+    vocab_size=151936,
+    hidden_size=2048,
+    intermediate_size=6144,
+    num_heads=32,
+    num_kv_heads=4,
+    head_dim=128,
+    num_experts=128,
+    num_experts_per_tok=8,
+    moe_intermediate_size=768,
+)
+TINY_MOE = dict(num_experts=8, num_experts_per_tok=2)  # the CPU plumbing's tiny Qwen3-MoE
+ARCHS = {"qwen3_8b": (QWEN3_8B, 36), "qwen3_30b_a3b": (QWEN3_30B_A3B, 48)}  # (cuda shape, default layers)
 
 
 @dataclass(frozen=True)
@@ -177,9 +210,14 @@ def warm_up(engine: Engine, rows: list[Row], vocab: int) -> None:
         engine.generate(*draw_requests(warm, seed=batch, vocab=vocab))
 
 
-def parity_sample(row_index: int, prompts: list[list[int]], outputs: list) -> list[dict]:
-    """`PARITY_PER_ROW` sequences of one row (first, middle, last request) with their sampled tokens and logprobs."""
-    picks = sorted({0, len(prompts) // 2, len(prompts) - 1})[:PARITY_PER_ROW]
+def parity_picks(n: int) -> list[int]:
+    """The requests of a row of `n` whose tokens parity checks: `PARITY_PER_ROW` of them (first, middle, last)."""
+    return sorted({0, n // 2, n - 1})[:PARITY_PER_ROW]
+
+
+def parity_sample(row_index: int, prompts: list[list[int]], outputs: list, picks=None) -> list[dict]:
+    """Sequences `picks` (default `parity_picks`) of one row with their sampled tokens and logprobs."""
+    picks = parity_picks(len(prompts)) if picks is None else picks
     samples = []
     for i in picks:
         c = outputs[i].outputs[0]
@@ -272,21 +310,156 @@ def engine_args(device: str, args) -> dict:
     )
 
 
+def make_checkpoint(root: Path, args, layers: int) -> Path:
+    """A seeded checkpoint of `args.arch` with `layers` layers on disk (CUDA: the arch's shape; CPU: tiny)."""
+    if args.device == "cuda":
+        path = make_tiny_qwen3(root, num_layers=layers, device="cuda", init_std=0.02, **ARCHS[args.arch][0])
+        gc.collect()
+        torch.cuda.empty_cache()  # the engines' memory checks must see the GPU free
+        return path
+    return make_tiny_qwen3(root, **(TINY_MOE if args.arch == "qwen3_30b_a3b" else {}))
+
+
+def config_only_checkpoint(root: Path, args) -> Path:
+    """The arch's checkpoint directory for `load_format="dummy"`: the `args.layers`-layer config and the tokenizer,
+    beside one layer's weights (which the dummy loader never reads)."""
+    path = make_checkpoint(root, args, 1)
+    config_file = path / "config.json"
+    config = json.loads(config_file.read_text())
+    n = args.layers if args.device == "cuda" else config["num_hidden_layers"]
+    config["num_hidden_layers"] = n
+    if isinstance(config.get("layer_types"), list):
+        config["layer_types"] = config["layer_types"][:1] * n
+    if "max_window_layers" in config:
+        config["max_window_layers"] = n
+    config_file.write_text(json.dumps(config, indent=2))
+    return path
+
+
+def run_sequential(args) -> int:
+    """The `--weights dummy` flow (module doc, MoE): parity of the first pass's requests on a `--parity-layers`
+    checkpoint with real weights, then the timed engines on dummy weights one after the other."""
+    modes = args.modes.split(",")
+    rows = rows_for(args.device, args.new_tokens)
+    out = args.out or default_out(args)
+    eargs = engine_args(args.device, args) | {"enable_sleep_mode": False}
+    with tempfile.TemporaryDirectory() as tmp:
+        dummy_path = config_only_checkpoint(Path(tmp) / "dummy", args)
+        vocab = json.loads((dummy_path / "config.json").read_text())["vocab_size"]
+        result: dict = {"device": args.device, "arch": args.arch, "layers": args.layers, "passes": args.passes}
+        result |= {"weights": "dummy", "parity_layers": args.parity_layers, "modes": modes, "interleaved": False}
+        result["rows"] = [r.__dict__ for r in rows]
+        result["gpu"] = [{"when": "start", **gpu_state()}] if args.device == "cuda" else []
+        timings: dict[str, list[list[dict]]] = {}
+        failed, starts = {}, {}
+        picked = {}  # the first pass's parity requests per row (prompts are drawn from seeds: known up front)
+        for i, row in enumerate(rows):
+            prompts, lengths = draw_requests(row, request_seed(i, 0), vocab)
+            keep = parity_picks(len(prompts))
+            picked[i] = ([prompts[j] for j in keep], [lengths[j] for j in keep])
+        result["parity"] = sequential_parity(Path(tmp) / "parity", args, modes, picked, eargs, failed)
+        out.parent.mkdir(parents=True, exist_ok=True)  # first, so that a run cut short by its time limit keeps it
+        out.write_text(json.dumps(result | {"failed": failed, "partial": True}, indent=1))
+        for m in modes:
+            try:
+                engine = Engine(m, dummy_path, args.device, eargs | {"load_format": "dummy"})
+            except Exception as e:  # noqa: BLE001 - report the engine that failed, measure the others
+                failed[m] = f"{type(e).__name__}: {e}"[:2000]
+                print(f"{m}: failed to start: {failed[m]}", flush=True)
+                continue
+            starts[m] = engine.start_s
+            warm_up(engine, rows, vocab)
+            timings[m] = []
+            for p in range(args.passes):
+                if args.device == "cuda":
+                    result["gpu"].append({"when": f"{m} before pass {p + 1}", **gpu_state()})
+                timings[m].append([])
+                for i, row in enumerate(rows):
+                    prompts, lengths = draw_requests(row, request_seed(i, p), vocab)
+                    wall, outputs = engine.generate(prompts, lengths)
+                    timings[m][p].append(timing(wall, prompts, outputs))
+                print(
+                    f"pass {p + 1} {m}: "
+                    + ", ".join(f"{r.name}@{r.batch} {t['tokens_per_s']:,.0f}" for r, t in zip(rows, timings[m][p]))
+                    + " tok/s",
+                    flush=True,
+                )
+                result["timings"] = timings  # kept if a later pass runs out of time
+                out.parent.mkdir(parents=True, exist_ok=True)
+                out.write_text(json.dumps(result | {"failed": failed, "partial": True}, indent=1))
+            engine.shutdown()
+            wait_for_gpu(args.memory)
+        done = [m for m in modes if m in timings]
+        result["engine_start_s"] = starts
+        if args.device == "cuda":
+            result["gpu"].append({"when": "end", **gpu_state()})
+        result["timings"], result["failed"] = timings, failed
+        result["table"] = summarize(rows, timings, done)
+    return report(args, result, done, out, failed)
+
+
+def sequential_parity(root: Path, args, modes: list[str], picked: dict, eargs: dict, failed: dict) -> dict:
+    """Per mode and row: mismatches of the first pass's picked requests, run by an engine of that mode over a
+    `--parity-layers` checkpoint with real weights, against teacher forcing. An engine that fails is recorded in
+    `failed` (as "<mode> (parity)") and skipped."""
+    path = make_checkpoint(root, args, args.parity_layers if args.device == "cuda" else 2)
+    samples: dict[str, list[dict]] = {}
+    for m in modes:
+        try:
+            engine = Engine(m, path, args.device, eargs)
+        except Exception as e:  # noqa: BLE001 - report the engine that failed, check the others
+            failed[f"{m} (parity)"] = f"{type(e).__name__}: {e}"[:2000]
+            print(f"{m} (parity): failed to start: {failed[f'{m} (parity)']}", flush=True)
+            continue
+        samples[m] = []
+        for i in sorted(picked):
+            prompts, lengths = picked[i]
+            _, outputs = engine.generate(prompts, lengths)
+            samples[m] += parity_sample(i, prompts, outputs, picks=range(len(prompts)))
+        engine.shutdown()
+        wait_for_gpu(args.memory)
+    return parity(path, samples, args.device)
+
+
+def wait_for_gpu(fraction: float, timeout_s: float = 120.0) -> None:
+    """Until `fraction` of the GPU is free again (a shut-down engine's process releases its memory as it exits;
+    the next engine's start checks for its share) or `timeout_s`; no-op without CUDA."""
+    if not torch.cuda.is_available():
+        return
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        free, total = torch.cuda.mem_get_info()
+        if free >= fraction * total:
+            return
+        time.sleep(2)
+
+
+def timing(wall: float, prompts: list[list[int]], outputs: list) -> dict:
+    """One timed `generate`'s record: wall seconds, token counts and rates."""
+    generated = sum(len(o.outputs[0].token_ids) for o in outputs)
+    return {
+        "wall_s": round(wall, 4),
+        "generated_tokens": generated,
+        "prompt_tokens": sum(map(len, prompts)),
+        "tokens_per_s": round(generated / wall, 1),
+        "prompt_tokens_per_s": round(sum(map(len, prompts)) / wall, 1),
+    }
+
+
+def default_out(args) -> Path:
+    suffix = "" if args.arch == "qwen3_8b" else f"_{args.arch}"
+    return Path(__file__).resolve().parent / "results" / f"rollout_generate_{args.device}{suffix}.json"
+
+
 def run(args) -> int:
     modes = args.modes.split(",")
     rows = rows_for(args.device, args.new_tokens)
-    out = args.out or Path(__file__).resolve().parent / "results" / f"rollout_generate_{args.device}.json"
+    out = args.out or default_out(args)
     with tempfile.TemporaryDirectory() as tmp:
-        if args.device == "cuda":
-            path = make_tiny_qwen3(
-                Path(tmp) / "qwen3", num_layers=args.layers, device="cuda", init_std=0.02, **QWEN3_8B
-            )
-            gc.collect()
-            torch.cuda.empty_cache()  # the engines' memory checks must see the GPU free
-        else:
-            path = make_tiny_qwen3(Path(tmp) / "qwen3")
+        path = make_checkpoint(Path(tmp) / "qwen3", args, args.layers)
         vocab = json.loads((path / "config.json").read_text())["vocab_size"]
         result: dict = {"device": args.device, "layers": args.layers, "passes": args.passes, "modes": modes}
+        result |= {"arch": args.arch, "weights": "checkpoint", "interleaved": True}
         result["rows"] = [r.__dict__ for r in rows]
         result["gpu"] = [{"when": "start", **gpu_state()}] if args.device == "cuda" else []
         engines, failed = {}, {}
@@ -314,16 +487,7 @@ def run(args) -> int:
                 for i, row in enumerate(rows):
                     prompts, lengths = draw_requests(row, request_seed(i, p), vocab)
                     wall, outputs = engines[m].generate(prompts, lengths)
-                    generated = sum(len(o.outputs[0].token_ids) for o in outputs)
-                    timings[m][p].append(
-                        {
-                            "wall_s": round(wall, 4),
-                            "generated_tokens": generated,
-                            "prompt_tokens": sum(map(len, prompts)),
-                            "tokens_per_s": round(generated / wall, 1),
-                            "prompt_tokens_per_s": round(sum(map(len, prompts)) / wall, 1),
-                        }
-                    )
+                    timings[m][p].append(timing(wall, prompts, outputs))
                     if p == 0:
                         samples[m] += parity_sample(i, prompts, outputs)
                 engines[m].sleep()
@@ -345,15 +509,25 @@ def run(args) -> int:
         result["timings"] = timings
         result["failed"] = failed
         result["table"] = summarize(rows, timings, modes)
+    return report(args, result, modes, out, failed)
+
+
+def report(args, result: dict, modes: list[str], out: Path, failed: dict) -> int:
+    """Print the table, engine starts, parity and GPU state; write the JSON; the exit status (module doc)."""
     device_name = torch.cuda.get_device_name(0) if args.device == "cuda" else "CPU"
+    arch = {"qwen3_8b": "Qwen3-8B", "qwen3_30b_a3b": "Qwen3-30B-A3B"}[args.arch]
+    how = "interleaved" if result["interleaved"] else "engine after engine"
+    weights = "dummy weights, " if result["weights"] == "dummy" else ""
     print_table(
-        f"whole generate on {device_name}: {args.layers} Qwen3-8B-shaped layers, fresh prompts, {args.passes} passes "
-        f"interleaved, temperature {TEMPERATURE}, new tokens {args.new_tokens} (fixed) / spread (eos)"
+        f"whole generate on {device_name}: {args.layers} {arch}-shaped layers ({weights}fresh prompts), "
+        f"{args.passes} passes {how}, temperature {TEMPERATURE}, new tokens {args.new_tokens} (fixed) / spread (eos)"
         if args.device == "cuda"
-        else f"whole generate on CPU (tiny Qwen3, plumbing), {args.passes} passes",
+        else f"whole generate on CPU (tiny {arch} shape family, {weights}plumbing), {args.passes} passes {how}",
         result["table"],
         modes,
     )
+    if result["weights"] == "dummy":
+        print(f"parity: on a {result['parity_layers']}-layer checkpoint of real weights (module doc)")
     print("engine start s: " + ", ".join(f"{m} {s}" for m, s in result["engine_start_s"].items()))
     for m, per_row in result["parity"].items():
         bad, total = sum(x["mismatches"] for x in per_row), sum(x["tokens"] for x in per_row)
@@ -371,7 +545,15 @@ def run(args) -> int:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
-    parser.add_argument("--layers", type=int, default=36, help="cuda: Qwen3-8B-shaped layers")
+    parser.add_argument("--arch", choices=tuple(ARCHS), default="qwen3_8b", help="the model's shapes (module doc)")
+    parser.add_argument("--layers", type=int, default=None, help="cuda: layers (qwen3_8b 36, qwen3_30b_a3b 48)")
+    parser.add_argument(
+        "--weights",
+        choices=("checkpoint", "dummy"),
+        default=None,
+        help="timed engines' weights (module doc): default dummy for qwen3_30b_a3b on cuda, else checkpoint",
+    )
+    parser.add_argument("--parity-layers", type=int, default=2, help="--weights dummy: the parity checkpoint's layers")
     parser.add_argument("--new-tokens", type=int, default=None, help="new tokens per request (cuda 256, cpu 8)")
     parser.add_argument("--passes", type=int, default=3)
     parser.add_argument(
@@ -380,13 +562,19 @@ def main() -> int:
     parser.add_argument("--memory", type=float, default=0.75, help="cuda: gpu_memory_utilization of each engine")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
+    if args.layers is None:
+        args.layers = ARCHS[args.arch][1]
+    if args.weights is None:
+        args.weights = "dummy" if args.arch == "qwen3_30b_a3b" and args.device == "cuda" else "checkpoint"
+    if args.layers < 1 or args.parity_layers < 1:
+        parser.error(f"--layers ({args.layers}) and --parity-layers ({args.parity_layers}) must be >= 1")
     if args.new_tokens is None:
         args.new_tokens = 256 if args.device == "cuda" else 8
     if args.device == "cpu":
         import os
 
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    return run(args)
+    return run_sequential(args) if args.weights == "dummy" else run(args)
 
 
 if __name__ == "__main__":

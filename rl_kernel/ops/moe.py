@@ -50,8 +50,12 @@ def native_route(
     return _ascending(picked, ids)
 
 
-def native_experts(x: torch.Tensor, counts: list[int], gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+def native_experts(
+    x: torch.Tensor, counts: torch.Tensor | list[int], gate_up: torch.Tensor, down: torch.Tensor
+) -> torch.Tensor:
     """HF's expert loop over rows sorted by expert: F.linear and SwiGLU in x's dtype; fp32 [R, D]."""
+    if isinstance(counts, torch.Tensor):
+        counts = counts.tolist()  # HF's loop reads the counts on the host too
     out = torch.empty(x.shape[0], down.shape[1], dtype=torch.float32, device=x.device)
     start = 0
     for e, n in enumerate(counts):
@@ -187,7 +191,7 @@ class _StrictExperts(torch.autograd.Function):
         dtype = x.dtype if x.is_cuda and x.dtype == gate_up.dtype else torch.float32
         grads = [torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in (x, gate_up, down)]
         start = 0
-        for e, n in enumerate(ctx.counts):
+        for e, n in enumerate(ctx.counts.tolist()):  # the trainer's backward: a host read is fine here
             if n:
                 rows = slice(start, start + n)
                 with torch.enable_grad():
@@ -203,11 +207,14 @@ class _StrictExperts(torch.autograd.Function):
 
 def moe_experts(x: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
     """fp32 [T, k, D]: token t through expert ids[t, j]'s SwiGLU MLP, gate_up [E, 2I, D] (gate rows first),
-    down [E, D, I]. The (token, slot) rows are grouped by expert (a stable sort: bit copies) and put back."""
+    down [E, D, I]. The (token, slot) rows are grouped by expert (a stable sort: bit copies) and put back.
+    The forward reads nothing back to the host on CUDA (a CUDA graph captures it): the per-expert row counts
+    stay a device tensor (scatter_add, not bincount, which sizes its output from a host read of the max)."""
     t, k = ids.shape
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=gate_up.shape[0]).tolist()
+    counts = torch.zeros(gate_up.shape[0], dtype=torch.int64, device=flat.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
     rows = x.reshape(-1, x.shape[-1])[order // k]
     out = EXPERTS(
         lambda *a: _StrictExperts.apply(*a, counts),

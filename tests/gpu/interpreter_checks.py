@@ -782,24 +782,48 @@ def moes(gen: torch.Generator) -> None:
             check(f"moe route E={experts} k={k} renorm={renorm} weights == torch contract", same(w, tw))
     d, n = 96, 40
     w = torch.randn(4, n, d, generator=gen).to(F16)
-    for counts in ([5, 0, 70, 1], [0, 0, 3, 0], [1, 1, 1, 1]):
+    small = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32}
+    for counts in (
+        [5, 0, 70, 1],
+        [0, 0, 3, 0],
+        [1, 1, 1, 1],
+        [0, 0, 0, 0],
+        [64, 0, 0, 1],
+        [16, 17, 0, 15],
+        [0, 33, 0, 0],
+    ):
         x = torch.randn(sum(counts), d, generator=gen).to(F16)
-        out = moe.grouped_linear(x, counts, w, torch.float32)
+        on_device = torch.tensor(counts)  # the strict forward's form: a device tensor, no host read
+        out = moe.grouped_linear(x, on_device, w, torch.float32)
         ref, start = [], 0
         for e, c in enumerate(counts):
             ref.append(gemm.matmul_fp32(x[start : start + c], w[e], schedule="fused"))
             start += c
         check(f"moe grouped gemm counts {counts} == per-expert gemm", same(out, torch.cat(ref)))
-        small = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32}
+        old = moe.grouped_linear(x, counts, w, torch.float32, host_tiles=True)
+        check(f"moe grouped gemm counts {counts}: device tiles == host tiles (old path)", same(out, old))
         check(
             f"moe grouped gemm counts {counts}: tile moves no bit",
-            same(moe.grouped_linear(x, counts, w, torch.float32, tile=small), out),
+            same(moe.grouped_linear(x, on_device, w, torch.float32, tile=small), out),
         )
+        for bm in (16, 64):
+            table = moe._device_tiles(on_device, sum(counts), bm)
+            host = moe._host_tiles(counts, bm, torch.device("cpu"))
+            n = host[0].numel()
+            check(
+                f"moe device tile table counts {counts} block {bm} == host table, then padding",
+                len(table[0]) == moe.max_tiles(sum(counts), len(counts), bm)
+                and all(torch.equal(a[:n], b) for a, b in zip(table, host))
+                and bool((table[0][n:] == -1).all()),
+            )
     gu, dn = torch.randn(3, 64, d, generator=gen).to(F16) * 0.1, torch.randn(3, d, 32, generator=gen).to(F16) * 0.1
     x = torch.randn(9, d, generator=gen).to(F16)
-    got = moe.grouped_mlp(x, [4, 0, 5], gu, dn)
-    alone = moe.grouped_mlp(x[4:5], [0, 0, 1], gu, dn)
+    got = moe.grouped_mlp(x, torch.tensor([4, 0, 5]), gu, dn)
+    alone = moe.grouped_mlp(x[4:5], torch.tensor([0, 0, 1]), gu, dn)
     check("moe grouped mlp: a row alone == in its group", same(alone, got[4:5]))
+    check(
+        "moe grouped mlp: device tiles == host tiles", same(moe.grouped_mlp(x, [4, 0, 5], gu, dn, host_tiles=True), got)
+    )
     y, wts = torch.randn(11, 3, 200, generator=gen), torch.rand(11, 3, generator=gen)
     for dtype in (F16, torch.float32):
         check(

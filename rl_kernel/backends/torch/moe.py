@@ -47,8 +47,11 @@ def route(logits: torch.Tensor, k: int, renormalize: bool) -> tuple[torch.Tensor
     return picked / tree_sum(lanes).unsqueeze(-1), ids
 
 
-def grouped_linear_fp32(x: torch.Tensor, counts: list[int], weight: torch.Tensor) -> torch.Tensor:
-    """fp32 [R, N]: rows x[start_e : start_e + counts[e]] times weight[e] [N, K].T by the GEMM contract."""
+def grouped_linear_fp32(x: torch.Tensor, counts: torch.Tensor | list[int], weight: torch.Tensor) -> torch.Tensor:
+    """fp32 [R, N]: rows x[start_e : start_e + counts[e]] times weight[e] [N, K].T by the GEMM contract (the
+    counts read on the host: this backend runs on the CPU)."""
+    if isinstance(counts, torch.Tensor):
+        counts = counts.tolist()
     out = torch.empty(x.shape[0], weight.shape[1], dtype=torch.float32, device=x.device)
     start = 0
     for e, n in enumerate(counts):
@@ -58,9 +61,13 @@ def grouped_linear_fp32(x: torch.Tensor, counts: list[int], weight: torch.Tensor
     return out
 
 
-def grouped_mlp(x: torch.Tensor, counts: list[int], gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+def grouped_mlp(
+    x: torch.Tensor, counts: torch.Tensor | list[int], gate_up: torch.Tensor, down: torch.Tensor
+) -> torch.Tensor:
     """fp32 [R, D]: each expert's SwiGLU MLP on its rows (x sorted by expert, `counts` rows each), the down
     projection unrounded. gate_up [E, 2I, D], down [E, D, I]."""
+    if isinstance(counts, torch.Tensor):
+        counts = counts.tolist()
     h = grouped_linear_fp32(x, counts, gate_up).to(x.dtype)
     return grouped_linear_fp32(torch_activation.silu_and_mul(h), counts, down)
 

@@ -6,11 +6,13 @@ passes each pick the highest p not yet picked, the lowest id among equals; the p
 ascending id (their place is the running count of picked lanes); renormalised weights divide by the tree over
 the E lanes with the lanes not picked zero.
 
-Grouped GEMM: rows sorted by expert; the host cuts every expert's rows into row tiles that never cross its end,
-and a program computes one (tile, column block) as the GEMM contract's one-group linear does: one fp32
-accumulator from zero, k16 tensor-core steps in ascending K (`gemm._group_dot`, no split-K). A row's bits
-therefore depend on its own inputs and its expert's weights only, at every group size and position (the same
-bits as `gemm.linear(row, weight[e])` on the Triton server).
+Grouped GEMM: rows sorted by expert; every expert's rows are cut into row tiles of BLOCK_M that never cross
+its end. The tile table is built on the device from the per-expert row counts (no host sync, so a CUDA graph
+captures the MoE forward) and the grid is the worst case, (rows + E * (BLOCK_M - 1)) // BLOCK_M tiles; programs
+past the real tile count return at once. A program computes one (tile, column block) as the GEMM contract's
+one-group linear does: one fp32 accumulator from zero, k16 tensor-core steps in ascending K (`gemm._group_dot`,
+no split-K). A row's bits therefore depend on its own inputs and its expert's weights only, at every group size
+and position (the same bits as `gemm.linear(row, weight[e])` on the Triton server).
 
 Combine: per token, acc = w0 * y0, acc = acc + wj * yj in ascending expert id, rounded once (fp fusion off).
 """
@@ -111,6 +113,8 @@ def _grouped_kernel(
 ):
     tile = tl.program_id(0)
     expert = tl.load(tile_expert_ptr + tile).to(tl.int64)
+    if expert < 0:  # past the real tiles of the worst-case grid
+        return
     start = tl.load(tile_start_ptr + tile)
     end = tl.load(tile_end_ptr + tile)
     offs_m = start + tl.arange(0, BLOCK_M)
@@ -139,8 +143,9 @@ def _grouped_kernel(
     )
 
 
-def _tiles(counts: list[int], block_m: int, device: torch.device) -> tuple[torch.Tensor, ...]:
-    """(expert, first row, end row) of every row tile: each expert's rows cut into tiles of `block_m` rows."""
+def _host_tiles(counts: list[int], block_m: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """(expert, first row, end row) of every row tile, built on the host (the reference for `_device_tiles`):
+    each expert's rows cut into tiles of `block_m` rows."""
     experts, starts, ends, start = [], [], [], 0
     for e, n in enumerate(counts):
         for s in range(start, start + n, block_m):
@@ -151,19 +156,62 @@ def _tiles(counts: list[int], block_m: int, device: torch.device) -> tuple[torch
     return tuple(torch.tensor(v, dtype=torch.int32, device=device) for v in (experts, starts, ends))
 
 
+def max_tiles(rows: int, experts: int, block_m: int) -> int:
+    """The most row tiles `rows` rows over `experts` experts can need: sum_e ceil(n_e / block_m)."""
+    return (rows + experts * (block_m - 1)) // block_m
+
+
+def _device_tiles(counts: torch.Tensor, rows: int, block_m: int) -> tuple[torch.Tensor, ...]:
+    """`_host_tiles`' table from int64 counts [E] on their device, padded to `max_tiles` with expert -1 (start
+    and end 0): fixed shapes, no host sync."""
+    counts = counts.to(torch.int64)
+    experts = counts.numel()
+    ends = torch.cumsum(counts, 0)
+    per = (counts + block_m - 1) // block_m
+    tile_end = torch.cumsum(per, 0)
+    t = torch.arange(max_tiles(rows, experts, block_m), device=counts.device)
+    e = torch.searchsorted(tile_end, t, right=True)  # the expert of tile t; E past the last tile
+    valid = e < experts
+    ec = e.clamp(max=experts - 1)
+    start = ends[ec] - counts[ec] + (t - (tile_end[ec] - per[ec])) * block_m
+    zero = torch.zeros_like(t)
+    return tuple(
+        torch.where(valid, v, fill).to(torch.int32) for v, fill in ((ec, zero - 1), (start, zero), (ends[ec], zero))
+    )
+
+
+def _counts_tensor(counts: torch.Tensor | list[int], device: torch.device) -> torch.Tensor:
+    if isinstance(counts, torch.Tensor):
+        return counts.to(device=device, dtype=torch.int64)
+    return torch.tensor(counts, dtype=torch.int64, device=device)
+
+
 def grouped_linear(
-    x: torch.Tensor, counts: list[int], weight: torch.Tensor, out_dtype: torch.dtype, *, tile: dict | None = None
+    x: torch.Tensor,
+    counts: torch.Tensor | list[int],
+    weight: torch.Tensor,
+    out_dtype: torch.dtype,
+    *,
+    tile: dict | None = None,
+    host_tiles: bool = False,
 ) -> torch.Tensor:
-    """[R, N] in `out_dtype`: rows of expert e (x sorted by expert, `counts` rows each) times weight[e] [N, K].T,
-    one fp32 K chain per element rounded once. `tile` is for tests: no bit depends on it."""
+    """[R, N] in `out_dtype`: rows of expert e (x sorted by expert, `counts` [E] rows each, a device tensor or
+    a list) times weight[e] [N, K].T, one fp32 K chain per element rounded once. No host sync: the tile table
+    is built on the device. `tile` and `host_tiles` (the table built on the host, a list `counts`: the old
+    path) are for tests: no bit depends on them."""
     x, weight, precision = _operands(x, weight)
     rows, n, k = x.shape[0], weight.shape[1], weight.shape[2]
     out = torch.empty(rows, n, dtype=out_dtype, device=x.device)
     cfg = dict(tile or TILE)
     bm, bn, bk = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N"), cfg.pop("BLOCK_K")
-    experts, starts, ends = _tiles(counts, bm, x.device)
-    if rows == 0 or n == 0 or experts.numel() == 0:
+    if rows == 0 or n == 0:
         return out
+    if host_tiles:
+        experts, starts, ends = _host_tiles(list(counts), bm, x.device)
+        if experts.numel() == 0:
+            return out
+    else:
+        experts, starts, ends = _device_tiles(_counts_tensor(counts, x.device), rows, bm)
     _grouped_kernel[(experts.numel(), triton.cdiv(n, bn))](
         x,
         weight,
@@ -188,11 +236,18 @@ def grouped_linear(
 
 
 def grouped_mlp(
-    x: torch.Tensor, counts: list[int], gate_up: torch.Tensor, down: torch.Tensor, *, tile: dict | None = None
+    x: torch.Tensor,
+    counts: torch.Tensor | list[int],
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    *,
+    tile: dict | None = None,
+    host_tiles: bool = False,
 ) -> torch.Tensor:
-    """fp32 [R, D]: each expert's SwiGLU MLP on its rows, gate/up rounded to x's dtype, down unrounded."""
-    h = grouped_linear(x, counts, gate_up, x.dtype, tile=tile)
-    return grouped_linear(activation.silu_and_mul(h), counts, down, torch.float32, tile=tile)
+    """fp32 [R, D]: each expert's SwiGLU MLP on its rows (`counts` [E] per expert, a device tensor: no host
+    sync), gate/up rounded to x's dtype, down unrounded."""
+    h = grouped_linear(x, counts, gate_up, x.dtype, tile=tile, host_tiles=host_tiles)
+    return grouped_linear(activation.silu_and_mul(h), counts, down, torch.float32, tile=tile, host_tiles=host_tiles)
 
 
 @triton.jit(do_not_specialize=["D"])

@@ -1,0 +1,377 @@
+"""The strict MoE ops and the strict vLLM MoE engine on CUDA, at Qwen3-30B-A3B shapes (skipped without CUDA).
+
+Shapes: hidden 2048, 32 query / 4 KV heads of 128, 128 experts, top-8, expert FFN 768, vocab 151936,
+norm_topk_prob; VIME_GPU_TEST_LAYERS layers (default 2), random weights.
+
+Ops (marker gpu): the Triton router == the torch contract (ties to the lower id); the Triton grouped GEMM is
+batch-invariant (hypothesis over group sizes: a token's bits do not change with the tokens routed beside it);
+the combine == the torch contract; the whole MoE forward captured in a CUDA graph replays the eager bits (no
+host sync in it). Each with its native twin (bf16 router logits, cuBLAS per expert batched vs alone, bf16 sums).
+
+Engine (markers gpu, vllm, slow): the strict engine with CUDA graphs of decode batches samples; every sampled
+token's fp32 logprob equals `Qwen3Reference` teacher forcing in bits, and its routes equal the reference's (vime's
+`routing_agreement`, the CPU e2e's `consistency/routing_mismatch`): 0 differing routes. The graph engine records
+routes on the steps it runs eagerly (prefill and mixed batches: a replayed graph runs no Python hook); an eager
+engine re-scoring the same tokens by forced decoding records every fed position, and gives the same bits. Native
+twin: vLLM's own Qwen3MoeForCausalLM (its fused MoE; needs vllm._moe_C) differs in logprobs and routes.
+
+    python -m pytest tests/gpu/test_moe_gpu.py -q     (on a GPU machine with vLLM; VIME_GPU_TEST_LAYERS=N)
+"""
+
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import rl_kernel as rk
+from rl_kernel.bits import bit_mismatches, bits, same_bits
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+DEV = "cuda"
+BF16 = torch.bfloat16
+LAYERS = int(os.environ.get("VIME_GPU_TEST_LAYERS", "2"))
+HIDDEN, EXPERTS, TOP_K, FFN = 2048, 128, 8, 768
+SHAPE = dict(
+    vocab_size=151936,
+    hidden_size=HIDDEN,
+    intermediate_size=6144,
+    num_heads=32,
+    num_kv_heads=4,
+    head_dim=128,
+    num_experts=EXPERTS,
+    num_experts_per_tok=TOP_K,
+    moe_intermediate_size=FFN,
+)
+PROMPTS, NEW_TOKENS, TEMPERATURE = 64, 32, 0.8
+ENGINE = dict(
+    dtype="bfloat16",
+    seed=0,
+    max_model_len=1024,
+    max_num_seqs=64,
+    max_num_batched_tokens=256,
+    enable_prefix_caching=True,
+    block_size=16,
+    gpu_memory_utilization=0.5,
+)
+
+
+def randn(*shape, dtype=BF16, std=1.0, gen=None) -> torch.Tensor:
+    return (torch.randn(*shape, device=DEV, generator=gen) * std).to(dtype)
+
+
+def _experts(gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """gate_up [E, 2I, D], down [E, D, I] in bf16 at the Qwen3-30B-A3B expert shapes."""
+    return randn(EXPERTS, 2 * FFN, HIDDEN, std=0.02, gen=gen), randn(EXPERTS, HIDDEN, FFN, std=0.02, gen=gen)
+
+
+# ---- ops -------------------------------------------------------------------------------------------
+
+
+def test_triton_router_equals_torch_contract_and_native_twin():
+    from rl_kernel.backends.torch import moe as torch_moe
+    from rl_kernel.backends.triton import moe
+    from rl_kernel.ops.moe import native_route
+
+    pytest.importorskip("triton")
+    gen = torch.Generator(device=DEV).manual_seed(0)
+    x, w = randn(3000, HIDDEN, gen=gen), randn(EXPERTS, HIDDEN, std=0.02, gen=gen)
+    logits = rk.linear_fp32(x, w)
+    logits[:64, 7] = logits[:64, 3]  # ties: the lower id wins
+    logits[64:80] = 0.5  # rows of equal logits
+    logits[80:96, 20:30] = logits[80:96].amax(-1, keepdim=True) + 1  # 10 tied at the top: the 8 lowest of them
+    for renorm in (True, False):
+        weights, ids = moe.route(logits, TOP_K, renorm)
+        want_w, want_ids = torch_moe.route(logits.cpu(), TOP_K, renorm)
+        assert torch.equal(ids.cpu(), want_ids), f"renormalize={renorm}: Triton router's picks != torch contract"
+        assert same_bits(weights.cpu(), want_w), f"renormalize={renorm}: Triton router's weights != torch contract"
+    assert torch.equal(ids[64].cpu(), torch.arange(TOP_K)), "equal logits: the k lowest ids"
+    assert torch.equal(ids[80:96].cpu(), torch.arange(20, 20 + TOP_K).expand(16, -1)), "a tie at the top-k edge"
+    native_w, native_ids = native_route(x, w, TOP_K, True)  # HF's router: bf16 logits, torch.topk
+    weights, ids = moe.route(logits, TOP_K, True)
+    differ = int((native_ids != ids)[96:].any(-1).sum()) + bit_mismatches(native_w[96:], weights[96:])
+    print(f"native router: {differ} differing picks + weights of {3000 - 96} tokens")
+    assert differ > 0, "the native router happened to give the contract's picks and weights"
+
+
+def test_grouped_gemm_batch_invariant_over_group_sizes_and_native_twin():
+    """hypothesis draws each expert's group size; one probe row per non-empty expert, in the full grouped batch,
+    in a batch of the probes only and alone, must keep its bits. The twin: cuBLAS per expert, batched vs alone."""
+    hypothesis = pytest.importorskip("hypothesis")
+    st = hypothesis.strategies
+    from rl_kernel.backends.triton import moe
+    from rl_kernel.ops.moe import native_experts
+
+    gen = torch.Generator(device=DEV).manual_seed(1)
+    gate_up, down = _experts(gen)
+    native_bad: list[int] = []
+
+    @hypothesis.settings(max_examples=25, deadline=None, derandomize=True)
+    @hypothesis.given(
+        sizes=st.lists(
+            st.sampled_from([0, 0, 1, 2, 3, 7, 16, 63, 64, 65, 130, 300]), min_size=EXPERTS, max_size=EXPERTS
+        ),
+        pick=st.integers(0, 1 << 30),
+    )
+    def check(sizes: list[int], pick: int) -> None:
+        hypothesis.assume(sum(sizes) > 0)
+        x = randn(sum(sizes), HIDDEN)
+        counts = torch.tensor(sizes, device=DEV)
+        full = moe.grouped_mlp(x, counts, gate_up, down)
+        starts = torch.tensor([0, *sizes[:-1]]).cumsum(0).tolist()
+        probes = [s + pick % n for s, n in zip(starts, sizes) if n]
+        ones = torch.tensor([int(n > 0) for n in sizes], device=DEV)
+        alone_batch = moe.grouped_mlp(x[probes], ones, gate_up, down)
+        assert same_bits(alone_batch, full[probes]), f"group sizes {sizes}: probe rows changed bits"
+        e = next(i for i, n in enumerate(sizes) if n)
+        one = torch.zeros(EXPERTS, dtype=torch.int64, device=DEV)
+        one[e] = 1
+        assert same_bits(moe.grouped_mlp(x[probes[:1]], one, gate_up, down), full[probes[:1]]), sizes
+        native_bad.append(
+            bit_mismatches(
+                native_experts(x[probes], ones.tolist(), gate_up, down), native_experts(x, sizes, gate_up, down)[probes]
+            )
+        )
+
+    check()
+    print("native cuBLAS per-expert mismatching elements, probes alone vs batched:", native_bad)
+    assert any(native_bad), "native per-expert cuBLAS happened to be batch-invariant at every group size tried"
+
+
+def test_triton_combine_equals_torch_contract_and_native_twin():
+    from rl_kernel.backends.torch import moe as torch_moe
+    from rl_kernel.backends.triton import moe
+    from rl_kernel.ops.moe import native_combine
+
+    gen = torch.Generator(device=DEV).manual_seed(2)
+    y = torch.randn(777, TOP_K, HIDDEN, device=DEV, generator=gen)
+    w = torch.rand(777, TOP_K, device=DEV, generator=gen)
+    w = w / w.sum(-1, keepdim=True)
+    for dtype in (BF16, torch.float32):
+        got = moe.combine(y, w, dtype)
+        assert same_bits(got.cpu(), torch_moe.combine(y.cpu(), w.cpu(), dtype)), f"{dtype}: combine != torch contract"
+    assert bit_mismatches(native_combine(y, w, BF16), moe.combine(y, w, BF16)) > 0, "bf16 sums gave the fp32 bits"
+
+
+def test_moe_forward_replays_under_a_cuda_graph():
+    """rk.moe (route, grouped experts, combine) captured in a CUDA graph: the capture needs a forward with no
+    host read (torch raises on a sync while capturing), and each replay gives the eager forward's bits."""
+    pytest.importorskip("triton")
+    gen = torch.Generator(device=DEV).manual_seed(3)
+    gate_up, down = _experts(gen)
+    router = randn(EXPERTS, HIDDEN, std=0.02, gen=gen)
+    static_x = randn(64, HIDDEN, gen=gen)
+
+    def step(x):
+        return rk.moe(x, router, gate_up, down, TOP_K, True)
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step(static_x)  # warm up (compiles) outside the capture
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out, static_ids = step(static_x)
+    for _ in range(3):
+        new = randn(64, HIDDEN, gen=gen)
+        static_x.copy_(new)
+        graph.replay()
+        out, ids = step(new)
+        assert torch.equal(static_ids, ids) and same_bits(static_out, out), "CUDA-graph replay differs from eager"
+
+
+# ---- the strict vLLM MoE engine ------------------------------------------------------------------------
+
+
+def _prompts(n: int = PROMPTS, seed: int = 0) -> list[list[int]]:
+    """Lengths 1..~620; two in three share one of two long prefixes (prefix caching has work to do)."""
+    g = torch.Generator().manual_seed(seed)
+    prefixes = [torch.randint(10, 150_000, (m,), generator=g).tolist() for m in (300, 180)]
+    out = []
+    for i in range(n):
+        tail = torch.randint(10, 150_000, (int(torch.randint(1, 320, (1,), generator=g)),), generator=g).tolist()
+        out.append(prefixes[i % 2] + tail if i % 3 else tail)
+    return out
+
+
+@pytest.fixture(scope="module")
+def moe_model_path(tmp_path_factory):
+    from rl_kernel.models.tiny import make_tiny_qwen3
+
+    return make_tiny_qwen3(
+        tmp_path_factory.mktemp("qwen3_30b_a3b_layers"), num_layers=LAYERS, device=DEV, init_std=0.02, **SHAPE
+    )
+
+
+@pytest.fixture(scope="module")
+def moe_reference(moe_model_path):
+    from rl_kernel.models.qwen3 import Qwen3Reference
+
+    return Qwen3Reference.from_pretrained(moe_model_path, device=DEV)
+
+
+def _llm(**kwargs):
+    """One engine per process core (vLLM's multiprocess core: two engines of one process cannot both capture)."""
+    vllm = pytest.importorskip("vllm")
+    return vllm.LLM(**kwargs)
+
+
+def _close(llm) -> None:
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    torch.cuda.empty_cache()
+
+
+def _generate(llm, prompts, params) -> tuple[list[list[int]], torch.Tensor, list]:
+    """(tokens, fp32 logprobs of every sampled token, the request outputs) of one `generate`."""
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    tokens, logprobs = [], []
+    for out in outs:
+        c = out.outputs[0]
+        assert c.logprobs is not None and len(c.logprobs) == len(c.token_ids)
+        tokens.append(list(c.token_ids))
+        logprobs.extend(step[t].logprob for step, t in zip(c.logprobs, c.token_ids))
+    return tokens, torch.tensor(logprobs, dtype=torch.float32), outs
+
+
+def _engine_routes(llm, outs, prompts) -> list:
+    """Each request's recorded expert ids of the positions it fed (vime's `VllmEngine._routes`)."""
+    from rl_kernel.integrations.vllm.routes import routes_of
+
+    records = llm.collective_rpc("rl_kernel_routes")[0]
+    return [routes_of(records, o.request_id, len(p) + len(o.outputs[0].token_ids) - 1) for o, p in zip(outs, prompts)]
+
+
+def teacher_forcing(reference, prompts, tokens) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The reference's fp32 logprobs of the same tokens (all sequences in one varlen pack, reverse order) and its
+    routes per sequence (int16 [len, MoE layers, k]) from the same forward."""
+    from rl_kernel.models.qwen3_moe import capture_routes
+
+    seqs = [p + t for p, t in zip(prompts, tokens)][::-1]
+    lens = [len(p) for p in prompts][::-1]
+    with capture_routes(reference.model) as captured:
+        want = reference.sequence_logprobs(seqs, lens, TEMPERATURE)[::-1]
+    assert captured and all(len(layer) == 1 for layer in captured), "teacher forcing ran more than one forward"
+    rows = torch.stack([layer[0] for layer in captured], dim=1).to("cpu", torch.int16)
+    assert rows.shape[0] == sum(len(s) for s in seqs), (rows.shape, sum(len(s) for s in seqs))
+    routes = list(rows.split([len(s) for s in seqs]))[::-1]
+    return torch.cat(want).float().cpu(), routes
+
+
+def routing(engine_routes: list, reference_routes: list[torch.Tensor]) -> dict:
+    """vime's routing agreement (`consistency/routing_mismatch`) of the engine's routes vs the reference's."""
+    from vime.loop.consistency import routing_agreement
+
+    got = routing_agreement(
+        [SimpleNamespace(routes=r) for r in engine_routes], [SimpleNamespace(routes=r) for r in reference_routes]
+    )
+    assert got is not None and got["routes_compared"] > 0, "no route was recorded on both sides"
+    return got
+
+
+def _mismatches(got: torch.Tensor, want: torch.Tensor) -> int:
+    assert got.shape == want.shape and got.numel() > 0
+    return int((bits(got) != bits(want)).sum())
+
+
+@pytest.fixture(scope="module")
+def moe_graph_run(moe_model_path):
+    """The strict CUDA-graph engine's run (routes captured)."""
+    from rl_kernel.integrations.vllm import strict_llm_kwargs, strict_sampling_params, worker_evidence
+
+    prompts = _prompts()
+    kwargs = strict_llm_kwargs(moe_model_path, device=DEV, **ENGINE)
+    assert kwargs["compilation_config"]["cudagraph_mode"] == "FULL_DECODE_ONLY" and not kwargs.get("enforce_eager")
+    llm = _llm(**kwargs)
+    try:
+        assert llm.collective_rpc("rl_kernel_capture_routes", args=(TOP_K,))[0]
+        params = [
+            strict_sampling_params(temperature=TEMPERATURE, max_tokens=NEW_TOKENS, seed=i, ignore_eos=True)
+            for i in range(len(prompts))
+        ]
+        tokens, logprobs, outs = _generate(llm, prompts, params)
+        return {
+            "prompts": prompts,
+            "tokens": tokens,
+            "logprobs": logprobs,
+            "routes": _engine_routes(llm, outs, prompts),
+            "evidence": [r for worker in worker_evidence(llm) for r in worker],
+        }
+    finally:
+        _close(llm)
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_strict_moe_graph_engine_matches_teacher_forcing_and_routes(moe_graph_run, moe_reference):
+    want, want_routes = teacher_forcing(moe_reference, moe_graph_run["prompts"], moe_graph_run["tokens"])
+    assert _mismatches(moe_graph_run["logprobs"], want) == 0
+    agreement = routing(moe_graph_run["routes"], want_routes)
+    print(f"strict MoE graph engine: {want.numel()} tokens, 0 logprob mismatches, routes {agreement}")
+    assert agreement["routing_mismatch_count"] == 0, agreement
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_strict_moe_contracts_ran_in_the_engine(moe_graph_run):
+    ran = moe_graph_run["evidence"]
+    assert ran and all(r["mode"] == "strict" for r in ran), ran
+    assert {r["backend"] for r in ran} == {"triton"}, ran
+    assert {"moe_router", "moe_experts", "moe_combine", "attention", "log_softmax"} <= {r["op"] for r in ran}, ran
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_eager_engine_rescores_the_graph_tokens_with_every_route(moe_graph_run, moe_model_path, moe_reference):
+    """Forced decoding of the graph run's tokens on an eager strict engine: the same logprob bits, and the routes
+    of every fed position (no graph replay hides one) equal the reference's."""
+    from rl_kernel.integrations.vllm import forced_sampling_params, strict_llm_kwargs
+
+    llm = _llm(**strict_llm_kwargs(moe_model_path, device=DEV, enforce_eager=True, **ENGINE))
+    try:
+        assert llm.collective_rpc("rl_kernel_capture_routes", args=(TOP_K,))[0]
+        params = [forced_sampling_params(t, temperature=TEMPERATURE) for t in moe_graph_run["tokens"]]
+        tokens, logprobs, outs = _generate(llm, moe_graph_run["prompts"], params)
+        routes = _engine_routes(llm, outs, moe_graph_run["prompts"])
+    finally:
+        _close(llm)
+    assert tokens == moe_graph_run["tokens"]
+    assert _mismatches(logprobs, moe_graph_run["logprobs"]) == 0
+    _, want_routes = teacher_forcing(moe_reference, moe_graph_run["prompts"], tokens)
+    agreement = routing(routes, want_routes)
+    print(f"strict MoE eager engine: routes {agreement}")
+    assert agreement["routing_mismatch_count"] == 0, agreement
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_native_vllm_moe_differs_in_logprobs_and_routes(moe_model_path, moe_reference):
+    """The twin: vLLM's own Qwen3MoeForCausalLM and its fused MoE (eager, so that every step's router logits are
+    recorded) on the same checkpoint and prompts."""
+    try:
+        import vllm._moe_C  # noqa: F401
+    except ImportError as e:
+        pytest.skip(f"vLLM's own fused MoE needs vllm._moe_C, which this vLLM build lacks ({e})")
+    from rl_kernel.integrations.vllm import native_llm_kwargs, native_sampling_params
+
+    prompts = _prompts(32, seed=1)
+    llm = _llm(**native_llm_kwargs(moe_model_path, device=DEV, enforce_eager=True, **ENGINE))
+    try:
+        assert llm.collective_rpc("rl_kernel_capture_routes", args=(TOP_K,))[0]
+        params = [
+            native_sampling_params(temperature=TEMPERATURE, max_tokens=NEW_TOKENS, seed=i, ignore_eos=True)
+            for i in range(len(prompts))
+        ]
+        tokens, logprobs, outs = _generate(llm, prompts, params)
+        routes = _engine_routes(llm, outs, prompts)
+    finally:
+        _close(llm)
+    want, want_routes = teacher_forcing(moe_reference, prompts, tokens)
+    agreement = routing(routes, want_routes)
+    print(f"native vLLM MoE: {_mismatches(logprobs, want)} of {want.numel()} logprobs differ, routes {agreement}")
+    assert _mismatches(logprobs, want) > 0
+    assert agreement["routing_mismatch_count"] > 0, agreement
