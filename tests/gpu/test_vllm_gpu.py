@@ -224,13 +224,18 @@ def test_eager_engine_rescores_the_graph_engine_tokens_in_the_same_bits(graph_ru
     assert _mismatches(logprobs, graph_run["logprobs"]) == 0
 
 
-def test_compiled_strict_engine_matches_teacher_forcing(model_path, reference):
+@pytest.mark.xfail(
+    strict=True,
+    reason="H200, 6d6ff51: 748 of 1,536 tokens differ; strict_llm_kwargs refuses CUDA compile until this passes",
+)
+def test_compiled_strict_engine_matches_teacher_forcing(model_path, reference, monkeypatch):
     """The compiled strict engine (compile=True: vLLM's torch.compile of the strict model, FULL_AND_PIECEWISE graphs
     split at the strict attention op, so mixed prefill + decode steps replay piecewise graphs): every sampled
     token's fp32 bits equal teacher forcing, under the same chunked prefill, preemptions and prefix reuse."""
-    from rl_kernel.integrations.vllm import strict_llm_kwargs, strict_sampling_params
+    from rl_kernel.integrations.vllm import UNVERIFIED_CUDA_COMPILE, strict_llm_kwargs, strict_sampling_params
     from rl_kernel.models.qwen3 import load_hf_state_dict
 
+    monkeypatch.setenv(UNVERIFIED_CUDA_COMPILE, "1")  # refused otherwise (this test is why)
     prompts = _prompts(48, seed=2)
     llm = _llm(**strict_llm_kwargs(model_path, device="cuda", compile=True, **ENGINE))
     try:
