@@ -99,7 +99,8 @@ def test_triton_router_equals_torch_contract_and_native_twin():
 
 def test_grouped_gemm_batch_invariant_over_group_sizes_and_native_twin():
     """hypothesis draws each expert's group size; one probe row per non-empty expert, in the full grouped batch,
-    in a batch of the probes only and alone, must keep its bits. The twin: cuBLAS per expert, batched vs alone."""
+    in a batch of the probes only and alone, must keep its bits. The twin: cuBLAS per expert, batched vs alone (at the
+    drawn group sizes, and one expert's rows alone vs inside 4,096 rows, the size of a prefill's group)."""
     hypothesis = pytest.importorskip("hypothesis")
     st = hypothesis.strategies
     from rl_kernel.backends.triton import moe
@@ -137,6 +138,18 @@ def test_grouped_gemm_batch_invariant_over_group_sizes_and_native_twin():
         )
 
     check()
+    # The group sizes above stay small (<= 300 rows), where cuBLAS kept its bits on the H200 (6d6ff51). The sizes a
+    # prefill sends one expert are larger: rows of one expert alone against the same rows inside 4,096 of them.
+    x = randn(4096, HIDDEN)
+    e, batched = 5, {}
+    for m in (4096, 1, 3, 16, 64, 256, 1024):
+        sizes = [0] * EXPERTS
+        sizes[e] = m
+        out = native_experts(x[:m], sizes, gate_up, down)
+        if m == 4096:
+            batched = out
+        else:
+            native_bad.append(bit_mismatches(out, batched[:m]))
     print("native cuBLAS per-expert mismatching elements, probes alone vs batched:", native_bad)
     assert any(native_bad), "native per-expert cuBLAS happened to be batch-invariant at every group size tried"
 
