@@ -391,7 +391,7 @@ class Driver:
             **self.labels,
         }
         record = StepRecord.from_row(row)
-        self.timeline.finish_step(record.parity_summary())
+        self.timeline.finish_step()
         return record
 
     def run(self) -> list[StepRecord]:

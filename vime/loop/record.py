@@ -219,11 +219,6 @@ class StepRecord:
         groups["reward"]["extras"] = extras
         return cls(**top, **{name: _GROUP_TYPES[name](**values) for name, values in groups.items()})
 
-    def parity_summary(self) -> dict[str, float]:
-        """Tokens compared, mismatches and max |diff| of the step (the weight timeline's history)."""
-        c = self.consistency
-        return {"mismatch_count": c.mismatch_count, "max_abs_diff": c.max_abs_diff, "tokens": c.tokens}
-
     def wandb(self) -> dict[str, float]:
         """The numeric metrics under their W&B group (`consistency/mismatch_count`, `offpolicy/lag_share_0`)."""
         out = {}
