@@ -276,10 +276,11 @@ class Driver:
         batch = self.prompts.batch(index, a.prompts_per_step)
         per_engine = [[(g, p.token_ids) for g, p in enumerate(batch) if g % n == e] for e in range(n)]
         submit = lambda i: self.engines[i].generate.remote(  # noqa: E731
-            per_engine[i], a.group_size, a.max_new_tokens, a.temperature, self.stop_ids, index
+            per_engine[i], a.group_size, a.max_new_tokens, a.temperature, self.stop_ids, index, 0, True
         )
-        outs, evidence = restart.generate(self, submit, n)  # a dead engine is restarted, its share redone
-        samples = sorted((s for out in outs for s in out), key=lambda s: s.group)  # stable: group order
+        shares = restart.each_engine(self, submit, "generate")  # a dead engine is restarted, its share redone
+        evidence = [e for _, ev in shares for e in ev]
+        samples = sorted((s for out, _ in shares for s in out), key=lambda s: s.group)  # stable: group order
         self.reward_metrics = self.rewards.score(batch, samples, index)
         self.reward_errors += self.reward_metrics["reward_errors"]
         return batch, samples, evidence
@@ -317,7 +318,7 @@ class Driver:
         separate = cfg.trainer.scoring_pass
         sleep_s = wake_s = None
         if cfg.rollout.sleep_level:  # colocated vLLM gives the GPU back to the trainer until the weight push
-            restart.on_every_engine(self, "sleep", "sleep")
+            restart.each_engine(self, lambda i: self.engines[i].sleep.remote(), "sleep", reload=False)
             sleep_s = time.perf_counter() - t1
         scored = self._call(self.trainer, "score", "score", samples, trainer=True)[0] if separate else None
         t2 = time.perf_counter()
@@ -340,7 +341,7 @@ class Driver:
         )
         if cfg.rollout.sleep_level:
             t_wake = time.perf_counter()
-            restart.on_every_engine(self, "wake_up", "wake up")
+            restart.each_engine(self, lambda i: self.engines[i].wake_up.remote(), "wake up", reload=False)
             wake_s = time.perf_counter() - t_wake
         sync = restart.sync(
             self,
