@@ -33,7 +33,7 @@ from vime.eval import Evaluator
 from vime.faults import restart, stops
 from vime.loop import consistency, sampling
 from vime.loop.async_loop import AsyncLoop, lag_metrics
-from vime.loop.record import Parity, StepRecord
+from vime.loop.record import Parity, RunFacts, StepRecord, step_record
 from vime.loop.timeline import Timeline
 from vime.loop.truncation import truncation as truncation_of
 from vime.reporting import report
@@ -362,36 +362,16 @@ class Driver:
         return self.record(step, version, samples, (t0, t1, t2, t3), fields)
 
     def record(self, step: int, version: int, samples: list[Sample], times: tuple, fields: dict) -> StepRecord:
-        """Step `step`'s record, sampled at weight `version`: its rewards and sample completions, `fields` (parity,
-        trainer stats, sync, staleness, contracts), phase seconds from `times` = (start, rollout done, scored,
-        trained) to now; the timeline closes the step on it. Shared by the synchronous and asynchronous loops."""
-        rewards = torch.tensor([s.reward for s in samples])
-        warning = report.no_signal_warning(step, rewards.tolist(), self.cfg.algo.group_size)
+        """Step `step`'s record (`vime.loop.record.step_record`: sampled at weight `version`, `fields` the step's
+        own metrics, phase seconds from `times` = (start, rollout done, scored, trained) to now); the timeline
+        closes the step on it. Shared by the synchronous and asynchronous loops."""
+        rewards = torch.tensor([s.reward for s in samples]).tolist()  # float32, as the record has them
+        warning = report.no_signal_warning(step, rewards, self.cfg.algo.group_size)
         if warning:
             log.warning(warning)
-        t0, t1, t2, t3 = times
-        row = {
-            "step": step,
-            "version": version,
-            "next_version": self.timeline.trainer_version,
-            "reward_mean": float(rewards.mean()),
-            "reward_std": float(rewards.std()),
-            "reward_min": float(rewards.min()),
-            "reward_max": float(rewards.max()),
-            "tied_groups": report.tied_groups(rewards.tolist(), self.cfg.algo.group_size),
-            "correct_frac": float((rewards == 1.0).float().mean()),
-            "samples": report.completion_lines(samples, self.tokenizer.decode, 4, start=step),
-            "response_len_mean": sum(len(s.response_ids) for s in samples) / len(samples),
-            **fields,
-            "rollout_s": t1 - t0,
-            "score_s": t2 - t1,
-            "train_s": t3 - t2,
-            "step_s": time.perf_counter() - t0,
-            "strict": self.strict,
-            "engine_restarts": self.engine_restarts,
-            **self.labels,
-        }
-        record = StepRecord.from_row(row)
+        run = RunFacts(self.cfg.algo.group_size, self.tokenizer.decode, self.strict, self.labels)
+        versions = (version, self.timeline.trainer_version)
+        record = step_record(step, versions, samples, times, run, self.engine_restarts, fields)
         self.timeline.finish_step()
         return record
 
