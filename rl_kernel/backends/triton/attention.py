@@ -126,21 +126,8 @@ def _find_tile(pid, start_ptr, B, LOG_B, TOKENS_PER_TILE: tl.constexpr):
 
 @triton.jit
 def _load_kv(
-    k_ptr,
-    v_ptr,
-    k_desc,
-    v_desc,
-    block_table_ptr,
-    b,
-    stride_bt,
-    kv_base,
-    kvh,
+    kv,
     c,
-    ctx_len,
-    stride_kt,
-    stride_kh,
-    stride_vt,
-    stride_vh,
     PAGED: tl.constexpr,
     MASKED: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -149,7 +136,9 @@ def _load_kv(
     TMA: tl.constexpr,
 ):
     """Chunk c's key positions and k, v [CHUNK, D]. TMA (packed keys, unmasked chunks): by tensor descriptors
-    over [N, Hkv, D] instead of pointer loads (the same values)."""
+    over [N, Hkv, D] instead of pointer loads (the same values). `kv`: the keys' addressing (`_keys`)."""
+    k_ptr, v_ptr, k_desc, v_desc, block_table_ptr, stride_bt, b, kv_base, kvh, ctx_len, strides = kv
+    stride_kt, stride_kh, stride_vt, stride_vh = strides
     kpos = c * CHUNK + tl.arange(0, CHUNK)
     if TMA and not PAGED and not MASKED:
         k = tl.reshape(k_desc.load([kv_base + c * CHUNK, kvh, 0]), (CHUNK, D))
@@ -219,30 +208,7 @@ def _chunk(
 ):
     """Key chunk c of `kv` (the keys' addressing, `_keys`) loaded (`_load_kv`) and folded into the online-softmax
     state (m, l, o) (`_chunk_update`). MASKED: the chunk holds keys after some row's position (or past the end)."""
-    k_ptr, v_ptr, k_desc, v_desc, block_table_ptr, stride_bt, b, kv_base, kvh, ctx_len, strides = kv
-    kpos, k, v = _load_kv(
-        k_ptr,
-        v_ptr,
-        k_desc,
-        v_desc,
-        block_table_ptr,
-        b,
-        stride_bt,
-        kv_base,
-        kvh,
-        c,
-        ctx_len,
-        strides[0],
-        strides[1],
-        strides[2],
-        strides[3],
-        PAGED,
-        MASKED,
-        BLOCK_SIZE,
-        D,
-        CHUNK,
-        TMA,
-    )
+    kpos, k, v = _load_kv(kv, c, PAGED, MASKED, BLOCK_SIZE, D, CHUNK, TMA)
     return _chunk_update(q, qpos, kpos, k, v, m, l, o, c, qk_scale, MASKED, CHUNK, PRECISION)
 
 
