@@ -1,7 +1,7 @@
 """The GPU weight transports' Ray wiring (`vime.weights.sync`: trainer rank 0 -> rollout actors), on CPU.
 
 `weights.transport=nccl` broadcasts packed buckets in a process group of trainer rank 0 and the engines,
-formed apart from the trainer's own world (`rl_kernel.models.weight_transfer.open_weight_group`): NCCL on
+formed apart from the trainer's own world (`rl_kernel.weights.transfer.open_weight_group`): NCCL on
 CUDA, gloo on CPU. Here the real actors (a reference trainer rank, two reference rollout engines) push a
 trained version over gloo; the engines then score exactly as the trainer does, bit for bit, and a stale
 version is refused. The CUDA data planes (IPC handles, NCCL) run in scripts/gpu_train.sh and

@@ -319,7 +319,7 @@ class AsyncLoop:
         group, to land at the next step boundary of a running rollout; over each engine's weight path: from
         Ray's object store (`object_store`), or received from trainer rank 0's broadcast in rl_kernel's push
         group (`gloo`: `vime.weights.sync.GroupReceiver`). Returns when every engine serves the version."""
-        from rl_kernel.models.weight_transfer import DEFAULT_BUCKET_BYTES
+        from rl_kernel.weights.transfer import DEFAULT_BUCKET_BYTES
 
         d, t0 = self.d, time.perf_counter()
         version = d.timeline.trainer_version
