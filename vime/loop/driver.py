@@ -101,6 +101,19 @@ class Driver:
     # ---- set-up ----------------------------------------------------------------------------
 
     def setup(self) -> None:
+        """Everything before the first step: the checks that need no Ray (`preflight`), Ray and the actors'
+        placement (`start_ray`), then the actors themselves (`start_actors`); a plan (`plan=true`) writes where
+        they would go instead of starting them."""
+        resume_from, env = self.preflight()
+        self.start_ray(env)
+        if self.cfg.plan:  # stand-ins placed as the actors would be; no engine starts
+            self.plan = plan.write_plan(self.cfg, self.groups, self.model_path, self.output_dir)
+            return
+        self.start_actors(resume_from)
+
+    def preflight(self) -> tuple[Path | None, dict[str, str]]:
+        """The model, the data and every check that needs no Ray, before Ray starts; sets this process's rl_kernel
+        settings. Returns (the checkpoint a resume continues from or None, the actors' environment)."""
         cfg = self.cfg
         stops.sweep_stale()  # temporary files that crashed runs left in /tmp and /dev/shm
         self.output_dir.mkdir(parents=True, exist_ok=True)
@@ -129,6 +142,12 @@ class Driver:
         }
         preflight.check_local_resources(cfg)
         preflight.check_weight_transport(cfg)
+        return resume_from, env
+
+    def start_ray(self, env: dict[str, str]) -> None:
+        """Start (or join) Ray with the actors' environment `env`, check the GPU layout against its nodes, and
+        place the actors: their placement groups (`self.groups`) and each engine's node and weight path."""
+        cfg = self.cfg
         env |= placement.single_node_env(cfg.ray)
         if not cfg.ray.address:  # what the actors leave in their TMPDIR is removed with the run
             env |= stops.actor_temp_env()
@@ -149,7 +168,6 @@ class Driver:
             preflight.check_resources(
                 cfg, ray.available_resources(), f"the cluster at {cfg.ray.address} has {ray.available_resources()}"
             )
-        n_ranks = cfg.trainer.tp * cfg.trainer.cp
         # one bundle per GPU, engine i's TP workers on trainer TP group i's GPUs (vime.cluster.groups)
         self.groups = groups = make_groups(cfg, layout)
         self.rollout_pg = groups.rollout_pg
@@ -158,9 +176,12 @@ class Driver:
         self.trainer_node, self.engine_nodes, self.weight_paths = placement.weight_paths(
             cfg, groups.trainer[0].node, [e[0].node for e in groups.engines]
         )
-        if cfg.plan:  # stand-ins placed as the actors would be; no engine starts
-            self.plan = plan.write_plan(cfg, groups, self.model_path, self.output_dir)
-            return
+
+    def start_actors(self, resume_from: Path | None) -> None:
+        """Start the rollout engines and the trainer ranks in their placement, check they agree with the
+        checkpoint, and restore `resume_from` (a checkpoint) or save the run's config; opens the metrics log."""
+        cfg, groups = self.cfg, self.groups
+        n_ranks = cfg.trainer.tp * cfg.trainer.cp
         # in-flight weight updates (rollout.partial) arrive in their own concurrency group, beside a rollout
         Rollout = (
             ray.remote(concurrency_groups={"weights": 1})(RolloutWorker)
