@@ -17,7 +17,7 @@ from vime.cluster.remote import (  # noqa: F401 - actor deaths and where engine 
     engine_log_hint,
     route_engine_output,
 )
-from vime.loop.record import StepRecord, completion_lines, tied_groups  # noqa: F401 - report.completion_lines
+from vime.loop.record import StepRecord, tied_groups
 from vime.reporting.commands import python_command, resume_command  # noqa: F401 - printed commands (report.python_command)
 
 
