@@ -232,24 +232,8 @@ def _keys(
     """The addressing of sequence b's keys of kv head `kvh`, as one tuple (what `_chunk` and the split launches
     take): ctx_len keys, key position p at row kv_base + p (packed) or in the blocks of block table row b (paged),
     k and v strides (token, head) and their tensor descriptors (TMA)."""
-    return (
-        k_ptr,
-        v_ptr,
-        k_desc,
-        v_desc,
-        block_table_ptr,
-        stride_bt,
-        b,
-        kv_base,
-        kvh,
-        ctx_len,
-        (
-            stride_kt,
-            stride_kh,
-            stride_vt,
-            stride_vh,
-        ),
-    )
+    strides = (stride_kt, stride_kh, stride_vt, stride_vh)
+    return k_ptr, v_ptr, k_desc, v_desc, block_table_ptr, stride_bt, b, kv_base, kvh, ctx_len, strides
 
 
 @triton.jit
