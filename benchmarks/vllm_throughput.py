@@ -315,7 +315,7 @@ def push_timing(llm, path: Path, pushes: int) -> list[dict]:
     from the push's start to the engine's acknowledgement of the new version (prefix cache reset included)."""
     from rl_kernel.integrations.vllm.ipc import VllmIPCReceiver
     from rl_kernel.models.qwen3 import read_config
-    from rl_kernel.models.weight_transfer import WeightSender, expected_weights
+    from rl_kernel.weights.transfer import WeightSender, expected_weights
 
     expected = expected_weights(read_config(path), "bfloat16")
     gen = torch.Generator(device="cuda").manual_seed(5)

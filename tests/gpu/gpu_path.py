@@ -14,7 +14,7 @@ for bit on every row. Native twins (reported, not judged): CP2 folding 64-key ch
 
 Push: a Qwen3-8B-shaped bf16 state (36 layers, vocab 151936, untied head: 16.4 GB; `--layers` scales
 it), version-dependent random bits, held as TP2 shards by the two trainer ranks, all-gathered over NCCL
-(timed) and pushed by trainer rank 0 (`rl_kernel.models.weight_transfer.WeightSender`) into the engine's
+(timed) and pushed by trainer rank 0 (`rl_kernel.weights.transfer.WeightSender`) into the engine's
 `Qwen3Reference` (`receiver_for_model`): over CUDA IPC with the engine on GPU 0 (colocated), then over
 NCCL with the engine on GPU 1. Two versions per transport (cold, warm). The engine checks every received
 weight's bits against the expected ones and acknowledges the version; the sender checks the ack.
@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import rl_kernel as rk  # noqa: E402
 from rl_kernel.integrations.megatron import cp as cpm  # noqa: E402
 from rl_kernel.models.qwen3 import Qwen3Config, Qwen3Reference  # noqa: E402
-from rl_kernel.models.weight_transfer import WeightSender, receiver_for_model  # noqa: E402
+from rl_kernel.weights.transfer import WeightSender, receiver_for_model  # noqa: E402
 
 ENGINE = 2  # global rank of the engine process
 BF16 = torch.bfloat16

@@ -144,7 +144,7 @@ def _update_over_ipc(llm, model_path, reference, prompts, params) -> dict:
     given the same weights."""
     from rl_kernel.integrations.vllm.ipc import VllmIPCReceiver
     from rl_kernel.models.qwen3 import load_hf_state_dict, read_config
-    from rl_kernel.models.weight_transfer import WeightSender, expected_weights
+    from rl_kernel.weights.transfer import WeightSender, expected_weights
 
     old = load_hf_state_dict(model_path)
     gen = torch.Generator(device="cuda").manual_seed(7)

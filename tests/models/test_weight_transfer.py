@@ -1,4 +1,4 @@
-"""Weight push protocol (`rl_kernel.models.weight_transfer`) on CPU: bucketing, packing, naming and the
+"""Weight push protocol (`rl_kernel.weights.transfer`) on CPU: bucketing, packing, naming and the
 version rules, through a loopback data plane (the IPC and NCCL data planes run in tests/gpu/gpu_path.py)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from safetensors.torch import load_file
 
 from rl_kernel.bits import same_bits
 from rl_kernel.models.qwen3 import Qwen3Reference
-from rl_kernel.models.weight_transfer import (
+from rl_kernel.weights.transfer import (
     ALIGN,
     TensorMeta,
     WeightReceiver,
@@ -144,3 +144,11 @@ def test_push_into_the_rollout_model(tiny_qwen3_path):
     assert ack["tensors"] == len(src) and rx.version == 1
     for n, t in model.state_dict_hf().items():
         assert same_bits(t, src[n]), n
+
+
+def test_the_old_module_name_is_the_moved_module():
+    import rl_kernel.models.weight_transfer as old
+    import rl_kernel.weights.transfer as moved
+    from rl_kernel.models.weight_transfer import WeightSender as OldSender
+
+    assert old is moved and OldSender is moved.WeightSender

@@ -42,11 +42,11 @@ class _FlippingRollout(RolloutWorker):
 
     flip = False
 
-    def generate(self, *args, **kwargs) -> list[Sample]:
-        samples = super().generate(*args, **kwargs)
+    def generate(self, *args, **kwargs) -> tuple[list[Sample], list[dict]]:
+        samples, evidence = super().generate(*args, **kwargs)  # the driver asks for the evidence with them
         if self.flip:
             samples[0].logprobs[0] = _flip_low_bit(samples[0].logprobs[0])
-        return samples
+        return samples, evidence
 
 
 def _driver(tmp_path: Path, model: Path, monkeypatch: pytest.MonkeyPatch, flip: bool) -> Driver:
@@ -55,7 +55,7 @@ def _driver(tmp_path: Path, model: Path, monkeypatch: pytest.MonkeyPatch, flip: 
     cfg.algo.prompts_per_step, cfg.algo.group_size, cfg.algo.max_new_tokens = 2, 2, 4
     cfg.data.task = "copy"
     monkeypatch.setattr(driver_mod, "call", lambda refs, what, names: list(refs))
-    monkeypatch.setattr("vime.cluster.remote.call", lambda refs, what, names: list(refs))  # restart.generate's
+    monkeypatch.setattr("vime.cluster.remote.call", lambda refs, what, names: list(refs))  # restart.each_engine's
     monkeypatch.setattr(driver_mod, "sync_weights", lambda *a, **k: {"sync_s": 0.0})
     d = Driver(cfg, tmp_path)
     rollout = _FlippingRollout(0, cfg.rollout, str(model), "bfloat16", "cpu", side_modes(cfg.rollout.mode, {}), 0)

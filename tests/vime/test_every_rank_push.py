@@ -5,7 +5,7 @@ engine (rl_kernel's WeightReceiver, its data plane replaced) opens only the hand
 there its own rank's copy, bucket after bucket; both ranks return the engines' acknowledgement.
 
 What is a stand-in: the handle. CUDA IPC needs a GPU, so a rank's handle is {"gpu-<rank>": its bucket buffer}
-(`rl_kernel.models.weight_transfer.ipc_handles` replaced), moved by value; Ray's calls are made in process
+(`rl_kernel.weights.transfer.ipc_handles` replaced), moved by value; Ray's calls are made in process
 (rank 0 calls the stand-ins directly). The gather, the routing by GPU, the buckets and the acknowledgement are
 the real code. Its twin: the same push from rank 0 alone (every_rank=False) leaves engine 1 without a handle
 for its GPU, and the push fails naming it."""
@@ -55,7 +55,7 @@ class StandInEngine:
     """An engine colocated on trainer rank `gpu`'s GPU: a WeightReceiver that opens its own GPU's handle."""
 
     def __init__(self, gpu: int):
-        from rl_kernel.models.weight_transfer import WeightReceiver
+        from rl_kernel.weights.transfer import WeightReceiver
 
         self.gpu, self.got, self.opened = gpu, {}, []
         engine = self
@@ -85,7 +85,7 @@ def _weights(rank: int) -> dict[str, torch.Tensor]:
 def _rank(rank: int, port: int, out: str) -> None:
     import ray
 
-    import rl_kernel.models.weight_transfer as wt
+    import rl_kernel.weights.transfer as wt
     from vime.weights.sync import EnginePush
 
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)

@@ -72,3 +72,26 @@ def test_non_finite_values_survive_the_json_row(loss, max_abs_diff):
     )
     assert math.isnan(back.train.loss) if math.isnan(loss) else back.train.loss == loss
     assert back.consistency.max_abs_diff == max_abs_diff
+
+
+def test_one_builder_makes_the_step_record_of_either_loop():
+    from types import SimpleNamespace
+
+    from vime.loop.record import RunFacts, step_record
+
+    samples = [
+        SimpleNamespace(group=g, reward=r, prompt_ids=[g], response_ids=[1] * (g + 1))
+        for g, r in [(0, 1.0), (0, 0.0), (1, 0.5), (1, 0.5)]
+    ]
+    run = RunFacts(2, lambda ids: ",".join(map(str, ids)), True, {"rollout_engine": "vllm", "trainer_engine": "mc"})
+    measured = {"mismatch_count": 0, "tokens": 6, "sync_bytes": 8.0, "contracts": {"gemm": "same"}}
+    rec = step_record(5, (5, 6), samples, (0.0, 1.0, 1.5, 3.5), run, 2, measured)
+    r = rec.rollout
+    assert (r.reward_mean, r.reward_min, r.reward_max, r.tied_groups, r.correct_frac) == (0.5, 0.0, 1.0, 1, 0.25)
+    assert r.reward_std == pytest.approx(math.sqrt(1 / 6)) and r.response_len_mean == 1.5
+    assert (rec.weights.version, rec.weights.next_version, rec.weights.sync_bytes) == (5, 6, 8.0)
+    assert (rec.timing.rollout_s, rec.timing.score_s, rec.timing.train_s) == (1.0, 0.5, 2.0)
+    assert rec.timing.step_s > 3.5 and rec.strict and rec.engine_restarts == 2 and rec.trainer_engine == "mc"
+    assert rec.samples == [("1", "1,1", 0.5), ("0", "1", 1.0)]  # from group step mod 2 = 1 onwards
+    with pytest.raises(ValueError, match="'sync_byte' is not a field"):
+        step_record(5, (5, 6), samples, (0.0, 1.0, 1.5, 3.5), run, 2, {"sync_byte": 8.0})

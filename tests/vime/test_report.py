@@ -12,6 +12,7 @@ import pytest
 from vime import audit
 from vime.config.schema import modes_label
 from vime.data import tasks
+from vime.loop import record
 from vime.loop.record import StepRecord
 from vime.reporting import report
 
@@ -73,7 +74,7 @@ def test_wandb_keys_are_grouped():
 
 
 def test_no_signal_warning_only_when_every_group_is_tied():
-    assert report.tied_groups([0.0, 0.0, 1.0, 0.0, 0.5, 0.5], 2) == 2
+    assert record.tied_groups([0.0, 0.0, 1.0, 0.0, 0.5, 0.5], 2) == 2
     assert report.no_signal_warning(3, [0.0, 0.0, 1.0, 0.0], 2) is None
     msg = report.no_signal_warning(3, [0.1, 0.1, 0.0, 0.0], 2)
     assert msg is not None and "step 3" in msg and "no learning signal" in msg and "2 groups" in msg
@@ -81,7 +82,7 @@ def test_no_signal_warning_only_when_every_group_is_tied():
 
 def test_completion_lines_take_one_sample_per_group():
     samples = [SimpleNamespace(group=g, prompt_ids=[g], response_ids=[g, 9], reward=0.5 * g) for g in (0, 0, 1, 2)]
-    lines = report.completion_lines(samples, lambda ids: "".join(map(str, ids)), n=2)
+    lines = record.completion_lines(samples, lambda ids: "".join(map(str, ids)), n=2)
     assert lines == [("0", "09", 0.0), ("1", "19", 0.5)]
 
 

@@ -1,7 +1,7 @@
 """The GPU weight transports' Ray wiring (`vime.weights.sync`: trainer rank 0 -> rollout actors), on CPU.
 
 `weights.transport=nccl` broadcasts packed buckets in a process group of trainer rank 0 and the engines,
-formed apart from the trainer's own world (`rl_kernel.models.weight_transfer.open_weight_group`): NCCL on
+formed apart from the trainer's own world (`rl_kernel.weights.transfer.open_weight_group`): NCCL on
 CUDA, gloo on CPU. Here the real actors (a reference trainer rank, two reference rollout engines) push a
 trained version over gloo; the engines then score exactly as the trainer does, bit for bit, and a stale
 version is refused. The CUDA data planes (IPC handles, NCCL) run in scripts/gpu_train.sh and
@@ -187,7 +187,8 @@ def test_a_restart_whose_reload_meets_another_dead_engine_restarts_that_one_too(
 
 def test_an_engine_dead_at_sleep_or_wake_up_is_restarted_and_the_next_push_loads_it(actors):
     """A colocated engine killed while the trainer works is met by the sleep or wake-up call around the train step
-    (`vime.faults.restart.on_every_engine`; `info` stands in for them, which the reference engine lacks): it is
+    (`vime.faults.restart.each_engine` with `reload=False`; `info` stands in for them, which the reference engine
+    lacks): it is
     restarted without a reload, the call is made on the fresh engine, and the step's weight push that follows
     brings it to the trainer's version, scoring as the trainer does."""
     from vime.faults import restart
@@ -197,7 +198,7 @@ def test_an_engine_dead_at_sleep_or_wake_up_is_restarted_and_the_next_push_loads
     samples, version, driver = _trained_driver(actors)
     timeline = driver.timeline
     ray.kill(driver.engines[1])
-    restart.on_every_engine(driver, "info", "wake up")
+    restart.each_engine(driver, lambda i: driver.engines[i].info.remote(), "wake up", reload=False)
     assert driver.engine_restarts == 1
     assert timeline.engine_versions == [version - 1, 0]  # the fresh engine serves its checkpoint until the push
     sync_weights([trainer], driver.engines, version, 1 << 20, timeline, call, transport=["nccl"] * 2)

@@ -41,7 +41,7 @@ from rl_kernel.integrations.vllm.model import (
     paged_attention,
     write_kv,
 )
-from rl_kernel.models.weight_transfer import TensorMeta, WeightSender, WeightVersionError
+from rl_kernel.weights.transfer import TensorMeta, WeightSender, WeightVersionError
 from vime.errors import WeightSyncError
 
 pytestmark = pytest.mark.vllm

@@ -28,7 +28,7 @@ from rl_kernel.integrations.vllm.nccl import (
     packed_chunks,
     update_payload,
 )
-from rl_kernel.models.weight_transfer import WeightVersionError
+from rl_kernel.weights.transfer import WeightVersionError
 from vime.errors import WeightSyncError
 from vime.weights.sync import VLLM_NCCL, push_transport
 

@@ -92,7 +92,7 @@ class Task(StrEnum):
 class Transport(StrEnum):
     auto = "auto"  # per engine, by locality (`engine_transports`)
     object_store = "object_store"  # Ray's object store (CPU runs; the trainer's rank 0 exports buckets)
-    ipc = "ipc"  # CUDA IPC handles (vLLM `ipc` / rl_kernel.models.weight_transfer): colocated
+    ipc = "ipc"  # CUDA IPC handles (vLLM `ipc` / rl_kernel.weights.transfer): colocated
     nccl = "nccl"  # NCCL broadcast from the trainer's rank 0 (vLLM `nccl`): separate GPUs
     gloo = "gloo"  # rl_kernel's push group on CPU (gloo broadcast over TCP): engines on other nodes
 

@@ -22,6 +22,8 @@ lost trainer node ends the run like a dead trainer rank.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import ray
 
@@ -130,24 +132,49 @@ def restart_engine(driver, engine: int, cause: str, who: str | None = None, relo
     return loaded
 
 
-def on_every_engine(driver, method: str, what: str) -> None:
-    """`method` (no arguments) on every rollout engine at once: vLLM's sleep and wake-up around the train step of
-    a colocated run. An engine found dead is restarted without a reload (a fresh engine is awake, and the weight
-    push after the wake-up brings every engine behind to the trainer's version) and `method` is called on it
-    again."""
+def issue(driver, submit: Callable[[int], Any], engines: Iterable[int]) -> dict[int, tuple[Any, Any]]:
+    """`submit(i)` (a Ray call on `driver.engines[i]`, returning its ref) for each engine i of `engines`, at once:
+    {i: (the actor it went to, its ref)}, what `each_engine` awaits."""
+    return {i: (driver.engines[i], submit(i)) for i in engines}
+
+
+def each_engine(
+    driver,
+    submit: Callable[[int], Any],
+    what: str,
+    *,
+    reload: bool = True,
+    issued: dict[int, tuple[Any, Any]] | None = None,
+    done: dict[int, Any] | None = None,
+) -> list:
+    """The result of `submit(i)` on every rollout engine i, in engine order: the one restart-and-retry loop.
+
+    Every call not in `issued` (from `issue`) is issued before any is awaited. An engine that dies before its
+    result is in is restarted (`restart_engine`; with `reload=False` without a weight reload: sleep and wake-up
+    around a colocated train step, where the weight push after the wake-up brings every engine behind to the
+    trainer's version) and `submit(i)` issued again on the fresh actor; so is a call whose actor was replaced
+    meanwhile (another engine's restart found it dead). `issued` and `done` ({i: result}, results already in;
+    they are not asked again) are updated in place, so a caller that keeps them (a rollout in flight) resumes
+    where it left off."""
     from vime.cluster.remote import call
 
-    refs = [getattr(engine, method).remote() for engine in driver.engines]
-    for i, ref in enumerate(refs):
-        while True:
+    n = len(driver.engines)
+    issued = {} if issued is None else issued
+    done = {} if done is None else done
+    issued |= issue(driver, submit, [i for i in range(n) if i not in done and i not in issued])
+    for i in range(n):
+        while i not in done:
+            actor, ref = issued[i]
+            if driver.engines[i] is not actor:
+                issued[i] = (driver.engines[i], submit(i))
+                continue
             try:
-                call([ref], what, [f"rollout engine {i}"])
-                break
+                done[i] = call([ref], what, [f"rollout engine {i}"])[0]
             except EngineDiedError as e:
                 if not died(e):
                     raise
-                restart_engine(driver, i, str(e), _who(e, i), reload=False)
-                ref = getattr(driver.engines[i], method).remote()
+                restart_engine(driver, i, str(e), _who(e, i), reload=reload)
+    return [done[i] for i in range(n)]
 
 
 def replace_on_capacity(driver, engine: int) -> None:
@@ -183,33 +210,6 @@ def replace_on_capacity(driver, engine: int) -> None:
             placement.node_address(node),
             driver.weight_paths[engine],
         )
-
-
-def generate(driver, submit, engines: int) -> tuple[list, list[dict]]:
-    """Every engine's share of a step and the rl_kernel evidence of it. `submit(i)` issues engine i's
-    `generate` call; an engine that dies before both are in is restarted and its share submitted again."""
-    from vime.cluster.remote import call
-
-    refs = {i: submit(i) for i in range(engines)}
-    asked = {i: driver.engines[i] for i in range(engines)}  # the actor each call went to
-    outs, evidence = [], []
-    for i in range(engines):
-        while True:
-            name = f"rollout engine {i}"
-            if driver.engines[i] is not asked[i]:  # replaced meanwhile (another engine's restart found it dead)
-                refs[i], asked[i] = submit(i), driver.engines[i]
-            try:
-                out = call([refs[i]], "generate", [name])[0]
-                ev = call([driver.engines[i].evidence.remote()], "evidence", [name])[0]
-                break
-            except EngineDiedError as e:
-                if not died(e):
-                    raise
-                restart_engine(driver, i, str(e), _who(e, i))
-                refs[i], asked[i] = submit(i), driver.engines[i]
-        outs.append(out)
-        evidence.extend(ev)
-    return outs, evidence
 
 
 def sync(driver, sync_fn) -> dict:

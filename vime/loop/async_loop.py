@@ -36,7 +36,7 @@ import torch
 from vime.config.schema import StaleSamples
 from vime.data.dataset import Prompt
 from vime.engines import Sample, Scored
-from vime.errors import ComparabilityError, EngineDiedError, TrainingError
+from vime.errors import ComparabilityError, TrainingError
 from vime.faults import restart
 from vime.loop import consistency
 from vime.loop.record import StepRecord
@@ -125,12 +125,13 @@ def check_behaviour_comparable(samples: list[Sample], scored: list[Scored]) -> N
 
 @dataclasses.dataclass
 class Submitted:
-    """A step's rollout in flight: its prompts (group g is `batch[g]`), each engine's share and Ray refs, and
-    the (samples, rl_kernel evidence) of each engine whose share is in (`AsyncLoop.outputs`)."""
+    """A step's rollout in flight: its prompts (group g is `batch[g]`), each engine's share and its call
+    ((actor, Ray ref), `vime.faults.restart.issue`), and the (samples, rl_kernel evidence) of each engine whose
+    share is in (`AsyncLoop.outputs`)."""
 
     batch: list[Prompt]
     per_engine: list[list[tuple[int, list[int]]]]
-    refs: dict[int, object]
+    refs: dict[int, tuple[object, object]]
     results: dict[int, tuple[list[Sample], list[dict]]] = dataclasses.field(default_factory=dict)
 
 
@@ -196,25 +197,15 @@ class AsyncLoop:
         self.requeued = []
         n = len(self.d.engines)
         per_engine = [[(g, p.token_ids) for g, p in enumerate(batch) if g % n == e] for e in range(n)]
-        refs = {i: self._generate(i, per_engine[i], step) for i in range(n)}
+        refs = restart.issue(self.d, lambda i: self._generate(i, per_engine[i], step), range(n))
         self.inflight[step] = Submitted(batch, per_engine, refs)
 
     def outputs(self, step: int) -> list[tuple[list[Sample], list[dict]]]:
         """(samples, evidence) of each engine's share of step `step`'s rollout, waiting for those not in yet;
         a dead engine is restarted and its share generated again (at the version the engines serve now)."""
-        from vime.cluster.remote import call
-
         sub = self.inflight[step]
-        for i in range(len(self.d.engines)):
-            while i not in sub.results:
-                try:
-                    sub.results[i] = call([sub.refs[i]], "generate", [f"rollout engine {i}"])[0]
-                except EngineDiedError as e:
-                    if not restart.died(e):
-                        raise
-                    restart.restart_engine(self.d, i, str(e))
-                    sub.refs[i] = self._generate(i, sub.per_engine[i], step)
-        return [sub.results[i] for i in range(len(self.d.engines))]
+        submit = lambda i: self._generate(i, sub.per_engine[i], step)  # noqa: E731
+        return restart.each_engine(self.d, submit, "generate", issued=sub.refs, done=sub.results)
 
     def collect(self, step: int) -> tuple[list[Sample], list[Prompt]]:
         """Step `step`'s samples with rewards and group advantages (`outputs`)."""
@@ -328,7 +319,7 @@ class AsyncLoop:
         group, to land at the next step boundary of a running rollout; over each engine's weight path: from
         Ray's object store (`object_store`), or received from trainer rank 0's broadcast in rl_kernel's push
         group (`gloo`: `vime.weights.sync.GroupReceiver`). Returns when every engine serves the version."""
-        from rl_kernel.models.weight_transfer import DEFAULT_BUCKET_BYTES
+        from rl_kernel.weights.transfer import DEFAULT_BUCKET_BYTES
 
         d, t0 = self.d, time.perf_counter()
         version = d.timeline.trainer_version

@@ -33,7 +33,7 @@ from vime.eval import Evaluator
 from vime.faults import restart, stops
 from vime.loop import consistency, sampling
 from vime.loop.async_loop import AsyncLoop, lag_metrics
-from vime.loop.record import Parity, StepRecord
+from vime.loop.record import Parity, RunFacts, StepRecord, step_record
 from vime.loop.timeline import Timeline
 from vime.loop.truncation import truncation as truncation_of
 from vime.reporting import report
@@ -101,6 +101,19 @@ class Driver:
     # ---- set-up ----------------------------------------------------------------------------
 
     def setup(self) -> None:
+        """Everything before the first step: the checks that need no Ray (`preflight`), Ray and the actors'
+        placement (`start_ray`), then the actors themselves (`start_actors`); a plan (`plan=true`) writes where
+        they would go instead of starting them."""
+        resume_from, env = self.preflight()
+        self.start_ray(env)
+        if self.cfg.plan:  # stand-ins placed as the actors would be; no engine starts
+            self.plan = plan.write_plan(self.cfg, self.groups, self.model_path, self.output_dir)
+            return
+        self.start_actors(resume_from)
+
+    def preflight(self) -> tuple[Path | None, dict[str, str]]:
+        """The model, the data and every check that needs no Ray, before Ray starts; sets this process's rl_kernel
+        settings. Returns (the checkpoint a resume continues from or None, the actors' environment)."""
         cfg = self.cfg
         stops.sweep_stale()  # temporary files that crashed runs left in /tmp and /dev/shm
         self.output_dir.mkdir(parents=True, exist_ok=True)
@@ -129,6 +142,12 @@ class Driver:
         }
         preflight.check_local_resources(cfg)
         preflight.check_weight_transport(cfg)
+        return resume_from, env
+
+    def start_ray(self, env: dict[str, str]) -> None:
+        """Start (or join) Ray with the actors' environment `env`, check the GPU layout against its nodes, and
+        place the actors: their placement groups (`self.groups`) and each engine's node and weight path."""
+        cfg = self.cfg
         env |= placement.single_node_env(cfg.ray)
         if not cfg.ray.address:  # what the actors leave in their TMPDIR is removed with the run
             env |= stops.actor_temp_env()
@@ -149,7 +168,6 @@ class Driver:
             preflight.check_resources(
                 cfg, ray.available_resources(), f"the cluster at {cfg.ray.address} has {ray.available_resources()}"
             )
-        n_ranks = cfg.trainer.tp * cfg.trainer.cp
         # one bundle per GPU, engine i's TP workers on trainer TP group i's GPUs (vime.cluster.groups)
         self.groups = groups = make_groups(cfg, layout)
         self.rollout_pg = groups.rollout_pg
@@ -158,9 +176,12 @@ class Driver:
         self.trainer_node, self.engine_nodes, self.weight_paths = placement.weight_paths(
             cfg, groups.trainer[0].node, [e[0].node for e in groups.engines]
         )
-        if cfg.plan:  # stand-ins placed as the actors would be; no engine starts
-            self.plan = plan.write_plan(cfg, groups, self.model_path, self.output_dir)
-            return
+
+    def start_actors(self, resume_from: Path | None) -> None:
+        """Start the rollout engines and the trainer ranks in their placement, check they agree with the
+        checkpoint, and restore `resume_from` (a checkpoint) or save the run's config; opens the metrics log."""
+        cfg, groups = self.cfg, self.groups
+        n_ranks = cfg.trainer.tp * cfg.trainer.cp
         # in-flight weight updates (rollout.partial) arrive in their own concurrency group, beside a rollout
         Rollout = (
             ray.remote(concurrency_groups={"weights": 1})(RolloutWorker)
@@ -276,10 +297,11 @@ class Driver:
         batch = self.prompts.batch(index, a.prompts_per_step)
         per_engine = [[(g, p.token_ids) for g, p in enumerate(batch) if g % n == e] for e in range(n)]
         submit = lambda i: self.engines[i].generate.remote(  # noqa: E731
-            per_engine[i], a.group_size, a.max_new_tokens, a.temperature, self.stop_ids, index
+            per_engine[i], a.group_size, a.max_new_tokens, a.temperature, self.stop_ids, index, 0, True
         )
-        outs, evidence = restart.generate(self, submit, n)  # a dead engine is restarted, its share redone
-        samples = sorted((s for out in outs for s in out), key=lambda s: s.group)  # stable: group order
+        shares = restart.each_engine(self, submit, "generate")  # a dead engine is restarted, its share redone
+        evidence = [e for _, ev in shares for e in ev]
+        samples = sorted((s for out, _ in shares for s in out), key=lambda s: s.group)  # stable: group order
         self.reward_metrics = self.rewards.score(batch, samples, index)
         self.reward_errors += self.reward_metrics["reward_errors"]
         return batch, samples, evidence
@@ -317,7 +339,7 @@ class Driver:
         separate = cfg.trainer.scoring_pass
         sleep_s = wake_s = None
         if cfg.rollout.sleep_level:  # colocated vLLM gives the GPU back to the trainer until the weight push
-            restart.on_every_engine(self, "sleep", "sleep")
+            restart.each_engine(self, lambda i: self.engines[i].sleep.remote(), "sleep", reload=False)
             sleep_s = time.perf_counter() - t1
         scored = self._call(self.trainer, "score", "score", samples, trainer=True)[0] if separate else None
         t2 = time.perf_counter()
@@ -340,7 +362,7 @@ class Driver:
         )
         if cfg.rollout.sleep_level:
             t_wake = time.perf_counter()
-            restart.on_every_engine(self, "wake_up", "wake up")
+            restart.each_engine(self, lambda i: self.engines[i].wake_up.remote(), "wake up", reload=False)
             wake_s = time.perf_counter() - t_wake
         sync = restart.sync(
             self,
@@ -361,37 +383,17 @@ class Driver:
         return self.record(step, version, samples, (t0, t1, t2, t3), fields)
 
     def record(self, step: int, version: int, samples: list[Sample], times: tuple, fields: dict) -> StepRecord:
-        """Step `step`'s record, sampled at weight `version`: its rewards and sample completions, `fields` (parity,
-        trainer stats, sync, staleness, contracts), phase seconds from `times` = (start, rollout done, scored,
-        trained) to now; the timeline closes the step on it. Shared by the synchronous and asynchronous loops."""
-        rewards = torch.tensor([s.reward for s in samples])
-        warning = report.no_signal_warning(step, rewards.tolist(), self.cfg.algo.group_size)
+        """Step `step`'s record (`vime.loop.record.step_record`: sampled at weight `version`, `fields` the step's
+        own metrics, phase seconds from `times` = (start, rollout done, scored, trained) to now); the timeline
+        closes the step on it. Shared by the synchronous and asynchronous loops."""
+        rewards = torch.tensor([s.reward for s in samples]).tolist()  # float32, as the record has them
+        warning = report.no_signal_warning(step, rewards, self.cfg.algo.group_size)
         if warning:
             log.warning(warning)
-        t0, t1, t2, t3 = times
-        row = {
-            "step": step,
-            "version": version,
-            "next_version": self.timeline.trainer_version,
-            "reward_mean": float(rewards.mean()),
-            "reward_std": float(rewards.std()),
-            "reward_min": float(rewards.min()),
-            "reward_max": float(rewards.max()),
-            "tied_groups": report.tied_groups(rewards.tolist(), self.cfg.algo.group_size),
-            "correct_frac": float((rewards == 1.0).float().mean()),
-            "samples": report.completion_lines(samples, self.tokenizer.decode, 4, start=step),
-            "response_len_mean": sum(len(s.response_ids) for s in samples) / len(samples),
-            **fields,
-            "rollout_s": t1 - t0,
-            "score_s": t2 - t1,
-            "train_s": t3 - t2,
-            "step_s": time.perf_counter() - t0,
-            "strict": self.strict,
-            "engine_restarts": self.engine_restarts,
-            **self.labels,
-        }
-        record = StepRecord.from_row(row)
-        self.timeline.finish_step(record.parity_summary())
+        run = RunFacts(self.cfg.algo.group_size, self.tokenizer.decode, self.strict, self.labels)
+        versions = (version, self.timeline.trainer_version)
+        record = step_record(step, versions, samples, times, run, self.engine_restarts, fields)
+        self.timeline.finish_step()
         return record
 
     def run(self) -> list[StepRecord]:

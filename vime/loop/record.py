@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
@@ -219,11 +221,6 @@ class StepRecord:
         groups["reward"]["extras"] = extras
         return cls(**top, **{name: _GROUP_TYPES[name](**values) for name, values in groups.items()})
 
-    def parity_summary(self) -> dict[str, float]:
-        """Tokens compared, mismatches and max |diff| of the step (the weight timeline's history)."""
-        c = self.consistency
-        return {"mismatch_count": c.mismatch_count, "max_abs_diff": c.max_abs_diff, "tokens": c.tokens}
-
     def wandb(self) -> dict[str, float]:
         """The numeric metrics under their W&B group (`consistency/mismatch_count`, `offpolicy/lag_share_0`)."""
         out = {}
@@ -234,6 +231,83 @@ class StepRecord:
             elif group and isinstance(value, int | float) and not isinstance(value, bool):
                 out[f"{group}/{key.removeprefix('reward_') if group == 'reward' else key}"] = value
         return out
+
+
+@dataclass(frozen=True)
+class RunFacts:
+    """What every step record of a run carries beside the step's own measurements: the GRPO group size, the
+    tokenizer's `decode` (for the sample completions), whether every boundary is strict, the engine labels."""
+
+    group_size: int
+    decode: Callable[[Sequence[int]], str]
+    strict: bool
+    labels: dict[str, str]
+
+
+def step_record(
+    step: int,
+    versions: tuple[int, int],
+    samples: Sequence,
+    times: tuple[float, float, float, float],
+    run: RunFacts,
+    engine_restarts: int,
+    measured: dict[str, Any],
+) -> StepRecord:
+    """The record of step `step`, the one row builder of both loops (`vime.loop.driver`, `vime.loop.async_loop`).
+
+    `versions`: (the weight version the step sampled at, the trainer's after its update); `samples`: the step's
+    samples with their rewards (their reward statistics and a few completions go in the row); `times`: the
+    perf_counter seconds (start, rollout done, scored, trained), each phase's duration and the step's (to now)
+    taken from them; `measured`: the step's own metrics (parity, trainer stats, sync, staleness, rewards,
+    contracts, the loop's extras), each a field of a group above."""
+    import torch  # here, not at import: the config checks that import this module come before the heavy imports
+
+    rewards = torch.tensor([s.reward for s in samples])  # float32, as the rewards' statistics always were
+    t0, t1, t2, t3 = times
+    row = {
+        "step": step,
+        "version": versions[0],
+        "next_version": versions[1],
+        "reward_mean": float(rewards.mean()),
+        "reward_std": float(rewards.std()),
+        "reward_min": float(rewards.min()),
+        "reward_max": float(rewards.max()),
+        "tied_groups": tied_groups(rewards.tolist(), run.group_size),
+        "correct_frac": float((rewards == 1.0).float().mean()),
+        "samples": completion_lines(samples, run.decode, 4, start=step),
+        "response_len_mean": sum(len(s.response_ids) for s in samples) / len(samples),
+        **measured,
+        "rollout_s": t1 - t0,
+        "score_s": t2 - t1,
+        "train_s": t3 - t2,
+        "step_s": time.perf_counter() - t0,
+        "strict": run.strict,
+        "engine_restarts": engine_restarts,
+        **run.labels,
+    }
+    return StepRecord.from_row(row)
+
+
+def tied_groups(rewards: Sequence[float], group_size: int) -> int:
+    """How many GRPO groups have all-equal rewards (advantage exactly 0: no learning signal)."""
+    groups = [rewards[i : i + group_size] for i in range(0, len(rewards), group_size)]
+    return sum(1 for g in groups if max(g) == min(g))
+
+
+def completion_lines(samples: Sequence, decode, n: int = 2, start: int = 0) -> list[tuple[str, str, float]]:
+    """(prompt text, response text, reward) of `n` samples from different groups, the first from
+    group `start` (mod the number of groups) onwards, so successive steps show different prompts."""
+    seen, out = set(), []
+    groups = sorted({s.group for s in samples})
+    first = groups[start % len(groups)] if groups else 0
+    for s in sorted(samples, key=lambda x: ((x.group - first) % max(1, len(groups)), x.group)):
+        if s.group in seen:
+            continue
+        seen.add(s.group)
+        out.append((decode(s.prompt_ids), decode(s.response_ids), float(s.reward)))
+        if len(out) == n:
+            break
+    return out
 
 
 def _jsonable(value: Any) -> Any:

@@ -20,7 +20,6 @@ class Timeline:
     trainer_version: int = 0
     step: int = 0
     engine_versions: list[int] = dataclasses.field(default_factory=list)
-    history: list[dict] = dataclasses.field(default_factory=list)
 
     def __post_init__(self):
         if not self.engine_versions:
@@ -50,6 +49,6 @@ class Timeline:
             )
         return self.trainer_version
 
-    def finish_step(self, record: dict) -> None:
-        self.history.append({"step": self.step, "version": self.trainer_version} | record)
+    def finish_step(self) -> None:
+        """The step is recorded: the timeline moves to the next one (the step's parity is in its StepRecord)."""
         self.step += 1

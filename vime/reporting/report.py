@@ -17,14 +17,8 @@ from vime.cluster.remote import (  # noqa: F401 - actor deaths and where engine 
     engine_log_hint,
     route_engine_output,
 )
-from vime.loop.record import StepRecord
+from vime.loop.record import StepRecord, tied_groups
 from vime.reporting.commands import python_command, resume_command  # noqa: F401 - printed commands (report.python_command)
-
-
-def tied_groups(rewards: Sequence[float], group_size: int) -> int:
-    """How many GRPO groups have all-equal rewards (advantage exactly 0: no learning signal)."""
-    groups = [rewards[i : i + group_size] for i in range(0, len(rewards), group_size)]
-    return sum(1 for g in groups if max(g) == min(g))
 
 
 def no_signal_warning(step: int, rewards: Sequence[float], group_size: int) -> str | None:
@@ -39,22 +33,6 @@ def no_signal_warning(step: int, rewards: Sequence[float], group_size: int) -> s
             "at this temperature (try another task, more samples per group, or a higher temperature)"
         )
     return None
-
-
-def completion_lines(samples: Sequence, decode, n: int = 2, start: int = 0) -> list[tuple[str, str, float]]:
-    """(prompt text, response text, reward) of `n` samples from different groups, the first from
-    group `start` (mod the number of groups) onwards, so successive steps show different prompts."""
-    seen, out = set(), []
-    groups = sorted({s.group for s in samples})
-    first = groups[start % len(groups)] if groups else 0
-    for s in sorted(samples, key=lambda x: ((x.group - first) % max(1, len(groups)), x.group)):
-        if s.group in seen:
-            continue
-        seen.add(s.group)
-        out.append((decode(s.prompt_ids), decode(s.response_ids), float(s.reward)))
-        if len(out) == n:
-            break
-    return out
 
 
 # ---- the figure -------------------------------------------------------------------------------

@@ -13,33 +13,9 @@ import threading
 
 import torch
 
+from vime.cluster.process import apply_modes, redirect_output
 from vime.config.schema import RolloutBackend, RolloutConfig
 from vime.engines import Rollout, Sample, one_temperature
-
-
-def apply_modes(modes: dict[str, str]) -> None:
-    """Set this process's rl_kernel mode per boundary (engine workers get theirs from the engine's config)."""
-    import rl_kernel as rk
-
-    for boundary, m in modes.items():
-        rk.set_mode(m, boundary)
-
-
-def redirect_output() -> None:
-    """When `VIME_ENGINE_LOG` names a file, append this process's stdout and stderr (file descriptors
-    1 and 2: Python, C++ and the engine workers it spawns) to it: engine and framework logs stay in
-    the run's `engines.log` instead of the console."""
-    path = os.environ.get("VIME_ENGINE_LOG")
-    if not path:
-        return
-    import sys
-
-    sys.stdout.flush()
-    sys.stderr.flush()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
 
 
 def _engine_call(method):

@@ -70,16 +70,16 @@ class ReferenceRollout:
         self.model.load_hf_weights(weights)
 
     def join_weight_group(self, host: str, port: int, rank: int, world: int) -> None:
-        from rl_kernel.models.weight_transfer import open_weight_group, weight_store
+        from rl_kernel.weights.transfer import open_weight_group, weight_store
 
         self._store = weight_store(host, world, port)
         self._group = open_weight_group(self._store, rank, world, self.model.device)
         self._receiver = None
 
     def receive_weights(self, msg: dict) -> dict | None:
-        """`ipc` / `nccl` pushes (rl_kernel.models.weight_transfer): the receiver checks names, shapes,
+        """`ipc` / `nccl` pushes (rl_kernel.weights.transfer): the receiver checks names, shapes,
         dtypes and that versions grow, and loads each bucket as it arrives."""
-        from rl_kernel.models.weight_transfer import receiver_for_model
+        from rl_kernel.weights.transfer import receiver_for_model
 
         if self._receiver is None:
             self._receiver = receiver_for_model(self.model, version=self.version, group=self._group, src=0)

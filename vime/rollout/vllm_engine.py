@@ -364,7 +364,7 @@ class VllmRollout:
         IPC) raises WeightSyncError before vLLM sees it. Returns the acknowledgement after `finish` (and, nccl,
         the number of group ranks this engine's workers take for `ranks`)."""
         from rl_kernel.models.qwen3 import read_config
-        from rl_kernel.models.weight_transfer import WeightVersionError, expected_weights
+        from rl_kernel.weights.transfer import WeightVersionError, expected_weights
 
         if not self.cuda:
             raise WeightSyncError("a vLLM engine on CPU takes weights from Ray's object store (update_weights)")

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import torch
 
+from vime.cluster.process import apply_modes, redirect_output
 from vime.config.schema import KeptOn, TrainerBackend, TrainerConfig
 from vime.engines import Sample, Scored, Trainer, one_temperature
 from vime.faults import stops
-from vime.rollout.actor import apply_modes, redirect_output
 from vime.trainer.grpo import LossConfig, TrainBatch
 
 log = logging.getLogger(__name__)

@@ -4,7 +4,7 @@
   buckets and puts them in Ray's object store itself; every engine loads every bucket straight from the
   store (the driver passes only the reference, never a copy of the weights).
 - `ipc` (engines colocated on the trainer's GPUs) and `nccl` (engines on GPUs of their own): rank 0
-  pushes the gathered tensors itself (`EnginePush`, rl_kernel.models.weight_transfer's protocol): CUDA
+  pushes the gathered tensors itself (`EnginePush`, rl_kernel.weights.transfer's protocol): CUDA
   IPC handles of packed buckets, or the buckets broadcast in an NCCL group of rank 0 and the engines.
   The control messages go to the engines' Ray actors; the engines acknowledge the version they received.
 - `nccl` into vLLM engines (`vllm_nccl`, `push_transport`): rank 0 drives vLLM's own trainer engine
@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from rl_kernel.models.weight_transfer import DEFAULT_BUCKET_BYTES
+from rl_kernel.weights.transfer import DEFAULT_BUCKET_BYTES
 from vime.config.schema import RolloutBackend
 from vime.errors import WeightSyncError
 from vime.loop.timeline import Timeline
@@ -102,7 +102,7 @@ class GroupReceiver:
     """An engine's side of rl_kernel's push group (`gloo` on CPU) for an engine that loads weights as buckets
     of full HF-named tensors (`update_weights(bucket, version)`: vLLM on CPU, whose own weight-transfer
     engines move CUDA memory). Each bucket broadcast by trainer rank 0 is checked (names, shapes, dtypes,
-    growing versions: rl_kernel.models.weight_transfer.WeightReceiver) and handed to the engine; the driver's
+    growing versions: rl_kernel.weights.transfer.WeightReceiver) and handed to the engine; the driver's
     `set_version` then ends the engine's update session as after an object-store sync.
 
     With `stage` (in-flight updates, `rollout.partial`; the messages then arrive in the actor's "weights"
@@ -118,7 +118,7 @@ class GroupReceiver:
         self._staging: list[dict[str, torch.Tensor]] = []
 
     def join(self, host: str, port: int, rank: int, world: int) -> None:
-        from rl_kernel.models.weight_transfer import open_weight_group
+        from rl_kernel.weights.transfer import open_weight_group
         from vime.cluster import placement
 
         placement.bind_node_interface()
@@ -127,7 +127,7 @@ class GroupReceiver:
 
     def handle(self, msg: dict) -> dict | None:
         from rl_kernel.models.qwen3 import read_config
-        from rl_kernel.models.weight_transfer import WeightReceiver, expected_weights
+        from rl_kernel.weights.transfer import WeightReceiver, expected_weights
 
         if self._group is None:
             raise WeightSyncError("a weight push arrived before the engine joined the trainer's push group")
@@ -196,7 +196,7 @@ class EnginePush:
         the version has landed in it (`GroupReceiver`)."""
         import ray
 
-        from rl_kernel.models.weight_transfer import WeightSender, WeightVersionError
+        from rl_kernel.weights.transfer import WeightSender, WeightVersionError
 
         if transport == VLLM_NCCL:
             return self._vllm_push(engines, tensors, version, bucket_bytes)
@@ -258,7 +258,7 @@ class EnginePush:
         return sender.push(tensors.items(), version)
 
     def _vllm_push(self, engines: list, tensors: dict[str, torch.Tensor], version: int, bucket_bytes: int) -> dict:
-        from rl_kernel.models.weight_transfer import WeightVersionError
+        from rl_kernel.weights.transfer import WeightVersionError
 
         try:
             return self._vllm_sender(engines, bucket_bytes).push(tensors, version)
@@ -294,7 +294,7 @@ class EnginePush:
     def _nccl_group(self, engines: list, concurrency_group: str | None = None):
         import ray
 
-        from rl_kernel.models.weight_transfer import open_weight_group
+        from rl_kernel.weights.transfer import open_weight_group
         from vime.cluster import placement
 
         members = tuple(e._actor_id.hex() for e in engines)

@@ -126,21 +126,8 @@ def _find_tile(pid, start_ptr, B, LOG_B, TOKENS_PER_TILE: tl.constexpr):
 
 @triton.jit
 def _load_kv(
-    k_ptr,
-    v_ptr,
-    k_desc,
-    v_desc,
-    block_table_ptr,
-    b,
-    stride_bt,
-    kv_base,
-    kvh,
+    kv,
     c,
-    ctx_len,
-    stride_kt,
-    stride_kh,
-    stride_vt,
-    stride_vh,
     PAGED: tl.constexpr,
     MASKED: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -149,7 +136,9 @@ def _load_kv(
     TMA: tl.constexpr,
 ):
     """Chunk c's key positions and k, v [CHUNK, D]. TMA (packed keys, unmasked chunks): by tensor descriptors
-    over [N, Hkv, D] instead of pointer loads (the same values)."""
+    over [N, Hkv, D] instead of pointer loads (the same values). `kv`: the keys' addressing (`_keys`)."""
+    k_ptr, v_ptr, k_desc, v_desc, block_table_ptr, stride_bt, b, kv_base, kvh, ctx_len, strides = kv
+    stride_kt, stride_kh, stride_vt, stride_vh = strides
     kpos = c * CHUNK + tl.arange(0, CHUNK)
     if TMA and not PAGED and not MASKED:
         k = tl.reshape(k_desc.load([kv_base + c * CHUNK, kvh, 0]), (CHUNK, D))
@@ -200,23 +189,58 @@ def _chunk_update(
 
 
 @triton.jit
-def _split_partial(
+def _chunk(
     q,
     qpos,
-    b,
-    kvh,
+    kv,
+    c,
+    m,
+    l,
+    o,
+    qk_scale,
+    PAGED: tl.constexpr,
+    MASKED: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    D: tl.constexpr,
+    CHUNK: tl.constexpr,
+    PRECISION: tl.constexpr,
+    TMA: tl.constexpr,
+):
+    """Key chunk c of `kv` (the keys' addressing, `_keys`) loaded (`_load_kv`) and folded into the online-softmax
+    state (m, l, o) (`_chunk_update`). MASKED: the chunk holds keys after some row's position (or past the end)."""
+    kpos, k, v = _load_kv(kv, c, PAGED, MASKED, BLOCK_SIZE, D, CHUNK, TMA)
+    return _chunk_update(q, qpos, kpos, k, v, m, l, o, c, qk_scale, MASKED, CHUNK, PRECISION)
+
+
+@triton.jit
+def _keys(
     k_ptr,
     v_ptr,
     k_desc,
     v_desc,
     block_table_ptr,
     stride_bt,
+    b,
     kv_base,
+    kvh,
     ctx_len,
     stride_kt,
     stride_kh,
     stride_vt,
     stride_vh,
+):
+    """The addressing of sequence b's keys of kv head `kvh`, as one tuple (what `_chunk` and the split launches
+    take): ctx_len keys, key position p at row kv_base + p (packed) or in the blocks of block table row b (paged),
+    k and v strides (token, head) and their tensor descriptors (TMA)."""
+    strides = (stride_kt, stride_kh, stride_vt, stride_vh)
+    return k_ptr, v_ptr, k_desc, v_desc, block_table_ptr, stride_bt, b, kv_base, kvh, ctx_len, strides
+
+
+@triton.jit
+def _split_partial(
+    q,
+    qpos,
+    kv,
     c_begin,
     c_end,
     c_full,
@@ -229,61 +253,15 @@ def _split_partial(
     PRECISION: tl.constexpr,
     TMA: tl.constexpr,
 ):
-    """Online softmax over key chunks [c_begin, c_end) from an empty state: (m, l, o), fp32.
+    """Online softmax over key chunks [c_begin, c_end) of `kv` (`_keys`) from an empty state: (m, l, o), fp32.
     Chunks before `c_full` hold only keys at or before every row's position."""
     m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l = tl.zeros((BLOCK_M,), tl.float32)
     o = tl.zeros((BLOCK_M, D), tl.float32)
     for c in range(c_begin, tl.minimum(c_end, c_full)):
-        kpos, k, v = _load_kv(
-            k_ptr,
-            v_ptr,
-            k_desc,
-            v_desc,
-            block_table_ptr,
-            b,
-            stride_bt,
-            kv_base,
-            kvh,
-            c,
-            ctx_len,
-            stride_kt,
-            stride_kh,
-            stride_vt,
-            stride_vh,
-            PAGED,
-            False,
-            BLOCK_SIZE,
-            D,
-            CHUNK,
-            TMA,
-        )
-        m, l, o = _chunk_update(q, qpos, kpos, k, v, m, l, o, c, qk_scale, False, CHUNK, PRECISION)
+        m, l, o = _chunk(q, qpos, kv, c, m, l, o, qk_scale, PAGED, False, BLOCK_SIZE, D, CHUNK, PRECISION, TMA)
     for c in range(tl.maximum(c_begin, c_full), c_end):
-        kpos, k, v = _load_kv(
-            k_ptr,
-            v_ptr,
-            k_desc,
-            v_desc,
-            block_table_ptr,
-            b,
-            stride_bt,
-            kv_base,
-            kvh,
-            c,
-            ctx_len,
-            stride_kt,
-            stride_kh,
-            stride_vt,
-            stride_vh,
-            PAGED,
-            True,
-            BLOCK_SIZE,
-            D,
-            CHUNK,
-            TMA,
-        )
-        m, l, o = _chunk_update(q, qpos, kpos, k, v, m, l, o, c, qk_scale, True, CHUNK, PRECISION)
+        m, l, o = _chunk(q, qpos, kv, c, m, l, o, qk_scale, PAGED, True, BLOCK_SIZE, D, CHUNK, PRECISION, TMA)
     return m, l, o
 
 
@@ -303,20 +281,7 @@ def _split_boundary(c, m_t, l_t, o_t, m, l, o, SPLIT_CHUNKS: tl.constexpr):
 def _all_splits(
     q,
     qpos,
-    b,
-    kvh,
-    k_ptr,
-    v_ptr,
-    k_desc,
-    v_desc,
-    block_table_ptr,
-    stride_bt,
-    kv_base,
-    ctx_len,
-    stride_kt,
-    stride_kh,
-    stride_vt,
-    stride_vh,
+    kv,
     n_chunks,
     c_full,
     qk_scale,
@@ -340,56 +305,10 @@ def _all_splits(
     o = tl.zeros((BLOCK_M, D), tl.float32)
     for c in range(0, tl.minimum(n_chunks, c_full)):
         m_t, l_t, o_t, m, l, o = _split_boundary(c, m_t, l_t, o_t, m, l, o, SPLIT_CHUNKS)
-        kpos, k, v = _load_kv(
-            k_ptr,
-            v_ptr,
-            k_desc,
-            v_desc,
-            block_table_ptr,
-            b,
-            stride_bt,
-            kv_base,
-            kvh,
-            c,
-            ctx_len,
-            stride_kt,
-            stride_kh,
-            stride_vt,
-            stride_vh,
-            PAGED,
-            False,
-            BLOCK_SIZE,
-            D,
-            CHUNK,
-            TMA,
-        )
-        m, l, o = _chunk_update(q, qpos, kpos, k, v, m, l, o, c, qk_scale, False, CHUNK, PRECISION)
+        m, l, o = _chunk(q, qpos, kv, c, m, l, o, qk_scale, PAGED, False, BLOCK_SIZE, D, CHUNK, PRECISION, TMA)
     for c in range(c_full, n_chunks):
         m_t, l_t, o_t, m, l, o = _split_boundary(c, m_t, l_t, o_t, m, l, o, SPLIT_CHUNKS)
-        kpos, k, v = _load_kv(
-            k_ptr,
-            v_ptr,
-            k_desc,
-            v_desc,
-            block_table_ptr,
-            b,
-            stride_bt,
-            kv_base,
-            kvh,
-            c,
-            ctx_len,
-            stride_kt,
-            stride_kh,
-            stride_vt,
-            stride_vh,
-            PAGED,
-            True,
-            BLOCK_SIZE,
-            D,
-            CHUNK,
-            TMA,
-        )
-        m, l, o = _chunk_update(q, qpos, kpos, k, v, m, l, o, c, qk_scale, True, CHUNK, PRECISION)
+        m, l, o = _chunk(q, qpos, kv, c, m, l, o, qk_scale, PAGED, True, BLOCK_SIZE, D, CHUNK, PRECISION, TMA)
     return _merge(m_t, l_t, o_t, m, l, o)
 
 
@@ -584,38 +503,17 @@ def _attn_kernel(
     c_full = (ctx_len - q_len + tile * (BLOCK_M // G) + 1) // CHUNK  # chunks every row of the tile sees whole
     n_chunks = tl.where(tile_ok, last_pos // CHUNK + 1, 0)
     n_splits = tl.cdiv(n_chunks, SPLIT_CHUNKS)
+    kv = _keys(
+        k_ptr, v_ptr, k_desc, v_desc, block_table_ptr, stride_bt, b, q0, kvh, ctx_len,
+        stride_kt, stride_kh, stride_vt, stride_vh,
+    )  # fmt: skip
     if SPLIT:
         s = tl.program_id(2)
         c0 = s * SPLIT_CHUNKS  # a split past the tile's last one runs no chunk and stores nothing
         m, l, o = _split_partial(
-            q,
-            qpos,
-            b,
-            kvh,
-            k_ptr,
-            v_ptr,
-            k_desc,
-            v_desc,
-            block_table_ptr,
-            stride_bt,
-            q0,
-            ctx_len,
-            stride_kt,
-            stride_kh,
-            stride_vt,
-            stride_vh,
-            c0,
-            tl.minimum(c0 + SPLIT_CHUNKS, n_chunks),
-            c_full,
-            qk_scale,
-            PAGED,
-            BLOCK_SIZE,
-            D,
-            CHUNK,
-            BLOCK_M,
-            PRECISION,
-            TMA,
-        )
+            q, qpos, kv, c0, tl.minimum(c0 + SPLIT_CHUNKS, n_chunks), c_full, qk_scale,
+            PAGED, BLOCK_SIZE, D, CHUNK, BLOCK_M, PRECISION, TMA,
+        )  # fmt: skip
         _store_partial(
             part_ptr + D,
             part_ptr + D + 1,
@@ -655,20 +553,7 @@ def _attn_kernel(
             m_t, l_t, o_t = _all_splits(
                 q,
                 qpos,
-                b,
-                kvh,
-                k_ptr,
-                v_ptr,
-                k_desc,
-                v_desc,
-                block_table_ptr,
-                stride_bt,
-                q0,
-                ctx_len,
-                stride_kt,
-                stride_kh,
-                stride_vt,
-                stride_vh,
+                kv,
                 n_chunks,
                 c_full,
                 qk_scale,
@@ -688,34 +573,9 @@ def _attn_kernel(
             for s in range(0, n_splits):
                 c0 = s * SPLIT_CHUNKS
                 m, l, o = _split_partial(
-                    q,
-                    qpos,
-                    b,
-                    kvh,
-                    k_ptr,
-                    v_ptr,
-                    k_desc,
-                    v_desc,
-                    block_table_ptr,
-                    stride_bt,
-                    q0,
-                    ctx_len,
-                    stride_kt,
-                    stride_kh,
-                    stride_vt,
-                    stride_vh,
-                    c0,
-                    tl.minimum(c0 + SPLIT_CHUNKS, n_chunks),
-                    c_full,
-                    qk_scale,
-                    PAGED,
-                    BLOCK_SIZE,
-                    D,
-                    CHUNK,
-                    BLOCK_M,
-                    PRECISION,
-                    TMA,
-                )
+                    q, qpos, kv, c0, tl.minimum(c0 + SPLIT_CHUNKS, n_chunks), c_full, qk_scale,
+                    PAGED, BLOCK_SIZE, D, CHUNK, BLOCK_M, PRECISION, TMA,
+                )  # fmt: skip
                 m_t, l_t, o_t = _merge(m_t, l_t, o_t, m, l, o)
         _store_rows(out_ptr, tl.div_rn(o_t, l_t[:, None]), q0, tok, head, row_ok, H, D)
         if STORE_LSE:  # natural log-sum-exp of the scaled scores, for the backward only (no bit contract)
@@ -976,35 +836,11 @@ def _cp_split_kernel(
     last_pos = tl.load(pos0_ptr + b) + tile * (BLOCK_M // G) + rows // G - 1
     c_end = tl.where(rows > 0, tl.minimum(c0 + SPLIT_CHUNKS, last_pos // CHUNK + 1), c0)
     c_full = (tl.load(pos0_ptr + b) + tile * (BLOCK_M // G) + 1) // CHUNK  # chunks every row sees whole
-    m, l, o = _split_partial(
-        q,
-        qpos,
-        b,
-        kvh,
-        k_ptr,
-        v_ptr,
-        k_ptr,
-        v_ptr,
-        kv_base_ptr,
-        0,
-        kv_base,
-        ctx_len,
-        stride_kt,
-        stride_kh,
-        stride_vt,
-        stride_vh,
-        c0,
-        c_end,
-        c_full,
-        qk_scale,
-        False,
-        1,
-        D,
-        CHUNK,
-        BLOCK_M,
-        PRECISION,
-        False,
+    # packed keys by pointer: no block table (kv_base_ptr stands in, never read) and no descriptors
+    kv = _keys(
+        k_ptr, v_ptr, k_ptr, v_ptr, kv_base_ptr, 0, b, kv_base, kvh, ctx_len, stride_kt, stride_kh, stride_vt, stride_vh
     )
+    m, l, o = _split_partial(q, qpos, kv, c0, c_end, c_full, qk_scale, False, 1, D, CHUNK, BLOCK_M, PRECISION, False)
     prow = (tl.load(out_row_ptr + b) + tok).to(tl.int64) * H + head
     _store_partial(pm_ptr, pl_ptr, po_ptr, 1, D, prow, m, l, o, row_ok, D)
 

@@ -212,8 +212,3 @@ def get_rl_kernel_moe_layer_spec(mode: str, shape) -> ModuleSpec:
     spec = get_rl_kernel_layer_spec(mode)
     spec.submodules.mlp = ModuleSpec(module=RKMoELayer, params={"shape": shape})
     return spec
-
-
-def final_norm_module(mode: str) -> type | None:
-    """The final-layernorm class of the TransformerBlock (None: Megatron's, from the layer spec)."""
-    return RKRMSNorm if mode == "strict" else None

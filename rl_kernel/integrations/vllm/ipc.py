@@ -1,4 +1,4 @@
-"""rl_kernel's `ipc` weight push (`rl_kernel.models.weight_transfer`) into a vLLM engine on CUDA, through
+"""rl_kernel's `ipc` weight push (`rl_kernel.weights.transfer`) into a vLLM engine on CUDA, through
 vLLM's own `ipc` weight-transfer engine (packed mode) and its weight-update API.
 
 Written against vllm 0.32 and 0.26 (`vllm/distributed/weight_transfer/ipc_engine.py`; their differences: compat)
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from rl_kernel.integrations.vllm import finish_weight_update
 from rl_kernel.integrations.vllm.compat import ipc_init_info, ipc_update_info
-from rl_kernel.models.weight_transfer import ALIGN, TensorMeta, WeightReceiver
+from rl_kernel.weights.transfer import ALIGN, TensorMeta, WeightReceiver
 
 
 class VllmIPCReceiver(WeightReceiver):

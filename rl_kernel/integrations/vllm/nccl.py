@@ -6,7 +6,7 @@ Trainer rank 0, which holds the gathered HF-named tensors, drives vLLM's `NCCLTr
 that carries vLLM's four client calls to the engines as control messages (dicts; vime sends them as Ray actor
 calls). Each engine answers them with a `VllmNCCLReceiver` over its `llm`.
 
-Versions follow `rl_kernel.models.weight_transfer`: before any NCCL call (the rendezvous included) every
+Versions follow `rl_kernel.weights.transfer`: before any NCCL call (the rendezvous included) every
 engine checks the push (`start`: a version above the one it serves, exactly its tensors with its shapes and
 dtypes); after vLLM's round trip each engine commits the version in vLLM (`finish`: vLLM's engine weight
 version, prefix-cache reset) and acknowledges {version, tensors, bytes}, which the sender checks. Any mismatch
@@ -26,7 +26,7 @@ import torch
 
 from rl_kernel.integrations.vllm import finish_weight_update
 from rl_kernel.integrations.vllm.compat import get_weight_version
-from rl_kernel.models.weight_transfer import (
+from rl_kernel.weights.transfer import (
     TensorMeta,
     WeightReceiver,
     WeightVersionError,
