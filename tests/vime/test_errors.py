@@ -206,6 +206,21 @@ def test_cuda_without_cuda_is_one_line(compose_cfg):
         preflight.check_device(validate(to_object(compose_cfg("device=cuda"))))
 
 
+def test_cuda_without_cuda_is_named_before_the_gpu_count(monkeypatch):
+    """The run-dir guard's checks in their order: device=cuda on a machine without CUDA says so (use device=cpu),
+    not that the layout needs GPUs the machine lacks (true too, but it sends the user to ray.num_gpus)."""
+    from hydra import compose, initialize_config_dir
+
+    from vime.config.schema import register_configs
+
+    register_configs()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
+        job = compose("config", ["device=cuda"], return_hydra_config=True)
+    with pytest.raises(ConfigError, match=r"^device=cuda, but torch .* sees no CUDA device .*; use device=cpu$"):
+        rundir.check(job)
+
+
 def test_new_tokens_beyond_the_context_are_refused_from_the_config(compose_cfg):
     with pytest.raises(ConfigError, match=r"algo.max_new_tokens=300 >= rollout.max_model_len=256: no room"):
         preflight.check_new_tokens(validate(to_object(compose_cfg("algo.max_new_tokens=300"))))

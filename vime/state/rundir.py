@@ -309,17 +309,17 @@ def refuse_complete(run: Path, steps: int, export_hf: bool) -> None:
 
 def check(config: DictConfig) -> None:
     """The job config (the composed config without `hydra`) passes the schema, `validate` and every check that
-    needs no engine and no Ray: the resources a local Ray would have, W&B online, the model's context, a CUDA
-    device, `model.path`'s files and tensor shapes (the last three import torch)."""
+    needs no engine and no Ray: a CUDA device (first), the resources a local Ray would have, W&B online, the
+    model's context, `model.path`'s files and tensor shapes (the device, context and shapes import torch)."""
     job = copy.deepcopy(config)
     with read_write(job), open_dict(job):
         del job["hydra"]
     cfg = validate(to_object(job))
+    preflight.check_device(cfg)  # before the resources: without CUDA they lack GPUs too, but device=cpu is the fix
     preflight.check_new_tokens(cfg)
     preflight.check_local_resources(cfg)
     preflight.check_wandb(cfg)
     preflight.check_context(cfg)
-    preflight.check_device(cfg)
     if cfg.model.path and (Path(cfg.model.path) / "config.json").is_file():  # (none: the driver names the path)
         preflight.check_checkpoint(Path(cfg.model.path))  # its files and every tensor's shape against config.json
 
