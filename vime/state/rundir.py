@@ -320,8 +320,8 @@ def check(config: DictConfig) -> None:
     preflight.check_local_resources(cfg)
     preflight.check_wandb(cfg)
     preflight.check_context(cfg)
-    if cfg.model.path and (Path(cfg.model.path) / "config.json").is_file():  # (none: the driver names the path)
-        preflight.check_checkpoint(Path(cfg.model.path))  # its files and every tensor's shape against config.json
+    if cfg.model.path:  # a dir with config.json, its files and every tensor's shape against config.json
+        preflight.check_checkpoint(Path(cfg.model.path))
 
 
 def check_writable(output_dir: Path) -> None:
