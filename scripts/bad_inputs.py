@@ -87,6 +87,15 @@ def cases(work: Path) -> list[Case]:
         Case("trainer CP beyond the CPUs", ["trainer.cp=8", o]),
         Case("ray.num_cpus=1", ["ray.num_cpus=1", o]),
         Case("model.path does not exist", [f"model.path={work / 'no_such_model'}", o]),
+        Case("an override without =", ["steps", o]),
+        Case("an unknown nested key (trainer.lrr)", ["trainer.lrr=0.1", o]),
+        Case("steps=0", ["steps=0", o]),
+        Case("algo.group_size=1 (no group to compare)", ["algo.group_size=1", o]),
+        Case("rollout.tp=3 (does not divide the heads)", ["rollout.tp=3", o]),
+        Case("data.path does not exist", [f"data.path={work / 'no_such.jsonl'}", "reward.fn=exact", o]),
+        Case("reward.fn that does not import", ["reward.fn=no_such_pkg.rewards:score", o]),
+        Case("compare= a dir without metrics.jsonl", [f"compare={work / 'a_dir'}", o]),
+        Case("resume= a path that does not exist", [f"resume={work / 'no_such_run'}"]),
         Case("a finished run's output_dir reused", [f"output_dir={work / 'done'}"], needs_run=True),
         Case("resume= of a complete run", [f"resume={work / 'done'}"], needs_run=True),
         Case("resume= with a truncated trainer file", [f"resume={work / 'truncated'}", "steps=4"], needs_run=True),
@@ -243,9 +252,11 @@ def main(argv: list[str] | None = None) -> int:
     ]
     fixtures(work, env, with_run=any(c.needs_run for c in chosen))
     results = []
-    for case in chosen:
-        code, seconds, lines = vime_train(case.overrides, env | case.env, args.timeout)
-        shown = " ".join([*(f"{k}={v}" for k, v in case.env.items()), *case.overrides]).replace(str(work), "<work>")
+    for i, case in enumerate(chosen):
+        own = f"output_dir={work / 'out' / f'{i:02d}'}"  # each case its own new dir, as a first run has
+        overrides = [own if o == f"output_dir={work / 'out'}" else o for o in case.overrides]
+        code, seconds, lines = vime_train(overrides, env | case.env, args.timeout)
+        shown = " ".join([*(f"{k}={v}" for k, v in case.env.items()), *overrides]).replace(str(work), "<work>")
         expected = code == 0 if case.expect_ok else is_one_line(code, lines)
         result = Result(case.name, shown, code, round(seconds, 1), len(lines), expected, lines)
         results.append(result)

@@ -235,6 +235,30 @@ def test_a_model_path_without_config_json_is_refused_by_the_guard(tmp_path):
         rundir.check(job)
 
 
+@pytest.mark.parametrize(
+    "override, error, line",
+    [
+        ("data.path={tmp}/none.jsonl", DataError, r"^data.path=.*/none.jsonl: no such file or directory"),
+        ("eval.path={tmp}/none.jsonl", DataError, r"^eval.path=.*/none.jsonl: no such file or directory"),
+        ("reward.fn=no_such_pkg.rewards:score", ConfigError, r"^reward.fn='no_such_pkg.rewards:score': cannot import"),
+        ("compare={tmp}", ConfigError, r"^compare=.*: no metrics.jsonl there; pass compare=native"),
+    ],
+)  # fmt: skip
+def test_the_runs_inputs_are_checked_by_the_guard(tmp_path, override, error, line):
+    """Files and functions the run reads besides the model are named by the run-dir guard, before the tiny
+    model is made (the console said 'made a tiny Qwen3 checkpoint' first) and before the heavy imports."""
+    from hydra import compose, initialize_config_dir
+
+    from vime.config.schema import register_configs
+
+    register_configs()
+    overrides = [override.format(tmp=tmp_path), "reward.fn=exact"] if "reward" not in override else [override]
+    with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
+        job = compose("config", overrides, return_hydra_config=True)
+    with pytest.raises(error, match=line):
+        rundir.check(job)
+
+
 def test_new_tokens_beyond_the_context_are_refused_from_the_config(compose_cfg):
     with pytest.raises(ConfigError, match=r"algo.max_new_tokens=300 >= rollout.max_model_len=256: no room"):
         preflight.check_new_tokens(validate(to_object(compose_cfg("algo.max_new_tokens=300"))))
