@@ -17,7 +17,7 @@ import hydra
 from omegaconf import DictConfig
 
 from vime.config.schema import config_or_exit, register_configs
-from vime.errors import ConfigError, VimeError, one_line
+from vime.errors import VimeError, one_line
 from vime.faults import stops
 from vime.loop.record import StepRecord
 from vime.state import rundir
@@ -85,12 +85,8 @@ def run_compare(cfg) -> list[StepRecord] | None:
     if cfg.compare != "native":
         from vime.reporting.metrics_log import read_rows
 
-        path = Path(cfg.compare) / "metrics.jsonl"
-        if not path.is_file():
-            raise ConfigError(
-                f"compare={cfg.compare}: no metrics.jsonl there; pass compare=native or a run's output_dir"
-            )
-        return read_rows(path)
+        rundir.check_compare(cfg.compare)  # (checked before the heavy imports too)
+        return read_rows(Path(cfg.compare) / "metrics.jsonl")
     from vime.loop.driver import Driver
 
     twin = copy.deepcopy(cfg)

@@ -41,7 +41,7 @@ def world2(tmp_path_factory: pytest.TempPathFactory, tiny_qwen3_path: Path) -> d
 
 @pytest.fixture(scope="session")
 def world4(tmp_path_factory: pytest.TempPathFactory, tiny_qwen3_path: Path) -> dict:
-    jobs = [{"tp": 2, "cp": 2, "modes": ("strict",), "train": True}]
+    jobs = [{"tp": 2, "cp": 2, "modes": ("strict", "native"), "train": True}]
     return _spawn(tmp_path_factory, tiny_qwen3_path, 4, jobs)
 
 

@@ -97,6 +97,15 @@ def test_tp2_cp2_equals_reference_tp2_bitwise(world2, world4):
 
 
 @pytest.mark.extended  # a gloo world of 2 (or 4) ranks: the opt-in set
+def test_tp2_cp2_native_twin(world1, world4):
+    """Native twin of TP2 x CP2 parity: native Megatron misses the reference on most tokens, and its TP2 x CP2
+    differs from its own TP1 (row-parallel layers sum two K halves' partial products where TP1 runs one GEMM)."""
+    r = world4["tp2cp2"]
+    assert mismatches(r["native"], r["ref"]) > n_tokens(r["ref"]) // 2
+    assert mismatches(r["native"], world1["tp1cp1"]["native"]) > 0
+
+
+@pytest.mark.extended  # a gloo world of 2 (or 4) ranks: the opt-in set
 def test_export_round_trip_through_megatron_is_exact(world1, world2, tiny_qwen3_path):
     from safetensors.torch import load_file
 

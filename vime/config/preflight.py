@@ -123,6 +123,11 @@ def check_checkpoint(path: Path) -> None:
     safetensors files whose header and data are complete. Raises DataError naming the file."""
     path = Path(path)
     config = path / "config.json"
+    if not config.is_file():
+        raise DataError(
+            f"model.path={path} is not an HF checkpoint directory (no config.json); pass a Qwen3 "
+            "checkpoint dir, or leave model.path unset to make a tiny one"
+        )
     try:
         meta = json.loads(config.read_text())
     except (OSError, ValueError) as e:

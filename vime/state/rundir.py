@@ -309,19 +309,40 @@ def refuse_complete(run: Path, steps: int, export_hf: bool) -> None:
 
 def check(config: DictConfig) -> None:
     """The job config (the composed config without `hydra`) passes the schema, `validate` and every check that
-    needs no engine and no Ray: the resources a local Ray would have, W&B online, the model's context, a CUDA
-    device, `model.path`'s files and tensor shapes (the last three import torch)."""
+    needs no engine and no Ray: a CUDA device (first), the resources a local Ray would have, W&B online, the
+    model's context, `model.path`'s files and tensor shapes (the device, context and shapes import torch), and
+    the data, reward function and compare run it names (`check_inputs`)."""
     job = copy.deepcopy(config)
     with read_write(job), open_dict(job):
         del job["hydra"]
     cfg = validate(to_object(job))
+    preflight.check_device(cfg)  # before the resources: without CUDA they lack GPUs too, but device=cpu is the fix
     preflight.check_new_tokens(cfg)
     preflight.check_local_resources(cfg)
     preflight.check_wandb(cfg)
     preflight.check_context(cfg)
-    preflight.check_device(cfg)
-    if cfg.model.path and (Path(cfg.model.path) / "config.json").is_file():  # (none: the driver names the path)
-        preflight.check_checkpoint(Path(cfg.model.path))  # its files and every tensor's shape against config.json
+    if cfg.model.path:  # a dir with config.json, its files and every tensor's shape against config.json
+        preflight.check_checkpoint(Path(cfg.model.path))
+    check_inputs(cfg)
+
+
+def check_inputs(cfg: VimeConfig) -> None:
+    """The files and functions a run reads besides the model, named before any heavy import or model is made:
+    data.path's and eval.path's files exist (their rows are read later), reward.fn imports and takes (prompt,
+    response, label, metadata), compare=<dir> holds a metrics.jsonl. One-line DataError / ConfigError."""
+    from vime.data import files, rewards
+
+    for key, path in (("data.path", cfg.data.path), ("eval.path", cfg.eval.path)):
+        if path:
+            files.resolve(path, key)
+    rewards.resolve(rewards.absolute(cfg.reward.fn), cfg.reward.pattern)
+    check_compare(cfg.compare)
+
+
+def check_compare(compare: str | None) -> None:
+    """`compare=<dir>` names a run's output_dir (its metrics.jsonl); `native` and unset need nothing."""
+    if compare and compare != "native" and not (Path(compare) / "metrics.jsonl").is_file():
+        raise ConfigError(f"compare={compare}: no metrics.jsonl there; pass compare=native or a run's output_dir")
 
 
 def check_writable(output_dir: Path) -> None:
