@@ -374,7 +374,7 @@ def push_worker(args: argparse.Namespace) -> None:
         if args.rank == 0:
             from rl_kernel.integrations.vllm.ipc import VllmIPCReceiver
             from rl_kernel.models.qwen3 import read_config
-            from rl_kernel.models.weight_transfer import expected_weights
+            from rl_kernel.weights.transfer import expected_weights
 
             engines = [InProcessEngine(VllmIPCReceiver(llm, expected_weights(read_config(ckpt), "bfloat16")))]
         ray.get = _get  # the engine answers in process (no Ray cluster in this script)

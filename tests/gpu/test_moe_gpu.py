@@ -101,8 +101,9 @@ def test_grouped_gemm_batch_invariant_over_group_sizes_and_native_twin():
     """hypothesis draws each expert's group size; one probe row per non-empty expert, in the full grouped batch,
     in a batch of the probes only and alone, must keep its bits. The twin: cuBLAS per expert, batched vs alone (at the
     drawn group sizes, and one expert's rows alone vs inside 4,096 rows, the size of a prefill's group)."""
-    hypothesis = pytest.importorskip("hypothesis")
-    st = hypothesis.strategies
+    import hypothesis
+    from hypothesis import strategies as st
+
     from rl_kernel.backends.triton import moe
     from rl_kernel.ops.moe import native_experts
 

@@ -141,8 +141,8 @@ def _one_gpu_rank(rank: int, port: int, out: str) -> None:
     import ray
     import torch.distributed as dist
 
-    import rl_kernel.models.weight_transfer as wt
-    from rl_kernel.models.weight_transfer import WeightReceiver
+    import rl_kernel.weights.transfer as wt
+    from rl_kernel.weights.transfer import WeightReceiver
     from vime.weights.sync import EnginePush
 
     script = _script()
