@@ -379,3 +379,30 @@ def test_without_on_stop_a_stop_is_immediate(monkeypatch):
     finally:
         for s, h in before.items():
             signal.signal(s, h)
+
+
+@pytest.mark.slow  # a child process
+def test_a_second_stop_signal_exits_at_once():
+    """A first Ctrl-C lets the step finish (30 s granted here); a second one ends the process at once, exit 130."""
+    import subprocess
+    import sys
+
+    child = (
+        "import os, signal, time\n"
+        "from vime.faults import stops\n"
+        "stops.install_signal_handlers()\n"
+        "with stops.finishing_steps(30.0):\n"
+        "    os.kill(os.getpid(), signal.SIGINT)\n"
+        "    signal.sigtimedwait([], 0)\n"
+        "    assert stops.stop_requested()\n"
+        "    print('first stop deferred', flush=True)\n"
+        "    os.kill(os.getpid(), signal.SIGINT)\n"
+        "    time.sleep(20)\n"
+        "print('not stopped')\n"
+    )
+    t0 = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=60)
+    assert "first stop deferred" in done.stdout and "not stopped" not in done.stdout, done.stdout + done.stderr
+    assert done.returncode == 130, (done.returncode, done.stderr)
+    assert "SIGINT again: exiting now" in done.stderr
+    assert time.monotonic() - t0 < 15  # not the 20 s sleep, nor the 30 s granted to the step
