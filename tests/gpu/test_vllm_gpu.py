@@ -224,6 +224,26 @@ def test_eager_engine_rescores_the_graph_engine_tokens_in_the_same_bits(graph_ru
     assert _mismatches(logprobs, graph_run["logprobs"]) == 0
 
 
+def _fresh_run(engine_kwargs: dict, make_params, prompts, model_path, reference) -> tuple[torch.Tensor, torch.Tensor]:
+    """One engine's sampled logprobs of `prompts` (a seed per request) and teacher forcing of its tokens under the
+    checkpoint's weights (the graph run's fixture updated the reference's)."""
+    from rl_kernel.models.qwen3 import load_hf_state_dict
+
+    llm = _llm(**engine_kwargs)
+    try:
+        params = [
+            make_params(temperature=TEMPERATURE, max_tokens=NEW_TOKENS, seed=i, ignore_eos=True)
+            for i in range(len(prompts))
+        ]
+        tokens, logprobs = _tokens_and_logprobs(
+            llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        )
+    finally:
+        _close(llm)
+    reference.load_hf_weights(load_hf_state_dict(model_path))
+    return logprobs, _teacher_forcing(reference, prompts, tokens)
+
+
 @pytest.mark.xfail(
     strict=True,
     reason="H200, 6d6ff51: 748 of 1,536 tokens differ; strict_llm_kwargs refuses CUDA compile until this passes",
@@ -233,43 +253,19 @@ def test_compiled_strict_engine_matches_teacher_forcing(model_path, reference, m
     split at the strict attention op, so mixed prefill + decode steps replay piecewise graphs): every sampled
     token's fp32 bits equal teacher forcing, under the same chunked prefill, preemptions and prefix reuse."""
     from rl_kernel.integrations.vllm import UNVERIFIED_CUDA_COMPILE, strict_llm_kwargs, strict_sampling_params
-    from rl_kernel.models.qwen3 import load_hf_state_dict
 
     monkeypatch.setenv(UNVERIFIED_CUDA_COMPILE, "1")  # refused otherwise (this test is why)
-    prompts = _prompts(48, seed=2)
-    llm = _llm(**strict_llm_kwargs(model_path, device="cuda", compile=True, **ENGINE))
-    try:
-        params = [
-            strict_sampling_params(temperature=TEMPERATURE, max_tokens=NEW_TOKENS, seed=i, ignore_eos=True)
-            for i in range(len(prompts))
-        ]
-        tokens, logprobs = _tokens_and_logprobs(
-            llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        )
-    finally:
-        _close(llm)
-    reference.load_hf_weights(load_hf_state_dict(model_path))
-    assert _mismatches(logprobs, _teacher_forcing(reference, prompts, tokens)) == 0
+    kwargs = strict_llm_kwargs(model_path, device="cuda", compile=True, **ENGINE)
+    got, want = _fresh_run(kwargs, strict_sampling_params, _prompts(48, seed=2), model_path, reference)
+    assert _mismatches(got, want) == 0
 
 
 def test_native_twin_differs_from_teacher_forcing(model_path, reference):
     from rl_kernel.integrations.vllm import native_llm_kwargs, native_sampling_params
-    from rl_kernel.models.qwen3 import load_hf_state_dict
 
-    prompts = _prompts(32, seed=1)
-    llm = _llm(**native_llm_kwargs(model_path, device="cuda", **ENGINE))
-    try:
-        params = [
-            native_sampling_params(temperature=TEMPERATURE, max_tokens=NEW_TOKENS, seed=i, ignore_eos=True)
-            for i in range(len(prompts))
-        ]
-        tokens, logprobs = _tokens_and_logprobs(
-            llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        )
-    finally:
-        _close(llm)
-    reference.load_hf_weights(load_hf_state_dict(model_path))
-    assert _mismatches(logprobs, _teacher_forcing(reference, prompts, tokens)) > 0
+    kwargs = native_llm_kwargs(model_path, device="cuda", **ENGINE)
+    got, want = _fresh_run(kwargs, native_sampling_params, _prompts(32, seed=1), model_path, reference)
+    assert _mismatches(got, want) > 0
 
 
 def test_vllm_cache_write_lands_the_same_bytes_as_write_kv():
