@@ -57,6 +57,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from tests.inprocess_ray import Method, get  # noqa: E402
+
 WORLD = 2
 PARTS = ("tp", "push")
 ROUTES = ("torch.distributed", "device_gather", "cpu_staged")
@@ -249,37 +251,11 @@ def hold(scratch: str, log: Log) -> None:
 # ---- push: two trainer ranks on one GPU, every_rank IPC into one vLLM engine ---------------------------------
 
 
-class _Reply:
-    """What an in-process engine's `.remote()` returns: its reply, or the exception it raised (Ray's ref)."""
-
-    def __init__(self, fn, *args):
-        try:
-            self.value, self.error = fn(*args), None
-        except Exception as e:  # noqa: BLE001 - re-raised by `_get`, as ray.get would
-            self.value, self.error = None, e
-
-
-def _get(refs, **_):
-    one = not isinstance(refs, list)
-    for r in [refs] if one else refs:
-        if r.error is not None:
-            raise r.error
-    return refs.value if one else [r.value for r in refs]
-
-
-class _Remote:
-    def __init__(self, fn):
-        self.fn = fn
-
-    def remote(self, *args):
-        return _Reply(self.fn, *args)
-
-
 class InProcessEngine:
     """The rollout actor's `receive_weights` on rank 0, over a real engine's `VllmIPCReceiver`."""
 
     def __init__(self, receiver):
-        self.receive_weights = _Remote(receiver.handle)
+        self.receive_weights = Method(receiver.handle)
 
 
 def new_weights(path: str) -> dict[str, torch.Tensor]:
@@ -377,7 +353,7 @@ def push_worker(args: argparse.Namespace) -> None:
             from rl_kernel.weights.transfer import expected_weights
 
             engines = [InProcessEngine(VllmIPCReceiver(llm, expected_weights(read_config(ckpt), "bfloat16")))]
-        ray.get = _get  # the engine answers in process (no Ray cluster in this script)
+        ray.get = get  # the engine answers in process (no Ray cluster in this script)
         watched_merge(log)
         ack = EnginePush(torch.device("cuda", 0)).push(engines, copy, 1, "ipc", bucket_bytes=1 << 20, every_rank=True)
         log.data["ack"] = ack

@@ -159,7 +159,7 @@ def _one_gpu_rank(rank: int, port: int, out: str) -> None:
 
     load = lambda pairs: got.update({n: t.clone() for n, t in pairs})  # noqa: E731
     engines = [script.InProcessEngine(OneGPUReceiver(load, torch.device("cpu")))] if rank == 0 else []
-    ray.get = script._get
+    ray.get = script.get
     log = script.Log(f"{out}.{rank}", rank=rank)
     script.watched_merge(log)
     weights = {f"w{i}": torch.full((16, 8), float(i)).to(torch.bfloat16) for i in range(4)}

@@ -21,34 +21,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from tests.inprocess_ray import Method, get
+
 pytestmark = pytest.mark.slow
 WORLD = 2
-
-
-class _Done:
-    """What a stand-in engine's `.remote()` returns: its reply, or the exception it raised."""
-
-    def __init__(self, fn, *args):
-        try:
-            self.value, self.error = fn(*args), None
-        except Exception as e:  # noqa: BLE001 - handed to the caller's ray.get, as Ray would
-            self.value, self.error = None, e
-
-
-def _get(refs, **_):
-    one = not isinstance(refs, list)
-    for r in [refs] if one else refs:
-        if r.error is not None:
-            raise r.error
-    return refs.value if one else [r.value for r in refs]
-
-
-class _Method:
-    def __init__(self, fn):
-        self.fn = fn
-
-    def remote(self, *args):
-        return _Done(self.fn, *args)
 
 
 class StandInEngine:
@@ -72,7 +48,7 @@ class StandInEngine:
                 return buf
 
         self.receiver = Receiver(lambda pairs: self.got.update({n: t.clone() for n, t in pairs}), torch.device("cpu"))
-        self.receive_weights = _Method(self.receiver.handle)
+        self.receive_weights = Method(self.receiver.handle)
 
 
 def _weights(rank: int) -> dict[str, torch.Tensor]:
@@ -91,7 +67,7 @@ def _rank(rank: int, port: int, out: str) -> None:
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     wt.ipc_handles = lambda buf: {f"gpu-{dist.get_rank()}": (dist.get_rank(), buf.clone())}
-    ray.get = _get  # the stand-ins answer in process
+    ray.get = get  # the stand-ins answer in process
     engines = [StandInEngine(g) for g in range(WORLD)] if rank == 0 else []
     push = EnginePush(torch.device("cpu"))
     ack = push.push(engines, _weights(rank), 1, "ipc", bucket_bytes=600, every_rank=True)
