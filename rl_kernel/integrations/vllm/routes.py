@@ -70,8 +70,8 @@ class RouteRecorder:
         self.model = model_runner.get_model()  # unwrapped from vLLM's CUDA-graph wrappers
         self.records: list[tuple[list[str], list[int], torch.Tensor, torch.Tensor]] = []
         self._layers: list[torch.Tensor] = []
-        self._handles = []
-        _decoder_layers(self.model)
+        self._handles: list[torch.utils.hooks.RemovableHandle] = []
+        _decoder_layers(self.model)  # a causal LM's layout, else ValueError (the worker records nothing)
         blocks = moe_blocks(self.model)
         self.strict = bool(blocks)
         if self.strict:
