@@ -156,7 +156,9 @@ class Experts(nn.Module):
 
 class SparseMoeBlock(nn.Module):
     """Qwen3-MoE's sparse block from the strict MoE ops (`rk.moe`): route, grouped experts, combine. When
-    `routes` is a list, every forward appends its int64 expert ids [T, k] (ascending per token) to it."""
+    `routes` is a list, every forward appends its int64 expert ids [T, k] (ascending per token) to it. When
+    `route_buffer` is a tensor [rows, k] (a fixed address, allocated before any CUDA-graph capture), every forward
+    copies its ids into rows [0, T) on the device (no host sync: captured and replayed with the graph)."""
 
     def __init__(self, config, dtype: torch.dtype = torch.bfloat16, device=None):
         super().__init__()
@@ -165,12 +167,20 @@ class SparseMoeBlock(nn.Module):
         self.gate = Router(experts, D, dtype, device)
         self.experts = Experts(experts, D, config.moe_intermediate_size, dtype, device)
         self.routes: list[torch.Tensor] | None = None
+        self.route_buffer: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         e = self.experts
         out, ids = rk.moe(x, self.gate.weight, e.gate_up_proj, e.down_proj, self.top_k, self.renormalize)
         if self.routes is not None:
             self.routes.append(ids)
+        if self.route_buffer is not None:
+            if ids.shape[0] > self.route_buffer.shape[0]:
+                raise ValueError(
+                    f"SparseMoeBlock.route_buffer holds {self.route_buffer.shape[0]} rows, the forward has "
+                    f"{ids.shape[0]} tokens: allocate it for the engine's largest (padded) batch"
+                )
+            self.route_buffer[: ids.shape[0]].copy_(ids)
         return out
 
 

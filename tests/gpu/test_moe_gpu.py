@@ -11,8 +11,9 @@ host sync in it). Each with its native twin (bf16 router logits, cuBLAS per expe
 Engine (markers gpu, vllm, slow): the strict engine with CUDA graphs of decode batches samples; every sampled
 token's fp32 logprob equals `Qwen3Reference` teacher forcing in bits, and its routes equal the reference's (vime's
 `routing_agreement`, the CPU e2e's `consistency/routing_mismatch`): 0 differing routes. The graph engine records
-routes on the steps it runs eagerly (prefill and mixed batches: a replayed graph runs no Python hook); an eager
-engine re-scoring the same tokens by forced decoding records every fed position, and gives the same bits. Native
+routes on every step, replayed pure-decode batches too (the MoE blocks' device route buffers,
+`rl_kernel.integrations.vllm.routes`): every position a request fed itself has its routes; an eager engine
+re-scoring the same tokens by forced decoding records every fed position, and gives the same bits. Native
 twin: vLLM's own Qwen3MoeForCausalLM (its fused MoE; needs vllm._moe_C) differs in logprobs and routes.
 
     python -m pytest tests/gpu/test_moe_gpu.py -q     (on a GPU machine with vLLM; VIME_GPU_TEST_LAYERS=N)
@@ -327,6 +328,28 @@ def test_strict_moe_graph_engine_matches_teacher_forcing_and_routes(moe_graph_ru
     agreement = routing(moe_graph_run["routes"], want_routes)
     print(f"strict MoE graph engine: {want.numel()} tokens, 0 logprob mismatches, routes {agreement}")
     assert agreement["routing_mismatch_count"] == 0, agreement
+
+
+def _unrecorded_fed_positions(routes: list, prompts: list[list[int]]) -> list[tuple[int, int]]:
+    """(request, position) of each position from a prompt's last token on (vLLM computes these itself, never from
+    the prefix cache: the last prompt token and every fed response token) that has no recorded route."""
+    missing = []
+    for index, (r, p) in enumerate(zip(routes, prompts)):
+        assert r is not None, f"request {index}: no route recorded"
+        missing += [(index, len(p) - 1 + int(i)) for i in torch.nonzero((r[len(p) - 1 :] < 0).any(-1).any(-1))]
+    return missing
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_strict_moe_graph_engine_records_the_routes_of_decode_steps(moe_graph_run):
+    """Under FULL_DECODE_ONLY graphs the pure-decode steps are replays: their routes come from the route buffers.
+    Every response position fed (NEW_TOKENS - 1 per request, at least PROMPTS * (NEW_TOKENS - 2) of them decoded)
+    and the last prompt token have their routes."""
+    routes, prompts = moe_graph_run["routes"], moe_graph_run["prompts"]
+    missing = _unrecorded_fed_positions(routes, prompts)
+    assert not missing, f"{len(missing)} fed positions have no route, e.g. {missing[:5]}"
+    assert all(r.shape[0] == len(p) + NEW_TOKENS - 1 for r, p in zip(routes, prompts))
 
 
 @pytest.mark.vllm
