@@ -129,13 +129,13 @@ def moe_expert_parallel(
     y = _expert_rows(rows, expert, gate_up, down)
     if not COMBINE.is_strict():
         COMBINE.record_native(x.device)
-        return _native_combine(y, expert, weights, order, send, recv, t, k, x2d.dtype, group).reshape(x.shape), ids
+        return _native_combine(y, weights, order, send, recv, t, k, x2d.dtype, group).reshape(x.shape), ids
     back = all_to_all_rows(y, recv, send, group)  # fp32 rows, in the order they were sent
     y_tokens = torch.empty_like(back).index_copy(0, order, back).reshape(t, k, y.shape[-1])
     return moe_combine(y_tokens, weights, ids, x2d.dtype).reshape(x.shape), ids
 
 
-def _native_combine(y, expert, weights, order, send, recv, t, k, dtype, group) -> torch.Tensor:
+def _native_combine(y, weights, order, send, recv, t, k, dtype, group) -> torch.Tensor:
     """The framework's expert-parallel combine: a per-token partial on each owning rank (its slots, in
     `dtype`), the partials back in `dtype` and summed in rank order in `dtype`."""
     world = len(send)
