@@ -223,7 +223,7 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor, down:
         down,
         native_form=lambda *a: native_experts(*a[:1], counts, *a[1:]),
     )
-    return out[torch.argsort(order)].reshape(t, k, -1)
+    return out[torch.argsort(order)].reshape(t, k, down.shape[1])
 
 
 # ---- combine ---------------------------------------------------------------------------------------

@@ -120,6 +120,12 @@ class MegatronPolicy:
                 )
         else:
             parallel_state.initialize_model_parallel(tp, 1, context_parallel_size=cp)
+        if parallel_state.get_expert_model_parallel_world_size() != 1:
+            raise ValueError(
+                f"Megatron parallel state has expert_model_parallel_size="
+                f"{parallel_state.get_expert_model_parallel_world_size()}: MegatronPolicy runs expert parallelism 1 "
+                "(its HF conversion, weight push and gradient reduction hold every expert); initialise it with 1"
+            )
         self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
         self.model = build_gpt_model(self.shape, self.spec_mode, tp, cp, dtype, self.device)
         self.load_hf_state_dict(load_hf_state_dict(hf_path), _reload_optimizer=False)

@@ -13,10 +13,12 @@ ColumnParallelLinear / RowParallelLinear with Megatron's all-reduce in the model
 MLP and SwiGLU); RoPE and core attention run rl_kernel's native ops (torch RoPE, SDPA) because
 Megatron's local DotProductAttention does not take packed (THD) sequences and TE is not installed
 here. Both specs use the same parameter names, so one converter serves both.
-MoE layers (Qwen3-MoE, tp 1 / expert parallelism 1, `get_rl_kernel_moe_layer_spec`): the layer's MLP is
+MoE layers (Qwen3-MoE, tp 1, `get_rl_kernel_moe_layer_spec`): the layer's MLP is
 `RKMoELayer`, the shared `SparseMoeBlock` (router, grouped experts and combine by `rk.moe`; strict or native by
 the moe boundary's mode) with trained parameters `mlp.gate.weight` [E, D], `mlp.experts.gate_up_proj`
-[E, 2I, D] and `mlp.experts.down_proj` [E, D, I], in both specs.
+[E, 2I, D] and `mlp.experts.down_proj` [E, D, I], in both specs. Under Megatron's expert parallelism
+(expert_model_parallel_size > 1) the layer holds its rank's E / EP experts and runs `moe_expert_parallel`;
+`MegatronPolicy` still refuses EP > 1 (its conversion, weight push and gradient reduction are EP = 1).
 """
 
 from __future__ import annotations
@@ -38,8 +40,9 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 from rl_kernel.integrations.megatron.cp import TokenLayout, cp_attention
-from rl_kernel.models.layers import RMSNorm, Rotary, SparseMoeBlock
+from rl_kernel.models.layers import Experts, RMSNorm, Rotary, SparseMoeBlock
 from rl_kernel.ops.attention import ATTENTION
+from rl_kernel.ops.moe_parallel import check_expert_slices, moe_expert_parallel
 
 
 @dataclass
@@ -192,17 +195,42 @@ def get_rl_kernel_layer_spec(mode: str = "strict") -> ModuleSpec:
 
 
 class RKMoELayer(SparseMoeBlock):
-    """A Qwen3-MoE sparse block as Megatron's TransformerLayer builds and calls an MLP: (config, shape) in,
-    hidden states [s, b, h] -> (output, None). Parameters in the model dtype, trained."""
+    """A Qwen3-MoE sparse block as Megatron builds and calls an MLP: (config, shape) in, hidden states [s, b, h]
+    -> (output, None). Parameters in the model dtype, trained.
+
+    Expert parallelism (Megatron's `expert_model_parallel_size` > 1 in its parallel state): this rank holds the
+    contiguous expert slice [r * E / EP, (r + 1) * E / EP) of its expert-parallel rank r (`mlp.experts.*`
+    [E / EP, ...], marked `allreduce = False` as Megatron marks expert parameters) and the whole router; the
+    forward is `rk.moe_expert_parallel` over Megatron's expert-parallel group: every token's output and route
+    bits are the EP = 1 block's (see rl_kernel/ops/moe_parallel.py)."""
 
     def __init__(self, config: TransformerConfig, shape=None, **_: object):
         device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
         super().__init__(shape, config.params_dtype, device)
+        self.ep, self.ep_group = 1, None
+        if parallel_state.model_parallel_is_initialized():
+            self.ep = parallel_state.get_expert_model_parallel_world_size()
+        if self.ep > 1:
+            check_expert_slices(shape.num_experts, shape.num_experts // self.ep, self.ep)
+            self.ep_group = parallel_state.get_expert_model_parallel_group()
+            local = shape.num_experts // self.ep
+            self.experts = Experts(local, shape.hidden_size, shape.moe_intermediate_size, config.params_dtype, device)
+            for p in self.experts.parameters():
+                p.allreduce = False  # Megatron's mark: reduced over the expert data-parallel group, not dp
         for p in self.parameters():
             p.requires_grad_(True)
 
     def forward(self, hidden_states: torch.Tensor, padding_mask=None, **_: object):
-        out = super().forward(hidden_states.reshape(-1, hidden_states.shape[-1]))
+        x = hidden_states.reshape(-1, hidden_states.shape[-1])
+        if self.ep == 1:
+            out = super().forward(x)
+        else:
+            e = self.experts
+            out, ids = moe_expert_parallel(
+                x, self.gate.weight, e.gate_up_proj, e.down_proj, self.top_k, self.renormalize, self.ep_group
+            )
+            if self.routes is not None:
+                self.routes.append(ids)
         return out.reshape(hidden_states.shape), None
 
 
