@@ -39,9 +39,12 @@ np.seterr(invalid="ignore", divide="ignore")  # rows past a sequence's end compu
 
 from rl_kernel.backends.torch import activation as torch_act  # noqa: E402
 from rl_kernel.backends.torch import moe as torch_moe  # noqa: E402
+from rl_kernel.backends.torch import norm as torch_norm  # noqa: E402
 from rl_kernel.backends.torch import rope as torch_rope  # noqa: E402
-from rl_kernel.backends.torch.numerics import blocked_sum, tree_sum  # noqa: E402
+from rl_kernel.backends.torch.cuda_emulation import CudaScalarDivision  # noqa: E402
+from rl_kernel.backends.torch.numerics import blocked_sum, sqrt32, tree_sum  # noqa: E402
 from rl_kernel.backends.triton import activation, attention, gemm, logprob, moe, norm, rope  # noqa: E402
+from rl_kernel.bits import bit_mismatches  # noqa: E402
 from rl_kernel.ops.norm import native_rms_norm  # noqa: E402
 from rl_kernel.ops.rope import native_rope  # noqa: E402
 
@@ -122,6 +125,45 @@ def elementwise(gen: torch.Generator) -> None:
                 f"rope {dtype} rotary {rd} theta {theta:g}, cos/sin computed in the kernel == torch backend's table",
                 same(rope.rotate_at(x, far_positions, theta, rd), torch_rope.rotate(x, cos, sin, rd)),
             )
+
+
+# (D, rows): a partial last block of 64 (1100, 200, 65), a row in two chunks of 64 blocks (5120), other non-powers of
+# two (1536), and the production widths (4096, 2048, 128), where 1 / D is exact.
+NORM_WIDTHS = ((1100, 128), (5120, 24), (200, 256), (1536, 64), (65, 256), (4096, 16), (2048, 32), (128, 256))
+NORM_SEEDS = range(4)
+
+
+def _rms_norm_dividing_by_d(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The torch backend's rms_norm before it divided by a tensor: `sum / D` with D a Python int (eps 1e-6)."""
+    x32 = x.float()
+    r = 1.0 / sqrt32(blocked_sum(x32 * x32) / x.shape[-1] + 1e-6)
+    return ((x32 * r[:, None]).to(x.dtype).float() * w.float()).to(x.dtype)
+
+
+def norm_widths(gen: torch.Generator) -> None:
+    """rms_norm over many seeds and widths == the torch backend as CUDA torch runs it (`CudaScalarDivision`: a
+    tensor over a host scalar is a product with its reciprocal), the comparison that failed on the H200 at D = 1100.
+    The twin: the torch formula of that run (`sum / D`), run the CUDA way, differs from the kernel at 1100 and 5120."""
+    for dtype in (F16, torch.float32):
+        twin_bad = {}
+        for d, rows in NORM_WIDTHS:
+            rows = rows if dtype == F16 else rows // 4  # an fp32 output shows a moved bit of r far more often
+            bad = 0
+            for seed in NORM_SEEDS:
+                g = torch.Generator().manual_seed(seed)
+                x, w = (torch.randn(rows, d, generator=g) * 3).to(dtype), torch.randn(d, generator=g).to(dtype)
+                y = norm.rms_norm(x, w, 1e-6)
+                with CudaScalarDivision():
+                    ref, old = torch_norm.rms_norm(x, w, 1e-6), _rms_norm_dividing_by_d(x, w)
+                bad += bit_mismatches(y, ref)
+                twin_bad[d] = twin_bad.get(d, 0) + int(not same(y, old))
+            what = f"D={d}, {len(NORM_SEEDS)} seeds x {rows} rows"
+            check(f"rms_norm {dtype} {what} == torch backend as on CUDA ({bad} elements differ)", bad == 0)
+        powers_of_two = twin_bad[4096] + twin_bad[2048] + twin_bad[128]
+        check(
+            f"rms_norm {dtype}: `sum / D` the CUDA way differs at 1100 and 5120, not at 2^k (twin: {twin_bad})",
+            twin_bad[1100] > 0 and twin_bad[5120] > 0 and powers_of_two == 0,
+        )
 
 
 def qk_norm_rope(gen: torch.Generator) -> None:
@@ -834,6 +876,7 @@ def moes(gen: torch.Generator) -> None:
 PARTS = (
     moes,
     elementwise,
+    norm_widths,
     qk_norm_rope,
     gemms,
     attentions,

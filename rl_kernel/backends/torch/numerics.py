@@ -89,6 +89,14 @@ def sincos64(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return sin, cos
 
 
+def div_rn(a: torch.Tensor, b: float) -> torch.Tensor:
+    """a / b with one IEEE rounding in a's dtype on every device, b a Python number. Not `a / b`: CUDA torch
+    computes a tensor over a host scalar as a * fl(1 / b), two roundings (ATen's BinaryDivTrueKernel.cu), which
+    differs from the IEEE quotient in the last bit for some a unless b is a power of two (1 / b exact); CPU
+    torch divides. A divisor tensor on a's device takes the plain division kernel on both."""
+    return a / torch.full_like(a, b)
+
+
 def sqrt32(x: torch.Tensor) -> torch.Tensor:
     """Correctly rounded fp32 square root (torch's CPU sqrt is not: ~16% of fp32 results differ by an
     ulp from IEEE). Start from sqrt in fp64 rounded to fp32, then move to the neighbour whose rounding

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import torch
 
-from rl_kernel.backends.torch.numerics import exp64, log64, sincos64
+from rl_kernel.backends.torch.numerics import div_rn, exp64, log64, sincos64
 
 
 def cos_sin(positions: torch.Tensor, rotary_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 cos, sin [T, rotary_dim/2] of angle = pos * theta^(-2i/rotary_dim), computed in fp64."""
     i = torch.arange(0, rotary_dim, 2, dtype=torch.float64, device=positions.device)
-    inv_freq = exp64(-(i / rotary_dim) * log64(torch.full_like(i, float(theta))))
+    inv_freq = exp64(-div_rn(i, rotary_dim) * log64(torch.full_like(i, float(theta))))
     angle = positions.to(torch.float64).unsqueeze(-1) * inv_freq
     sin, cos = sincos64(angle)
     return cos.to(torch.float32), sin.to(torch.float32)
