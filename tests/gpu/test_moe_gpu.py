@@ -28,7 +28,11 @@ import pytest
 import torch
 
 import rl_kernel as rk
-from rl_kernel.bits import bit_mismatches, bits, same_bits
+from rl_kernel.bits import bit_mismatches, same_bits
+from tests.gpu.engine_tools import close_engine as _close
+from tests.gpu.engine_tools import mismatches as _mismatches
+from tests.gpu.engine_tools import shared_prefix_prompts
+from tests.gpu.engine_tools import start_engine as _llm
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -203,14 +207,7 @@ def test_moe_forward_replays_under_a_cuda_graph():
 
 
 def _prompts(n: int = PROMPTS, seed: int = 0) -> list[list[int]]:
-    """Lengths 1..~620; two in three share one of two long prefixes (prefix caching has work to do)."""
-    g = torch.Generator().manual_seed(seed)
-    prefixes = [torch.randint(10, 150_000, (m,), generator=g).tolist() for m in (300, 180)]
-    out = []
-    for i in range(n):
-        tail = torch.randint(10, 150_000, (int(torch.randint(1, 320, (1,), generator=g)),), generator=g).tolist()
-        out.append(prefixes[i % 2] + tail if i % 3 else tail)
-    return out
+    return shared_prefix_prompts(n, seed)
 
 
 @pytest.fixture(scope="module")
@@ -227,18 +224,6 @@ def moe_reference(moe_model_path):
     from rl_kernel.models.qwen3 import Qwen3Reference
 
     return Qwen3Reference.from_pretrained(moe_model_path, device=DEV)
-
-
-def _llm(**kwargs):
-    """One engine per process core (vLLM's multiprocess core: two engines of one process cannot both capture)."""
-    vllm = pytest.importorskip("vllm")
-    return vllm.LLM(**kwargs)
-
-
-def _close(llm) -> None:
-    llm.llm_engine.engine_core.shutdown()
-    del llm
-    torch.cuda.empty_cache()
 
 
 def _generate(llm, prompts, params) -> tuple[list[list[int]], torch.Tensor, list]:
@@ -286,11 +271,6 @@ def routing(engine_routes: list, reference_routes: list[torch.Tensor]) -> dict:
     )
     assert got is not None and got["routes_compared"] > 0, "no route was recorded on both sides"
     return got
-
-
-def _mismatches(got: torch.Tensor, want: torch.Tensor) -> int:
-    assert got.shape == want.shape and got.numel() > 0
-    return int((bits(got) != bits(want)).sum())
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,11 @@ import os
 import pytest
 import torch
 
-from rl_kernel.bits import bits
+from tests.gpu.engine_tools import close_engine as _close
+from tests.gpu.engine_tools import mismatches as _mismatches
+from tests.gpu.engine_tools import sampled as _tokens_and_logprobs
+from tests.gpu.engine_tools import shared_prefix_prompts
+from tests.gpu.engine_tools import start_engine as _llm
 
 pytestmark = [pytest.mark.gpu, pytest.mark.vllm, pytest.mark.slow]
 
@@ -40,14 +44,7 @@ SMALL_KV_BLOCKS = 320  # 5120 token slots for 96 sequences of up to ~700 tokens:
 
 
 def _prompts(n: int = PROMPTS, seed: int = 0) -> list[list[int]]:
-    """Lengths 1..~620; two in three share one of two long prefixes (prefix caching has work to do)."""
-    g = torch.Generator().manual_seed(seed)
-    prefixes = [torch.randint(10, 150_000, (m,), generator=g).tolist() for m in (300, 180)]
-    out = []
-    for i in range(n):
-        tail = torch.randint(10, 150_000, (int(torch.randint(1, 320, (1,), generator=g)),), generator=g).tolist()
-        out.append(prefixes[i % 2] + tail if i % 3 else tail)
-    return out
+    return shared_prefix_prompts(n, seed)
 
 
 @pytest.fixture(scope="module")
@@ -66,44 +63,12 @@ def reference(model_path):
     return Qwen3Reference.from_pretrained(model_path, device="cuda")
 
 
-def _llm(**kwargs):
-    """An engine with vLLM's multiprocess core (one process per engine: two engines of one process cannot both
-    capture CUDA graphs in vLLM 0.26). The test's own CUDA IPC handles reach that core only as pickles
-    (vLLM's msgpack refuses them; same-process IPC is refused by CUDA), hence the opt-in below."""
-    vllm = pytest.importorskip("vllm")
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
-    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
-    return vllm.LLM(**kwargs)
-
-
-def _close(llm) -> None:
-    llm.llm_engine.engine_core.shutdown()
-    del llm
-    torch.cuda.empty_cache()
-
-
-def _tokens_and_logprobs(outputs) -> tuple[list[list[int]], torch.Tensor]:
-    tokens, logprobs = [], []
-    for out in outputs:
-        c = out.outputs[0]
-        assert c.logprobs is not None and len(c.logprobs) == len(c.token_ids)
-        tokens.append(list(c.token_ids))
-        logprobs.extend(step[t].logprob for step, t in zip(c.logprobs, c.token_ids))
-    return tokens, torch.tensor(logprobs, dtype=torch.float32)  # Python floats hold the fp32 values exactly
-
-
 def _teacher_forcing(reference, prompts, tokens) -> torch.Tensor:
     """The reference's logprobs of the same tokens, all sequences in one varlen pack (reverse order)."""
     seqs = [p + t for p, t in zip(prompts, tokens)]
     lens = [len(p) for p in prompts]
     want = reference.sequence_logprobs(seqs[::-1], lens[::-1], TEMPERATURE)[::-1]
     return torch.cat(want).float().cpu()
-
-
-def _mismatches(got: torch.Tensor, want: torch.Tensor) -> int:
-    assert got.shape == want.shape and got.numel() > 0
-    return int((bits(got) != bits(want)).sum())
 
 
 def _metric(llm, name: str) -> float:
