@@ -363,10 +363,10 @@ def run_sequential(args) -> int:
         for m in modes:
             try:
                 engine = Engine(m, dummy_path, args.device, eargs | {"load_format": "dummy"})
-            except Exception as e:  # noqa: BLE001 - report the engine that failed, measure the others
+            except Exception as e:  # noqa: BLE001 - report the engine that failed; no ratio without it
                 failed[m] = f"{type(e).__name__}: {e}"[:2000]
-                print(f"{m}: failed to start: {failed[m]}", flush=True)
-                continue
+                print(f"{m}: failed to start: {failed[m]}; no further engine timed", flush=True)
+                break
             starts[m] = engine.start_s
             warm_up(engine, rows, vocab)
             timings[m] = []

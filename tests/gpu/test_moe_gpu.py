@@ -31,7 +31,7 @@ import rl_kernel as rk
 from rl_kernel.bits import bit_mismatches, same_bits
 from tests.gpu.engine_tools import close_engine as _close
 from tests.gpu.engine_tools import mismatches as _mismatches
-from tests.gpu.engine_tools import shared_prefix_prompts
+from tests.gpu.engine_tools import sampled, shared_prefix_prompts
 from tests.gpu.engine_tools import start_engine as _llm
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -229,13 +229,7 @@ def moe_reference(moe_model_path):
 def _generate(llm, prompts, params) -> tuple[list[list[int]], torch.Tensor, list]:
     """(tokens, fp32 logprobs of every sampled token, the request outputs) of one `generate`."""
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    tokens, logprobs = [], []
-    for out in outs:
-        c = out.outputs[0]
-        assert c.logprobs is not None and len(c.logprobs) == len(c.token_ids)
-        tokens.append(list(c.token_ids))
-        logprobs.extend(step[t].logprob for step, t in zip(c.logprobs, c.token_ids))
-    return tokens, torch.tensor(logprobs, dtype=torch.float32), outs
+    return *sampled(outs), outs
 
 
 def _engine_routes(llm, outs, prompts) -> list:

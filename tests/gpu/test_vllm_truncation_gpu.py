@@ -23,6 +23,9 @@ import torch
 
 from rl_kernel.bits import bits
 from rl_kernel.ops.truncation import Truncation
+from tests.gpu.engine_tools import close_engine as _close
+from tests.gpu.engine_tools import sampled
+from tests.gpu.engine_tools import start_engine as _llm
 
 pytestmark = [pytest.mark.gpu, pytest.mark.vllm, pytest.mark.slow]
 
@@ -71,13 +74,8 @@ def requests(vocab: int) -> list[tuple[list[int], float, Truncation]]:
 
 def returned(outputs) -> tuple[list[list[int]], list[torch.Tensor]]:
     """(generated ids per request, the engine's fp32 logprob of every generated token per request)."""
-    ids, got = [], []
-    for out in outputs:
-        c = out.outputs[0]
-        assert c.logprobs is not None and len(c.logprobs) == len(c.token_ids)
-        ids.append(list(c.token_ids))
-        got.append(torch.tensor([step[t].logprob for step, t in zip(c.logprobs, c.token_ids)], dtype=torch.float32))
-    return ids, got  # Python floats hold the fp32 values exactly
+    ids, flat = sampled(outputs)
+    return ids, list(flat.split([len(t) for t in ids]))
 
 
 def teacher_forced(reference, reqs, ids, truncation_of_group) -> dict[Truncation, tuple[torch.Tensor, torch.Tensor]]:
@@ -100,20 +98,6 @@ def teacher_forced(reference, reqs, ids, truncation_of_group) -> dict[Truncation
 
 def group(reqs, got: list[torch.Tensor], t: Truncation) -> torch.Tensor:
     return torch.cat([g for r, g in zip(reqs, got) if r[2] == t])
-
-
-def _llm(**kwargs):
-    """An engine with vLLM's multiprocess core, one at a time (tests/gpu/test_vllm_gpu.py)."""
-    vllm = pytest.importorskip("vllm")
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
-    return vllm.LLM(**kwargs)
-
-
-def _close(llm) -> None:
-    llm.llm_engine.engine_core.shutdown()
-    del llm
-    torch.cuda.empty_cache()
 
 
 @pytest.fixture(scope="module")
