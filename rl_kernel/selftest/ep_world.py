@@ -18,7 +18,7 @@ import torch.multiprocessing as mp
 
 import rl_kernel as rk
 from rl_kernel.ops.moe_parallel import moe_expert_parallel
-from rl_kernel.selftest.ranks import _free_port
+from rl_kernel.selftest.ranks import free_port
 
 Case = dict[str, Any]
 
@@ -63,7 +63,7 @@ class EPWorld:
         ctx = mp.get_context("spawn")
         self.inboxes = [ctx.Queue() for _ in range(world)]
         self.outboxes = [ctx.Queue() for _ in range(world)]
-        port = _free_port()
+        port = free_port()
         self.procs = [
             ctx.Process(target=_serve, args=(r, world, port, self.inboxes[r], self.outboxes[r]), daemon=True)
             for r in range(world)

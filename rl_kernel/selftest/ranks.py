@@ -20,7 +20,8 @@ from rl_kernel.selftest.matrix import Pairs, backends_ran, compare, randn
 VOCAB, VOCAB_PADDED, TP_K = 500, 512, 512
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for a spawned world's rendezvous)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -155,7 +156,7 @@ def run_distributed(world: int, device: str = "cpu") -> list[dict[str, dict]]:
     backend = "gloo" if device == "cpu" else "nccl"
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "out")
-        mp.spawn(_dist_worker, args=(world, _free_port(), backend, device, path), nprocs=world, join=True)
+        mp.spawn(_dist_worker, args=(world, free_port(), backend, device, path), nprocs=world, join=True)
         return [torch.load(f"{path}.rank{r}") for r in range(world)]
 
 

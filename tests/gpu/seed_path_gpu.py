@@ -44,7 +44,6 @@ import argparse
 import hashlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -57,6 +56,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from rl_kernel.selftest.ranks import free_port  # noqa: E402
 from tests.inprocess_ray import Method, get  # noqa: E402
 
 WORLD = 2
@@ -407,12 +407,6 @@ def start_engine(ckpt: str, graphs: bool):
 
 
 # ---- the orchestrator ----------------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Job:

@@ -5,12 +5,13 @@ the test process then checks."""
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from rl_kernel.selftest.ranks import free_port
 
 LENGTHS = (150, 70, 5, 33, 96, 130)  # several key chunks of 64, a split boundary, short ones
 PROMPTS = (20, 3, 2, 10, 64, 1)
@@ -34,12 +35,6 @@ def train_inputs(old: list[torch.Tensor]) -> dict:
     adv = (torch.randn(len(old), generator=g)).tolist()
     ref = [o - 0.05 * torch.rand(o.shape, generator=g) for o in old]
     return {"advantages": adv, "ref_logprobs": ref}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def spawn(world: int, jobs: list[dict], ckpt: Path, out: Path, device: str = "cpu", canonical_tp: int = 2) -> dict:

@@ -12,7 +12,8 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from megatron_workers import free_port
+
+from rl_kernel.selftest.ranks import free_port
 
 
 def spawn_ep(world: int, case: dict, ckpt: Path, out: Path) -> list[dict]:
