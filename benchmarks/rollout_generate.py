@@ -60,7 +60,6 @@ host memory. So (`--weights dummy`, the default for this arch on CUDA):
 from __future__ import annotations
 
 import argparse
-import functools
 import gc
 import json
 import math
@@ -75,13 +74,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.vllm_throughput import QWEN3_8B, STRICT_MODES, gpu_state  # noqa: E402
-from rl_kernel.integrations.vllm import (  # noqa: E402
-    native_llm_kwargs,
-    native_sampling_params,
-    strict_llm_kwargs,
-    strict_sampling_params,
-)
+from benchmarks.vllm_throughput import CUDA_ENGINE, QWEN3_8B, STRICT_MODES, engine_makers, gpu_state  # noqa: E402
 from rl_kernel.models.qwen3 import Qwen3Reference  # noqa: E402
 from rl_kernel.models.tiny import make_tiny_qwen3  # noqa: E402
 from vime.loop.consistency import compare  # noqa: E402
@@ -167,10 +160,8 @@ class Engine:
     def __init__(self, mode: str, path: Path, device: str, engine_args: dict):
         from vllm import LLM
 
-        strict = mode in STRICT_MODES
-        make_kwargs = functools.partial(strict_llm_kwargs, **STRICT_MODES[mode]) if strict else native_llm_kwargs
+        make_kwargs, self.make_params = engine_makers(mode)
         self.mode = mode
-        self.make_params = strict_sampling_params if strict else native_sampling_params
         t0 = time.perf_counter()
         self.llm = LLM(**make_kwargs(path, device=device, **engine_args))
         self.start_s = round(time.perf_counter() - t0, 1)
@@ -298,16 +289,7 @@ def print_table(title: str, table: list[dict], modes: list[str]) -> None:
 def engine_args(device: str, args) -> dict:
     if device == "cpu":
         return dict(seed=0, max_model_len=256, max_num_batched_tokens=128, max_num_seqs=8, gpu_memory_utilization=0.3)
-    return dict(
-        dtype="bfloat16",
-        seed=0,
-        max_model_len=4096,
-        max_num_seqs=256,
-        max_num_batched_tokens=8192,
-        enable_prefix_caching=True,
-        gpu_memory_utilization=args.memory,
-        enable_sleep_mode=True,
-    )
+    return CUDA_ENGINE | {"gpu_memory_utilization": args.memory, "enable_sleep_mode": True}
 
 
 def make_checkpoint(root: Path, args, layers: int) -> Path:

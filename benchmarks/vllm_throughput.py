@@ -127,6 +127,22 @@ PARITY_SEQS = 4
 # cuda: the strict engines, by mode name: FULL_DECODE_ONLY graphs (eager mixed batches), vLLM's torch.compile
 # of the strict model with FULL_AND_PIECEWISE graphs (`strict_llm_kwargs(compile=True)`)
 STRICT_MODES = {"strict": {}, "strict_compiled": {"compile": True}}
+# cuda: what every benchmark engine of Qwen3-8B shapes is built with (each adds its share of the GPU)
+CUDA_ENGINE = dict(
+    dtype="bfloat16",
+    seed=0,
+    max_model_len=4096,
+    max_num_seqs=256,
+    max_num_batched_tokens=8192,
+    enable_prefix_caching=True,
+)
+
+
+def engine_makers(mode: str):
+    """(engine kwargs maker, sampling params maker) of a benchmark mode: a strict one of `STRICT_MODES` or native."""
+    if mode in STRICT_MODES:
+        return functools.partial(strict_llm_kwargs, **STRICT_MODES[mode]), strict_sampling_params
+    return native_llm_kwargs, native_sampling_params
 
 
 def parse_grid(text: str) -> list[tuple[int, int]]:
@@ -183,20 +199,8 @@ def cuda_mode(mode: str, path: Path, args) -> dict:
     parity sample of the last pass."""
     from vllm import LLM
 
-    engine = dict(
-        dtype="bfloat16",
-        seed=0,
-        max_model_len=4096,
-        max_num_seqs=256,
-        max_num_batched_tokens=8192,
-        enable_prefix_caching=True,
-        gpu_memory_utilization=0.62,
-    )
-    make_kwargs, make_params = (
-        (functools.partial(strict_llm_kwargs, **STRICT_MODES[mode]), strict_sampling_params)
-        if mode in STRICT_MODES
-        else (native_llm_kwargs, native_sampling_params)
-    )
+    engine = CUDA_ENGINE | {"gpu_memory_utilization": 0.62}
+    make_kwargs, make_params = engine_makers(mode)
 
     def params(n: int, batch: int) -> list:
         # vime's rollouts carry no per-request seed (the engine's RNG is reseeded per call): vLLM's V1 sampler
