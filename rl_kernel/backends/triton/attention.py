@@ -682,20 +682,23 @@ def _run(q, k, v, q_start, ctx_len, block_table, block_size, scale, paged, sched
     part = torch.empty(tq * heads * num_splits * _partial_floats(d), dtype=torch.float32, device=dev) if split else None
     counters = _arrival_counters(dev, grid_tiles * kv_heads) if split else None
     k_desc, v_desc = _descriptors(k, v) if tma and not paged else (None, None)
+    use_tma = k_desc is not None
     grid = (grid_tiles * kv_heads, 1) if heavy_first else (grid_tiles, kv_heads)
+    # `_keys` packs the descriptors and the block table into one tuple, and Triton before 3.9 cannot put a None
+    # into a tuple: where there is none, the k and v pointers and ctx_len stand in (read under no constexpr branch)
     _attn_kernel[grid + (num_splits if split else 1,)](
         q,
         k,
         v,
-        k_desc,
-        v_desc,
+        k_desc if use_tma else k,
+        v_desc if use_tma else v,
         out,
         part,
         counters,
         lse,
         q_start,
         ctx_len,
-        block_table,
+        block_table if paged else ctx_len,
         b,
         b.bit_length(),
         num_splits,
@@ -722,7 +725,7 @@ def _run(q, k, v, q_start, ctx_len, block_table, block_size, scale, paged, sched
         PRECISION=precision,
         FLAT=flat,
         HEAVY_FIRST=heavy_first,
-        TMA=k_desc is not None,
+        TMA=use_tma,
         **cfg,
         **LAUNCH,
     )

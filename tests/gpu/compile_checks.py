@@ -1,0 +1,188 @@
+"""Compile every Triton kernel launch of the strict ops for an H100/H200 (sm_90) on a machine with no GPU.
+
+    python tests/gpu/compile_checks.py [--stage ttir|ttgir|llir|ptx] [--json PATH]
+
+The Triton interpreter (tests/gpu/interpreter_checks.py) runs a kernel's Python on the host, and accepts code
+that the compiler refuses: a `None` argument placed in a tuple that a `@triton.jit` helper returns compiles
+nowhere, and runs fine there. This script makes the ops' real launches on CPU tensors (the launchers need no
+GPU to pick their configurations), stops each at `JITFunction.run` and compiles it instead, for
+`GPUTarget("cuda", 90, 32)`, with whichever Triton is importable (on the GPU image: 3.6; carry its wheel's
+`triton` first on PYTHONPATH to check against it). Each distinct (kernel, signature, constexprs) compiles once.
+
+Exit status 0 when every launch compiled, 1 otherwise (each failure: kernel, its constexprs, the compiler's first
+error line)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.runtime.jit import JITFunction
+
+SM90 = GPUTarget("cuda", 90, 32)
+_DTYPES = {
+    torch.float32: "fp32",
+    torch.float16: "fp16",
+    torch.bfloat16: "bf16",
+    torch.float64: "fp64",
+    torch.int32: "i32",
+    torch.int64: "i64",
+    torch.int8: "i8",
+    torch.uint8: "u8",
+    torch.bool: "i1",
+}
+
+
+def _arg_type(value) -> str | None:
+    """Triton's signature type of one runtime argument; None: a constexpr (Triton makes None one)."""
+    if value is None:
+        return None
+    if isinstance(value, torch.Tensor):
+        return "*" + _DTYPES[value.dtype]
+    if isinstance(value, bool):
+        return "i1"
+    if isinstance(value, int):
+        return "i32" if -(2**31) <= value < 2**31 else "i64"
+    if isinstance(value, float):
+        return "fp32"
+    base = getattr(value, "base", None)  # a host TensorDescriptor
+    if isinstance(base, torch.Tensor):
+        return f"tensordesc<{_DTYPES[base.dtype]}{list(value.block_shape)}>"
+    raise TypeError(f"no Triton signature type for {type(value).__name__}")
+
+
+class Recorder:
+    """Stands in for `JITFunction.run`: compiles each distinct launch for `target` up to `stage`."""
+
+    def __init__(self, stage: str, target: GPUTarget = SM90):
+        self.stage, self.target = stage, target
+        self.seen: dict[tuple, dict] = {}
+
+    def __call__(self, fn: JITFunction, *args, grid=None, warmup=False, **kwargs):
+        names = fn.arg_names
+        bound = dict(zip(names, args)) | {k: v for k, v in kwargs.items() if k in names}
+        options = {k: v for k, v in kwargs.items() if k not in names}
+        signature, constexprs = {}, {}
+        for i, name in enumerate(names):
+            value = bound.get(name, fn.params[i].default)
+            kind = "constexpr" if fn.params[i].is_constexpr else _arg_type(value)
+            if kind in (None, "constexpr"):
+                signature[name], constexprs[(i,)] = "constexpr", value
+            else:
+                signature[name] = kind
+        key = (fn.__name__, tuple(signature.items()), tuple(sorted((k, repr(v)) for k, v in constexprs.items())))
+        if key in self.seen:
+            return None
+        record = {
+            "kernel": fn.__name__,
+            "constexprs": {names[i]: repr(v) for (i,), v in constexprs.items()},
+            "options": {k: repr(v) for k, v in options.items()},
+        }
+        try:
+            compiled = triton.compile(ASTSource(fn, signature, constexprs), target=self.target, options=options)
+            _ = compiled.asm[self.stage]
+            record["ok"] = True
+        except Exception as e:  # noqa: BLE001 - every failure is reported, the others still compile
+            record["ok"] = False
+            record["error"] = _first_line(e)
+        self.seen[key] = record
+        return None
+
+
+def _first_line(e: Exception) -> str:
+    """The compiler's own reason: the innermost cause's message (a CompilationError's text is source lines)."""
+    while e.__cause__ is not None:
+        e = e.__cause__
+    lines = [line for line in str(e).splitlines() if line.strip() and line.strip() != "^"]
+    return f"{type(e).__name__}: {lines[-1] if lines else repr(e)}"[:300]
+
+
+def _launches() -> dict[str, Callable[[], None]]:
+    """The strict ops' Triton launches on CPU tensors, at Qwen3-8B attention shapes and small others."""
+    from rl_kernel.backends.triton import attention
+
+    gen = torch.Generator().manual_seed(0)
+
+    def rand(*shape, dtype=torch.bfloat16):
+        return torch.randn(*shape, generator=gen).to(dtype)
+
+    def varlen(schedule):
+        lens = [300, 17, 1]
+        cu = torch.tensor([0, *lens]).cumsum(0)
+        q, k, v = rand(cu[-1], 32, 128), rand(cu[-1], 8, 128), rand(cu[-1], 8, 128)
+        attention.varlen_attention(q, k, v, cu, 128**-0.5, schedule=schedule)
+
+    def varlen_lse():
+        cu = torch.tensor([0, 64, 100])
+        q, k, v = rand(100, 32, 128), rand(100, 8, 128), rand(100, 8, 128)
+        attention.varlen_attention(q, k, v, cu, 128**-0.5, lse=torch.empty(32, 100))
+
+    def paged(schedule, block_size=16, table_blocks=256):
+        b = 4
+        k_cache, v_cache = rand(b * table_blocks, block_size, 8, 128), rand(b * table_blocks, block_size, 8, 128)
+        table = torch.arange(b * table_blocks, dtype=torch.int32).reshape(b, table_blocks)
+        seq_lens = torch.tensor([1, 40, 4000, 17], dtype=torch.int32)
+        qsl = torch.arange(b + 1, dtype=torch.int32)
+        attention.paged_attention(
+            rand(b, 32, 128), k_cache, v_cache, table, seq_lens, qsl, 128**-0.5, schedule=schedule
+        )
+
+    return {
+        "varlen_fused": lambda: varlen("fused"),
+        "varlen_split": lambda: varlen("split"),
+        "varlen_lse": varlen_lse,
+        "paged_fused": lambda: paged("fused"),
+        "paged_split": lambda: paged("split"),
+    }
+
+
+def run_checks(stage: str = "ttir", names: list[str] | None = None) -> list[dict]:
+    """Each launch of `_launches()` (or `names` of them) compiled for sm_90 up to `stage`; one record per distinct
+    compile, with the launch that made it."""
+    recorder = Recorder(stage)
+    original = JITFunction.run
+    records = []
+    JITFunction.run = lambda fn, *a, **kw: recorder(fn, *a, **kw)  # type: ignore[method-assign]
+    try:
+        for name, launch in _launches().items():
+            if names and name not in names:
+                continue
+            before = set(recorder.seen)
+            try:
+                launch()
+            except Exception as e:  # noqa: BLE001 - a launcher that fails before its kernel is a failure too
+                records.append({"launch": name, "kernel": None, "ok": False, "error": f"{type(e).__name__}: {e}"})
+            records += [{"launch": name, **recorder.seen[k]} for k in recorder.seen if k not in before]
+    finally:
+        JITFunction.run = original  # type: ignore[method-assign]
+    return records
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--stage", choices=("ttir", "ttgir", "llir", "ptx"), default="ttir")
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+    records = run_checks(args.stage)
+    for r in records:
+        status = "ok  " if r["ok"] else "FAIL"
+        print(f"{status} {r['launch']:<14} {r['kernel'] or '-':<22} {r.get('error', '')}")
+    print(
+        f"triton {triton.__version__}, sm_90 {args.stage}: {sum(r['ok'] for r in records)} of {len(records)} compiled"
+    )
+    if args.json:
+        args.json.write_text(
+            json.dumps({"triton": triton.__version__, "stage": args.stage, "records": records}, indent=1)
+        )
+    return 0 if records and all(r["ok"] for r in records) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
