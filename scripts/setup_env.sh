@@ -27,3 +27,12 @@ if [ ! -f "$stamp" ]; then
     rm -f .venv/.installed-*
     touch "$stamp"
 fi
+
+# The GPU image's Triton (docs: environment), beside the project's own: tests/gpu/compile_checks.py compiles the
+# kernels with it on CPU, since a kernel that this Triton and its interpreter accept may not compile there.
+GPU_IMAGE_TRITON=3.6.0
+if [ ! -f ".venv/gpu-image-triton/triton-$GPU_IMAGE_TRITON.dist-info/METADATA" ]; then
+    rm -rf .venv/gpu-image-triton
+    .venv/bin/pip install -q --disable-pip-version-check --no-deps --no-compile --target .venv/gpu-image-triton \
+        "triton==$GPU_IMAGE_TRITON" || echo "[setup] warning: triton==$GPU_IMAGE_TRITON not installed (the GPU-image compile check will skip)" >&2
+fi
