@@ -20,6 +20,7 @@ Rows (`ROWS`; batch, prompts, new tokens):
   does when responses end at EOS.
 - secondary: `prefill` (prompts of 1024-2048 tokens, one new token each), `decode` (17-token prompts, decode-bound)
   and `single` (batch 1).
+`--rows mixed_fixed,mixed_eos` keeps only the rows of those names (a 48-layer MoE run inside one device call).
 Every (row, pass) draws its own prompts from a fixed seed: no prefix is ever reused (prefix caching stays on, as
 in vime's engines, and finds nothing). Both engines get the same prompts in a pass.
 
@@ -129,6 +130,16 @@ def rows_for(device: str, new_tokens: int) -> list[Row]:
         Row("decode", 256, 17, 17, new_tokens, headline=False),
         Row("single", 1, 64, 2048, new_tokens, headline=False),
     ]
+
+
+def selected_rows(args) -> list[Row]:
+    """`rows_for` the run's device, only those `--rows` names (all when it is empty), in their order."""
+    rows = rows_for(args.device, args.new_tokens)
+    names = [n for n in (args.rows or "").split(",") if n]
+    unknown = sorted(set(names) - {r.name for r in rows})
+    if unknown:
+        raise SystemExit(f"--rows: unknown {unknown}; known: {sorted({r.name for r in rows})}")
+    return [r for r in rows if not names or r.name in names]
 
 
 def draw_requests(row: Row, seed: int, vocab: int) -> tuple[list[list[int]], list[int]]:
@@ -322,7 +333,7 @@ def run_sequential(args) -> int:
     """The `--weights dummy` flow (module doc, MoE): parity of the first pass's requests on a `--parity-layers`
     checkpoint with real weights, then the timed engines on dummy weights one after the other."""
     modes = args.modes.split(",")
-    rows = rows_for(args.device, args.new_tokens)
+    rows = selected_rows(args)
     out = args.out or default_out(args)
     eargs = engine_args(args.device, args) | {"enable_sleep_mode": False}
     with tempfile.TemporaryDirectory() as tmp:
@@ -435,7 +446,7 @@ def default_out(args) -> Path:
 
 def run(args) -> int:
     modes = args.modes.split(",")
-    rows = rows_for(args.device, args.new_tokens)
+    rows = selected_rows(args)
     out = args.out or default_out(args)
     with tempfile.TemporaryDirectory() as tmp:
         path = make_checkpoint(Path(tmp) / "qwen3", args, args.layers)
@@ -544,6 +555,12 @@ def main() -> int:
     parser.add_argument("--parity-layers", type=int, default=2, help="--weights dummy: the parity checkpoint's layers")
     parser.add_argument("--new-tokens", type=int, default=None, help="new tokens per request (cuda 256, cpu 8)")
     parser.add_argument("--passes", type=int, default=3)
+    parser.add_argument(
+        "--rows",
+        default="",
+        help="only the rows of these names (e.g. mixed_fixed,mixed_eos); each row's prompts are drawn from its "
+        "position in the selection",
+    )
     parser.add_argument(
         "--modes", default="strict,native", help="engines, all alive at once: strict, native, strict_compiled"
     )

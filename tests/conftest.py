@@ -148,8 +148,9 @@ def _starters() -> list[tuple[object, str, str]]:
     return found
 
 
-# System probes libraries run while importing (platform.architecture runs `file`): a moment, not an engine.
-PROBES = {"file", "uname", "ldconfig", "lscpu", "getconf", "which", "git", "nvidia-smi", "rocm-smi"}
+# System probes libraries run while importing (platform.architecture runs `file`; matplotlib's first figure on a
+# fresh machine lists the fonts with `fc-list` to build its font cache): a moment, not an engine.
+PROBES = {"file", "uname", "ldconfig", "lscpu", "getconf", "which", "git", "nvidia-smi", "rocm-smi", "fc-list"}
 
 
 def _is_probe(args: tuple, kwargs: dict) -> bool:

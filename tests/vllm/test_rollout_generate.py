@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -16,7 +17,14 @@ from hypothesis import strategies as st
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.rollout_generate import Row, draw_requests, request_seed, rows_for, summarize  # noqa: E402
+from benchmarks.rollout_generate import (  # noqa: E402
+    Row,
+    draw_requests,
+    request_seed,
+    rows_for,
+    selected_rows,
+    summarize,
+)
 
 
 @settings(max_examples=40, deadline=None)
@@ -48,6 +56,18 @@ def test_prompts_are_fresh_every_pass_and_lengths_spread():
     sizes = sorted(map(len, first))
     assert sizes[0] < 128 and sizes[-1] > 1024  # the mixed lengths span the range
     assert 40 < sum(lengths) / len(lengths) < 130 and lengths.count(256) < 40  # mean ~ 256 / 3, few at the cap
+
+
+def test_rows_selects_by_name_in_order_and_refuses_unknown_names():
+    args = lambda rows: argparse.Namespace(device="cuda", new_tokens=256, rows=rows)  # noqa: E731
+    assert selected_rows(args("")) == rows_for("cuda", 256)
+    picked = selected_rows(args("mixed_eos,mixed_fixed"))
+    assert [(r.name, r.batch) for r in picked] == [("mixed_fixed", 64), ("mixed_fixed", 256)] + [
+        ("mixed_eos", 64),
+        ("mixed_eos", 256),
+    ]
+    with pytest.raises(SystemExit, match="unknown \\['mixed'\\]"):
+        selected_rows(args("mixed"))
 
 
 def test_summary_takes_medians_and_ratios():

@@ -183,6 +183,7 @@ class VllmRollout:
             gpu_memory_utilization=cfg.gpu_memory_utilization,
             enforce_eager=cfg.enforce_eager,
         )
+        self.memory_share = cfg.gpu_memory_utilization
         self.partial = bool(getattr(cfg, "partial", False))
         if self.partial:  # in-flight updates: no cached block may hold K/V of an older version for a new request
             engine_kwargs["enable_prefix_caching"] = False
@@ -417,7 +418,17 @@ class VllmRollout:
 
     def wake_up(self) -> None:
         """Map the GPU memory back (weights restored from host memory at level 1) before the weight push."""
-        self.llm.wake_up()
+        try:
+            self.llm.wake_up()
+        except RuntimeError as e:
+            if "out of memory" not in str(e):
+                raise
+            free, total = (b / 1024**3 for b in torch.cuda.mem_get_info())
+            raise RuntimeError(
+                f"CUDA out of memory mapping the engine's {self.memory_share:g} share of the GPU back"
+                f" ({free:.1f} of {total:.1f} GiB free beside the trainer): lower "
+                "rollout.gpu_memory_utilization or the model's layers"
+            ) from None
 
     def evidence(self, reset: bool = False) -> list[dict]:
         if not self.strict:

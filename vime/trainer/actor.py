@@ -113,7 +113,7 @@ class TrainerWorker:
 
             self.engine = ReferenceTrainer(self.cfg, model_path, dtype, device, self.loss, truncation=self.truncation)
         self._keep()
-        return self.info()
+        return self.info() | release_cached_memory(self.device)
 
     @property
     def device(self) -> torch.device:
@@ -209,6 +209,8 @@ class TrainerWorker:
 
         temperature = one_temperature(samples)
         rk.evidence.reset()
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
         with _capture_routes(self.engine) as captured:
             logprobs, positions = self.engine.score(
                 [s.prompt_ids + s.response_ids for s in samples], [len(s.prompt_ids) for s in samples], temperature
@@ -281,6 +283,8 @@ class TrainerWorker:
 
         temperature = one_temperature(samples)
         rk.evidence.reset()
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
         with _capture_routes(self.engine if score else None) as captured:
             stats = self._train_forward(samples, temperature, score, fresh)
         # the packer takes response token j of sequence i at position prompt_lens[i] + j
@@ -324,6 +328,7 @@ class TrainerWorker:
             | {f"train_{k}": stats[k] for k in measured}
             | {"version": self.version}
             | ({"scored": scored} if score else {})
+            | release_cached_memory(self.device)
         )
 
     def save_checkpoint(self, path: str) -> int:
@@ -396,6 +401,8 @@ class TrainerWorker:
             every_rank=every_rank,
             concurrency_group="weights" if in_flight else None,
         )
+        del tensors
+        release_cached_memory(self.device)
         return ack if self.rank == 0 else {}
 
     def export_to_store(self, bucket_bytes: int) -> dict:
@@ -407,6 +414,21 @@ class TrainerWorker:
         buckets = self.export_buckets(bucket_bytes)
         nbytes = sum(t.numel() * t.element_size() for b in buckets for t in b.values())
         return {"buckets": [ray.put(buckets)] if self.rank == 0 else [], "bytes": nbytes, "count": len(buckets)}
+
+
+def release_cached_memory(device: torch.device) -> dict[str, float]:
+    """Give the blocks torch's caching allocator holds but no tensor uses back to the GPU, so that a colocated
+    vLLM engine can map its memory again when it wakes (the optimizer step's temporaries alone are several GB
+    a billion parameters); returns {"trainer_gpu_peak_gib": the most allocated since the last peak reset,
+    "trainer_gpu_held_gib": what this process still holds} on CUDA, {} elsewhere."""
+    if device.type != "cuda":
+        return {}
+    torch.cuda.empty_cache()
+    gib = 1024**3
+    return {
+        "trainer_gpu_peak_gib": torch.cuda.max_memory_allocated() / gib,
+        "trainer_gpu_held_gib": torch.cuda.memory_reserved() / gib,
+    }
 
 
 def to_pinned_host(tensors: dict[str, torch.Tensor], reuse: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
