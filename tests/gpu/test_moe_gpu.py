@@ -104,10 +104,12 @@ def test_triton_router_equals_torch_contract_and_native_twin():
 
 def test_grouped_gemm_batch_invariant_over_group_sizes_and_native_twin():
     """hypothesis draws each expert's group size; one probe row per non-empty expert, in the full grouped batch,
-    in a batch of the probes only and alone, must keep its bits. The twin: vLLM's own fused MoE (Triton, its tile
-    configuration picked by the token count), one expert's rows alone vs inside 4,096 rows (a prefill's group).
-    HF's per-expert cuBLAS loop is reported beside it, not judged: on the H200 (6d6ff51) it kept its bits at every
-    size tried, at these expert shapes (K = 2,048 and 768)."""
+    in a batch of the probes only and alone, must keep its bits. The twin: the two native grouped GEMMs a user
+    runs, HF's per-expert cuBLAS loop (the hypothesis draws, then one expert's first m rows alone vs inside 4,096
+    rows, a prefill's group) and vLLM's own fused MoE (Triton, its tile configuration picked by the token count,
+    the same comparison); at least one must move some token's bits. Each is reported: on the H200 (6d6ff51)
+    the loop kept its bits at <= 300 rows, and (6bfe2d0) vLLM's fused MoE kept them at every m tried: Hopper's
+    MMA accumulates K in order and that kernel never splits K, so it is batch-invariant at these shapes."""
     import hypothesis
     from hypothesis import strategies as st
 
@@ -158,7 +160,7 @@ def test_grouped_gemm_batch_invariant_over_group_sizes_and_native_twin():
     batched = fused(x, gate_up, down, weights, ids)
     fused_bad = [bit_mismatches(fused(x[:m], gate_up, down, weights[:m], ids[:m]), batched[:m]) for m in sizes]
     print("vLLM fused MoE, mismatching elements of one expert's first m rows alone vs inside 4,096:", fused_bad)
-    assert any(fused_bad), "vLLM's fused MoE happened to be batch-invariant at every row count tried"
+    assert any(native_bad) or any(fused_bad), "both native grouped GEMMs kept their bits at every row count tried"
 
 
 def _one_expert(e: int, m: int) -> list[int]:

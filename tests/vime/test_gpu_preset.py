@@ -143,7 +143,9 @@ def test_h200_moe_preset_has_qwen3_30b_a3b_shapes_and_fits_one_h200_beside_vllm(
     assert cfg.algo.prompts_per_step * cfg.algo.group_size == 64 and cfg.algo.max_new_tokens >= 200
     h200 = cfg.plan_gpu_gib * 2**30
     preflight.check_gpu_memory(cfg, _moe_hf_config(cfg), h200)
-    assert preflight.gpu_memory_plan(cfg, _moe_hf_config(cfg), h200)["free"] > 10e9  # activations, context, graphs
+    # room for activations and what the H200 showed outside the plan at 7 layers: 10.3 GiB of the trainer's
+    # process outside PyTorch's allocator, 2.7 GiB of the awake engine's beyond its share
+    assert preflight.gpu_memory_plan(cfg, _moe_hf_config(cfg), h200)["free"] > 30e9
     preflight.check_gpu_memory(cfg, _moe_hf_config(cfg, 8), h200)
     with pytest.raises(ConfigError, match=r"use at most 8 layers \(model.tiny.num_layers=8\)"):
         preflight.check_gpu_memory(cfg, _moe_hf_config(cfg, 9), h200)

@@ -95,3 +95,21 @@ def test_one_builder_makes_the_step_record_of_either_loop():
     assert rec.samples == [("1", "1,1", 0.5), ("0", "1", 1.0)]  # from group step mod 2 = 1 onwards
     with pytest.raises(ValueError, match="'sync_byte' is not a field"):
         step_record(5, (5, 6), samples, (0.0, 1.0, 1.5, 3.5), run, 2, {"sync_byte": 8.0})
+
+
+def test_the_trainers_cuda_memory_metrics_are_declared(monkeypatch):
+    """What a CUDA trainer's start and train step add (release_cached_memory) is a field of the record: a key
+    it adds that no group declares stops every GPU run at its first step (as on the H200 at 6bfe2d0)."""
+    import torch
+
+    from vime.trainer.actor import release_cached_memory
+
+    gib = 1024**3
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: 3 * gib)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda: 2 * gib)
+    measured = release_cached_memory(torch.device("cuda"))
+    assert measured, "release_cached_memory reports nothing on CUDA"
+    row = StepRecord.from_row({"step": 0, **measured}).row()
+    assert {k: row[k] for k in measured} == {"trainer_gpu_peak_gib": 3.0, "trainer_gpu_held_gib": 2.0}
+    assert release_cached_memory(torch.device("cpu")) == {}

@@ -96,6 +96,10 @@ class Train:
     updates: int | None = None  # optimizer steps of the step (algo.mini_batches x ppo_epochs)
     first_ratio_off: float | None = None  # tokens of the first update whose ratio is not exactly 1 (must be 0)
     entropy: float | None = None  # token mean of the policy's full-vocab entropy (nats), from the training pass
+    # CUDA: GiB rank 0's allocator reached during the step, and what it still holds after giving its cache back
+    # (vime.trainer.actor.release_cached_memory: what a colocated vLLM finds taken when it wakes)
+    trainer_gpu_peak_gib: float | None = None
+    trainer_gpu_held_gib: float | None = None
 
 
 @dataclass
