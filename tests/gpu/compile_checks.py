@@ -144,15 +144,17 @@ def _launches() -> dict[str, Callable[[], None]]:
     }
 
 
-def run_checks(stage: str = "ttir", names: list[str] | None = None) -> list[dict]:
-    """Each launch of `_launches()` (or `names` of them) compiled for sm_90 up to `stage`; one record per distinct
-    compile, with the launch that made it."""
+def run_checks(
+    stage: str = "ttir", names: list[str] | None = None, launches: dict[str, Callable[[], None]] | None = None
+) -> list[dict]:
+    """Each launch of `launches` (default `_launches()`; or `names` of them) compiled for sm_90 up to `stage`; one
+    record per distinct compile, with the launch that made it."""
     recorder = Recorder(stage)
     original = JITFunction.run
     records = []
     JITFunction.run = lambda fn, *a, **kw: recorder(fn, *a, **kw)  # type: ignore[method-assign]
     try:
-        for name, launch in _launches().items():
+        for name, launch in (_launches() if launches is None else launches).items():
             if names and name not in names:
                 continue
             before = set(recorder.seen)
