@@ -303,14 +303,22 @@ def engine_args(device: str, args) -> dict:
     return CUDA_ENGINE | {"gpu_memory_utilization": args.memory, "enable_sleep_mode": True}
 
 
+def arch_shapes(arch: str, device: str) -> dict:
+    """`make_tiny_qwen3`'s keyword arguments for `arch` (`ARCHS`): on CUDA its shapes, made on the GPU with
+    init_std 0.02; on CPU the tiny test shapes (a tiny Qwen3-MoE, `TINY_MOE`, for the MoE arch)."""
+    if device == "cuda":
+        return ARCHS[arch][0] | {"device": "cuda", "init_std": 0.02}
+    return TINY_MOE if arch == "qwen3_30b_a3b" else {}
+
+
 def make_checkpoint(root: Path, args, layers: int) -> Path:
     """A seeded checkpoint of `args.arch` with `layers` layers on disk (CUDA: the arch's shape; CPU: tiny)."""
     if args.device == "cuda":
-        path = make_tiny_qwen3(root, num_layers=layers, device="cuda", init_std=0.02, **ARCHS[args.arch][0])
+        path = make_tiny_qwen3(root, num_layers=layers, **arch_shapes(args.arch, args.device))
         gc.collect()
         torch.cuda.empty_cache()  # the engines' memory checks must see the GPU free
         return path
-    return make_tiny_qwen3(root, **(TINY_MOE if args.arch == "qwen3_30b_a3b" else {}))
+    return make_tiny_qwen3(root, **arch_shapes(args.arch, args.device))
 
 
 def config_only_checkpoint(root: Path, args) -> Path:

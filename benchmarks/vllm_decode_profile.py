@@ -41,7 +41,7 @@ CATEGORIES: list[tuple[str, re.Pattern]] = [
     (name, re.compile(pattern, re.IGNORECASE))
     for name, pattern in [
         # a MoE layer's router, grouped expert GEMMs and combine (strict: rl_kernel's; native: vLLM's fused MoE)
-        ("moe", r"_route_kernel|_grouped_kernel|_combine_kernel|fused_moe|moe|expert"),
+        ("moe", r"_route_kernel|_grouped_kernel|_combine_kernel|moe|expert"),
         ("rope/kv-write", r"rope|rotary|reshape_and_cache|cache_flash|index_put|scatter"),
         ("attention", r"attn|attention|flash|fmha|flash_fwd|paged|scaled_dot_product|_fold_kernel|_cp_split"),
         ("norm", r"rms_?norm|layer_?norm|rsqrt"),
@@ -238,16 +238,11 @@ def table(results: list[dict], top: int) -> str:
 
 def make_checkpoint(directory: Path, args) -> Path:
     """A random checkpoint of `--arch`: its shapes with `--layers` layers on CUDA, the tiny ones on CPU."""
-    from benchmarks.rollout_generate import ARCHS, TINY_MOE
+    from benchmarks.rollout_generate import arch_shapes
     from rl_kernel.models.tiny import make_tiny_qwen3
 
-    if args.device == "cuda":
-        shapes = ARCHS[args.arch][0]
-        return make_tiny_qwen3(
-            directory / f"{args.arch}_shapes", num_layers=args.layers, device="cuda", init_std=0.02, **shapes
-        )
-    tiny = TINY_MOE if args.arch == "qwen3_30b_a3b" else {}
-    return make_tiny_qwen3(directory / f"tiny_{args.arch}", num_layers=args.layers, **tiny)
+    shapes = arch_shapes(args.arch, args.device)
+    return make_tiny_qwen3(directory / f"{args.arch}_{args.device}", num_layers=args.layers, **shapes)
 
 
 def run_modes(path: Path, args, directory: Path) -> tuple[list[dict], list[str]]:
@@ -289,11 +284,13 @@ def run_modes(path: Path, args, directory: Path) -> tuple[list[dict], list[str]]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    from benchmarks.rollout_generate import ARCHS
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument(
         "--arch",
-        choices=("qwen3_8b", "qwen3_30b_a3b"),
+        choices=tuple(ARCHS),
         default="qwen3_8b",
         help="the layers' shapes: Qwen3-8B (dense) or Qwen3-30B-A3B (MoE: 128 experts, top-8)",
     )
