@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -86,14 +88,64 @@ class Recorder:
             "options": {k: repr(v) for k, v in options.items()},
         }
         try:
-            compiled = triton.compile(ASTSource(fn, signature, constexprs), target=self.target, options=options)
-            _ = compiled.asm[self.stage]
+            if self.stage == "layouts":
+                record["whole_in_each_thread"] = whole_in_each_thread(ttgir(fn, signature, constexprs, options))
+            else:
+                compiled = triton.compile(ASTSource(fn, signature, constexprs), target=self.target, options=options)
+                _ = compiled.asm[self.stage]
             record["ok"] = True
         except Exception as e:  # noqa: BLE001 - every failure is reported, the others still compile
             record["ok"] = False
             record["error"] = _first_line(e)
         self.seen[key] = record
         return None
+
+
+def ttgir(fn: JITFunction, signature: dict, constexprs: dict, options: dict, target: GPUTarget = SM90) -> str:
+    """The TTGIR of one launch for `target` (the layouts Triton picked), without LLVM, PTX or ptxas."""
+    from triton._C.libtriton import ir
+    from triton.compiler.compiler import make_backend
+
+    backend = make_backend(target)
+    src = ASTSource(fn, signature, constexprs)
+    opts = backend.parse_options(options)
+    stages: dict = {}
+    backend.add_stages(stages, opts, src.language)
+    context = ir.context()
+    ir.load_dialects(context)
+    backend.load_dialects(context)
+    module = src.make_ir(target, opts, backend.get_codegen_implementation(opts), backend.get_module_map(), context)
+    metadata: dict = {}
+    return str(stages["ttgir"](stages["ttir"](module, metadata), metadata))
+
+
+def _registers_per_thread(kind: str, body: str, shape: list[int]) -> int:
+    """Elements of a tensor of `shape` that one thread holds under a #ttg.linear or #ttg.blocked layout."""
+    if kind == "linear":
+        return 2 ** re.search(r"register = \[(.*?)\], lane", body).group(1).count("[")
+    spt, tpw, wpc = (
+        [int(v) for v in re.search(key + r" = \[([0-9, ]+)\]", body).group(1).split(",")]
+        for key in ("sizePerThread", "threadsPerWarp", "warpsPerCTA")
+    )
+    held = 1
+    for size, a, b, c in zip(shape, spt, tpw, wpc):
+        held *= min(size, a) * max(1, -(-size // (a * b * c)))
+    return held
+
+
+def whole_in_each_thread(text: str, min_elements: int = 256) -> list[str]:
+    """The tensor types of a TTGIR module (of `min_elements` or more) that every thread holds whole: a layout
+    with no element spread over lanes or warps, so every thread computes all of it."""
+    layouts = {m[1]: (m[2], m[3]) for m in re.finditer(r"^#(\w+) = #ttg\.(\w+)<\{(.*)\}>", text, re.M)}
+    found = set()
+    for m in re.finditer(r"tensor<([0-9x]+)x(\w+), #(\w+)>", text):
+        shape = [int(v) for v in m[1].split("x")]
+        kind, body = layouts.get(m[3], (None, ""))
+        numel = math.prod(shape)
+        spread = kind not in ("linear", "blocked") or _registers_per_thread(kind, body, shape) < numel
+        if numel >= min_elements and not spread:
+            found.add(f"tensor<{m[1]}x{m[2]}, #{m[3]}>")
+    return sorted(found)
 
 
 def _first_line(e: Exception) -> str:
@@ -106,8 +158,9 @@ def _first_line(e: Exception) -> str:
 
 def _launches() -> dict[str, Callable[[], None]]:
     """The attention kernel's launches on CPU tensors at Qwen3-8B attention shapes (packed and paged, both schedules,
-    the log-sum-exp output). The other kernels compiled and ran on the H200 at a6b2b3b's parent."""
-    from rl_kernel.backends.triton import attention
+    the log-sum-exp output) and the MoE router's at Qwen3-30B-A3B's (128 experts, top 8). The other kernels
+    compiled and ran on the H200 at a6b2b3b's parent."""
+    from rl_kernel.backends.triton import attention, moe
 
     gen = torch.Generator().manual_seed(0)
 
@@ -141,6 +194,7 @@ def _launches() -> dict[str, Callable[[], None]]:
         "varlen_lse": varlen_lse,
         "paged_fused": lambda: paged("fused"),
         "paged_split": lambda: paged("split"),
+        "route": lambda: moe.route(torch.randn(64, 128, generator=gen), 8, True),
     }
 
 

@@ -85,3 +85,25 @@ def test_none_in_tuple_refused_for_sm90_but_interpreted():
     report = json.loads(proc.stdout.splitlines()[-1])
     assert report["kernel_type"] == "InterpretedFunction", report
     assert report["ran"] == {"none": True, "stand_in": True}, report
+
+
+def test_router_block_is_spread_over_threads_for_sm90():
+    """The router's [16, 128] block keeps a layout spread over lanes and warps under Triton 3.6 (its butterfly
+    tree), where the reshape tree's twin makes every thread hold and compute the whole block (the router's
+    652 us a call on the H200); both trees give the torch tree's bits under the interpreter."""
+    twin = Path(__file__).with_name("sm90_replicated_tree.py")
+    proc = _run([str(twin), "layouts"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.splitlines()[-1])
+    assert report["triton"].startswith("3.6"), report["triton"]
+    by_launch = {r["launch"]: r for r in report["records"]}
+    assert all(r["ok"] for r in report["records"]), _failures(report["records"])
+    assert by_launch["route"]["whole_in_each_thread"] == [], by_launch["route"]
+    assert by_launch["butterfly"]["whole_in_each_thread"] == [], by_launch["butterfly"]
+    assert "tensor<16x128xf64, #linear>" in by_launch["reshape"]["whole_in_each_thread"], by_launch["reshape"]
+
+    proc = _run([str(twin), "run"], interpret=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.splitlines()[-1])
+    assert report["kernel_type"] == "InterpretedFunction", report
+    assert report["equal_to_torch_tree"] == {"reshape": True, "butterfly": True}, report

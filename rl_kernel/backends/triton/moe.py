@@ -1,10 +1,10 @@
 """Strict mixture-of-experts kernels on Triton: the router, the grouped expert GEMM and the combine.
 
 Router (the torch contract's operations, one program per block of tokens): m = max of the fp32 logits, e =
-exp64(l - m) rounded to fp32, s = the pairwise tree over the E lanes (padded lanes 0), p = div_rn(e, s); k
-passes each pick the highest p not yet picked, the lowest id among equals; the picked lanes are written in
-ascending id (their place is the running count of picked lanes); renormalised weights divide by the tree over
-the E lanes with the lanes not picked zero.
+exp64(l - m) rounded to fp32, s = the pairwise tree over the E lanes (padded lanes 0; by `tree_sum_lanes`, a
+butterfly with the tree's bits), p = div_rn(e, s); k passes each pick the highest p not yet picked, the lowest
+id among equals; the picked lanes are written in ascending id (their place is the running count of picked
+lanes); renormalised weights divide by the tree over the E lanes with the lanes not picked zero.
 
 Grouped GEMM: rows sorted by expert; every expert's rows are cut into row tiles of BLOCK_M that never cross
 its end. The tile table is built on the device from the per-expert row counts (no host sync, so a CUDA graph
@@ -25,7 +25,7 @@ import triton.language as tl
 
 from rl_kernel.backends.triton import activation
 from rl_kernel.backends.triton.gemm import _group_dot, _operands
-from rl_kernel.backends.triton.numerics import LAUNCH, exp64, tree_sum
+from rl_kernel.backends.triton.numerics import LAUNCH, exp64, tree_sum_lanes
 
 ROUTER_ROWS = 16  # tokens per router program (no bit depends on it)
 TILE = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3}  # moves no bit
@@ -52,7 +52,7 @@ def _route_kernel(
     m = tl.max(lg, axis=1)
     z = lg - m[:, None]
     e = tl.where(ok, exp64(z.to(tl.float64)).to(tl.float32), 0.0)
-    p = tl.div_rn(e, tree_sum(e, LOG2_E)[:, None])
+    p = tl.div_rn(e, tree_sum_lanes(e, LOG2_E)[:, None])
     p = tl.where(lane[None, :] < E, p, -1.0)  # padded lanes are never picked
     picked = lane[None, :] < 0
     for _ in tl.static_range(K):
@@ -61,7 +61,7 @@ def _route_kernel(
         picked = picked | (lane[None, :] == first[:, None])
     w = tl.where(picked, p, 0.0)
     if RENORMALIZE:
-        w = tl.div_rn(w, tree_sum(w, LOG2_E)[:, None])
+        w = tl.div_rn(w, tree_sum_lanes(w, LOG2_E)[:, None])
     slot = tl.cumsum(picked.to(tl.int32), axis=1) - 1
     out = r[:, None] * K + slot
     store = picked & (r[:, None] < rows)
