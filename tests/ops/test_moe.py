@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 import rl_kernel as rk
 from rl_kernel.bits import same_bits
 from rl_kernel.contracts import source_digests
-from rl_kernel.ops.moe import native_combine
+from rl_kernel.ops.moe import expert_order, native_combine
 
 SETTINGS = settings(max_examples=8, deadline=None, database=None)
 E, D, I = 8, 128, 64
@@ -93,6 +93,16 @@ def test_a_token_routes_and_combines_alike_in_any_batch(batch, position, dtype):
     assert torch.equal(one_ids, ids[position : position + 1])
     assert same_bits(one_w, w[position : position + 1])
     assert same_bits(one_out, out[position : position + 1])
+
+
+@settings(max_examples=40, deadline=None, database=None)
+@given(ids=st.lists(st.integers(0, 9), min_size=0, max_size=300))
+def test_expert_order_is_the_stable_sort_and_its_inverse(ids):
+    flat = torch.tensor(ids, dtype=torch.int64)
+    order, place, counts = expert_order(flat, 10)
+    assert torch.equal(order, torch.argsort(flat, stable=True))
+    assert torch.equal(place[order], torch.arange(len(ids)))
+    assert torch.equal(counts, torch.bincount(flat, minlength=10))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

@@ -194,11 +194,13 @@ def grouped_linear(
     *,
     tile: dict | None = None,
     host_tiles: bool = False,
+    tiles: tuple[torch.Tensor, ...] | None = None,
 ) -> torch.Tensor:
     """[R, N] in `out_dtype`: rows of expert e (x sorted by expert, `counts` [E] rows each, a device tensor or
     a list) times weight[e] [N, K].T, one fp32 K chain per element rounded once. No host sync: the tile table
-    is built on the device. `tile` and `host_tiles` (the table built on the host, a list `counts`: the old
-    path) are for tests: no bit depends on them."""
+    is built on the device (or passed in `tiles`, `row_tiles`' table for these counts and tile). `tile` and
+    `host_tiles` (the table built on the host, a list `counts`: the old path) are for tests: no bit depends
+    on them."""
     x, weight, precision = _operands(x, weight)
     rows, n, k = x.shape[0], weight.shape[1], weight.shape[2]
     out = torch.empty(rows, n, dtype=out_dtype, device=x.device)
@@ -206,12 +208,11 @@ def grouped_linear(
     bm, bn, bk = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N"), cfg.pop("BLOCK_K")
     if rows == 0 or n == 0:
         return out
-    if host_tiles:
-        experts, starts, ends = _host_tiles(list(counts), bm, x.device)
-        if experts.numel() == 0:
-            return out
-    else:
-        experts, starts, ends = _device_tiles(_counts_tensor(counts, x.device), rows, bm)
+    if tiles is None:
+        tiles = row_tiles(counts, rows, x.device, tile, host_tiles)
+    experts, starts, ends = tiles
+    if experts.numel() == 0:
+        return out
     _grouped_kernel[(experts.numel(), triton.cdiv(n, bn))](
         x,
         weight,
@@ -235,6 +236,21 @@ def grouped_linear(
     return out
 
 
+def row_tiles(
+    counts: torch.Tensor | list[int],
+    rows: int,
+    device: torch.device,
+    tile: dict | None = None,
+    host_tiles: bool = False,
+) -> tuple[torch.Tensor, ...]:
+    """(expert, first row, end row) int32 of every row tile of `grouped_linear` for `counts`: built on the
+    device (padded to `max_tiles`), or on the host from a list when `host_tiles`."""
+    bm = (tile or TILE)["BLOCK_M"]
+    if host_tiles:
+        return _host_tiles(list(counts), bm, device)
+    return _device_tiles(_counts_tensor(counts, device), rows, bm)
+
+
 def grouped_mlp(
     x: torch.Tensor,
     counts: torch.Tensor | list[int],
@@ -245,9 +261,10 @@ def grouped_mlp(
     host_tiles: bool = False,
 ) -> torch.Tensor:
     """fp32 [R, D]: each expert's SwiGLU MLP on its rows (`counts` [E] per expert, a device tensor: no host
-    sync), gate/up rounded to x's dtype, down unrounded."""
-    h = grouped_linear(x, counts, gate_up, x.dtype, tile=tile, host_tiles=host_tiles)
-    return grouped_linear(activation.silu_and_mul(h), counts, down, torch.float32, tile=tile, host_tiles=host_tiles)
+    sync), gate/up rounded to x's dtype, down unrounded. Both GEMMs share one tile table."""
+    tiles = row_tiles(counts, x.shape[0], x.device, tile, host_tiles) if x.shape[0] else None
+    h = grouped_linear(x, counts, gate_up, x.dtype, tile=tile, tiles=tiles)
+    return grouped_linear(activation.silu_and_mul(h), counts, down, torch.float32, tile=tile, tiles=tiles)
 
 
 @triton.jit(do_not_specialize=["D"])
