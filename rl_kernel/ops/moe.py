@@ -257,12 +257,16 @@ class _StrictCombine(torch.autograd.Function):
         return g * weights.unsqueeze(-1), (g * y).sum(-1), None
 
 
-def moe_combine(y: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def moe_combine(
+    y: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, dtype: torch.dtype, *, ascending: bool = False
+) -> torch.Tensor:
     """[T, D] in `dtype`: sum over j of weights[t, j] * y[t, j] (y fp32 [T, k, D], weights fp32 [T, k]), the
-    slots taken in ascending expert id ids[t, j]."""
-    order = ids.argsort(dim=-1, stable=True)
-    y = y.gather(1, order.unsqueeze(-1).expand(-1, -1, y.shape[-1]))
-    weights = weights.gather(1, order)
+    slots taken in ascending expert id ids[t, j]. `ascending`: the caller's ids already ascend along each row
+    (`moe_route`'s do), so the slots are taken as they stand, without a sort."""
+    if not ascending:
+        order = ids.argsort(dim=-1, stable=True)
+        y = y.gather(1, order.unsqueeze(-1).expand(-1, -1, y.shape[-1]))
+        weights = weights.gather(1, order)
     return COMBINE(lambda *a: _StrictCombine.apply(*a), y, weights, dtype)
 
 
@@ -276,4 +280,4 @@ def moe(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A Qwen3-MoE sparse block on x [T, D]: (output [T, D] in x's dtype, int64 expert ids [T, k] ascending)."""
     weights, ids = moe_route(x, router_weight, top_k, renormalize)
-    return moe_combine(moe_experts(x, ids, gate_up, down), weights, ids, x.dtype), ids
+    return moe_combine(moe_experts(x, ids, gate_up, down), weights, ids, x.dtype, ascending=True), ids

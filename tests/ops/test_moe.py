@@ -181,6 +181,7 @@ def test_combine_takes_slots_in_ascending_expert_id(dtype):
     for j in range(1, 4):
         acc = acc + ys[:, j] * ws[:, j : j + 1]
     assert same_bits(out, acc.to(dtype))
+    assert same_bits(rk.moe_combine(ys, ws, ids.gather(1, order), dtype, ascending=True), out)  # no sort needed
     if dtype == torch.float32:  # the twin: the slots' order moves the native sum's bits
         assert not same_bits(native_combine(y, w, dtype), native_combine(y[:, perm], w[:, perm], dtype))
 
