@@ -90,10 +90,10 @@ moe_stage() {  # the `moe` stage: MOE_PARTS in order, each its own `stage`
                --arch qwen3_30b_a3b ${MOE_GENERATE_LAYERS:+--layers "$MOE_GENERATE_LAYERS"} \
                --modes "${MOE_GENERATE_MODES:-strict,native}" --out "$OUT/rollout_generate_moe_h200.json" \
                ${MOE_GENERATE_ARGS:-} ;;
-      train) runs=${MOE_TRAIN_RUNS:-strict_1gpu native_1gpu}; set -- $runs
+      train) local runs=(${MOE_TRAIN_RUNS:-strict_1gpu native_1gpu})
              stage moe_train "${MOE_TRAIN_S:-560}" env GPU_TRAIN_SKIP_INSTALL=1 GPU_TRAIN_PRESET=h200_moe \
-               OUT="$OUT/moe_train" GPU_TRAIN_RUNS="$runs" \
-               GPU_TRAIN_BUDGET_S=$(( ${MOE_TRAIN_S:-560} - 30 )) GPU_TRAIN_RUN_S=$(( (${MOE_TRAIN_S:-560} - 60) / $# )) \
+               OUT="$OUT/moe_train" GPU_TRAIN_RUNS="${runs[*]}" GPU_TRAIN_BUDGET_S=$(( ${MOE_TRAIN_S:-560} - 30 )) \
+               GPU_TRAIN_RUN_S=$(( (${MOE_TRAIN_S:-560} - 60) / ${#runs[@]} )) \
                bash scripts/gpu_train.sh ${MOE_TRAIN_ARGS:-} ;;
       *) echo "gpu_vllm: moe: unknown part $part in MOE_PARTS (tests, generate, train)"; exit 2 ;;
     esac

@@ -1,6 +1,6 @@
 """Compile every Triton kernel launch of the strict ops for an H100/H200 (sm_90) on a machine with no GPU.
 
-    python tests/gpu/compile_checks.py [--stage ttir|ttgir|llir|ptx] [--json PATH]
+    python tests/gpu/compile_checks.py [--stage ttir|ttgir|llir|ptx|layouts] [--json PATH]
 
 The Triton interpreter (tests/gpu/interpreter_checks.py) runs a kernel's Python on the host, and accepts code
 that the compiler refuses: a `None` argument placed in a tuple that a `@triton.jit` helper returns compiles
@@ -8,6 +8,9 @@ nowhere, and runs fine there. This script makes the ops' real launches on CPU te
 GPU to pick their configurations), stops each at `JITFunction.run` and compiles it instead, for
 `GPUTarget("cuda", 90, 32)`, with whichever Triton is importable (on the GPU image: 3.6; carry its wheel's
 `triton` first on PYTHONPATH to check against it). Each distinct (kernel, signature, constexprs) compiles once.
+
+`--stage layouts` stops at TTGIR and records, per launch, the tensors of 256 or more elements that every thread
+holds whole (`whole_in_each_thread`: the compiler computes all of such a block in each thread).
 
 Exit status 0 when every launch compiled, 1 otherwise (each failure: kernel, its constexprs, the compiler's first
 error line)."""
@@ -224,13 +227,14 @@ def run_checks(
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--stage", choices=("ttir", "ttgir", "llir", "ptx"), default="ttir")
+    parser.add_argument("--stage", choices=("ttir", "ttgir", "llir", "ptx", "layouts"), default="ttir")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     records = run_checks(args.stage)
     for r in records:
         status = "ok  " if r["ok"] else "FAIL"
-        print(f"{status} {r['launch']:<14} {r['kernel'] or '-':<22} {r.get('error', '')}")
+        detail = r.get("error", r.get("whole_in_each_thread", ""))
+        print(f"{status} {r['launch']:<14} {r['kernel'] or '-':<22} {detail}")
     print(
         f"triton {triton.__version__}, sm_90 {args.stage}: {sum(r['ok'] for r in records)} of {len(records)} compiled"
     )

@@ -9,7 +9,7 @@ Each prints one JSON object. `reshape` is the router's old form: exp64 of a [16,
 `numerics.tree_sum` (reshape to [R, W/2, 2] and split, seven times); Triton 3.6 gave the block a layout with
 every element in every thread's registers and rematerialised the exp64 chain there (2,048 exp64 per thread:
 652 us a router call at batch 64 on the H200, 2026-12-04). `butterfly` is the same block through
-`numerics.tree_sum_lanes`; `route` is the router's own launch. The trees' bits are the same (the `run` mode).
+`numerics.tree_sum_lanes`, as the router now sums. The trees' bits are the same (the `run` mode).
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ import triton
 import triton.language as tl
 
 from rl_kernel.backends.torch import numerics as torch_numerics
-from rl_kernel.backends.triton import moe
 from rl_kernel.backends.triton.numerics import exp64, tree_sum, tree_sum_lanes
 
 ROWS, LOG2_W = 16, 7
@@ -54,7 +53,6 @@ def launches() -> dict[str, Callable[[], object]]:
     return {
         "reshape": lambda: _tree(False),
         "butterfly": lambda: _tree(True),
-        "route": lambda: moe.route(torch.randn(64, 128), 8, True),
     }
 
 
