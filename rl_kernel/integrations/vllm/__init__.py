@@ -145,9 +145,11 @@ def _compile_config(device: str, compilation: dict, engine_kwargs: dict) -> dict
     if os.environ.get(UNVERIFIED_CUDA_COMPILE) != "1":
         raise ValueError(
             "compile=True on CUDA is refused: on the H200 (vLLM 0.26) the compiled strict engine's logprobs differed "
-            "from teacher forcing on 748 of 1,536 sampled tokens (tests/gpu/test_vllm_gpu.py::"
-            "test_compiled_strict_engine_matches_teacher_forcing); use compile=False (FULL_DECODE_ONLY graphs), or "
-            f"set {UNVERIFIED_CUDA_COMPILE}=1 only to investigate"
+            "from teacher forcing on 748 of 1,536 sampled tokens (its attention op returned a new tensor, which a "
+            "piecewise graph reads at its capture address; the op now fills a buffer, tests/vllm/"
+            "test_piecewise_replay.py, and the GPU test tests/gpu/test_vllm_gpu.py::"
+            "test_compiled_strict_engine_matches_teacher_forcing has not rerun); use compile=False (FULL_DECODE_ONLY "
+            f"graphs), or set {UNVERIFIED_CUDA_COMPILE}=1 only to investigate"
         )
     mode = compilation.get("cudagraph_mode", COMPILED_CUDAGRAPH_MODE)
     if mode not in (COMPILED_CUDAGRAPH_MODE, STRICT_CUDAGRAPH_MODE, "PIECEWISE", "NONE"):

@@ -28,7 +28,7 @@ from torch import nn
 
 import rl_kernel as rk
 from rl_kernel.integrations.vllm import COMPILE_KEY, LOGITS_PROCESSOR, MODES_KEY, TP_COLLECTIVE_KEY
-from rl_kernel.integrations.vllm.attention_op import register_layer, vllm_attention
+from rl_kernel.integrations.vllm.attention_op import attend, register_layer
 from rl_kernel.integrations.vllm.warmup import uses_triton, warm_up
 from rl_kernel.models.layers import Qwen3Model
 from rl_kernel.models.qwen3 import Qwen3Config
@@ -290,16 +290,19 @@ class RLKernelQwen3ForCausalLM(nn.Module):
     def _attention_fn(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """The forward's attention: `_attention`, as one opaque custom op while torch.compile traces."""
         if torch.compiler.is_compiling():
-            return vllm_attention(q, k, v, self.attn[layer].layer_name)
+            return attend(q, k, v, self.attn[layer].layer_name)
         return self._attention(layer, q, k, v)
 
-    def _attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Paged attention over vLLM's KV cache of `layer` (the new tokens' k, v written first)."""
+    def _attention(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Paged attention over vLLM's KV cache of `layer` (the new tokens' k, v written first), into `out` [T, H, d]
+        where given (rows of no request zeroed), else a new tensor."""
         from vllm.model_executor.layers.attention.attention import get_attention_context
 
         meta, attn, kv_cache, slot_mapping = get_attention_context(self.attn[layer].layer_name)
         if meta is None:  # only in vLLM's warm-up / profiling runs
-            return torch.zeros_like(q)
+            return torch.zeros_like(q) if out is None else out.zero_()
         n = meta.num_actual_tokens  # a Python int (padded count in a CUDA-graph batch)
         backend = attn.get_attn_backend().get_name()
         k_cache, v_cache = kv_cache_views(kv_cache, backend, self.shape.head_dim)
@@ -308,9 +311,12 @@ class RLKernelQwen3ForCausalLM(nn.Module):
             write_kv_flash(self._flash_writer, attn, k[:n], v[:n], k_cache, v_cache, slots[:n])
         else:
             write_kv(k[:n], v[:n], k_cache, v_cache, slots[:n])
-        if n == q.shape[0]:  # every row is the metadata's (no zero-fill and copy: two launches less per layer)
-            return paged_attention(q, k_cache, v_cache, meta, self.model.scale)
-        out = torch.zeros_like(q)
+        if out is None:
+            if n == q.shape[0]:  # every row is the metadata's (no zero-fill and copy: two launches less per layer)
+                return paged_attention(q, k_cache, v_cache, meta, self.model.scale)
+            out = torch.zeros_like(q)
+        elif n < out.shape[0]:
+            out[n:] = 0
         out[:n] = paged_attention(q[:n], k_cache, v_cache, meta, self.model.scale)
         return out
 
