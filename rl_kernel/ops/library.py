@@ -3,7 +3,7 @@
 
 While Dynamo traces (`torch.compiler.is_compiling()`), the public ops (`rk.rms_norm`, `rk.qk_norm`, `rk.rope`,
 `rk.linear`, `rk.linear_fp32`, `rk.row_parallel_linear`, `rk.silu_and_mul`, `rk.attention_varlen`,
-`rk.paged_attention`)
+`rk.paged_attention`, `rk.moe`)
 put one `torch.ops.rl_kernel.*` node into the graph instead of their Python body. Inductor does not look inside
 a custom op, so it neither fuses, reorders nor rewrites what the op computes; when the compiled graph runs, the
 node calls the public op eagerly (mode dispatch, contract, evidence, as without compile). A compiled forward
@@ -57,4 +57,5 @@ OPS = (
     "silu_and_mul",
     "attention_varlen",
     "paged_attention",
+    "moe",
 )  # torch.ops.rl_kernel.<name>

@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from rl_kernel.ops import library
 from rl_kernel.ops.gemm import linear_fp32
 from rl_kernel.ops.spec import OpSpec
 
@@ -279,5 +280,28 @@ def moe(
     renormalize: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A Qwen3-MoE sparse block on x [T, D]: (output [T, D] in x's dtype, int64 expert ids [T, k] ascending)."""
+    if torch.compiler.is_compiling():  # one opaque node for torch.compile (rl_kernel.ops.library)
+        return _moe_op(x, router_weight, gate_up, down, top_k, renormalize)
     weights, ids = moe_route(x, router_weight, top_k, renormalize)
     return moe_combine(moe_experts(x, ids, gate_up, down), weights, ids, x.dtype, ascending=True), ids
+
+
+# ---- the block as one opaque node for torch.compile (rl_kernel.ops.library) ----
+
+
+@torch.library.custom_op(f"{library.LIB}::moe", mutates_args=())
+def _moe_op(
+    x: torch.Tensor,
+    router_weight: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    out, ids = moe(x, router_weight, gate_up, down, top_k, renormalize)
+    return out.contiguous(), ids.contiguous()
+
+
+@_moe_op.register_fake
+def _moe_fake(x, router_weight, gate_up, down, top_k, renormalize):
+    return library.like(x), library.like(x, x.shape[0], top_k, dtype=torch.int64)

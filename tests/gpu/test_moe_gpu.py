@@ -22,7 +22,6 @@ twin: vLLM's own Qwen3MoeForCausalLM (its fused MoE; needs vllm._moe_C) differs 
 from __future__ import annotations
 
 import os
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -33,6 +32,7 @@ from tests.gpu.engine_tools import close_engine as _close
 from tests.gpu.engine_tools import mismatches as _mismatches
 from tests.gpu.engine_tools import sampled, shared_prefix_prompts
 from tests.gpu.engine_tools import start_engine as _llm
+from tests.moe_routes import engine_routes, routing, teacher_forcing
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -274,41 +274,6 @@ def _generate(llm, prompts, params) -> tuple[list[list[int]], torch.Tensor, list
     return *sampled(outs), outs
 
 
-def _engine_routes(llm, outs, prompts) -> list:
-    """Each request's recorded expert ids of the positions it fed (vime's `VllmEngine._routes`)."""
-    from rl_kernel.integrations.vllm.routes import routes_of
-
-    records = llm.collective_rpc("rl_kernel_routes")[0]
-    return [routes_of(records, o.request_id, len(p) + len(o.outputs[0].token_ids) - 1) for o, p in zip(outs, prompts)]
-
-
-def teacher_forcing(reference, prompts, tokens) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """The reference's fp32 logprobs of the same tokens (all sequences in one varlen pack, reverse order) and its
-    routes per sequence (int16 [len, MoE layers, k]) from the same forward."""
-    from rl_kernel.models.qwen3_moe import capture_routes
-
-    seqs = [p + t for p, t in zip(prompts, tokens)][::-1]
-    lens = [len(p) for p in prompts][::-1]
-    with capture_routes(reference.model) as captured:
-        want = reference.sequence_logprobs(seqs, lens, TEMPERATURE)[::-1]
-    assert captured and all(len(layer) == 1 for layer in captured), "teacher forcing ran more than one forward"
-    rows = torch.stack([layer[0] for layer in captured], dim=1).to("cpu", torch.int16)
-    assert rows.shape[0] == sum(len(s) for s in seqs), (rows.shape, sum(len(s) for s in seqs))
-    routes = list(rows.split([len(s) for s in seqs]))[::-1]
-    return torch.cat(want).float().cpu(), routes
-
-
-def routing(engine_routes: list, reference_routes: list[torch.Tensor]) -> dict:
-    """vime's routing agreement (`consistency/routing_mismatch`) of the engine's routes vs the reference's."""
-    from vime.loop.consistency import routing_agreement
-
-    got = routing_agreement(
-        [SimpleNamespace(routes=r) for r in engine_routes], [SimpleNamespace(routes=r) for r in reference_routes]
-    )
-    assert got is not None and got["routes_compared"] > 0, "no route was recorded on both sides"
-    return got
-
-
 @pytest.fixture(scope="module")
 def moe_graph_run(moe_model_path):
     """The strict CUDA-graph engine's run (routes captured)."""
@@ -329,7 +294,7 @@ def moe_graph_run(moe_model_path):
             "prompts": prompts,
             "tokens": tokens,
             "logprobs": logprobs,
-            "routes": _engine_routes(llm, outs, prompts),
+            "routes": engine_routes(llm, outs, prompts),
             "evidence": [r for worker in worker_evidence(llm) for r in worker],
         }
     finally:
@@ -339,10 +304,40 @@ def moe_graph_run(moe_model_path):
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_strict_moe_graph_engine_matches_teacher_forcing_and_routes(moe_graph_run, moe_reference):
-    want, want_routes = teacher_forcing(moe_reference, moe_graph_run["prompts"], moe_graph_run["tokens"])
+    want, want_routes = teacher_forcing(moe_reference, moe_graph_run["prompts"], moe_graph_run["tokens"], TEMPERATURE)
     assert _mismatches(moe_graph_run["logprobs"], want) == 0
     agreement = routing(moe_graph_run["routes"], want_routes)
     print(f"strict MoE graph engine: {want.numel()} tokens, 0 logprob mismatches, routes {agreement}")
+    assert agreement["routing_mismatch_count"] == 0, agreement
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_compiled_strict_moe_engine_matches_teacher_forcing_and_routes(moe_model_path, moe_reference, monkeypatch):
+    """The compiled strict MoE engine (compile=True: each sparse block one opaque `rl_kernel::moe` node,
+    FULL_AND_PIECEWISE graphs split at the attention op, so mixed prefill + decode steps replay piecewise graphs):
+    every sampled logprob equals teacher forcing and 0 routes differ, routes recorded from the graphs' buffers.
+    vLLM's debug level makes every replay assert that its inputs sit at their captured addresses."""
+    from rl_kernel.integrations.vllm import UNVERIFIED_CUDA_COMPILE, strict_llm_kwargs, strict_sampling_params
+
+    monkeypatch.setenv(UNVERIFIED_CUDA_COMPILE, "1")  # refused otherwise until tests/gpu/test_vllm_gpu.py's passes
+    monkeypatch.setenv("VLLM_LOGGING_LEVEL", "DEBUG")
+    prompts = _prompts(32, seed=3)
+    llm = _llm(**strict_llm_kwargs(moe_model_path, device=DEV, compile=True, **ENGINE))
+    try:
+        assert llm.collective_rpc("rl_kernel_capture_routes", args=(TOP_K,))[0]
+        params = [
+            strict_sampling_params(temperature=TEMPERATURE, max_tokens=NEW_TOKENS, seed=i, ignore_eos=True)
+            for i in range(len(prompts))
+        ]
+        tokens, logprobs, outs = _generate(llm, prompts, params)
+        routes = engine_routes(llm, outs, prompts)
+    finally:
+        _close(llm)
+    want, want_routes = teacher_forcing(moe_reference, prompts, tokens, TEMPERATURE)
+    agreement = routing(routes, want_routes)
+    print(f"compiled strict MoE engine: {_mismatches(logprobs, want)} of {want.numel()} differ, routes {agreement}")
+    assert _mismatches(logprobs, want) == 0
     assert agreement["routing_mismatch_count"] == 0, agreement
 
 
@@ -389,12 +384,12 @@ def test_eager_engine_rescores_the_graph_tokens_with_every_route(moe_graph_run, 
         assert llm.collective_rpc("rl_kernel_capture_routes", args=(TOP_K,))[0]
         params = [forced_sampling_params(t, temperature=TEMPERATURE) for t in moe_graph_run["tokens"]]
         tokens, logprobs, outs = _generate(llm, moe_graph_run["prompts"], params)
-        routes = _engine_routes(llm, outs, moe_graph_run["prompts"])
+        routes = engine_routes(llm, outs, moe_graph_run["prompts"])
     finally:
         _close(llm)
     assert tokens == moe_graph_run["tokens"]
     assert _mismatches(logprobs, moe_graph_run["logprobs"]) == 0
-    _, want_routes = teacher_forcing(moe_reference, moe_graph_run["prompts"], tokens)
+    _, want_routes = teacher_forcing(moe_reference, moe_graph_run["prompts"], tokens, TEMPERATURE)
     agreement = routing(routes, want_routes)
     print(f"strict MoE eager engine: routes {agreement}")
     assert agreement["routing_mismatch_count"] == 0, agreement
@@ -420,10 +415,10 @@ def test_native_vllm_moe_differs_in_logprobs_and_routes(moe_model_path, moe_refe
             for i in range(len(prompts))
         ]
         tokens, logprobs, outs = _generate(llm, prompts, params)
-        routes = _engine_routes(llm, outs, prompts)
+        routes = engine_routes(llm, outs, prompts)
     finally:
         _close(llm)
-    want, want_routes = teacher_forcing(moe_reference, prompts, tokens)
+    want, want_routes = teacher_forcing(moe_reference, prompts, tokens, TEMPERATURE)
     agreement = routing(routes, want_routes)
     print(f"native vLLM MoE: {_mismatches(logprobs, want)} of {want.numel()} logprobs differ, routes {agreement}")
     assert _mismatches(logprobs, want) > 0

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 import rl_kernel as rk
 from rl_kernel.bits import bits
 from rl_kernel.models.layers import DecoderBlock
-from rl_kernel.models.qwen3 import Qwen3Config
+from rl_kernel.models.qwen3 import Qwen3Config, Qwen3MoeConfig
 from rl_kernel.models.qwen3_layout import TPShape
 from rl_kernel.ops.attention import _sdpa
 from rl_kernel.ops.norm import native_rms_norm
@@ -58,6 +58,41 @@ def layer():
         for name, p in block.named_parameters():
             scale = 0.2 if "norm" in name else 0.05
             p.copy_((1.0 if "norm" in name else 0.0) + scale * torch.randn(p.shape, generator=g))
+    return block
+
+
+@pytest.fixture(scope="module")
+def moe_layer():
+    """A strict Qwen3-MoE decoder layer (8 experts, top 2) with random bf16 weights and a route buffer, as the
+    vLLM MoE model allocates one."""
+    config = Qwen3MoeConfig.from_hf(
+        {
+            "vocab_size": 128,
+            "hidden_size": HIDDEN,
+            "intermediate_size": INTER,
+            "num_hidden_layers": 1,
+            "num_attention_heads": HEADS,
+            "num_key_value_heads": KV_HEADS,
+            "head_dim": HEAD_DIM,
+            "rms_norm_eps": 1e-6,
+            "rope_theta": 1e6,
+            "max_position_embeddings": 4096,
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 128,
+            "norm_topk_prob": True,
+            "architectures": ["Qwen3MoeForCausalLM"],
+            "model_type": "qwen3_moe",
+        },
+        "test",
+    )
+    block = DecoderBlock(config, TPShape.of(config, 1), 0, None, torch.bfloat16)
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for name, p in block.named_parameters():
+            base, scale = (1.0, 0.2) if "norm" in name else (0.0, 0.05)
+            p.copy_(base + scale * torch.randn(p.shape, generator=g))
+    block.mlp.route_buffer = torch.full((TOKENS + 8, 2), -1, dtype=torch.int16)
     return block
 
 
@@ -224,3 +259,40 @@ def test_compiled_strict_engine_on_cpu_equals_reference_bitwise(tiny_qwen3_path,
     assert models == [{"class": "RLKernelQwen3ForCausalLM", "do_not_compile": False, "compiled": True}], models
     result = compare_with_reference(outputs, prompts, temps, reference)
     assert result["tokens"] == 12 * 10 and result["mismatches"] == 0, result
+
+
+def test_compiled_strict_moe_layer_is_one_graph_of_rl_kernel_nodes(moe_layer):
+    """The MoE block is one opaque `rl_kernel::moe` node; its route-buffer write is a copy (no number changes)."""
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    with rk.mode("strict"), torch.no_grad():
+        torch.compile(_strict_forward(moe_layer), backend=capture, fullgraph=True, dynamic=False)(*_inputs())
+    assert len(graphs) == 1
+    ops = [str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function"]
+    assert "rl_kernel.moe.default" in ops, ops
+    others = [t for t in ops if not t.startswith("rl_kernel.") and t != str(operator.getitem)]
+    assert not others, others
+    methods = {n.target for n in graphs[0].graph.nodes if n.op == "call_method"}
+    assert methods <= VIEWS | {"copy_"}, methods - VIEWS
+
+
+@pytest.mark.slow  # Inductor builds a C++ kernel for the route buffer's copy (a g++ subprocess)
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_compiled_strict_moe_layer_equals_eager_bitwise_routes_too(moe_layer, dynamic):
+    """Compiled and eager: the same output and residual bits, and the same expert ids in the route buffer."""
+    forward, buffer = _strict_forward(moe_layer), moe_layer.mlp.route_buffer
+    with rk.mode("strict"), torch.no_grad():
+        buffer.fill_(-1)
+        eager = forward(*_inputs())
+        eager_routes = buffer.clone()
+        buffer.fill_(-1)
+        torch._dynamo.reset()
+        compiled = torch.compile(forward, fullgraph=True, dynamic=dynamic)(*_inputs())
+    for e, c in zip(eager, compiled):
+        assert torch.equal(bits(e), bits(c)), f"{int((bits(e) != bits(c)).sum())} of {e.numel()} differ"
+    assert bool((eager_routes[:TOKENS] >= 0).all()) and bool((eager_routes[TOKENS:] == -1).all())
+    assert torch.equal(buffer, eager_routes), "the compiled block wrote other routes"

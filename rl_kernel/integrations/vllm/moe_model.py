@@ -9,12 +9,13 @@ one layout table (`rl_kernel.models.qwen3_layout`). vLLM's fused-MoE kernels nev
 its expert ids into a device route buffer allocated here, before vLLM captures its CUDA graphs, so that
 `rl_kernel.integrations.vllm.routes.RouteRecorder` reads the routes of replayed decode steps too.
 
-Limits (a one-line ValueError at engine start): tensor parallelism 1 (expert parallelism 1), no compile.
+Under `strict_llm_kwargs(compile=True)` each sparse block is one opaque `rl_kernel::moe` node and its route-buffer
+write a copy in the compiled graph. Limit (a one-line ValueError at engine start): tensor parallelism 1 (expert
+parallelism 1).
 """
 
 from __future__ import annotations
 
-from rl_kernel.integrations.vllm import COMPILE_KEY
 from rl_kernel.integrations.vllm.model import RLKernelQwen3ForCausalLM
 from rl_kernel.integrations.vllm.routes import allocate_route_buffers, route_buffer_rows
 from rl_kernel.models.qwen3_moe import Qwen3MoeConfig
@@ -26,8 +27,6 @@ class RLKernelQwen3MoeForCausalLM(RLKernelQwen3ForCausalLM):
     model_types = ("qwen3_moe",)
 
     def __init__(self, *, vllm_config, prefix: str = "") -> None:
-        if (vllm_config.additional_config or {}).get(COMPILE_KEY):
-            raise ValueError("rl_kernel's strict Qwen3-MoE model runs eager: build it with compile=False")
         if vllm_config.parallel_config.tensor_parallel_size > 1:
             raise ValueError("rl_kernel's strict Qwen3-MoE model runs at tensor_parallel_size=1 (expert parallelism 1)")
         super().__init__(vllm_config=vllm_config, prefix=prefix)
