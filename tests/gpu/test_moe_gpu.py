@@ -318,9 +318,8 @@ def test_compiled_strict_moe_engine_matches_teacher_forcing_and_routes(moe_model
     FULL_AND_PIECEWISE graphs split at the attention op, so mixed prefill + decode steps replay piecewise graphs):
     every sampled logprob equals teacher forcing and 0 routes differ, routes recorded from the graphs' buffers.
     vLLM's debug level makes every replay assert that its inputs sit at their captured addresses."""
-    from rl_kernel.integrations.vllm import UNVERIFIED_CUDA_COMPILE, strict_llm_kwargs, strict_sampling_params
+    from rl_kernel.integrations.vllm import strict_llm_kwargs, strict_sampling_params
 
-    monkeypatch.setenv(UNVERIFIED_CUDA_COMPILE, "1")  # refused otherwise until tests/gpu/test_vllm_gpu.py's passes
     monkeypatch.setenv("VLLM_LOGGING_LEVEL", "DEBUG")
     prompts = _prompts(32, seed=3)
     llm = _llm(**strict_llm_kwargs(moe_model_path, device=DEV, compile=True, **ENGINE))

@@ -217,9 +217,8 @@ def test_compiled_strict_engine_matches_teacher_forcing(model_path, reference, m
     On 6d6ff51 748 of 1,536 differed: the attention op returned a new tensor, which the next piecewise graph read
     at its capture address. vLLM's debug level makes every graph replay assert that its inputs sit where they did
     at capture, so a regression of that kind fails here by name."""
-    from rl_kernel.integrations.vllm import UNVERIFIED_CUDA_COMPILE, strict_llm_kwargs, strict_sampling_params
+    from rl_kernel.integrations.vllm import strict_llm_kwargs, strict_sampling_params
 
-    monkeypatch.setenv(UNVERIFIED_CUDA_COMPILE, "1")  # refused otherwise (this test is why)
     monkeypatch.setenv("VLLM_LOGGING_LEVEL", "DEBUG")  # CUDAGraphWrapper's input-address check at every replay
     kwargs = strict_llm_kwargs(model_path, device="cuda", compile=True, **ENGINE)
     got, want = _fresh_run(kwargs, strict_sampling_params, _prompts(48, seed=2), model_path, reference)

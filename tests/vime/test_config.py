@@ -66,6 +66,10 @@ def test_malformed_overrides_are_rejected(compose_cfg, override, message):
         ("+trainer.boundary_modes.softmax=native", "unknown boundaries"),
         ("algo.prompts_per_step=64", "max_num_seqs"),
         ("trainer.lr=-1", "lr"),
+        (
+            "rollout.compile=true",
+            "rollout.compile=true with rollout.enforce_eager=true; set rollout.enforce_eager=false",
+        ),
     ],
 )
 def test_values_that_cannot_run_are_rejected(compose_cfg, override, message):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -91,6 +92,21 @@ def test_strict_run_with_bf16_logits_has_zero_mismatches_every_step(tmp_path):
     for r in rows:
         assert r["strict"] is True and r["mismatch_count"] == 0 and r["max_abs_diff"] == 0.0, r
         assert r["train_mismatch_count"] == 0, r
+
+
+@pytest.mark.extended  # in CI: tests/vllm/test_vllm_compile.py (the compiled strict engine against teacher forcing)
+def test_strict_run_with_a_compiled_rollout_engine_has_zero_mismatches_every_step(tmp_path):
+    """rollout.compile=true: vLLM's torch.compile of the strict model serves the rollout across the weight pushes
+    (the compiled graph reads the pushed parameters in place), and the trainer recomputes every token's bits."""
+    out = tmp_path / "compiled"
+    rows = _train(out, "rollout.compile=true", "rollout.enforce_eager=false", *NO_SAVE, timeout=600)
+    for r in rows:
+        assert r["strict"] is True and r["mismatch_count"] == 0 and r["max_abs_diff"] == 0.0, r
+        assert r["train_mismatch_count"] == 0, r
+    log = (out / "engines.log").read_text()
+    assert "'rl_kernel_compile': True" in log, "the engine was not asked to compile"
+    # vLLM's own log of a compile: a fresh one (Dynamo's transform, AOT save) or one loaded from its cache
+    assert re.search(r"Dynamo bytecode transform|compiled function|compiled graph", log), "the engine did not compile"
 
 
 @pytest.mark.extended  # in CI: tests/vllm/test_vllm_topp.py (engine) and tests/vime/test_topp_trainer.py (trainer)

@@ -338,6 +338,11 @@ class RolloutConfig:
     gpu_memory_utilization: float = 0.3
     kv_cache_space_gib: int = 1  # VLLM_CPU_KVCACHE_SPACE on CPU
     enforce_eager: bool = True
+    # strict engines: vLLM's torch.compile of the strict model (its ops stay opaque custom ops); on CUDA
+    # FULL_AND_PIECEWISE graphs, so steps that mix prefill chunks with decodes replay piecewise graphs instead of
+    # running eager (the default strict engine graphs decode-only steps). Needs enforce_eager=false; native
+    # engines compile whenever enforce_eager is false.
+    compile: bool = False
     # vLLM on CUDA: release the GPU while the trainer works (vLLM's sleep mode), woken for the weight push.
     # 0: never; 1: weights offloaded to host memory and KV cache discarded; 2: both discarded (the push
     # reloads every weight)
@@ -354,6 +359,11 @@ class RolloutConfig:
 
     def __post_init__(self) -> None:
         _check_side("rollout", self.boundary_modes, self.tp)
+        _require(
+            not (self.compile and self.enforce_eager),
+            "rollout.compile=true with rollout.enforce_eager=true",
+            "set rollout.enforce_eager=false to compile the strict engine (or rollout.compile=false)",
+        )
         _require(self.num_engines >= 1, f"rollout.num_engines={self.num_engines}", "use num_engines >= 1")
         _require(self.max_restarts >= 0, f"rollout.max_restarts={self.max_restarts}", "use 0 (never restart) or more")
         _require(

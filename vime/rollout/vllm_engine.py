@@ -195,7 +195,11 @@ class VllmRollout:
                 # vLLM's automatic binding wants one NUMA node per TP worker: give each worker one core.
                 cpus = sorted(os.sched_getaffinity(0))
                 os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(cpus[i % len(cpus)]) for i in range(cfg.tp))
-        make_kwargs = functools.partial(rkv.strict_llm_kwargs, modes=modes) if self.strict else rkv.native_llm_kwargs
+        make_kwargs = (
+            functools.partial(rkv.strict_llm_kwargs, modes=modes, compile=cfg.compile)
+            if self.strict
+            else rkv.native_llm_kwargs
+        )
         self.cuda, self.transport = torch.device(device).type == "cuda", str(transport)
         if not self.cuda and cfg.enforce_eager:
             _eager_rank_count()

@@ -125,8 +125,6 @@ def _check_architecture(model: str | Path) -> str:
 CUDA_WEIGHT_TRANSPORTS = ("ipc", "nccl")  # vLLM's own CUDA weight-transfer engines
 STRICT_CUDAGRAPH_MODE = "FULL_DECODE_ONLY"
 COMPILED_CUDAGRAPH_MODE = "FULL_AND_PIECEWISE"  # strict_llm_kwargs(compile=True): mixed batches under graphs too
-# The compiled strict engine broke parity on CUDA (see _compile_config): refused unless this is "1" (investigation).
-UNVERIFIED_CUDA_COMPILE = "RL_KERNEL_UNVERIFIED_CUDA_COMPILE"
 
 
 def _compile_config(device: str, compilation: dict, engine_kwargs: dict) -> dict[str, Any]:
@@ -142,15 +140,6 @@ def _compile_config(device: str, compilation: dict, engine_kwargs: dict) -> dict
         raise ValueError("compile=True compiles the strict model: drop enforce_eager=True (or compile=False)")
     if device == "cpu":
         return {"enforce_eager": False}
-    if os.environ.get(UNVERIFIED_CUDA_COMPILE) != "1":
-        raise ValueError(
-            "compile=True on CUDA is refused: on the H200 (vLLM 0.26) the compiled strict engine's logprobs differed "
-            "from teacher forcing on 748 of 1,536 sampled tokens (its attention op returned a new tensor, which a "
-            "piecewise graph reads at its capture address; the op now fills a buffer, tests/vllm/"
-            "test_piecewise_replay.py, and the GPU test tests/gpu/test_vllm_gpu.py::"
-            "test_compiled_strict_engine_matches_teacher_forcing has not rerun); use compile=False (FULL_DECODE_ONLY "
-            f"graphs), or set {UNVERIFIED_CUDA_COMPILE}=1 only to investigate"
-        )
     mode = compilation.get("cudagraph_mode", COMPILED_CUDAGRAPH_MODE)
     if mode not in (COMPILED_CUDAGRAPH_MODE, STRICT_CUDAGRAPH_MODE, "PIECEWISE", "NONE"):
         raise ValueError(
