@@ -63,13 +63,22 @@ def strict_verdict(runs: dict[str, dict]) -> tuple[bool, str]:
     skipped for time, or none named, prove nothing."""
     strict = {n: r for n, r in runs.items() if r["strict"]}
     passed = [n for n, r in strict.items() if _passed(r)]
-    failed = [f"{n} {r['status']}" for n, r in strict.items() if r["status"] != "SKIP" and not _passed(r)]
+    failed = [f"{n} {_why_not(r)}" for n, r in strict.items() if r["status"] != "SKIP" and not _passed(r)]
     if failed:
         return False, f"FAILED ({', '.join(failed)})"
     if not passed:
         what = ", ".join(f"{n} {r['status']}" for n, r in strict.items()) or "none named in GPU_TRAIN_RUNS"
         return False, f"FAILED: no strict run passed ({what})"
     return True, f"0 mismatches on every step ({', '.join(passed)})"
+
+
+def _why_not(r: dict) -> str:
+    """Why a strict run that ran does not pass: its status, its mismatches or its too few steps."""
+    if r["status"] != "PASS":
+        return r["status"]
+    if r.get("mismatch_total") != 0:
+        return f"PASS with {r.get('mismatch_total')} mismatches"
+    return f"PASS with {len(r['steps'])} steps, fewer than {MIN_STEPS}"
 
 
 def _passed(r: dict) -> bool:

@@ -48,6 +48,7 @@ def test_a_failed_mismatched_or_short_strict_run_fails_beside_a_passing_one(tmp_
     status = "strict_1gpu PASS 90\nstrict_2gpu PASS 90\nasync_1gpu TIMEOUT 170\n"
     runs = _runs(tmp_path, status, {"strict_1gpu": _rows(5), "strict_2gpu": _rows(5, 1), "async_1gpu": _rows(2)})
     ok, says = gv.strict_verdict(runs)
-    assert not ok and says == "FAILED (strict_2gpu PASS, async_1gpu TIMEOUT)"
+    assert not ok and says == "FAILED (strict_2gpu PASS with 5 mismatches, async_1gpu TIMEOUT)"
     short = _runs(tmp_path, "strict_1gpu PASS 30\n", {"strict_1gpu": _rows(gv.MIN_STEPS - 1)})
-    assert not gv.strict_verdict(short)[0]
+    ok, says = gv.strict_verdict(short)
+    assert not ok and says == f"FAILED (strict_1gpu PASS with {gv.MIN_STEPS - 1} steps, fewer than {gv.MIN_STEPS})"
