@@ -274,40 +274,49 @@ def _generate(llm, prompts, params) -> tuple[list[list[int]], torch.Tensor, list
     return *sampled(outs), outs
 
 
-@pytest.fixture(scope="module")
-def moe_graph_run(moe_model_path):
-    """The strict CUDA-graph engine's run (routes captured)."""
-    from rl_kernel.integrations.vllm import strict_llm_kwargs, strict_sampling_params, worker_evidence
+def _routed_run(engine_kwargs: dict, make_params, prompts: list[list[int]], evidence: bool = False) -> dict:
+    """A fresh engine's sampling of `prompts` (a seed per request): prompts, tokens, logprobs, the recorded routes
+    and (`evidence`) the workers' contract evidence."""
+    from rl_kernel.integrations.vllm import worker_evidence
 
-    prompts = _prompts()
-    kwargs = strict_llm_kwargs(moe_model_path, device=DEV, **ENGINE)
-    assert kwargs["compilation_config"]["cudagraph_mode"] == "FULL_DECODE_ONLY" and not kwargs.get("enforce_eager")
-    llm = _llm(**kwargs)
+    llm = _llm(**engine_kwargs)
     try:
         assert llm.collective_rpc("rl_kernel_capture_routes", args=(TOP_K,))[0]
         params = [
-            strict_sampling_params(temperature=TEMPERATURE, max_tokens=NEW_TOKENS, seed=i, ignore_eos=True)
+            make_params(temperature=TEMPERATURE, max_tokens=NEW_TOKENS, seed=i, ignore_eos=True)
             for i in range(len(prompts))
         ]
         tokens, logprobs, outs = _generate(llm, prompts, params)
-        return {
-            "prompts": prompts,
-            "tokens": tokens,
-            "logprobs": logprobs,
-            "routes": engine_routes(llm, outs, prompts),
-            "evidence": [r for worker in worker_evidence(llm) for r in worker],
-        }
+        run = {"prompts": prompts, "tokens": tokens, "logprobs": logprobs, "routes": engine_routes(llm, outs, prompts)}
+        if evidence:
+            run["evidence"] = [r for worker in worker_evidence(llm) for r in worker]
+        return run
     finally:
         _close(llm)
+
+
+def _scored(run: dict, reference) -> tuple[int, int, dict]:
+    """(logprobs that differ from teacher forcing, tokens compared, route agreement) of a `_routed_run`."""
+    want, want_routes = teacher_forcing(reference, run["prompts"], run["tokens"], TEMPERATURE)
+    return _mismatches(run["logprobs"], want), want.numel(), routing(run["routes"], want_routes)
+
+
+@pytest.fixture(scope="module")
+def moe_graph_run(moe_model_path):
+    """The strict CUDA-graph engine's run (routes captured)."""
+    from rl_kernel.integrations.vllm import strict_llm_kwargs, strict_sampling_params
+
+    kwargs = strict_llm_kwargs(moe_model_path, device=DEV, **ENGINE)
+    assert kwargs["compilation_config"]["cudagraph_mode"] == "FULL_DECODE_ONLY" and not kwargs.get("enforce_eager")
+    return _routed_run(kwargs, strict_sampling_params, _prompts(), evidence=True)
 
 
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_strict_moe_graph_engine_matches_teacher_forcing_and_routes(moe_graph_run, moe_reference):
-    want, want_routes = teacher_forcing(moe_reference, moe_graph_run["prompts"], moe_graph_run["tokens"], TEMPERATURE)
-    assert _mismatches(moe_graph_run["logprobs"], want) == 0
-    agreement = routing(moe_graph_run["routes"], want_routes)
-    print(f"strict MoE graph engine: {want.numel()} tokens, 0 logprob mismatches, routes {agreement}")
+    differ, tokens, agreement = _scored(moe_graph_run, moe_reference)
+    assert differ == 0
+    print(f"strict MoE graph engine: {tokens} tokens, 0 logprob mismatches, routes {agreement}")
     assert agreement["routing_mismatch_count"] == 0, agreement
 
 
@@ -322,21 +331,10 @@ def test_compiled_strict_moe_engine_matches_teacher_forcing_and_routes(moe_model
 
     monkeypatch.setenv("VLLM_LOGGING_LEVEL", "DEBUG")
     prompts = _prompts(32, seed=3)
-    llm = _llm(**strict_llm_kwargs(moe_model_path, device=DEV, compile=True, **ENGINE))
-    try:
-        assert llm.collective_rpc("rl_kernel_capture_routes", args=(TOP_K,))[0]
-        params = [
-            strict_sampling_params(temperature=TEMPERATURE, max_tokens=NEW_TOKENS, seed=i, ignore_eos=True)
-            for i in range(len(prompts))
-        ]
-        tokens, logprobs, outs = _generate(llm, prompts, params)
-        routes = engine_routes(llm, outs, prompts)
-    finally:
-        _close(llm)
-    want, want_routes = teacher_forcing(moe_reference, prompts, tokens, TEMPERATURE)
-    agreement = routing(routes, want_routes)
-    print(f"compiled strict MoE engine: {_mismatches(logprobs, want)} of {want.numel()} differ, routes {agreement}")
-    assert _mismatches(logprobs, want) == 0
+    engine = strict_llm_kwargs(moe_model_path, device=DEV, compile=True, **ENGINE)
+    differ, tokens, agreement = _scored(_routed_run(engine, strict_sampling_params, prompts), moe_reference)
+    print(f"compiled strict MoE engine: {differ} of {tokens} differ, routes {agreement}")
+    assert differ == 0
     assert agreement["routing_mismatch_count"] == 0, agreement
 
 
@@ -406,19 +404,8 @@ def test_native_vllm_moe_differs_in_logprobs_and_routes(moe_model_path, moe_refe
     from rl_kernel.integrations.vllm import native_llm_kwargs, native_sampling_params
 
     prompts = _prompts(32, seed=1)
-    llm = _llm(**native_llm_kwargs(moe_model_path, device=DEV, enforce_eager=True, **ENGINE))
-    try:
-        assert llm.collective_rpc("rl_kernel_capture_routes", args=(TOP_K,))[0]
-        params = [
-            native_sampling_params(temperature=TEMPERATURE, max_tokens=NEW_TOKENS, seed=i, ignore_eos=True)
-            for i in range(len(prompts))
-        ]
-        tokens, logprobs, outs = _generate(llm, prompts, params)
-        routes = engine_routes(llm, outs, prompts)
-    finally:
-        _close(llm)
-    want, want_routes = teacher_forcing(moe_reference, prompts, tokens, TEMPERATURE)
-    agreement = routing(routes, want_routes)
-    print(f"native vLLM MoE: {_mismatches(logprobs, want)} of {want.numel()} logprobs differ, routes {agreement}")
-    assert _mismatches(logprobs, want) > 0
+    engine = native_llm_kwargs(moe_model_path, device=DEV, enforce_eager=True, **ENGINE)
+    differ, tokens, agreement = _scored(_routed_run(engine, native_sampling_params, prompts), moe_reference)
+    print(f"native vLLM MoE: {differ} of {tokens} logprobs differ, routes {agreement}")
+    assert differ > 0
     assert agreement["routing_mismatch_count"] > 0, agreement

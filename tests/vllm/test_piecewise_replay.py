@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from vllm_test_utils import qwen3_layer_config, random_block
 
 import rl_kernel as rk
 from rl_kernel.bits import bits
 from rl_kernel.integrations.vllm.attention_op import ATTENTION_OP, attend, register_layer
-from rl_kernel.models.layers import DecoderBlock
 from rl_kernel.models.qwen3 import Qwen3Config
-from rl_kernel.models.qwen3_layout import TPShape
 
 pytestmark = pytest.mark.vllm
 
@@ -91,37 +90,9 @@ def _piecewise(splitting_op: str, pieces: list):
     return backend
 
 
-def _config() -> Qwen3Config:
-    return Qwen3Config.from_hf(
-        dict(
-            vocab_size=64,
-            hidden_size=HIDDEN,
-            intermediate_size=INTER,
-            num_hidden_layers=1,
-            num_attention_heads=HEADS,
-            num_key_value_heads=KV_HEADS,
-            head_dim=HEAD_DIM,
-            rms_norm_eps=1e-6,
-            rope_theta=1e6,
-            tie_word_embeddings=False,
-            max_position_embeddings=4096,
-            architectures=["Qwen3ForCausalLM"],
-            model_type="qwen3",
-        ),
-        "test",
-    )
-
-
 @pytest.fixture(scope="module")
 def block():
-    config = _config()
-    layer = DecoderBlock(config, TPShape.of(config, 1), 0, None, torch.bfloat16)
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, p in layer.named_parameters():
-            base, scale = (1.0, 0.2) if "norm" in name else (0.0, 0.1)
-            p.copy_(base + scale * torch.randn(p.shape, generator=g))
-    return layer
+    return random_block(Qwen3Config.from_hf(qwen3_layer_config(HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM), "test"), 0.1)
 
 
 def _step(seed: int) -> tuple[torch.Tensor, torch.Tensor]:

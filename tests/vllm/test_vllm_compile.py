@@ -13,12 +13,11 @@ import operator
 import pytest
 import torch
 import torch.nn.functional as F
+from vllm_test_utils import qwen3_layer_config, random_block
 
 import rl_kernel as rk
 from rl_kernel.bits import bits
-from rl_kernel.models.layers import DecoderBlock
 from rl_kernel.models.qwen3 import Qwen3Config, Qwen3MoeConfig
-from rl_kernel.models.qwen3_layout import TPShape
 from rl_kernel.ops.attention import _sdpa
 from rl_kernel.ops.norm import native_rms_norm
 from rl_kernel.ops.rope import native_rope
@@ -27,71 +26,20 @@ TOKENS, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER = 48, 256, 4, 2, 64, 512
 VIEWS = {"reshape", "view", "split", "transpose", "contiguous", "size", "__getitem__"}  # methods that move no bit
 
 
-def _config() -> Qwen3Config:
-    return Qwen3Config.from_hf(
-        dict(
-            vocab_size=128,
-            hidden_size=HIDDEN,
-            intermediate_size=INTER,
-            num_hidden_layers=1,
-            num_attention_heads=HEADS,
-            num_key_value_heads=KV_HEADS,
-            head_dim=HEAD_DIM,
-            rms_norm_eps=1e-6,
-            rope_theta=1e6,
-            tie_word_embeddings=False,
-            max_position_embeddings=4096,
-            architectures=["Qwen3ForCausalLM"],
-            model_type="qwen3",
-        ),
-        "test",
-    )
-
-
 @pytest.fixture(scope="module")
 def layer():
     """A strict Qwen3 decoder layer with random bf16 weights (norm weights around 1)."""
-    config = _config()
-    block = DecoderBlock(config, TPShape.of(config, 1), 0, None, torch.bfloat16)
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, p in block.named_parameters():
-            scale = 0.2 if "norm" in name else 0.05
-            p.copy_((1.0 if "norm" in name else 0.0) + scale * torch.randn(p.shape, generator=g))
-    return block
+    return random_block(Qwen3Config.from_hf(qwen3_layer_config(HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM), "test"), 0.05)
 
 
 @pytest.fixture(scope="module")
 def moe_layer():
     """A strict Qwen3-MoE decoder layer (8 experts, top 2) with random bf16 weights and a route buffer, as the
     vLLM MoE model allocates one."""
-    config = Qwen3MoeConfig.from_hf(
-        {
-            "vocab_size": 128,
-            "hidden_size": HIDDEN,
-            "intermediate_size": INTER,
-            "num_hidden_layers": 1,
-            "num_attention_heads": HEADS,
-            "num_key_value_heads": KV_HEADS,
-            "head_dim": HEAD_DIM,
-            "rms_norm_eps": 1e-6,
-            "rope_theta": 1e6,
-            "max_position_embeddings": 4096,
-            "num_experts": 8,
-            "num_experts_per_tok": 2,
-            "moe_intermediate_size": 128,
-            "norm_topk_prob": True,
-            "architectures": ["Qwen3MoeForCausalLM"],
-            "model_type": "qwen3_moe",
-        },
-        "test",
-    )
-    block = DecoderBlock(config, TPShape.of(config, 1), 0, None, torch.bfloat16)
-    g = torch.Generator().manual_seed(2)
-    with torch.no_grad():
-        for name, p in block.named_parameters():
-            base, scale = (1.0, 0.2) if "norm" in name else (0.0, 0.05)
-            p.copy_(base + scale * torch.randn(p.shape, generator=g))
+    moe = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128, norm_topk_prob=True)
+    hf = qwen3_layer_config(HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM, **moe)
+    hf |= dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe")
+    block = random_block(Qwen3MoeConfig.from_hf(hf, "test"), 0.05, seed=2)
     block.mlp.route_buffer = torch.full((TOKENS + 8, 2), -1, dtype=torch.int16)
     return block
 

@@ -27,6 +27,7 @@ from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from triton.backends.compiler import BaseBackend  # noqa: E402
 from triton.runtime.jit import create_function_from_signature  # noqa: E402
+from vllm_test_utils import qwen3_layer_config  # noqa: E402
 
 from rl_kernel import backends  # noqa: E402
 from rl_kernel.backends.triton import activation, attention, gemm, norm, rope  # noqa: E402
@@ -87,24 +88,8 @@ def recorded():
         recorders[name] = Recorder(getattr(module, name))
         mp.setattr(module, name, recorders[name])
     mp.setattr(backends, "strict_backend", lambda op, device: "triton")
-    config = Qwen3Config.from_hf(
-        dict(
-            vocab_size=256,
-            hidden_size=256,
-            intermediate_size=512,
-            num_hidden_layers=1,
-            num_attention_heads=32,
-            num_key_value_heads=8,
-            head_dim=128,
-            rms_norm_eps=1e-6,
-            rope_theta=1e6,
-            tie_word_embeddings=False,
-            max_position_embeddings=8192,
-            architectures=["Qwen3ForCausalLM"],
-            model_type="qwen3",
-        ),
-        "test",
-    )
+    hf = qwen3_layer_config(256, 512, 32, 8, 128, vocab_size=256, max_position_embeddings=8192)
+    config = Qwen3Config.from_hf(hf, "test")
     model = Qwen3Model(config, None, torch.bfloat16)
     yield recorders, model
     mp.undo()

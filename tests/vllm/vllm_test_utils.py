@@ -159,3 +159,40 @@ def cuda_rollout(model_path, llm, transport: str = "ipc"):
     rollout.llm, rollout.cuda, rollout.model_path, rollout.dtype = llm, True, str(model_path), "bfloat16"
     rollout.engine_id, rollout.version, rollout._receiver, rollout.transport = 0, 0, None, transport
     return rollout
+
+
+def qwen3_layer_config(hidden: int, inter: int, heads: int, kv_heads: int, head_dim: int, **extra):
+    """The HF config dict of a one-layer Qwen3 (`**extra`: e.g. the MoE keys with model_type="qwen3_moe")."""
+    return (
+        dict(
+            vocab_size=128,
+            hidden_size=hidden,
+            intermediate_size=inter,
+            num_hidden_layers=1,
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=1e-6,
+            rope_theta=1e6,
+            tie_word_embeddings=False,
+            max_position_embeddings=4096,
+            architectures=["Qwen3ForCausalLM"],
+            model_type="qwen3",
+        )
+        | extra
+    )
+
+
+def random_block(config, weight_scale: float, *, seed: int = 0):
+    """A strict decoder block of `config` with seeded random bf16 weights: norm weights 1 + 0.2 N(0, 1), every other
+    weight `weight_scale` N(0, 1)."""
+    from rl_kernel.models.layers import DecoderBlock
+    from rl_kernel.models.qwen3_layout import TPShape
+
+    block = DecoderBlock(config, TPShape.of(config, 1), 0, None, torch.bfloat16)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in block.named_parameters():
+            base, scale = (1.0, 0.2) if "norm" in name else (0.0, weight_scale)
+            p.copy_(base + scale * torch.randn(p.shape, generator=g))
+    return block
