@@ -2,6 +2,7 @@
 
     python benchmarks/vllm_decode_profile.py [--device cuda] [--arch qwen3_8b] [--layers 8] [--batch 128]
                                              [--context 512] [--new-tokens 32] [--eager] [--modes strict,native]
+                                             [--phase decode|prefill]
 
 One engine per process: each mode runs in its own subprocess (this script with `--worker MODE`), whose engine is
 in-process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, so the profiler sees the worker); vLLM cannot capture CUDA graphs
@@ -18,6 +19,10 @@ per decode step (profiled time / (1 + new tokens)) split into categories (`CATEG
 rope/KV-write, logprob/sampling, elementwise, other), kernels executed and host launch calls per step, and the top
 kernels. On CPU "device time" is the profiler's self CPU time of each op and a "kernel" an op. Prints one table,
 strict against native, and writes JSON (`--out`, default benchmarks/results/vllm_decode_profile_<device>.json).
+
+`--phase prefill`: the same split for prefill. The warm-up prefills other prompts of the same shapes, the prefix
+cache is emptied, and the profiled `generate` prefills `--batch` fresh prompts of `--context` tokens to one new
+token each; every figure is per 1,000 prompt tokens instead of per decode step (`unit` in the JSON).
 """
 
 from __future__ import annotations
@@ -164,7 +169,9 @@ def profile_mode(mode: str, path: Path, args) -> dict:
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     make_params = native_sampling_params if mode == "native" else strict_sampling_params
     vocab = json.loads((path / "config.json").read_text())["vocab_size"]
-    prompts = [{"prompt_token_ids": [t % vocab for t in p]} for p in grid_prompts(args.context, args.batch, 0)]
+
+    def prompts(seed: int) -> list[dict]:
+        return [{"prompt_token_ids": [t % vocab for t in p]} for p in grid_prompts(args.context, args.batch, seed)]
 
     def params(n: int) -> list:
         # no per-request seed, as vime's rollouts (vLLM's V1 sampler launches a kernel per seeded request and step)
@@ -174,16 +181,23 @@ def profile_mode(mode: str, path: Path, args) -> dict:
     llm = LLM(**engine_args(mode, path, args))
     start_s = time.perf_counter() - t0
     activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    prefill = args.phase == "prefill"
     try:
-        llm.generate(prompts, params(1 + args.new_tokens), use_tqdm=False)  # warm-up; the prompts are cached after
+        if prefill:  # warm-up on other prompts of the same shapes; nothing of them may be reused
+            llm.generate(prompts(1), params(1), use_tqdm=False)
+            llm.reset_prefix_cache()
+            first_s, new_tokens, timed = 0.0, 0, prompts(2)
+        else:
+            llm.generate(prompts(0), params(1 + args.new_tokens), use_tqdm=False)  # warm-up; the prompts are cached
+            sync()
+            t0 = time.perf_counter()
+            llm.generate(prompts(0), params(1), use_tqdm=False)
+            sync()
+            first_s, new_tokens, timed = time.perf_counter() - t0, args.new_tokens, prompts(0)
         sync()
-        t0 = time.perf_counter()
-        llm.generate(prompts, params(1), use_tqdm=False)
-        sync()
-        first_s = time.perf_counter() - t0
         with torch.profiler.profile(activities=activities) as prof:
             t0 = time.perf_counter()
-            llm.generate(prompts, params(1 + args.new_tokens), use_tqdm=False)
+            llm.generate(timed, params(1 + new_tokens), use_tqdm=False)
             sync()
             wall = time.perf_counter() - t0
         print(f"vllm_decode_profile[{mode}]: profiled generate {wall:.2f} s; summarizing", flush=True)
@@ -194,13 +208,16 @@ def profile_mode(mode: str, path: Path, args) -> dict:
     t0 = time.perf_counter()
     kernels, launches = profiled_kernels(prof, args.device)
     print(f"vllm_decode_profile[{mode}]: {len(kernels)} kernels summed in {time.perf_counter() - t0:.1f} s", flush=True)
-    summary = summarize(kernels, 1 + args.new_tokens, launches, args.top)
+    units = args.batch * args.context / 1000 if prefill else 1 + args.new_tokens
+    summary = summarize(kernels, units, launches, args.top)
     return {
         "mode": mode,
+        "phase": args.phase,
+        "unit": "1k prompt tokens" if prefill else "decode step",
         "engine_start_s": round(start_s, 2),
         "wall_s": round(wall, 4),
         "first_token_s": round(first_s, 4),
-        "decode_ms_per_step_wall": round((wall - first_s) * 1e3 / max(args.new_tokens, 1), 3),
+        "wall_ms_per_unit": round((wall * 1e3 / units) if prefill else (wall - first_s) * 1e3 / max(new_tokens, 1), 3),
         **summary,
     }
 
@@ -211,7 +228,8 @@ def table(results: list[dict], top: int) -> str:
     modes = list(by)
     exact = [m for m in modes if m != "native"] if "native" in by else []  # each against native
     ratio_heads = "".join(f"  {m + '/native':>18}" for m in exact)
-    lines = [f"{'per decode step':<24}" + "".join(f"{m:>12}" for m in modes) + ratio_heads]
+    unit = results[0].get("unit", "decode step")
+    lines = [f"{'per ' + unit:<24}" + "".join(f"{m:>12}" for m in modes) + ratio_heads]
 
     def row(label: str, values: list[float], fmt: str = "{:>12.3f}") -> None:
         n = values[modes.index("native")] if exact else 0
@@ -221,12 +239,12 @@ def table(results: list[dict], top: int) -> str:
     for c in CATEGORY_NAMES:
         row(f"  {c} ms", [by[m]["category_ms_per_step"][c] for m in modes])
     row("device ms (all)", [by[m]["device_ms_per_step"] for m in modes])
-    row("wall ms (decode)", [by[m]["decode_ms_per_step_wall"] for m in modes])
+    row(f"wall ms ({results[0].get('phase', 'decode')})", [by[m]["wall_ms_per_unit"] for m in modes])
     row("kernels executed", [by[m]["kernels_per_step"] for m in modes], "{:>12.1f}")
     row("host launch calls", [by[m]["host_launches_per_step"] for m in modes], "{:>12.1f}")
     for m in modes:
         lines.append(
-            f"\n{m}: top kernels ({by[m]['steps']} steps)\n{'ms/step':>9} {'calls':>6} {'avg us':>8}  "
+            f"\n{m}: top kernels (over {by[m]['steps']} x {unit})\n{'ms/unit':>9} {'calls':>6} {'avg us':>8}  "
             f"{'category':<17} kernel"
         )
         for k in by[m]["top"][:top]:
@@ -270,6 +288,8 @@ def run_modes(path: Path, args, directory: Path) -> tuple[list[dict], list[str]]
             str(args.new_tokens),
             "--top",
             str(args.top),
+            "--phase",
+            args.phase,
         ] + (["--eager"] if args.eager else [])
         env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
         if args.device == "cpu":
@@ -300,6 +320,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--new-tokens", type=int, default=None, help="default 32 on CUDA, 4 on CPU")
     parser.add_argument("--eager", action="store_true", help="no CUDA graphs (and no torch.compile) on either side")
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument(
+        "--phase", choices=("decode", "prefill"), default="decode", help="prefill: fresh prompts, per 1k prompt tokens"
+    )
     parser.add_argument("--modes", default="strict,native", help=f"comma-separated, of {', '.join(MODES)}")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--worker", choices=MODES, help=argparse.SUPPRESS)
@@ -348,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"
     print(
         f"\n{device}, {graphs}, {args.arch}, {args.layers} layers, batch {args.batch}, context {args.context}, "
-        f"{args.new_tokens} new tokens"
+        f"{args.new_tokens} new tokens, {args.phase} profiled"
     )
     print(table(results, args.top))
     out = args.out or Path(__file__).resolve().parent / "results" / f"vllm_decode_profile_{args.device}.json"
@@ -362,6 +385,7 @@ def main(argv: list[str] | None = None) -> int:
                 "batch": args.batch,
                 "context": args.context,
                 "new_tokens": args.new_tokens,
+                "phase": args.phase,
                 "graphs": graphs == "CUDA graphs",
                 "failed": failed,
                 "results": results,

@@ -19,7 +19,8 @@
 #   bench    strict vs native vLLM marginal decode and prefill at Qwen3-8B shapes (benchmarks/vllm_throughput.py)
 #   profile  where strict decode time goes against native (benchmarks/vllm_decode_profile.py: one engine per
 #            subprocess, CUDA graphs on both; per decode step device time by category, kernels, host launches),
-#            once per batch size of PROFILE_BATCHES (default 128); PROFILE_ARCH=qwen3_30b_a3b: the MoE layers
+#            once per batch size of PROFILE_BATCHES (default 128); PROFILE_ARCH=qwen3_30b_a3b: the MoE layers;
+#            PROFILE_PHASE=prefill: fresh prompts prefilled, per 1k prompt tokens
 #   async    vime.train +experiment=h200_vllm synchronous and asynchronous (algo.max_staleness=1, TIS), both without
 #            sleep mode, no checkpoint: the overlap of rollout and training on one GPU (scripts/gpu_train.sh)
 #   moe      the Qwen3-MoE parts (issue 39), each its own stage, picked and ordered by MOE_PARTS (default
@@ -121,7 +122,8 @@ for s in "$@"; do
     profile) for b in ${PROFILE_BATCHES//,/ }; do
                stage "profile_b$b" "${PROFILE_S:-300}" $PY benchmarks/vllm_decode_profile.py --device cuda \
                  --layers "${PROFILE_LAYERS:-8}" --batch "$b" --modes "${PROFILE_MODES:-strict,native}" \
-                 --arch "${PROFILE_ARCH:-qwen3_8b}" --out "$OUT/vllm_decode_profile_h200_${PROFILE_ARCH:+${PROFILE_ARCH}_}b$b.json"
+                 --arch "${PROFILE_ARCH:-qwen3_8b}" --phase "${PROFILE_PHASE:-decode}" \
+                 --out "$OUT/vllm_decode_profile_h200_${PROFILE_ARCH:+${PROFILE_ARCH}_}${PROFILE_PHASE:+${PROFILE_PHASE}_}b$b.json"
              done ;;
     async) stage async "${ASYNC_S:-330}" env GPU_TRAIN_SKIP_INSTALL=1 GPU_TRAIN_PRESET=h200_vllm OUT="$OUT/async" \
              GPU_TRAIN_RUNS="strict_nosleep_1gpu async_1gpu" GPU_TRAIN_BUDGET_S=$(( ${ASYNC_S:-330} - 20 )) \

@@ -66,8 +66,8 @@ def test_summarize_per_step():
 @pytest.mark.slow
 @pytest.mark.vllm
 @pytest.mark.bench
-@pytest.mark.parametrize("arch", ["qwen3_8b", "qwen3_30b_a3b"])
-def test_profile_script_runs_each_mode_in_its_own_process(tmp_path, arch):
+@pytest.mark.parametrize("arch, phase", [("qwen3_8b", "decode"), ("qwen3_30b_a3b", "decode"), ("qwen3_8b", "prefill")])
+def test_profile_script_runs_each_mode_in_its_own_process(tmp_path, arch, phase):
     out = tmp_path / "profile.json"
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1")
     run = subprocess.run(
@@ -86,6 +86,8 @@ def test_profile_script_runs_each_mode_in_its_own_process(tmp_path, arch):
             "8",
             "--new-tokens",
             "2",
+            "--phase",
+            phase,
             "--out",
             str(out),
         ],
@@ -100,14 +102,16 @@ def test_profile_script_runs_each_mode_in_its_own_process(tmp_path, arch):
     # each engine ran in a process of its own: the two subprocesses' engines were in-process engines
     assert run.stdout.count("--worker") == 2
     for r in result["results"]:
-        assert r["steps"] == 3 and r["device_ms_per_step"] > 0 and r["kernels_per_step"] > 0 and r["top"]
+        # per decode step (1 + 2 new tokens) or per 1,000 prompt tokens (2 prompts of 8)
+        assert r["phase"] == phase and r["steps"] == (3 if phase == "decode" else 0.016)
+        assert r["device_ms_per_step"] > 0 and r["kernels_per_step"] > 0 and r["top"]
         assert sum(r["category_ms_per_step"].values()) == pytest.approx(r["device_ms_per_step"], abs=0.01)
     # the strict model's ops and native vLLM's own appear where they belong
     strict_kernels = {k["kernel"] for k in result["results"][0]["top"]}
     native_kernels = {k["kernel"] for k in result["results"][1]["top"]}
     assert any("Strict" in k or k.startswith("rl_kernel::") for k in strict_kernels), strict_kernels
     assert not any("Strict" in k or k.startswith("rl_kernel::") for k in native_kernels), native_kernels
-    assert "strict/native" in run.stdout and "gemm ms" in run.stdout
+    assert "strict/native" in run.stdout and "gemm ms" in run.stdout and f"wall ms ({phase})" in run.stdout
     assert result["arch"] == arch
     # the MoE layers' kernels have a category of their own on both sides, and only the MoE model has them
     moe_ms = [r["category_ms_per_step"]["moe"] for r in result["results"]]
