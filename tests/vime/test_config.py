@@ -102,3 +102,10 @@ def test_truncation_keys_reach_the_config(compose_cfg):
     cfg = validate(to_object(compose_cfg("algo.top_p=0.9", "algo.top_k=20", "algo.entropy_coef=0.01")))
     assert truncation(cfg).active and (truncation(cfg).top_k, truncation(cfg).top_p) == (20, 0.9)
     assert not truncation(validate(to_object(compose_cfg()))).active
+
+
+def test_rollout_compile_is_refused_where_it_cannot_run(compose_cfg):
+    compiled = ("rollout.compile=true", "rollout.enforce_eager=false")
+    assert validate(to_object(compose_cfg(*compiled))).rollout.compile
+    with pytest.raises(ConfigError, match=r"rollout.engine=reference; compile is vLLM's"):
+        validate(to_object(compose_cfg(*compiled, "rollout.engine=reference")))

@@ -364,6 +364,11 @@ class RolloutConfig:
             "rollout.compile=true with rollout.enforce_eager=true",
             "set rollout.enforce_eager=false to compile the strict engine (or rollout.compile=false)",
         )
+        _require(
+            not self.compile or self.engine == RolloutBackend.vllm,
+            f"rollout.compile=true with rollout.engine={self.engine.value}",
+            "compile is vLLM's (rollout.engine=vllm); rl_kernel's reference engine runs eager",
+        )
         _require(self.num_engines >= 1, f"rollout.num_engines={self.num_engines}", "use num_engines >= 1")
         _require(self.max_restarts >= 0, f"rollout.max_restarts={self.max_restarts}", "use 0 (never restart) or more")
         _require(
