@@ -1,9 +1,10 @@
-"""The strict MoE layer's counting sort of (token, slot) rows by expert (`rl_kernel.ops.moe.expert_order`), timed
-on the device against the form it replaced (the one-hot [R, E] scanned along its outer dimension, which the
-H100 decode profile of Qwen3-30B-A3B shapes put at 4.4 of 12.5 device ms a step) and against
-`torch.argsort(stable=True)`; every form's result is checked against the stable sort first.
+"""The strict MoE layer's counting sort of (token, slot) rows by expert (`rl_kernel.ops.moe.expert_order`: one scan
+of the flat one-hot), timed on the device against the form it replaced (the one-hot [R, E] scanned along its
+outer dimension, which the H100 decode profile of Qwen3-30B-A3B shapes put at 4.4 of 12.5 device ms a step), the
+one-hot [E, R] scanned along its inner dimension, and `torch.argsort(stable=True)`; every form's result is checked
+against the stable sort first.
 
-    python benchmarks/moe_expert_order.py --device cuda     # rows: decode at batch 256 and a 2,048-token chunk, x8
+    python benchmarks/moe_expert_order.py --device cuda   # decode at batch 64 and 256, chunks of 2,048 and 8,192
 
 Prints a table (median of --reps CUDA-event timings, microseconds) and writes JSON under benchmarks/results/.
 """
@@ -33,6 +34,17 @@ def outer_scan_order(flat_ids: torch.Tensor, experts: int) -> tuple[torch.Tensor
     return order, place, counts
 
 
+def inner_scan_order(flat_ids: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The form between the two: the one-hot as [E, R], scanned along dim 1 (a few blocks per 32 rows on CUDA)."""
+    counts = torch.zeros(experts, dtype=torch.int64, device=flat_ids.device)
+    counts.scatter_add_(0, flat_ids, torch.ones_like(flat_ids))
+    one_hot = (torch.arange(experts, device=flat_ids.device)[:, None] == flat_ids[None, :]).to(torch.int32)
+    before = one_hot.cumsum(1, dtype=torch.int32).gather(0, flat_ids[None, :]).squeeze(0) - 1
+    place = (torch.cumsum(counts, 0) - counts)[flat_ids] + before
+    order = torch.empty_like(place).scatter_(0, place, torch.arange(flat_ids.numel(), device=flat_ids.device))
+    return order, place, counts
+
+
 def argsort_order(flat_ids: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     order = torch.argsort(flat_ids, stable=True)
     place = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
@@ -43,7 +55,8 @@ def argsort_order(flat_ids: torch.Tensor, experts: int) -> tuple[torch.Tensor, t
 
 
 FORMS = {
-    "expert_order (inner scan)": expert_order,
+    "expert_order (flat scan)": expert_order,
+    "inner-dim scan": inner_scan_order,
     "outer-dim scan (replaced)": outer_scan_order,
     "argsort stable": argsort_order,
 }
@@ -66,7 +79,7 @@ def time_us(fn, ids: torch.Tensor, reps: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--tokens", default="64,256,2048", help="tokens per layer call (each routes to TOP_K rows)")
+    parser.add_argument("--tokens", default="64,256,2048,8192", help="tokens per call (TOP_K rows each)")
     parser.add_argument("--reps", type=int, default=100)
     parser.add_argument("--out", default="benchmarks/results/moe_expert_order.json")
     args = parser.parse_args()

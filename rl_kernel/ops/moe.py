@@ -209,20 +209,21 @@ class _StrictExperts(torch.autograd.Function):
 def expert_order(flat_ids: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(order, place, counts) of int64 expert ids [R]: `order` the stable sort of the rows by expert id
     (`torch.argsort(flat_ids, stable=True)`), `place` its inverse (row i sits at place[i] once sorted), `counts`
-    [experts] the rows of each expert. A counting sort: a row's place is its expert's first place plus the
-    rows of that expert before it (a cumulative sum of one-hot columns), so no device sort runs (radix sorts
-    were two of every strict MoE layer's decode kernels on the H200, 28 us each at 512 rows) and nothing is
-    read back to the host (scatter_add, not bincount, which sizes its output from a host read of the max)."""
+    [experts] the rows of each expert. A counting sort, exact in integers: the one-hot [E, R] of the ids, read
+    expert by expert as one flat sequence, has at (e, r) the inclusive count of the rows of the experts before e
+    plus the rows of e up to r, so at (ids[r], r) row r's place + 1. One scan of a flat tensor (CUDA: one
+    device-wide CUB scan); a scan along a dimension of a 2-D tensor runs one thread per column (outer dimension:
+    0.55 ms a layer at 2,048 rows on the H100) or a few blocks per 32 rows (inner dimension). No device sort
+    runs (radix sorts were two of every strict MoE layer's decode kernels on the H200, 28 us each at 512 rows)
+    and nothing is read back to the host (scatter_add, not bincount, which sizes its output from a host read of
+    the max)."""
     rows = flat_ids.numel()
     counts = torch.zeros(experts, dtype=torch.int64, device=flat_ids.device)
     counts.scatter_add_(0, flat_ids, torch.ones_like(flat_ids))
-    # [E, R], scanned along its rows: CUDA's scan of a 2-D tensor's outer dimension runs one thread per column
-    # (0.55 ms a layer at 2,048 rows on the H100), its scan of the inner dimension one block per row
+    row = torch.arange(rows, device=flat_ids.device)
     one_hot = (torch.arange(experts, device=flat_ids.device)[:, None] == flat_ids[None, :]).to(torch.int32)
-    # the rows of row i's expert before row i
-    before = one_hot.cumsum(1, dtype=torch.int32).gather(0, flat_ids[None, :]).squeeze(0) - 1
-    place = (torch.cumsum(counts, 0) - counts)[flat_ids] + before
-    order = torch.empty_like(place).scatter_(0, place, torch.arange(rows, device=flat_ids.device))
+    place = one_hot.view(-1).cumsum(0, dtype=torch.int32)[flat_ids * rows + row].to(torch.int64) - 1
+    order = torch.empty_like(place).scatter_(0, place, row)
     return order, place, counts
 
 
