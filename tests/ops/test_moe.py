@@ -235,3 +235,18 @@ def test_contracts_are_registered_and_recorded():
     with rk.mode("native", "moe"), rk.evidence.recording() as ran:
         rk.moe(x, router, gate_up, down, 2)
     assert {r["op"] for r in ran if r["mode"] == "native"} == {"moe_router", "moe_experts", "moe_combine"}
+
+
+def test_the_expert_order_benchmark_checks_every_form_against_the_stable_sort(tmp_path):
+    """benchmarks/moe_expert_order.py on CPU: every form it times (the flat scan, the inner- and outer-dimension
+    scans it replaced, argsort) gives the stable sort's order, place and counts at 30B-A3B's 128 experts, top-8."""
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    from benchmarks.moe_expert_order import main
+
+    main(["--device", "cpu", "--tokens", "1,64,300", "--out", str(tmp_path / "order.json")])
+    rows = json.loads((tmp_path / "order.json").read_text())["rows"]
+    assert [r["rows"] for r in rows] == [8, 512, 2400]
