@@ -152,7 +152,7 @@ def test_h200_moe_preset_has_qwen3_30b_a3b_shapes_and_fits_one_h200_beside_vllm(
     preflight.check_gpu_memory(cfg, _moe_hf_config(cfg, 6), h200)
     with pytest.raises(ConfigError, match=r"14 GB a MoE run held .*use at most 6 layers \(model.tiny.num_layers=6\)"):
         preflight.check_gpu_memory(cfg, _moe_hf_config(cfg, 7), h200)
-    # an 80 GB H100: the 2 layers that ran there (2026-12-06, trainer peak 38.4 GiB) pass, 3 do not
+    # an 80 GB H100: the 2 layers that ran there (trainer peak 38.4 GiB) pass, 3 do not
     h100 = 79.18 * 2**30
     preflight.check_gpu_memory(cfg, _moe_hf_config(cfg, 2), h100)
     with pytest.raises(ConfigError, match=r"use at most 2 layers"):

@@ -68,7 +68,9 @@ def _strict_forward(block):
     return forward
 
 
-def test_compiled_strict_layer_is_one_graph_of_rl_kernel_nodes(layer):
+def _strict_graph(block) -> tuple[list[str], set]:
+    """(the call_function targets as strings, the call_method names) of the one graph Dynamo makes of `block`'s
+    strict forward (fullgraph: a graph break fails here)."""
     graphs = []
 
     def capture(gm, example_inputs):
@@ -76,10 +78,15 @@ def test_compiled_strict_layer_is_one_graph_of_rl_kernel_nodes(layer):
         return gm.forward
 
     with rk.mode("strict"), torch.no_grad():
-        torch.compile(_strict_forward(layer), backend=capture, fullgraph=True, dynamic=False)(*_inputs())
+        torch.compile(_strict_forward(block), backend=capture, fullgraph=True, dynamic=False)(*_inputs())
     assert len(graphs) == 1
-    ops = [n.target for n in graphs[0].graph.nodes if n.op == "call_function"]
-    rl_ops = {str(t) for t in ops if str(t).startswith("rl_kernel.")}
+    nodes = graphs[0].graph.nodes
+    return [str(n.target) for n in nodes if n.op == "call_function"], {n.target for n in nodes if n.op == "call_method"}
+
+
+def test_compiled_strict_layer_is_one_graph_of_rl_kernel_nodes(layer):
+    ops, methods = _strict_graph(layer)
+    rl_ops = {t for t in ops if t.startswith("rl_kernel.")}
     assert {
         "rl_kernel.rms_norm_residual.default",
         "rl_kernel.linear.default",
@@ -87,9 +94,8 @@ def test_compiled_strict_layer_is_one_graph_of_rl_kernel_nodes(layer):
         "rl_kernel.attention_varlen.default",
         "rl_kernel.silu_and_mul.default",
     } <= rl_ops, rl_ops
-    others = [str(t) for t in ops if not str(t).startswith("rl_kernel.") and t is not operator.getitem]
+    others = [t for t in ops if not t.startswith("rl_kernel.") and t != str(operator.getitem)]
     assert not others, others  # every computation is an rl_kernel node; the rest are views
-    methods = {n.target for n in graphs[0].graph.nodes if n.op == "call_method"}
     assert methods <= VIEWS, methods - VIEWS
 
 
@@ -206,20 +212,10 @@ def test_compiled_strict_engine_on_cpu_equals_reference_bitwise(tiny_qwen3_path,
 
 def test_compiled_strict_moe_layer_is_one_graph_of_rl_kernel_nodes(moe_layer):
     """The MoE block is one opaque `rl_kernel::moe` node; its route-buffer write is a copy (no number changes)."""
-    graphs = []
-
-    def capture(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-
-    with rk.mode("strict"), torch.no_grad():
-        torch.compile(_strict_forward(moe_layer), backend=capture, fullgraph=True, dynamic=False)(*_inputs())
-    assert len(graphs) == 1
-    ops = [str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function"]
+    ops, methods = _strict_graph(moe_layer)
     assert "rl_kernel.moe.default" in ops, ops
     others = [t for t in ops if not t.startswith("rl_kernel.") and t != str(operator.getitem)]
     assert not others, others
-    methods = {n.target for n in graphs[0].graph.nodes if n.op == "call_method"}
     assert methods <= VIEWS | {"copy_"}, methods - VIEWS
 
 
