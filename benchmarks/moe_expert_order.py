@@ -1,8 +1,9 @@
-"""The strict MoE layer's counting sort of (token, slot) rows by expert (`rl_kernel.ops.moe.expert_order`: one scan
-of the flat one-hot), timed on the device against the form it replaced (the one-hot [R, E] scanned along its
-outer dimension, which the H100 decode profile of Qwen3-30B-A3B shapes put at 4.4 of 12.5 device ms a step), the
-one-hot [E, R] scanned along its inner dimension, and `torch.argsort(stable=True)`; every form's result is checked
-against the stable sort first.
+"""The strict MoE layer's counting sort of (token, slot) rows by expert (`rl_kernel.ops.moe.expert_order`: on CUDA
+the Triton dispatch, two launches of per-block counts and ranks), timed on the device against the torch backend's
+form (one scan of the flat [E, R] one-hot), the form before it (the one-hot [R, E] scanned along its outer
+dimension, which the H100 decode profile of Qwen3-30B-A3B shapes put at 4.4 of 12.5 device ms a step), the one-hot
+[E, R] scanned along its inner dimension, and `torch.argsort(stable=True)`; every form's result is checked against
+the stable sort first.
 
     python benchmarks/moe_expert_order.py --device cuda   # decode at batch 64 and 256, chunks of 2,048 and 8,192
 
@@ -19,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from rl_kernel.backends.torch import moe as torch_moe
 from rl_kernel.ops.moe import expert_order
 
 EXPERTS, TOP_K = 128, 8  # Qwen3-30B-A3B
@@ -58,7 +60,8 @@ def argsort_order(flat_ids: torch.Tensor, experts: int) -> tuple[torch.Tensor, t
 
 
 FORMS = {
-    "expert_order (flat scan)": expert_order,
+    "expert_order (Triton dispatch on CUDA)": expert_order,
+    "flat scan (torch backend)": torch_moe.dispatch,
     "inner-dim scan": inner_scan_order,
     "outer-dim scan (replaced)": outer_scan_order,
     "argsort stable": argsort_order,

@@ -177,18 +177,21 @@ def moe_route(
 
 
 class _StrictExperts(torch.autograd.Function):
-    """Forward under the experts contract; backward per expert by matmuls (fp32 on the CPU, x's dtype on CUDA)."""
+    """Forward under the experts contract on the rows x[source // slots] (x the tokens [T, D], source the
+    stable order of the (token, slot) rows by expert); backward per expert by matmuls (fp32 on the CPU, x's
+    dtype on CUDA), a token's k slot gradients summed in slot order (no atomics)."""
 
     @staticmethod
-    def forward(ctx, x, gate_up, down, counts):
+    def forward(ctx, x, gate_up, down, counts, source, slots):
         _, kernels = EXPERTS.strict(x.device, x, gate_up, down)
-        ctx.save_for_backward(x, gate_up, down)
-        ctx.counts = counts
-        return kernels.grouped_mlp(x, counts, gate_up, down)
+        ctx.save_for_backward(x, gate_up, down, source)
+        ctx.counts, ctx.slots = counts, slots
+        return kernels.grouped_mlp(x, counts, gate_up, down, source=source, slots=slots)
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, gate_up, down = ctx.saved_tensors
+        tokens, gate_up, down, source = ctx.saved_tensors
+        x = tokens[source // ctx.slots]
         dtype = x.dtype if x.is_cuda and x.dtype == gate_up.dtype else torch.float32
         grads = [torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in (x, gate_up, down)]
         start = 0
@@ -203,45 +206,51 @@ class _StrictExperts(torch.autograd.Function):
                     gx, ggu, gdw = torch.autograd.grad(y, leaves, grad_out[rows].to(dtype))
                 grads[0][rows], grads[1][e], grads[2][e] = gx, ggu, gdw
             start += n
-        return grads[0].to(x.dtype), grads[1].to(gate_up.dtype), grads[2].to(down.dtype), None
+        by_slot = torch.empty_like(grads[0])
+        by_slot[source] = grads[0]
+        grad_x = by_slot.view(tokens.shape[0], ctx.slots, -1).sum(1)
+        return grad_x.to(tokens.dtype), grads[1].to(gate_up.dtype), grads[2].to(down.dtype), None, None, None
 
 
 def expert_order(flat_ids: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(order, place, counts) of int64 expert ids [R]: `order` the stable sort of the rows by expert id
     (`torch.argsort(flat_ids, stable=True)`), `place` its inverse (row i sits at place[i] once sorted), `counts`
-    [experts] the rows of each expert. A counting sort, exact in integers: the one-hot [E, R] of the ids, read
-    expert by expert as one flat sequence, has at (e, r) the inclusive count of the rows of the experts before e
-    plus the rows of e up to r, so at (ids[r], r) row r's place + 1. One scan of a flat tensor (CUDA: one
-    device-wide CUB scan); a scan along a dimension of a 2-D tensor runs one thread per column (outer dimension:
-    0.55 ms a layer at 2,048 rows on the H100) or a few blocks per 32 rows (inner dimension). No device sort
-    runs (radix sorts were two of every strict MoE layer's decode kernels on the H200, 28 us each at 512 rows)
-    and nothing is read back to the host (scatter_add, not bincount, which sizes its output from a host read of
-    the max)."""
-    rows = flat_ids.numel()
-    counts = torch.zeros(experts, dtype=torch.int64, device=flat_ids.device)
-    counts.scatter_add_(0, flat_ids, torch.ones_like(flat_ids))
-    row = torch.arange(rows, device=flat_ids.device)
-    one_hot = (torch.arange(experts, device=flat_ids.device)[:, None] == flat_ids[None, :]).to(torch.int32)
-    place = one_hot.view(-1).cumsum(0, dtype=torch.int32)[flat_ids * rows + row].to(torch.int64) - 1
-    order = torch.empty_like(place).scatter_(0, place, row)
-    return order, place, counts
+    [experts] the rows of each expert. Exact integers by a counting sort, with no device sort (radix sorts were
+    two of every strict MoE layer's decode kernels on the H200, 28 us each at 512 rows) and no host read, so a
+    CUDA graph captures it. CUDA: the Triton backend's `dispatch` (two launches); elsewhere the torch backend's
+    (one scan of a flat one-hot; a scan along a dimension of a 2-D tensor runs one thread per column on CUDA,
+    0.55 ms a layer at 2,048 rows on the H100)."""
+    if flat_ids.is_cuda:
+        from rl_kernel.backends.triton import moe as kernels
+    else:
+        from rl_kernel.backends.torch import moe as kernels
+    return kernels.dispatch(flat_ids, experts)
+
+
+def _sorted_experts(
+    x: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp32 [T * k, D] the (token, slot) rows' expert outputs, sorted by expert; int64 place [T * k]: slot
+    (t, j) sits at row place[t * k + j])."""
+    k = ids.shape[1]
+    order, place, counts = expert_order(ids.reshape(-1), gate_up.shape[0])
+    tokens = x.reshape(-1, x.shape[-1])
+    out = EXPERTS(
+        lambda *a: _StrictExperts.apply(*a, counts, order, k),
+        tokens,
+        gate_up,
+        down,
+        native_form=lambda t, gu, dn: native_experts(t[order // k], counts, gu, dn),
+    )
+    return out, place
 
 
 def moe_experts(x: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
     """fp32 [T, k, D]: token t through expert ids[t, j]'s SwiGLU MLP, gate_up [E, 2I, D] (gate rows first),
-    down [E, D, I]. The (token, slot) rows are grouped by expert (`expert_order`: bit copies) and put back.
-    The forward reads nothing back to the host on CUDA (a CUDA graph captures it)."""
-    t, k = ids.shape
-    order, place, counts = expert_order(ids.reshape(-1), gate_up.shape[0])
-    rows = x.reshape(-1, x.shape[-1])[order // k]
-    out = EXPERTS(
-        lambda *a: _StrictExperts.apply(*a, counts),
-        rows,
-        gate_up,
-        down,
-        native_form=lambda *a: native_experts(*a[:1], counts, *a[1:]),
-    )
-    return out[place].reshape(t, k, down.shape[1])
+    down [E, D, I]. The (token, slot) rows are grouped by expert (`expert_order`; the strict GEMM reads them from
+    x in place) and put back. The forward reads nothing back to the host on CUDA (a CUDA graph captures it)."""
+    out, place = _sorted_experts(x, ids, gate_up, down)
+    return out[place].reshape(*ids.shape, down.shape[1])
 
 
 # ---- combine ---------------------------------------------------------------------------------------
@@ -249,29 +258,50 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor, down:
 
 class _StrictCombine(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, y, weights, dtype):
+    def forward(ctx, y, weights, dtype, place):
         _, kernels = COMBINE.strict(y.device, y, weights)
-        ctx.save_for_backward(y, weights)
-        return kernels.combine(y, weights, dtype)
+        ctx.save_for_backward(y, weights, place)
+        return kernels.combine(y, weights, dtype, place)
 
     @staticmethod
     def backward(ctx, grad_out):
-        y, weights = ctx.saved_tensors
+        y, weights, place = ctx.saved_tensors
         g = grad_out.to(torch.float32).unsqueeze(1)
-        return g * weights.unsqueeze(-1), (g * y).sum(-1), None
+        if place is None:
+            return g * weights.unsqueeze(-1), (g * y).sum(-1), None, None
+        grad_y = torch.empty_like(y)
+        grad_y[place] = (g * weights.unsqueeze(-1)).reshape(-1, y.shape[-1])
+        return grad_y, (g * y[place].view(*weights.shape, -1)).sum(-1), None, None
 
 
 def moe_combine(
-    y: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, dtype: torch.dtype, *, ascending: bool = False
+    y: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    dtype: torch.dtype,
+    *,
+    ascending: bool = False,
+    place: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """[T, D] in `dtype`: sum over j of weights[t, j] * y[t, j] (y fp32 [T, k, D], weights fp32 [T, k]), the
-    slots taken in ascending expert id ids[t, j]. `ascending`: the caller's ids already ascend along each row
-    (`moe_route`'s do), so the slots are taken as they stand, without a sort."""
+    slots taken in ascending expert id ids[t, j]. With `place` (int64 [T * k]), y is [T * k, D] with slot (t, j)
+    at row place[t * k + j] (`_sorted_experts`' rows, read in place). `ascending`: the caller's ids already
+    ascend along each row (`moe_route`'s do), so the slots are taken as they stand, without a sort."""
     if not ascending:
         order = ids.argsort(dim=-1, stable=True)
-        y = y.gather(1, order.unsqueeze(-1).expand(-1, -1, y.shape[-1]))
         weights = weights.gather(1, order)
-    return COMBINE(lambda *a: _StrictCombine.apply(*a), y, weights, dtype)
+        if place is None:
+            y = y.gather(1, order.unsqueeze(-1).expand(-1, -1, y.shape[-1]))
+        else:
+            place = place.view(ids.shape).gather(1, order).reshape(-1)
+    return COMBINE(
+        lambda *a: _StrictCombine.apply(*a),
+        y,
+        weights,
+        dtype,
+        place,
+        native_form=lambda y_, w, d, p: native_combine(y_ if p is None else y_[p].view(*w.shape, -1), w, d),
+    )
 
 
 def moe(
@@ -286,7 +316,8 @@ def moe(
     if torch.compiler.is_compiling():  # one opaque node for torch.compile (rl_kernel.ops.library)
         return _moe_op(x, router_weight, gate_up, down, top_k, renormalize)
     weights, ids = moe_route(x, router_weight, top_k, renormalize)
-    return moe_combine(moe_experts(x, ids, gate_up, down), weights, ids, x.dtype, ascending=True), ids
+    y, place = _sorted_experts(x, ids, gate_up, down)
+    return moe_combine(y, weights, ids, x.dtype, ascending=True, place=place), ids
 
 
 # ---- the block as one opaque node for torch.compile (rl_kernel.ops.library) ----

@@ -842,34 +842,57 @@ def moes(gen: torch.Generator) -> None:
             ref.append(gemm.matmul_fp32(x[start : start + c], w[e], schedule="fused"))
             start += c
         check(f"moe grouped gemm counts {counts} == per-expert gemm", same(out, torch.cat(ref)))
-        old = moe.grouped_linear(x, counts, w, torch.float32, host_tiles=True)
-        check(f"moe grouped gemm counts {counts}: device tiles == host tiles (old path)", same(out, old))
+        check(
+            f"moe grouped gemm counts {counts}: a list of counts == a device tensor",
+            same(moe.grouped_linear(x, counts, w, torch.float32), out),
+        )
         check(
             f"moe grouped gemm counts {counts}: tile moves no bit",
             same(moe.grouped_linear(x, on_device, w, torch.float32, tile=small), out),
         )
-        for bm in (16, 64):
-            table = moe._device_tiles(on_device, sum(counts), bm)
-            host = moe._host_tiles(counts, bm, torch.device("cpu"))
-            n = host[0].numel()
-            check(
-                f"moe device tile table counts {counts} block {bm} == host table, then padding",
-                len(table[0]) == moe.max_tiles(sum(counts), len(counts), bm)
-                and all(torch.equal(a[:n], b) for a, b in zip(table, host))
-                and bool((table[0][n:] == -1).all()),
-            )
+        slots = 3  # the rows read in place from tokens: row i = tokens[source[i] // slots]
+        token = torch.randperm(sum(counts) + 2, generator=gen)[: sum(counts)]
+        source = token * slots + torch.randint(0, slots, token.shape, generator=gen)
+        tokens = torch.zeros(sum(counts) + 2, d).to(F16)
+        tokens[token] = x
+        check(
+            f"moe grouped gemm counts {counts}: rows read through source == the gathered rows",
+            same(moe.grouped_linear(tokens, on_device, w, torch.float32, source=source, slots=slots), out),
+        )
+    for experts, rows in ((4, 0), (4, 1), (8, 37), (128, 300), (128, 2048), (6, 5000)):
+        ids = torch.randint(0, experts, (rows,), generator=gen)
+        if rows > 100:
+            ids[: rows // 2] = 3  # one crowded expert, others empty
+        order, place, counts = moe.dispatch(ids, experts)
+        want = torch.argsort(ids, stable=True)
+        check(
+            f"moe dispatch E={experts} R={rows} == stable sort, its inverse and the counts",
+            torch.equal(order, want)
+            and torch.equal(place[want], torch.arange(rows))
+            and torch.equal(counts, torch.bincount(ids, minlength=experts))
+            and order.dtype == place.dtype == counts.dtype == torch.int64,
+        )
     gu, dn = torch.randn(3, 64, d, generator=gen).to(F16) * 0.1, torch.randn(3, d, 32, generator=gen).to(F16) * 0.1
     x = torch.randn(9, d, generator=gen).to(F16)
     got = moe.grouped_mlp(x, torch.tensor([4, 0, 5]), gu, dn)
     alone = moe.grouped_mlp(x[4:5], torch.tensor([0, 0, 1]), gu, dn)
     check("moe grouped mlp: a row alone == in its group", same(alone, got[4:5]))
+    source = torch.tensor([8, 0, 5, 2, 7, 1, 3, 4, 6])
     check(
-        "moe grouped mlp: device tiles == host tiles", same(moe.grouped_mlp(x, [4, 0, 5], gu, dn, host_tiles=True), got)
+        "moe grouped mlp: rows read through source == the gathered rows",
+        same(moe.grouped_mlp(x[source.argsort()], torch.tensor([4, 0, 5]), gu, dn, source=source), got),
     )
     y, wts = torch.randn(11, 3, 200, generator=gen), torch.rand(11, 3, generator=gen)
     for dtype in (F16, torch.float32):
         check(
             f"moe combine {dtype} == torch contract", same(moe.combine(y, wts, dtype), torch_moe.combine(y, wts, dtype))
+        )
+        place = torch.randperm(33, generator=gen)
+        sorted_y = torch.empty(33, 200)
+        sorted_y[place] = y.reshape(33, 200)
+        check(
+            f"moe combine {dtype}: slots read through place == the gathered slots",
+            same(moe.combine(sorted_y, wts, dtype, place), moe.combine(y, wts, dtype)),
         )
 
 

@@ -62,20 +62,48 @@ def grouped_linear_fp32(x: torch.Tensor, counts: torch.Tensor | list[int], weigh
 
 
 def grouped_mlp(
-    x: torch.Tensor, counts: torch.Tensor | list[int], gate_up: torch.Tensor, down: torch.Tensor
+    x: torch.Tensor,
+    counts: torch.Tensor | list[int],
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    *,
+    source: torch.Tensor | None = None,
+    slots: int = 1,
 ) -> torch.Tensor:
-    """fp32 [R, D]: each expert's SwiGLU MLP on its rows (x sorted by expert, `counts` rows each), the down
-    projection unrounded. gate_up [E, 2I, D], down [E, D, I]."""
+    """fp32 [R, D]: each expert's SwiGLU MLP on its rows (sorted by expert, `counts` rows each: x's own, or with
+    `source` row i = x[source[i] // slots]), the down projection unrounded. gate_up [E, 2I, D], down [E, D, I]."""
     if isinstance(counts, torch.Tensor):
         counts = counts.tolist()
+    if source is not None:
+        x = x[source // slots]
     h = grouped_linear_fp32(x, counts, gate_up).to(x.dtype)
     return grouped_linear_fp32(torch_activation.silu_and_mul(h), counts, down)
 
 
-def combine(y: torch.Tensor, weights: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+def combine(
+    y: torch.Tensor, weights: torch.Tensor, out_dtype: torch.dtype, place: torch.Tensor | None = None
+) -> torch.Tensor:
     """[T, D] in `out_dtype`: sum_j weights[:, j] * y[:, j] in fp32, j ascending, rounded once. y fp32 [T, k, D]
-    with its slots already in ascending expert id."""
+    with its slots already in ascending expert id; or with `place` (int64 [T * k]), y [T * k, D] holds slot
+    (t, j) at row place[t * k + j]."""
+    if place is not None:
+        y = y[place].reshape(*weights.shape, y.shape[-1])
     acc = y[:, 0] * weights[:, 0:1]
     for j in range(1, y.shape[1]):
         acc = acc + y[:, j] * weights[:, j : j + 1]
     return acc.to(out_dtype)
+
+
+def dispatch(flat_ids: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(order, place, counts) of int64 expert ids [R] (`rl_kernel.ops.moe.expert_order`'s integers), a counting
+    sort: the one-hot [E, R] of the ids, read expert by expert as one flat sequence, has at (e, r) the inclusive
+    count of the rows of the experts before e plus the rows of e up to r, so at (ids[r], r) row r's place + 1.
+    One scan of a flat tensor; nothing read back to the host (scatter_add, not bincount)."""
+    rows = flat_ids.numel()
+    counts = torch.zeros(experts, dtype=torch.int64, device=flat_ids.device)
+    counts.scatter_add_(0, flat_ids, torch.ones_like(flat_ids))
+    row = torch.arange(rows, device=flat_ids.device)
+    one_hot = (torch.arange(experts, device=flat_ids.device)[:, None] == flat_ids[None, :]).to(torch.int32)
+    place = one_hot.view(-1).cumsum(0, dtype=torch.int32)[flat_ids * rows + row].to(torch.int64) - 1
+    order = torch.empty_like(place).scatter_(0, place, row)
+    return order, place, counts

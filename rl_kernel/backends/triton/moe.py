@@ -6,15 +6,22 @@ butterfly with the tree's bits), p = div_rn(e, s); k passes each pick the highes
 id among equals; the picked lanes are written in ascending id (their place is the running count of picked
 lanes); renormalised weights divide by the tree over the E lanes with the lanes not picked zero.
 
-Grouped GEMM: rows sorted by expert; every expert's rows are cut into row tiles of BLOCK_M that never cross
-its end. The tile table is built on the device from the per-expert row counts (no host sync, so a CUDA graph
-captures the MoE forward) and the grid is the worst case, (rows + E * (BLOCK_M - 1)) // BLOCK_M tiles; programs
-past the real tile count return at once. A program computes one (tile, column block) as the GEMM contract's
-one-group linear does: one fp32 accumulator from zero, k16 tensor-core steps in ascending K (`gemm._group_dot`,
-no split-K). A row's bits therefore depend on its own inputs and its expert's weights only, at every group size
-and position (the same bits as `gemm.linear(row, weight[e])` on the Triton server).
+Dispatch (the counting sort of the (token, slot) rows by expert: integers, no bit contract): per block of rows
+each expert's count and each row's rank among its block's rows of that expert, then per row its place = the rows
+of the lower experts + its expert's rows in the blocks before + its rank. Two launches, no host read.
 
-Combine: per token, acc = w0 * y0, acc = acc + wj * yj in ascending expert id, rounded once (fp fusion off).
+Grouped GEMM: rows sorted by expert; every expert's rows are cut into row tiles of BLOCK_M that never cross
+its end. Each program finds its tile's expert and rows from the per-expert row counts (a scan of E lanes; no
+host sync and no tile table, so a CUDA graph captures the MoE forward) on a grid of the worst case,
+(rows + E * (BLOCK_M - 1)) // BLOCK_M tiles; programs past the real tile count return at once. The gate/up
+GEMM reads its rows from the tokens through the sorted order (no gathered copy). A program computes one
+(tile, column block) as the GEMM contract's one-group linear does: one fp32 accumulator from zero, k16
+tensor-core steps in ascending K (`gemm._group_dot`, no split-K). A row's bits therefore depend on its own
+inputs and its expert's weights only, at every group size and position (the same bits as
+`gemm.linear(row, weight[e])` on the Triton server).
+
+Combine: per token, acc = w0 * y0, acc = acc + wj * yj in ascending expert id, rounded once (fp fusion off); the
+slots read where the grouped GEMM left them (no gathered copy).
 """
 
 from __future__ import annotations
@@ -92,16 +99,17 @@ def route(logits: torch.Tensor, k: int, renormalize: bool) -> tuple[torch.Tensor
     return weights, ids
 
 
-@triton.jit(do_not_specialize=["N"])
+@triton.jit(do_not_specialize=["N", "x_rows"])
 def _grouped_kernel(
     x_ptr,
     w_ptr,
     out_ptr,
-    tile_expert_ptr,
-    tile_start_ptr,
-    tile_end_ptr,
+    counts_ptr,
+    source_ptr,
+    x_rows,
     N,
     K,
+    E,
     stride_xm,
     stride_we,
     stride_wn,
@@ -109,22 +117,40 @@ def _grouped_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    SLOTS: tl.constexpr,
+    GATHER: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
     tile = tl.program_id(0)
-    expert = tl.load(tile_expert_ptr + tile).to(tl.int64)
-    if expert < 0:  # past the real tiles of the worst-case grid
+    # this tile's expert and rows, from the counts: expert e's rows [row_end[e] - counts[e], row_end[e]) are cut
+    # into tiles of BLOCK_M; the tiles of the experts before e come first
+    lane = tl.arange(0, BLOCK_E)
+    counts = tl.load(counts_ptr + lane, mask=lane < E, other=0).to(tl.int32)
+    per = (counts + BLOCK_M - 1) // BLOCK_M
+    tile_end = tl.cumsum(per, axis=0)
+    expert = tl.sum((tile_end <= tile).to(tl.int32), axis=0)
+    if expert >= E:  # past the real tiles of the worst-case grid
         return
-    start = tl.load(tile_start_ptr + tile)
-    end = tl.load(tile_end_ptr + tile)
+    row_end = tl.cumsum(counts, axis=0)
+    mine = lane == expert
+    end = tl.sum(tl.where(mine, row_end, 0), axis=0)
+    start = tl.sum(tl.where(mine, row_end - counts + (tile - tile_end + per) * BLOCK_M, 0), axis=0)
     offs_m = start + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    if GATHER:  # row i is token source[i] // SLOTS of x; rows past the tile's end load zeros, as below
+        src = tl.load(source_ptr + offs_m, mask=offs_m < end, other=0) // SLOTS
+        x_offs = tl.where(offs_m < end, src, x_rows)
+        x_limit = x_rows
+    else:
+        x_offs = offs_m
+        x_limit = end
     acc = _group_dot(
         x_ptr,
-        w_ptr + expert * stride_we,
-        offs_m,
+        w_ptr + expert.to(tl.int64) * stride_we,
+        x_offs,
         offs_n,
-        end,
+        x_limit,
         N,
         stride_xm,
         stride_wn,
@@ -143,46 +169,14 @@ def _grouped_kernel(
     )
 
 
-def _host_tiles(counts: list[int], block_m: int, device: torch.device) -> tuple[torch.Tensor, ...]:
-    """(expert, first row, end row) of every row tile, built on the host (the reference for `_device_tiles`):
-    each expert's rows cut into tiles of `block_m` rows."""
-    experts, starts, ends, start = [], [], [], 0
-    for e, n in enumerate(counts):
-        for s in range(start, start + n, block_m):
-            experts.append(e)
-            starts.append(s)
-            ends.append(start + n)
-        start += n
-    return tuple(torch.tensor(v, dtype=torch.int32, device=device) for v in (experts, starts, ends))
-
-
 def max_tiles(rows: int, experts: int, block_m: int) -> int:
     """The most row tiles `rows` rows over `experts` experts can need: sum_e ceil(n_e / block_m)."""
     return (rows + experts * (block_m - 1)) // block_m
 
 
-def _device_tiles(counts: torch.Tensor, rows: int, block_m: int) -> tuple[torch.Tensor, ...]:
-    """`_host_tiles`' table from int64 counts [E] on their device, padded to `max_tiles` with expert -1 (start
-    and end 0): fixed shapes, no host sync."""
-    counts = counts.to(torch.int64)
-    experts = counts.numel()
-    ends = torch.cumsum(counts, 0)
-    per = (counts + block_m - 1) // block_m
-    tile_end = torch.cumsum(per, 0)
-    t = torch.arange(max_tiles(rows, experts, block_m), device=counts.device)
-    e = torch.searchsorted(tile_end, t, right=True)  # the expert of tile t; E past the last tile
-    valid = e < experts
-    ec = e.clamp(max=experts - 1)
-    start = ends[ec] - counts[ec] + (t - (tile_end[ec] - per[ec])) * block_m
-    zero = torch.zeros_like(t)
-    return tuple(
-        torch.where(valid, v, fill).to(torch.int32) for v, fill in ((ec, zero - 1), (start, zero), (ends[ec], zero))
-    )
-
-
 def _counts_tensor(counts: torch.Tensor | list[int], device: torch.device) -> torch.Tensor:
     if isinstance(counts, torch.Tensor):
-        return counts.to(device=device, dtype=torch.int64)
+        return counts.to(device=device, dtype=torch.int64).contiguous()
     return torch.tensor(counts, dtype=torch.int64, device=device)
 
 
@@ -192,36 +186,35 @@ def grouped_linear(
     weight: torch.Tensor,
     out_dtype: torch.dtype,
     *,
+    source: torch.Tensor | None = None,
+    slots: int = 1,
     tile: dict | None = None,
-    host_tiles: bool = False,
-    tiles: tuple[torch.Tensor, ...] | None = None,
 ) -> torch.Tensor:
-    """[R, N] in `out_dtype`: rows of expert e (x sorted by expert, `counts` [E] rows each, a device tensor or
-    a list) times weight[e] [N, K].T, one fp32 K chain per element rounded once. No host sync: the tile table
-    is built on the device (or passed in `tiles`, `row_tiles`' table for these counts and tile). `tile` and
-    `host_tiles` (the table built on the host, a list `counts`: the old path) are for tests: no bit depends
-    on them."""
+    """[R, N] in `out_dtype`: the rows of expert e (sorted by expert, `counts` [E] rows each, a device tensor or
+    a list) times weight[e] [N, K].T, one fp32 K chain per element rounded once. The rows are x's own, or with
+    `source` (int64 [R]) row i is x[source[i] // slots] (tokens x [T, K], read in place: no gathered copy).
+    No host sync: every program finds its expert and rows from the counts, on a grid of the most tiles R rows
+    can need. `tile` is for tests: no bit depends on it."""
     x, weight, precision = _operands(x, weight)
-    rows, n, k = x.shape[0], weight.shape[1], weight.shape[2]
+    rows = x.shape[0] if source is None else source.numel()
+    n, k, experts = weight.shape[1], weight.shape[2], weight.shape[0]
     out = torch.empty(rows, n, dtype=out_dtype, device=x.device)
     cfg = dict(tile or TILE)
     bm, bn, bk = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N"), cfg.pop("BLOCK_K")
     if rows == 0 or n == 0:
         return out
-    if tiles is None:
-        tiles = row_tiles(counts, rows, x.device, tile, host_tiles)
-    experts, starts, ends = tiles
-    if experts.numel() == 0:
-        return out
-    _grouped_kernel[(experts.numel(), triton.cdiv(n, bn))](
+    counts = _counts_tensor(counts, x.device)
+    gather = source is not None
+    _grouped_kernel[(max_tiles(rows, experts, bm), triton.cdiv(n, bn))](
         x,
         weight,
         out,
-        experts,
-        starts,
-        ends,
+        counts,
+        source.contiguous() if gather else counts,
+        x.shape[0],
         n,
         k,
+        experts,
         x.stride(0),
         weight.stride(0),
         weight.stride(1),
@@ -229,26 +222,14 @@ def grouped_linear(
         BLOCK_M=bm,
         BLOCK_N=bn,
         BLOCK_K=bk,
+        BLOCK_E=triton.next_power_of_2(experts),
+        SLOTS=slots,
+        GATHER=gather,
         PRECISION=precision,
         **cfg,
         **LAUNCH,
     )
     return out
-
-
-def row_tiles(
-    counts: torch.Tensor | list[int],
-    rows: int,
-    device: torch.device,
-    tile: dict | None = None,
-    host_tiles: bool = False,
-) -> tuple[torch.Tensor, ...]:
-    """(expert, first row, end row) int32 of every row tile of `grouped_linear` for `counts`: built on the
-    device (padded to `max_tiles`), or on the host from a list when `host_tiles`."""
-    bm = (tile or TILE)["BLOCK_M"]
-    if host_tiles:
-        return _host_tiles(list(counts), bm, device)
-    return _device_tiles(_counts_tensor(counts, device), rows, bm)
 
 
 def grouped_mlp(
@@ -257,34 +238,157 @@ def grouped_mlp(
     gate_up: torch.Tensor,
     down: torch.Tensor,
     *,
+    source: torch.Tensor | None = None,
+    slots: int = 1,
     tile: dict | None = None,
-    host_tiles: bool = False,
 ) -> torch.Tensor:
     """fp32 [R, D]: each expert's SwiGLU MLP on its rows (`counts` [E] per expert, a device tensor: no host
-    sync), gate/up rounded to x's dtype, down unrounded. Both GEMMs share one tile table."""
-    tiles = row_tiles(counts, x.shape[0], x.device, tile, host_tiles) if x.shape[0] else None
-    h = grouped_linear(x, counts, gate_up, x.dtype, tile=tile, tiles=tiles)
-    return grouped_linear(activation.silu_and_mul(h), counts, down, torch.float32, tile=tile, tiles=tiles)
+    sync; rows as `grouped_linear` reads them from x and `source`), gate/up rounded to x's dtype, down
+    unrounded."""
+    h = grouped_linear(x, counts, gate_up, x.dtype, source=source, slots=slots, tile=tile)
+    return grouped_linear(activation.silu_and_mul(h), counts, down, torch.float32, tile=tile)
+
+
+@triton.jit
+def _slot_row(place_ptr, t, j, K: tl.constexpr, PLACED: tl.constexpr):
+    if PLACED:
+        return tl.load(place_ptr + t * K + j).to(tl.int64)
+    return t * K + j
 
 
 @triton.jit(do_not_specialize=["D"])
-def _combine_kernel(y_ptr, w_ptr, out_ptr, D, K: tl.constexpr, BLOCK: tl.constexpr):
+def _combine_kernel(y_ptr, w_ptr, place_ptr, out_ptr, D, K: tl.constexpr, BLOCK: tl.constexpr, PLACED: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < D
-    acc = tl.load(y_ptr + t * K * D + cols, mask=mask, other=0.0) * tl.load(w_ptr + t * K)
+    row = _slot_row(place_ptr, t, 0, K, PLACED)
+    acc = tl.load(y_ptr + row * D + cols, mask=mask, other=0.0) * tl.load(w_ptr + t * K)
     for j in tl.static_range(1, K):
-        acc = acc + tl.load(y_ptr + (t * K + j) * D + cols, mask=mask, other=0.0) * tl.load(w_ptr + t * K + j)
+        row = _slot_row(place_ptr, t, j, K, PLACED)
+        acc = acc + tl.load(y_ptr + row * D + cols, mask=mask, other=0.0) * tl.load(w_ptr + t * K + j)
     tl.store(out_ptr + t * D + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def combine(y: torch.Tensor, weights: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """[T, D] in `out_dtype`: sum_j weights[:, j] * y[:, j] in fp32, j ascending, rounded once."""
+def combine(
+    y: torch.Tensor, weights: torch.Tensor, out_dtype: torch.dtype, place: torch.Tensor | None = None
+) -> torch.Tensor:
+    """[T, D] in `out_dtype`: sum_j weights[:, j] * y[:, j] in fp32, j ascending, rounded once. y fp32
+    [T, k, D]; or with `place` (int64 [T * k]), y [T * k, D] holds slot (t, j) at row place[t * k + j] (read in
+    place: no gathered copy)."""
     y, weights = y.to(torch.float32).contiguous(), weights.to(torch.float32).contiguous()
-    t, k, d = y.shape
+    t, k = weights.shape
+    d = y.shape[-1]
     out = torch.empty(t, d, dtype=out_dtype, device=y.device)
     if t and d:
+        placed = place is not None
         _combine_kernel[(t, triton.cdiv(d, COMBINE_BLOCK))](
-            y, weights, out, d, K=k, BLOCK=COMBINE_BLOCK, num_warps=4, **LAUNCH
+            y,
+            weights,
+            place.contiguous() if placed else weights,
+            out,
+            d,
+            K=k,
+            BLOCK=COMBINE_BLOCK,
+            PLACED=placed,
+            num_warps=4,
+            **LAUNCH,
         )
     return out
+
+
+# ---- dispatch: the counting sort of (token, slot) rows by expert, in two kernels -------------------------
+
+
+@triton.jit(do_not_specialize=["rows"])
+def _dispatch_count_kernel(ids_ptr, rank_ptr, block_counts_ptr, rows, E, BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr):
+    """Per block of BLOCK_R rows: each row's rank among the block's rows of its expert, and the block's count of
+    each expert's rows (block_counts[block, e])."""
+    block = tl.program_id(0)
+    r = block * BLOCK_R + tl.arange(0, BLOCK_R)
+    ids = tl.load(ids_ptr + r, mask=r < rows, other=-1).to(tl.int32)
+    lane = tl.arange(0, BLOCK_E)
+    hot = (ids[:, None] == lane[None, :]).to(tl.int32)
+    rank = tl.sum(hot * tl.cumsum(hot, axis=0), axis=1) - 1
+    tl.store(rank_ptr + r, rank, mask=r < rows)
+    tl.store(block_counts_ptr + block * E + lane, tl.sum(hot, axis=0), mask=lane < E)
+
+
+@triton.jit(do_not_specialize=["rows", "blocks"])
+def _dispatch_place_kernel(
+    ids_ptr,
+    rank_ptr,
+    block_counts_ptr,
+    order_ptr,
+    place_ptr,
+    counts_ptr,
+    rows,
+    blocks,
+    E,
+    BLOCK_R: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+):
+    """Per block: a row's place = its expert's first row (the rows of the lower experts) + the expert's rows in
+    the blocks before + the row's rank in its block; order[place] = row. Block 0 writes the counts."""
+    block = tl.program_id(0)
+    lane = tl.arange(0, BLOCK_E)
+    total = tl.zeros((BLOCK_E,), tl.int32)
+    before = tl.zeros((BLOCK_E,), tl.int32)
+    for b0 in range(0, blocks, BLOCK_B):
+        b = b0 + tl.arange(0, BLOCK_B)
+        c = tl.load(
+            block_counts_ptr + b[:, None] * E + lane[None, :], mask=(b[:, None] < blocks) & (lane[None, :] < E), other=0
+        )
+        total += tl.sum(c, axis=0)
+        before += tl.sum(tl.where(b[:, None] < block, c, 0), axis=0)
+    first = tl.cumsum(total, axis=0) - total + before
+    r = block * BLOCK_R + tl.arange(0, BLOCK_R)
+    ok = r < rows
+    ids = tl.load(ids_ptr + r, mask=ok, other=-1).to(tl.int32)
+    place = tl.sum(tl.where(ids[:, None] == lane[None, :], first[None, :], 0), axis=1) + tl.load(
+        rank_ptr + r, mask=ok, other=0
+    )
+    tl.store(place_ptr + r, place.to(tl.int64), mask=ok)
+    tl.store(order_ptr + place, r.to(tl.int64), mask=ok)
+    if block == 0:
+        tl.store(counts_ptr + lane, total.to(tl.int64), mask=lane < E)
+
+
+def dispatch(flat_ids: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(order, place, counts) of int64 expert ids [R] in [0, experts): `rl_kernel.ops.moe.expert_order`'s
+    integers (the stable sort of the rows by expert, its inverse, each expert's rows) in two launches and no host
+    read: per block of rows its experts' counts and each row's rank among them; then each row's place from the
+    counts of the blocks before it."""
+    rows = flat_ids.numel()
+    dev = flat_ids.device
+    order = torch.empty(rows, dtype=torch.int64, device=dev)
+    place = torch.empty(rows, dtype=torch.int64, device=dev)
+    counts = torch.zeros(experts, dtype=torch.int64, device=dev)
+    if rows == 0:
+        return order, place, counts
+    block_e = triton.next_power_of_2(experts)
+    block_r = max(16, min(128, 16384 // block_e))
+    blocks = triton.cdiv(rows, block_r)
+    rank = torch.empty(rows, dtype=torch.int32, device=dev)
+    block_counts = torch.empty(blocks, experts, dtype=torch.int32, device=dev)
+    ids = flat_ids.contiguous()
+    _dispatch_count_kernel[(blocks,)](
+        ids, rank, block_counts, rows, experts, BLOCK_R=block_r, BLOCK_E=block_e, num_warps=4, **LAUNCH
+    )
+    _dispatch_place_kernel[(blocks,)](
+        ids,
+        rank,
+        block_counts,
+        order,
+        place,
+        counts,
+        rows,
+        blocks,
+        experts,
+        BLOCK_R=block_r,
+        BLOCK_E=block_e,
+        BLOCK_B=max(1, 4096 // block_e),
+        num_warps=4,
+        **LAUNCH,
+    )
+    return order, place, counts
