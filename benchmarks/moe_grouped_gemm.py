@@ -6,7 +6,7 @@ For each token count (a decode batch of 256, a prefill chunk of 8,192), the (tok
 random top-8 routing over 128 experts run the strict gate/up GEMM (rows read through the sorted order, bf16 out)
 and the down GEMM (fp32 out) under each candidate tile of `rl_kernel.backends.triton.moe` (BLOCK_M >= 64, so
 every tile is the same wgmma chain), and the whole strict expert MLP (`grouped_mlp`: gate/up, SwiGLU, down);
-every tile's output bits are checked against the shipped tile's (a tile
+every tile's output bits are checked against the shipped tile's (the one `tile_for` picks for the rows: a tile
 must move no bit). Native: vLLM's `fused_experts` (its own tuned tiles, SwiGLU and the top-k weighted sum fused)
 on the same rows, when its MoE library (the GPU bundle's `moe` add-on) is installed. Median microseconds of
 `triton.testing.do_bench`, weight bandwidth (the experts' bytes over the time: the decode batch reads nearly every
@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> None:
     for tokens in map(int, args.tokens.split(",")):
         x, ids, order, counts = _rows(tokens, gen)
         rows = ids.numel()
-        shipped = moe.TILE
+        shipped = moe.tile_for(rows, EXPERTS)
         flops = 2 * rows * HIDDEN * 3 * FFN
         h_ref = moe.grouped_linear(x, counts, gate_up, x.dtype, source=order, slots=TOP_K, tile=shipped)
         a = activation.silu_and_mul(h_ref)

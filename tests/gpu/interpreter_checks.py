@@ -833,6 +833,7 @@ def moes(gen: torch.Generator) -> None:
         [64, 0, 0, 1],
         [16, 17, 0, 15],
         [0, 33, 0, 0],
+        [300, 0, 250, 1],  # >= 128 rows an expert: the prefill tile
     ):
         x = torch.randn(sum(counts), d, generator=gen).to(F16)
         on_device = torch.tensor(counts)  # the strict forward's form: a device tensor, no host read
@@ -845,6 +846,10 @@ def moes(gen: torch.Generator) -> None:
         check(
             f"moe grouped gemm counts {counts}: a list of counts == a device tensor",
             same(moe.grouped_linear(x, counts, w, torch.float32), out),
+        )
+        check(
+            f"moe grouped gemm counts {counts}: the launch tile is the one its rows ask for",
+            moe.tile_for(sum(counts), 4) is (moe.PREFILL_TILE if sum(counts) >= 512 else moe.TILE),
         )
         check(
             f"moe grouped gemm counts {counts}: tile moves no bit",

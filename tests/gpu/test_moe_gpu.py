@@ -160,6 +160,36 @@ def test_grouped_gemm_batch_invariant_over_group_sizes():
     print("vLLM fused MoE, mismatching elements of one expert's first m rows alone vs inside 4,096:", fused_bad)
 
 
+def test_prefill_tile_dispatch_and_in_place_reads_keep_bits():
+    """A prefill chunk (8,192 tokens, 65,536 rows of a uniform top-8 routing) runs the grouped MLP under the
+    prefill tile (`tile_for`), reading its rows from the tokens through the Triton dispatch's order; a decode
+    batch runs the small tile. The same rows under the small tile, gathered first, and a probe row alone give the
+    same bits; the dispatch equals the stable sort, its inverse and the counts at decode and prefill sizes."""
+    from rl_kernel.backends.triton import moe
+
+    gen = torch.Generator(device=DEV).manual_seed(3)
+    gate_up, down = _experts(gen)
+    for tokens in (256, 8192):
+        ids = torch.rand(tokens, EXPERTS, device=DEV, generator=gen).topk(TOP_K, dim=-1).indices.sort(-1).values
+        flat = ids.reshape(-1)
+        order, place, counts = moe.dispatch(flat, EXPERTS)
+        want = torch.argsort(flat, stable=True)
+        assert torch.equal(order, want), f"{tokens} tokens: dispatch order != stable sort"
+        assert torch.equal(place[want], torch.arange(flat.numel(), device=DEV)), f"{tokens}: place != inverse"
+        assert torch.equal(counts, torch.bincount(flat, minlength=EXPERTS)), f"{tokens}: counts != bincount"
+        x = randn(tokens, HIDDEN, gen=gen)
+        chosen = moe.tile_for(flat.numel(), EXPERTS)
+        assert chosen is (moe.PREFILL_TILE if tokens == 8192 else moe.TILE), (tokens, chosen)
+        in_place = moe.grouped_mlp(x, counts, gate_up, down, source=order, slots=TOP_K)
+        gathered = moe.grouped_mlp(x[order // TOP_K], counts, gate_up, down, tile=moe.TILE)
+        assert same_bits(in_place, gathered), f"{tokens} tokens: the prefill tile or in-place reads moved bits"
+        e = int(flat[0])
+        one = torch.zeros(EXPERTS, dtype=torch.int64, device=DEV)
+        one[e] = 1
+        alone = moe.grouped_mlp(x[:1], one, gate_up, down)
+        assert same_bits(alone, in_place[place[:1]]), f"{tokens} tokens: a row alone != in the chunk"
+
+
 def test_native_expert_gemm_moves_bits_where_cublas_splits_k():
     """The twin of the grouped GEMM's batch invariance, at an expert as wide as Qwen3-8B's MLP (down projection
     K = 12,288, N = 4,096), where default cuBLAS splits K at some row counts (shared/fast-strict-notes.md: 12 of
