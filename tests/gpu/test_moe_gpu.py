@@ -135,9 +135,7 @@ def test_grouped_gemm_batch_invariant_over_group_sizes():
         ones = torch.tensor([int(n > 0) for n in sizes], device=DEV)
         alone_batch = moe.grouped_mlp(x[probes], ones, gate_up, down)
         assert same_bits(alone_batch, full[probes]), f"group sizes {sizes}: probe rows changed bits"
-        e = next(i for i, n in enumerate(sizes) if n)
-        one = torch.zeros(EXPERTS, dtype=torch.int64, device=DEV)
-        one[e] = 1
+        one = _one_expert(next(i for i, n in enumerate(sizes) if n), 1)
         assert same_bits(moe.grouped_mlp(x[probes[:1]], one, gate_up, down), full[probes[:1]]), sizes
         native_bad.append(
             bit_mismatches(
@@ -183,10 +181,7 @@ def test_prefill_tile_dispatch_and_in_place_reads_keep_bits():
         in_place = moe.grouped_mlp(x, counts, gate_up, down, source=order, slots=TOP_K)
         gathered = moe.grouped_mlp(x[order // TOP_K], counts, gate_up, down, tile=moe.TILE)
         assert same_bits(in_place, gathered), f"{tokens} tokens: the prefill tile or in-place reads moved bits"
-        e = int(flat[0])
-        one = torch.zeros(EXPERTS, dtype=torch.int64, device=DEV)
-        one[e] = 1
-        alone = moe.grouped_mlp(x[:1], one, gate_up, down)
+        alone = moe.grouped_mlp(x[:1], _one_expert(int(flat[0]), 1), gate_up, down)
         assert same_bits(alone, in_place[place[:1]]), f"{tokens} tokens: a row alone != in the chunk"
 
 

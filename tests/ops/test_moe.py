@@ -109,10 +109,9 @@ def test_expert_order_is_the_stable_sort_and_its_inverse(ids):
 def test_native_twin_expert_rows_change_with_the_batch():
     """The same check on the native expert MLP (fp32: module doc): some token's bits change between alone and in
     a batch."""
-    dtype = torch.float32
     g = torch.Generator().manual_seed(3)
-    _, gate_up, down = _weights(dtype)
-    x = torch.randn(64, D, generator=g).to(dtype)
+    _, gate_up, down = _weights(torch.float32)
+    x = torch.randn(64, D, generator=g)
     ids = torch.stack([torch.randperm(E, generator=g)[:2].sort().values for _ in range(64)])
     strict = rk.moe_experts(x, ids, gate_up, down)
     with rk.mode("native", "moe"):
