@@ -1,6 +1,6 @@
 """Compile every Triton kernel launch of the strict ops for an H100/H200 (sm_90) on a machine with no GPU.
 
-    python tests/gpu/compile_checks.py [--stage ttir|ttgir|llir|ptx|layouts] [--json PATH]
+    python tests/gpu/compile_checks.py [--stage ttir|ttgir|llir|ptx|layouts|resources] [--json PATH]
 
 The Triton interpreter (tests/gpu/interpreter_checks.py) runs a kernel's Python on the host, and accepts code
 that the compiler refuses: a `None` argument placed in a tuple that a `@triton.jit` helper returns compiles
@@ -12,6 +12,10 @@ GPU to pick their configurations), stops each at `JITFunction.run` and compiles 
 `--stage layouts` stops at TTGIR and records, per launch, the tensors of 256 or more elements that every thread
 holds whole (`whole_in_each_thread`: the compiler computes all of such a block in each thread).
 
+`--stage resources` compiles to the cubin and records, per launch, what ptxas allotted (`cuobjdump -res-usage`,
+beside Triton's ptxas): registers a thread, bytes a thread spilled to the stack, and the launch's dynamic shared
+memory: spills are where a kernel's time goes to local memory.
+
 Exit status 0 when every launch compiled, 1 otherwise (each failure: kernel, its constexprs, the compiler's first
 error line)."""
 
@@ -21,7 +25,9 @@ import argparse
 import json
 import math
 import re
+import subprocess
 import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -93,6 +99,9 @@ class Recorder:
         try:
             if self.stage == "layouts":
                 record["whole_in_each_thread"] = whole_in_each_thread(ttgir(fn, signature, constexprs, options))
+            elif self.stage == "resources":
+                compiled = triton.compile(ASTSource(fn, signature, constexprs), target=self.target, options=options)
+                record.update(resources(compiled.asm["cubin"]), shared_bytes=compiled.metadata.shared)
             else:
                 compiled = triton.compile(ASTSource(fn, signature, constexprs), target=self.target, options=options)
                 _ = compiled.asm[self.stage]
@@ -151,6 +160,18 @@ def whole_in_each_thread(text: str, min_elements: int = 256) -> list[str]:
     return sorted(found)
 
 
+def resources(cubin: bytes) -> dict:
+    """{"registers", "spill_bytes"} of a one-kernel cubin: a thread's registers and its stack frame (ptxas's spill
+    stores land there), as `cuobjdump -res-usage` reports them."""
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([str(tool), "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+    usage = re.search(r"REG:(\d+) STACK:(\d+)", text)
+    return {"registers": int(usage[1]), "spill_bytes": int(usage[2])}
+
+
 def _first_line(e: Exception) -> str:
     """The compiler's own reason: the innermost cause's message (a CompilationError's text is source lines)."""
     while e.__cause__ is not None:
@@ -160,12 +181,15 @@ def _first_line(e: Exception) -> str:
 
 
 def _launches() -> dict[str, Callable[[], None]]:
-    """The attention kernel's launches on CPU tensors at Qwen3-8B attention shapes (packed and paged, both schedules,
-    the log-sum-exp output) and the MoE router's at Qwen3-30B-A3B's (128 experts, top 8). The other kernels
-    compiled and ran on the H200 at a6b2b3b's parent."""
-    from rl_kernel.backends.triton import attention, moe
+    """The strict ops' launches on CPU tensors: attention at Qwen3-8B attention shapes (packed and paged, both
+    schedules, the log-sum-exp output), the MoE router, grouped expert GEMMs (gate/up read through the sorted
+    order, down) and combine at Qwen3-30B-A3B's (128 experts, top 8), QK-norm + RoPE, the fused residual RMSNorm,
+    SwiGLU and a decode-sized GEMM at Qwen3-8B's."""
+    from rl_kernel.backends.triton import activation, attention, gemm, moe, norm, rope
 
     gen = torch.Generator().manual_seed(0)
+
+    positions = torch.tensor([0, 5, 40000, 17])
 
     def rand(*shape, dtype=torch.bfloat16):
         return torch.randn(*shape, generator=gen).to(dtype)
@@ -198,6 +222,21 @@ def _launches() -> dict[str, Callable[[], None]]:
         "paged_fused": lambda: paged("fused"),
         "paged_split": lambda: paged("split"),
         "route": lambda: moe.route(torch.randn(64, 128, generator=gen), 8, True),
+        "grouped_gate_up": lambda: moe.grouped_linear(
+            rand(8, 256), torch.tensor([10, 0, 6]), rand(3, 128, 256), torch.bfloat16, source=torch.arange(16), slots=2
+        ),
+        "grouped_down": lambda: moe.grouped_linear(
+            rand(16, 64), torch.tensor([10, 0, 6]), rand(3, 256, 64), torch.float32
+        ),
+        "combine": lambda: moe.combine(
+            torch.randn(4, 8, 2048, generator=gen), torch.rand(4, 8, generator=gen), torch.bfloat16
+        ),
+        "qk_norm_rope": lambda: rope.qk_norm_rope(
+            rand(4, 40, 128), rand(128), rand(128), 32, 1e-6, positions, 1e6, 128
+        ),
+        "rms_norm_residual": lambda: norm.rms_norm_residual(rand(4, 4096), rand(4, 4096), rand(4096), 1e-6),
+        "silu_and_mul": lambda: activation.silu_and_mul(rand(4, 2 * 12288)),
+        "gemm_decode": lambda: gemm.matmul_fp32(rand(64, 4096), rand(6144, 4096), schedule="fused"),
     }
 
 
@@ -227,13 +266,15 @@ def run_checks(
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--stage", choices=("ttir", "ttgir", "llir", "ptx", "layouts"), default="ttir")
+    parser.add_argument("--stage", choices=("ttir", "ttgir", "llir", "ptx", "layouts", "resources"), default="ttir")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     records = run_checks(args.stage)
     for r in records:
         status = "ok  " if r["ok"] else "FAIL"
         detail = r.get("error", r.get("whole_in_each_thread", ""))
+        if "registers" in r:
+            detail = f"{r['registers']} registers, {r['spill_bytes']} B spilled, {r['shared_bytes']} B shared"
         print(f"{status} {r['launch']:<14} {r['kernel'] or '-':<22} {detail}")
     print(
         f"triton {triton.__version__}, sm_90 {args.stage}: {sum(r['ok'] for r in records)} of {len(records)} compiled"
