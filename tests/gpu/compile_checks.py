@@ -99,12 +99,12 @@ class Recorder:
         try:
             if self.stage == "layouts":
                 record["whole_in_each_thread"] = whole_in_each_thread(ttgir(fn, signature, constexprs, options))
-            elif self.stage == "resources":
-                compiled = triton.compile(ASTSource(fn, signature, constexprs), target=self.target, options=options)
-                record.update(resources(compiled.asm["cubin"]), shared_bytes=compiled.metadata.shared)
             else:
                 compiled = triton.compile(ASTSource(fn, signature, constexprs), target=self.target, options=options)
-                _ = compiled.asm[self.stage]
+                if self.stage == "resources":
+                    record.update(resources(compiled.asm["cubin"]), shared_bytes=compiled.metadata.shared)
+                else:
+                    _ = compiled.asm[self.stage]
             record["ok"] = True
         except Exception as e:  # noqa: BLE001 - every failure is reported, the others still compile
             record["ok"] = False
@@ -188,8 +188,7 @@ def _launches() -> dict[str, Callable[[], None]]:
     from rl_kernel.backends.triton import activation, attention, gemm, moe, norm, rope
 
     gen = torch.Generator().manual_seed(0)
-
-    positions = torch.tensor([0, 5, 40000, 17])
+    positions = torch.tensor([0, 5, 40000, 17])  # RoPE's
 
     def rand(*shape, dtype=torch.bfloat16):
         return torch.randn(*shape, generator=gen).to(dtype)
