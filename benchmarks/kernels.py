@@ -4,7 +4,8 @@
 
 Rows (Qwen3-8B shapes, bf16): GEMM at M in {1, 16, 128, 1024, 8192} for the qkv, o, gate_up and
 down projections vs cuBLAS (and the GEMM's two schedules and a few tile shapes, with a bit check
-between them); RMSNorm; attention prefill at 4k / 16k tokens vs PyTorch SDPA; paged decode at batch
+between them); RMSNorm; QK-norm + RoPE (`--only rope`, also at Qwen3-30B-A3B's heads); attention
+prefill at 4k / 16k tokens vs PyTorch SDPA; paged decode at batch
 1 / 64 / 256 with 4k context vs a native paged decode (gather + SDPA); linear-logprob at V = 151936
 (forward, and forward + backward with the fp32 logits kept or recomputed: time and peak memory) vs
 F.linear + log_softmax + gather. The whole training step is
@@ -34,6 +35,7 @@ import rl_kernel as rk  # noqa: E402
 from rl_kernel.backends.triton import attention, gemm, logprob, norm  # noqa: E402
 from rl_kernel.bits import same_bits  # noqa: E402
 from rl_kernel.ops.norm import native_rms_norm  # noqa: E402
+from rl_kernel.ops.rope import native_rope  # noqa: E402
 
 DEV = "cuda"
 BF16 = torch.bfloat16
@@ -209,6 +211,57 @@ def bench_norm(bw: float) -> None:
 
 
 REPEAT = 20  # calls per captured graph: graph launch cost spread thin
+
+
+# ---- QK-norm + RoPE -----------------------------------------------------------------------------------
+
+
+def bench_rope(bw: float) -> None:
+    """QK-norm + RoPE in one launch, q and k heads read in place from the fused QKV, at a decode batch (256) and a
+    prefill chunk (8,192 tokens) of Qwen3-8B (32 + 8 heads) and Qwen3-30B-A3B (32 + 4): angles from the cached
+    table (shipped) and computed in the kernel (the form before it; the same bits, checked). Device time under a
+    CUDA graph. Native: torch's RMSNorm per head group then torch's rope (HF's eager ops: vLLM fuses these in its
+    compiled graph, so this baseline is weaker than native vLLM's); the floor reads qk and writes the result once."""
+    for arch, kv_heads in (("qwen3_8b", 8), ("qwen3_30b_a3b", 4)):
+        for t in (256, 8192):
+            _rope_case(arch, t, 32, kv_heads, bw)
+
+
+def _rope_case(arch: str, t: int, q_heads: int, kv_heads: int, bw: float) -> None:
+    from rl_kernel.backends.triton import rope
+
+    qkv = torch.randn(t, (q_heads + 2 * kv_heads) * 128, device=DEV).to(BF16)
+    qk = qkv[:, : (q_heads + kv_heads) * 128].view(t, q_heads + kv_heads, 128)
+    wq, wk = (torch.randn(128, device=DEV).to(BF16) for _ in range(2))
+    pos = torch.randint(0, 4096, (t,), device=DEV)
+
+    def fused(use_table: bool):
+        return lambda: rope.qk_norm_rope(qk, wq, wk, q_heads, 1e-6, pos, 1e6, 128, use_table=use_table)
+
+    def native():
+        normed = [native_rms_norm(qk[:, :q_heads], wq, 1e-6), native_rms_norm(qk[:, q_heads:], wk, 1e-6)]
+        return native_rope(torch.cat(normed, 1), pos, 1e6, 128)
+
+    same = same_bits(fused(True)(), fused(False)())
+    floor = 2 * qk.numel() * 2 / bw * 1e3
+    reps = REPEAT if t <= 256 else 4
+    try:
+        native_ms = graph_ms(_repeat_n(native, reps), rep=50) / reps
+    except RuntimeError as e:  # the strict rows still count
+        print(f"BENCH qk_norm_rope native {arch} T={t} failed: {e!r}"[:300], flush=True)
+        native_ms = None
+    for name, use_table in (("table", True), ("computed angles", False)):
+        strict = graph_ms(_repeat_n(fused(use_table), reps), rep=50) / reps
+        case = f"{arch} T={t} {q_heads}+{kv_heads} heads, {name}"
+        row("qk_norm_rope", case, strict, native_ms, floor, "", graphed=True, bits_equal_table_computed=same)
+
+
+def _repeat_n(fn, n: int):
+    def many():
+        for _ in range(n):
+            fn()
+
+    return many
 
 
 def _repeat(fn):
@@ -516,6 +569,7 @@ def main() -> None:
         "gemm": bench_gemm,
         "tiles": bench_tiles,
         "norm": bench_norm,
+        "rope": bench_rope,
         "prefill": bench_prefill,
         "decode": bench_decode,
         "logprob": bench_logprob,

@@ -183,8 +183,8 @@ def _first_line(e: Exception) -> str:
 def _launches() -> dict[str, Callable[[], None]]:
     """The strict ops' launches on CPU tensors: attention at Qwen3-8B attention shapes (packed and paged, both
     schedules, the log-sum-exp output), the MoE router, grouped expert GEMMs (gate/up read through the sorted
-    order, down) and combine at Qwen3-30B-A3B's (128 experts, top 8), QK-norm + RoPE, the fused residual RMSNorm,
-    SwiGLU and a decode-sized GEMM at Qwen3-8B's."""
+    order; down) and combine at Qwen3-30B-A3B's (128 experts, top 8), QK-norm + RoPE
+    and RoPE (the angle table), the fused residual RMSNorm, SwiGLU and a decode-sized GEMM at Qwen3-8B's."""
     from rl_kernel.backends.triton import activation, attention, gemm, moe, norm, rope
 
     gen = torch.Generator().manual_seed(0)
@@ -236,6 +236,7 @@ def _launches() -> dict[str, Callable[[], None]]:
         "rms_norm_residual": lambda: norm.rms_norm_residual(rand(4, 4096), rand(4, 4096), rand(4096), 1e-6),
         "silu_and_mul": lambda: activation.silu_and_mul(rand(4, 2 * 12288)),
         "gemm_decode": lambda: gemm.matmul_fp32(rand(64, 4096), rand(6144, 4096), schedule="fused"),
+        "rope_at": lambda: rope.rotate_at(rand(4, 32, 128), positions, 1e6, 128),
     }
 
 

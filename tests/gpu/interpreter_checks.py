@@ -48,6 +48,10 @@ from rl_kernel.bits import bit_mismatches  # noqa: E402
 from rl_kernel.ops.norm import native_rms_norm  # noqa: E402
 from rl_kernel.ops.rope import native_rope  # noqa: E402
 
+# The interpreter runs one program per position: a 64-row angle table (the GPU's has 32,768) keeps it quick, and
+# positions on both sides of its end take the table's path and the computed one.
+rope.TABLE_POSITIONS = 64
+
 F16 = torch.float16
 FAILED: list[str] = []
 
@@ -194,6 +198,45 @@ def qk_norm_rope(gen: torch.Generator) -> None:
                 )
                 native = native_rope(native, pos, theta, rd)
                 check(f"qk_norm_rope {what}: native norm + rope differ (twin)", not same(native, fused))
+
+
+def angle_table(gen: torch.Generator) -> None:
+    """RoPE's angle table (rows 0..TABLE_POSITIONS-1) == the torch backend's cos/sin bits; rope and QK-norm + RoPE at
+    positions on both sides of its end, read from it or computed, == the computed path and the torch backend."""
+    for rd, theta in ((32, 1e6), (24, 1e6 / 3)):  # 24: a half of 12 in a 16-wide block
+        table = rope.angle_table(theta, rd, torch.device("cpu"))
+        cos, sin = torch_rope.cos_sin(torch.arange(rope.TABLE_POSITIONS), rd, theta)
+        check(
+            f"angle table rotary {rd} theta {theta:g} == torch backend's cos, sin",
+            same(table, torch.stack([cos, sin], 1)),
+        )
+        address = table.data_ptr()
+        table.fill_(float("nan"))  # an engine's dropped memory
+        rope.refill_angle_tables()
+        check(
+            f"angle table rotary {rd}: refilled in place == torch backend's cos, sin",
+            table.data_ptr() == address and same(table, torch.stack([cos, sin], 1)),
+        )
+        pos = torch.tensor([0, 1, rope.TABLE_POSITIONS - 1, rope.TABLE_POSITIONS, 5000, 17, 1 << 19])
+        x = (torch.randn(len(pos), 3, 32, generator=gen) * 3).to(F16)
+        cos, sin = torch_rope.cos_sin(pos, rd, theta)
+        reference = torch_rope.rotate(x, cos, sin, rd)
+        check(f"rope rotary {rd} from the table == torch backend", same(rope.rotate_at(x, pos, theta, rd), reference))
+        check(
+            f"rope rotary {rd} computed == torch backend",
+            same(rope.rotate_at(x, pos, theta, rd, use_table=False), reference),
+        )
+        wq, wk = torch.randn(32, generator=gen).to(F16), torch.randn(32, generator=gen).to(F16)
+        fused = rope.qk_norm_rope(x, wq, wk, 2, 1e-6, pos, theta, rd)
+        check(
+            f"qk_norm_rope rotary {rd} from the table == computed",
+            same(fused, rope.qk_norm_rope(x, wq, wk, 2, 1e-6, pos, theta, rd, use_table=False)),
+        )
+        normed = torch_norm.rms_norm_heads(x, wq, wk, 2, 1e-6)
+        check(
+            f"qk_norm_rope rotary {rd} from the table == torch backend",
+            same(fused, torch_rope.rotate(normed, cos, sin, rd)),
+        )
 
 
 def gemms(gen: torch.Generator) -> None:
@@ -671,6 +714,8 @@ def far_offsets(gen: torch.Generator) -> None:
         s,
         32,
         cos.stride(0),
+        cos,
+        0,
         0,
         HALF=16,
         ROTARY=32,
@@ -906,6 +951,7 @@ PARTS = (
     elementwise,
     norm_widths,
     qk_norm_rope,
+    angle_table,
     gemms,
     attentions,
     split_decode,

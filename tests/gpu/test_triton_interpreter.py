@@ -26,6 +26,7 @@ GROUPS = (
     [
         "elementwise",
         "qk_norm_rope",
+        "angle_table",
         "attentions",
         "logprobs",
         "logprob_slice_stats",

@@ -272,6 +272,50 @@ def test_qk_norm_rope_one_launch_matches_the_two(t, rotary_dim):
     assert mismatches(native_rope(native, pos, 1e6, rotary_dim), fused) > 0
 
 
+def test_angle_table_is_the_torch_backends_cos_sin_and_both_paths_agree():
+    """RoPE's angle table (built once, 32,768 positions) == the torch backend's fp32 cos/sin on CUDA in every row;
+    QK-norm + RoPE and RoPE at positions on both sides of the table's end (read there, or computed past it) == the
+    computed path and the torch backend. The native twin: the framework's rope gives other bits."""
+    for theta in (1e6, 1e6 / 3):
+        table = rope.angle_table(theta, 128, torch.device(DEV))
+        cos, sin = torch_rope.cos_sin(torch.arange(rope.TABLE_POSITIONS, device=DEV), 128, theta)
+        assert same(table, torch.stack([cos, sin], 1))
+    end = rope.TABLE_POSITIONS
+    pos = torch.cat(
+        [torch.randint(0, end, (200,)), torch.arange(end - 28, end + 28), torch.randint(end, 1 << 20, (1,))]
+    )
+    pos = pos.to(DEV)
+    qkv = randn(len(pos), 48 * 128, std=3.0)
+    qk, wq, wk = qkv[:, : 40 * 128].view(len(pos), 40, 128), randn(128), randn(128)
+    poison()
+    fused = rope.qk_norm_rope(qk, wq, wk, 32, 1e-6, pos, 1e6, 128)
+    assert same(fused, rope.qk_norm_rope(qk, wq, wk, 32, 1e-6, pos, 1e6, 128, use_table=False))
+    cos, sin = torch_rope.cos_sin(pos, 128, 1e6)
+    assert same(fused, torch_rope.rotate(torch_norm.rms_norm_heads(qk, wq, wk, 32, 1e-6), cos, sin, 128))
+    x = randn(len(pos), 32, 128)
+    assert same(rope.rotate_at(x, pos, 1e6, 128), torch_rope.rotate(x, cos, sin, 128))
+    assert same(rope.rotate_at(x, pos, 1e6, 128, use_table=False), rope.rotate_at(x, pos, 1e6, 128))
+    assert mismatches(native_rope(x, pos, 1e6, 128), rope.rotate_at(x, pos, 1e6, 128)) > 0
+
+
+def test_qk_norm_rope_captured_before_any_table_replays_the_eager_bits():
+    """A first call inside CUDA-graph capture (no table yet for this theta) computes the angles in the kernel
+    rather than fill a table at replay; the replay equals the eager call, which reads the table built after."""
+    theta = 123456.0  # no other test builds this table
+    qkv = randn(64, 48 * 128, std=3.0)
+    qk, wq, wk = qkv[:, : 40 * 128].view(64, 40, 128), randn(128), randn(128)
+    pos = torch.randint(0, 4096, (64,), device=DEV)
+    rope.qk_norm_rope(qk, wq, wk, 32, 1e-6, pos, 1e6, 128)  # the kernel compiled before the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = rope.qk_norm_rope(qk, wq, wk, 32, 1e-6, pos, theta, 128)
+    assert rope.angle_table(theta, 128, torch.device(DEV)) is not None  # built now, outside the capture
+    graph.replay()
+    torch.cuda.synchronize()
+    assert same(captured, rope.qk_norm_rope(qk, wq, wk, 32, 1e-6, pos, theta, 128))
+
+
 def test_qk_norm_rope_op_records_both_contracts():
     """rk.qk_norm_rope in strict mode on CUDA: the fused kernel, recorded under the norm's and the rope's Triton
     contracts, the bits of rk.rope(rk.qk_norm(...)); with a gradient, the two ops (same bits)."""

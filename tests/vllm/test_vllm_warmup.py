@@ -41,6 +41,7 @@ KERNELS = [
     (activation, "_silu_and_mul_kernel"),
     (rope, "_rope_kernel"),
     (rope, "_qk_norm_rope_kernel"),
+    (rope, "_angle_table_kernel"),  # built once, at the warm-up's first rope
     (attention, "_attn_kernel"),
     (gemm, "_fused_kernel"),
     (gemm, "_split_kernel"),

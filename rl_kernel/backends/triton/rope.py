@@ -1,11 +1,14 @@
 """Strict rotary embedding on Triton (neox / Qwen3 layout), the torch contract's operations.
 
 (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin) in fp32, each product and sum rounded (no FMA),
-rounded once to x's dtype. cos/sin are the torch backend's fp32 values: read from a table
-(`rotate`), or computed in the kernel from each token's position (`rotate_at`) by the twins of the
+rounded once to x's dtype. cos/sin are the torch backend's fp32 values: read from the caller's table
+(`rotate`), or found from each token's position (`rotate_at`, `qk_norm_rope`) by the twins of the
 torch backend's fp64 exp64 / log64 / sincos64, the same operations in the same order, so the same
-bits without the ~100 small launches that building the table takes. Dims past rotary_dim pass
-through unchanged.
+bits without the ~100 small launches that the torch backend's table takes. Those twins run once per
+(theta, rotary_dim, device), over positions [0, TABLE_POSITIONS), into a cached angle table
+(`angle_table`, one launch); the kernels read a token's row there and compute the angles in the
+kernel only for positions past it (or while a CUDA graph is captured before any table exists).
+Both ways are the same code, so the same bits. Dims past rotary_dim pass through unchanged.
 """
 
 from __future__ import annotations
@@ -18,15 +21,89 @@ import triton.language as tl
 
 from rl_kernel.backends.triton.numerics import LAUNCH, exp64, f64, log64, sincos64, tree_sum
 
+TABLE_POSITIONS = 1 << 15  # positions in the angle table: [32768, 2, rotary_dim / 2] fp32, 16 MiB at rotary 128
+
 
 @triton.jit
-def _cos_sin_at(pos_ptr, t, theta_bits, i, ROTARY: tl.constexpr):
-    """The torch backend's fp32 cos, sin of angle pos[t] * theta^(-2i / ROTARY), in fp64 as its cos_sin."""
+def _cos_sin_at(pos, theta_bits, i, ROTARY: tl.constexpr):
+    """The torch backend's fp32 cos, sin of angle pos * theta^(-2i / ROTARY), in fp64 as its cos_sin."""
     theta = theta_bits.to(tl.int64).to(tl.float64, bitcast=True)
     two_i = (2 * i).to(tl.float64)
     inv_freq = exp64(-(two_i / f64(ROTARY)) * log64(tl.zeros_like(two_i) + theta))
-    sin, cos = sincos64(tl.load(pos_ptr + t).to(tl.float64) * inv_freq)
+    sin, cos = sincos64(pos.to(tl.float64) * inv_freq)
     return cos.to(tl.float32), sin.to(tl.float32)
+
+
+@triton.jit
+def _cos_sin_of(pos_ptr, t, table_ptr, table_len, theta_bits, i, i_ok, HALF: tl.constexpr, ROTARY: tl.constexpr):
+    """cos, sin [BLOCK_HALF] of token t: its row of the angle table where pos[t] < table_len, else computed."""
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    if pos < table_len:
+        row = table_ptr + pos * (2 * HALF)
+        c = tl.load(row + i, mask=i_ok, other=0.0)
+        s = tl.load(row + HALF + i, mask=i_ok, other=0.0)
+    else:
+        c, s = _cos_sin_at(pos, theta_bits, i, ROTARY)
+    return c, s
+
+
+@triton.jit
+def _angle_table_kernel(table_ptr, theta_bits, HALF: tl.constexpr, ROTARY: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """Row p of the table [P, 2, HALF]: `_cos_sin_at(p)`, cos then sin."""
+    pos = tl.program_id(0).to(tl.int64)
+    i = tl.arange(0, BLOCK_HALF)
+    i_ok = i < HALF
+    c, s = _cos_sin_at(pos, theta_bits, i, ROTARY)
+    tl.store(table_ptr + pos * (2 * HALF) + i, c, mask=i_ok)
+    tl.store(table_ptr + pos * (2 * HALF) + HALF + i, s, mask=i_ok)
+
+
+_ANGLE_TABLES: dict[tuple[int, int, torch.device], torch.Tensor] = {}
+
+
+def _theta_bits(theta: float) -> int:
+    return struct.unpack("<q", struct.pack("<d", float(theta)))[0]  # fp64 bits: a Python float arg is fp32
+
+
+def angle_table(theta: float, rotary_dim: int, device: torch.device) -> torch.Tensor | None:
+    """The contract's fp32 (cos, sin) of positions [0, TABLE_POSITIONS): [TABLE_POSITIONS, 2, rotary_dim / 2], built
+    on `device` at the first call for (theta, rotary_dim, device) by the kernels' own angle code, then cached. None
+    while the current stream is being captured into a CUDA graph and no table exists yet (a launch captured into
+    a graph would fill it only at replay): the kernels then compute every angle, the same bits."""
+    key = (_theta_bits(theta), rotary_dim, torch.device(device))
+    table = _ANGLE_TABLES.get(key)
+    if table is not None or TABLE_POSITIONS == 0:
+        return table
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        return None
+    half = rotary_dim // 2
+    table = torch.empty(TABLE_POSITIONS, 2, half, dtype=torch.float32, device=device)
+    _angle_table_kernel[(TABLE_POSITIONS,)](
+        table, key[0], HALF=half, ROTARY=rotary_dim, BLOCK_HALF=triton.next_power_of_2(half), num_warps=1, **LAUNCH
+    )
+    _ANGLE_TABLES[key] = table
+    return table
+
+
+def refill_angle_tables() -> None:
+    """Write every cached angle table again, in place (same addresses: CUDA graphs that read them stay valid). For
+    memory whose content an engine may have dropped while keeping its addresses (vLLM's sleep level 2 discards the
+    weights pool, where an engine's first forward, inside `load_weights`, allocated its tables)."""
+    for (theta_bits, rotary_dim, _), table in _ANGLE_TABLES.items():
+        half = rotary_dim // 2
+        _angle_table_kernel[(table.shape[0],)](
+            table, theta_bits, HALF=half, ROTARY=rotary_dim, BLOCK_HALF=triton.next_power_of_2(half), num_warps=1,
+            **LAUNCH,
+        )  # fmt: skip
+
+
+def _table_args(theta: float, rotary_dim: int, device: torch.device, use_table: bool) -> tuple[torch.Tensor, int]:
+    """(table, rows to read from it) for a kernel launch; without a table an fp32 stand-in (one launch signature)
+    and 0 rows, so that the kernel computes every angle."""
+    table = angle_table(theta, rotary_dim, device) if use_table else None
+    if table is None:
+        return torch.empty(1, dtype=torch.float32, device=device), 0
+    return table, table.shape[0]
 
 
 @triton.jit
@@ -42,6 +119,8 @@ def _rope_kernel(
     stride_ot,
     stride_oh,
     stride_c,
+    table_ptr,
+    table_len,
     theta_bits,
     HALF: tl.constexpr,
     ROTARY: tl.constexpr,
@@ -51,14 +130,15 @@ def _rope_kernel(
     BLOCK_D: tl.constexpr,
     AT_POSITIONS: tl.constexpr,
 ):
-    """AT_POSITIONS: cos/sin from pos[t] and theta (its fp64 bits); otherwise from the tables' row t."""
+    """AT_POSITIONS: cos/sin of pos[t] (`_cos_sin_of`: the angle table's row, or computed from theta's fp64 bits);
+    otherwise from the caller's tables' row t."""
     t = tl.program_id(0).to(tl.int64)  # T x H x d passes 2^31 at 524k tokens of 32 x 128 query heads
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = heads < H
     i = tl.arange(0, BLOCK_HALF)
     i_ok = i < HALF
     if AT_POSITIONS:
-        c, s = _cos_sin_at(pos_ptr, t, theta_bits, i, ROTARY)
+        c, s = _cos_sin_of(pos_ptr, t, table_ptr, table_len, theta_bits, i, i_ok, HALF, ROTARY)
         c, s = c[None, :], s[None, :]
     else:
         c = tl.load(cos_ptr + t * stride_c + i, mask=i_ok, other=0.0)[None, :]
@@ -83,15 +163,18 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: in
     return _launch(x, rotary_dim, cos, sin, None, 0.0, cos.stride(0))
 
 
-def rotate_at(x: torch.Tensor, positions: torch.Tensor, theta: float, rotary_dim: int) -> torch.Tensor:
-    """x [T, H, d] rotated at positions [T] (int, >= 0) with the contract's cos/sin computed in the kernel: the bits
-    of `rotate(x, *cos_sin(positions, rotary_dim, theta), rotary_dim)`. Returns x's shape and dtype."""
+def rotate_at(
+    x: torch.Tensor, positions: torch.Tensor, theta: float, rotary_dim: int, *, use_table: bool = True
+) -> torch.Tensor:
+    """x [T, H, d] rotated at positions [T] (int, >= 0) with the contract's cos/sin found in the kernel (the angle
+    table's rows, `angle_table`; use_table=False: every angle computed, the same bits): the bits of
+    `rotate(x, *cos_sin(positions, rotary_dim, theta), rotary_dim)`. Returns x's shape and dtype."""
     if theta <= 0:
         raise ValueError(f"rope theta must be > 0, got {theta}")
-    return _launch(x, rotary_dim, None, None, positions.contiguous(), theta, 0)
+    return _launch(x, rotary_dim, None, None, positions.contiguous(), theta, 0, use_table)
 
 
-def _launch(x, rotary_dim, cos, sin, positions, theta, stride_c) -> torch.Tensor:
+def _launch(x, rotary_dim, cos, sin, positions, theta, stride_c, use_table: bool = False) -> torch.Tensor:
     if x.stride(-1) != 1:
         x = x.contiguous()
     t, h, d = x.shape
@@ -100,7 +183,8 @@ def _launch(x, rotary_dim, cos, sin, positions, theta, stride_c) -> torch.Tensor
         return out
     half = rotary_dim // 2
     block_h = min(16, triton.next_power_of_2(h))
-    theta_bits = struct.unpack("<q", struct.pack("<d", float(theta)))[0]  # fp64 bits: a Python float arg is fp32
+    at_positions = positions is not None
+    table, table_len = _table_args(theta, rotary_dim, x.device, at_positions and use_table)
     _rope_kernel[(t, triton.cdiv(h, block_h))](
         x,
         cos,
@@ -113,14 +197,16 @@ def _launch(x, rotary_dim, cos, sin, positions, theta, stride_c) -> torch.Tensor
         out.stride(0),
         out.stride(1),
         stride_c,
-        theta_bits,
+        table,
+        table_len,
+        _theta_bits(theta),
         HALF=half,
         ROTARY=rotary_dim,
         D=d,
         BLOCK_H=block_h,
         BLOCK_HALF=triton.next_power_of_2(max(half, 1)),
         BLOCK_D=triton.next_power_of_2(max(d - 2 * half, 1)),
-        AT_POSITIONS=positions is not None,
+        AT_POSITIONS=at_positions,
         num_warps=4,
         **LAUNCH,
     )
@@ -139,6 +225,8 @@ def _qk_norm_rope_kernel(
     stride_xt,
     stride_xh,
     eps,
+    table_ptr,
+    table_len,
     theta_bits,
     D: tl.constexpr,
     NB: tl.constexpr,
@@ -179,7 +267,7 @@ def _qk_norm_rope_kernel(
     x2 = tl.load(base + HALF + i[None, :], mask=mask, other=0.0)
     y1 = _normed(x1, inv_rms, w_ptr, w2_ptr, i, i_ok, second)
     y2 = _normed(x2, inv_rms, w_ptr, w2_ptr, HALF + i, i_ok, second)
-    c, s = _cos_sin_at(pos_ptr, t, theta_bits, i, ROTARY)
+    c, s = _cos_sin_of(pos_ptr, t, table_ptr, table_len, theta_bits, i, i_ok, HALF, ROTARY)
     c, s = c[None, :], s[None, :]
     a, b = y1.to(tl.float32), y2.to(tl.float32)
     tl.store(obase + i[None, :], (a * c - b * s).to(x1.dtype), mask=mask)
@@ -210,10 +298,13 @@ def qk_norm_rope(
     positions: torch.Tensor,
     theta: float,
     rotary_dim: int,
+    *,
+    use_table: bool = True,
 ) -> torch.Tensor:
     """Qwen3's QK-norm then RoPE in one launch: the bits of `rotate_at(norm.rms_norm_heads(qk, q_weight, k_weight,
     q_heads, eps), positions, theta, rotary_dim)`. qk [T, H, D] (a strided view of the fused QKV is read in place,
-    unit last stride), positions [T] (int, >= 0). Returns a new contiguous [T, H, D] in qk's dtype."""
+    unit last stride), positions [T] (int, >= 0); use_table as `rotate_at`'s. Returns a new contiguous [T, H, D] in
+    qk's dtype."""
     if qk.dim() != 3 or qk.stride(-1) != 1:
         raise ValueError(f"qk_norm_rope takes qk [T, H, D] with a unit last stride, got {list(qk.shape)}")
     if theta <= 0:
@@ -226,10 +317,10 @@ def qk_norm_rope(
         return out
     half, nb = rotary_dim // 2, triton.cdiv(d, 64)
     block_h = min(16, triton.next_power_of_2(h))
-    theta_bits = struct.unpack("<q", struct.pack("<d", float(theta)))[0]  # fp64 bits: a Python float arg is fp32
+    table, table_len = _table_args(theta, rotary_dim, qk.device, use_table)
     _qk_norm_rope_kernel[(t, triton.cdiv(h, block_h))](
         qk, q_weight.contiguous(), k_weight.contiguous(), positions.contiguous(), out,
-        h, q_heads, qk.stride(0), qk.stride(1), eps, theta_bits,
+        h, q_heads, qk.stride(0), qk.stride(1), eps, table, table_len, _theta_bits(theta),
         D=d, NB=nb, BLOCK_NB=triton.next_power_of_2(nb), HALF=half, ROTARY=rotary_dim, BLOCK_H=block_h,
         BLOCK_HALF=triton.next_power_of_2(max(half, 1)), BLOCK_D=triton.next_power_of_2(max(d - 2 * half, 1)),
         num_warps=4, **LAUNCH,

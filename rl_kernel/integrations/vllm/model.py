@@ -344,7 +344,17 @@ class RLKernelQwen3ForCausalLM(nn.Module):
                 views[name].copy_(layout[name].shard(w, self.model.rank, self.model.tp))
             loaded.add(names[id(self.model.get_parameter(layout[name].module))])
         self._warm_up_triton()
+        self._refill_rope_tables()
         return loaded
+
+    def _refill_rope_tables(self) -> None:
+        """RoPE's cached angle tables written again with every weight load: they were allocated in the engine's
+        first forward, inside vLLM's weights pool, whose content sleep level 2 drops (the weights come back through
+        this method; the tables would not)."""
+        if uses_triton(self.model.norm.weight.device):
+            from rl_kernel.backends.triton.rope import refill_angle_tables
+
+            refill_angle_tables()
 
     def _warm_up_triton(self) -> None:
         """Once, after the first load, where the strict ops run Triton kernels: compile every specialization
