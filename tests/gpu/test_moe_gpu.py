@@ -185,6 +185,26 @@ def test_prefill_tile_dispatch_and_in_place_reads_keep_bits():
         assert same_bits(alone, in_place[place[:1]]), f"{tokens} tokens: a row alone != in the chunk"
 
 
+def test_tma_reads_keep_the_down_gemm_bits_of_one_expert_alone():
+    """The grouped GEMM reads its weights (and the down GEMM its rows) by TMA descriptors: the down GEMM at both
+    tiles, at a decode batch and a prefill chunk, == `gemm.matmul_fp32` of one expert's rows alone."""
+    from rl_kernel.backends.triton import activation, gemm, moe
+
+    gen = torch.Generator(device=DEV).manual_seed(4)
+    gate_up, down = _experts(gen)
+    for tokens in (256, 8192):
+        ids = torch.rand(tokens, EXPERTS, device=DEV, generator=gen).topk(TOP_K, dim=-1).indices.sort(-1).values
+        order, _, counts = moe.dispatch(ids.reshape(-1), EXPERTS)
+        x = randn(tokens, HIDDEN, gen=gen)
+        h = activation.silu_and_mul(moe.grouped_linear(x, counts, gate_up, x.dtype, source=order, slots=TOP_K))
+        y = moe.grouped_linear(h, counts, down, torch.float32)
+        e = int(counts.nonzero()[0])
+        rows = int(counts[e])
+        alone = gemm.matmul_fp32(h[:rows], down[e], schedule="fused")  # the first expert's rows come first
+        assert same_bits(y[:rows], alone), f"{tokens} tokens: the down GEMM != gemm.linear of its expert's rows"
+        assert same_bits(moe.grouped_linear(h, counts, down, torch.float32, tile=moe.PREFILL_TILE), y)
+
+
 def test_native_expert_gemm_moves_bits_where_cublas_splits_k():
     """The twin of the grouped GEMM's batch invariance, at an expert as wide as Qwen3-8B's MLP (down projection
     K = 12,288, N = 4,096), where default cuBLAS splits K at some row counts (shared/fast-strict-notes.md: 12 of
