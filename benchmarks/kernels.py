@@ -265,11 +265,7 @@ def _repeat_n(fn, n: int):
 
 
 def _repeat(fn):
-    def many():
-        for _ in range(REPEAT):
-            fn()
-
-    return many
+    return _repeat_n(fn, REPEAT)
 
 
 def _norm_case(t: int, bw: float) -> None:

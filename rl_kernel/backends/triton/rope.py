@@ -76,13 +76,18 @@ def angle_table(theta: float, rotary_dim: int, device: torch.device) -> torch.Te
         return table
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         return None
-    half = rotary_dim // 2
-    table = torch.empty(TABLE_POSITIONS, 2, half, dtype=torch.float32, device=device)
-    _angle_table_kernel[(TABLE_POSITIONS,)](
-        table, key[0], HALF=half, ROTARY=rotary_dim, BLOCK_HALF=triton.next_power_of_2(half), num_warps=1, **LAUNCH
-    )
+    table = torch.empty(TABLE_POSITIONS, 2, rotary_dim // 2, dtype=torch.float32, device=device)
+    _fill_angle_table(table, key[0], rotary_dim)
     _ANGLE_TABLES[key] = table
     return table
+
+
+def _fill_angle_table(table: torch.Tensor, theta_bits: int, rotary_dim: int) -> None:
+    """Every row of `table` [P, 2, rotary_dim / 2] written by `_angle_table_kernel`, in place (one launch)."""
+    half = rotary_dim // 2
+    _angle_table_kernel[(table.shape[0],)](
+        table, theta_bits, HALF=half, ROTARY=rotary_dim, BLOCK_HALF=triton.next_power_of_2(half), num_warps=1, **LAUNCH
+    )
 
 
 def refill_angle_tables() -> None:
@@ -90,11 +95,7 @@ def refill_angle_tables() -> None:
     memory whose content an engine may have dropped while keeping its addresses (vLLM's sleep level 2 discards the
     weights pool, where an engine's first forward, inside `load_weights`, allocated its tables)."""
     for (theta_bits, rotary_dim, _), table in _ANGLE_TABLES.items():
-        half = rotary_dim // 2
-        _angle_table_kernel[(table.shape[0],)](
-            table, theta_bits, HALF=half, ROTARY=rotary_dim, BLOCK_HALF=triton.next_power_of_2(half), num_warps=1,
-            **LAUNCH,
-        )  # fmt: skip
+        _fill_angle_table(table, theta_bits, rotary_dim)
 
 
 def _table_args(theta: float, rotary_dim: int, device: torch.device, use_table: bool) -> tuple[torch.Tensor, int]:
