@@ -381,9 +381,16 @@ def _decode_case(
         run = lambda: attention._run(q, kc, vc, qsl, seq_lens, table, page, d**-0.5, True, None, config=cfg)  # noqa: B023, E731
         launches[f"w{warps}s{stages}"] = {"ms": round(bench(run), 4), "same_bits": same_bits(run(), default)}
     kv_bytes = 2 * b * ctx * hkv * d * 2
+    # the strict CUDA engine's pages (STRICT_CUDA_BLOCK_SIZE = attention.CHUNK = 64 tokens): the same keys, each
+    # 64-key chunk one block, read by one TMA box (16-token pages: pointer loads through the block table)
+    kc64, vc64, table64 = _repaged(kc, vc, table, page, attention.CHUNK)
+    tma = lambda: attention.paged_attention(q, kc64, vc64, table64, seq_lens, qsl, d**-0.5)  # noqa: E731
+    pages64 = bench(tma)
+    pages64_same_bits = same_bits(tma(), default)
     # decode runs under CUDA graphs in serving engines: both sides captured, replays timed
     graphs = {
         "strict": graph_ms(lambda: attention.paged_attention(q, kc, vc, table, seq_lens, qsl, d**-0.5)),
+        "pages64": graph_ms(tma),
         "native": graph_ms(native_paged),
     }
     row(
@@ -402,7 +409,26 @@ def _decode_case(
         graph_strict_ms=round(graphs["strict"], 4),
         graph_native_ms=round(graphs["native"], 4),
         graph_native_over_strict=round(graphs["native"] / graphs["strict"], 3),
+        pages64_tma_ms=round(pages64, 4),
+        pages64_same_bits=pages64_same_bits,
+        graph_pages64_ms=round(graphs["pages64"], 4),
+        graph_native_over_pages64=round(graphs["native"] / graphs["pages64"], 3),
+        kv_gbps_pages64=round(kv_bytes / pages64 * 1e-6, 1),
     )
+
+
+def _repaged(kc, vc, table, page: int, new_page: int):
+    """The keys of paged caches kc, vc [blocks, page, Hkv, d] (rows of `table`) copied into new caches of
+    `new_page`-token blocks in a shuffled order, and their block table."""
+    b, width = table.shape[0], table.shape[1] * page
+    logical = [c[table.long()].view(b, width, *c.shape[2:]) for c in (kc, vc)]
+    order = torch.randperm(b * width // new_page, device=kc.device)
+    caches = []
+    for keys in logical:
+        cache = torch.empty(b * width // new_page, new_page, *keys.shape[2:], dtype=keys.dtype, device=keys.device)
+        cache[order] = keys.reshape(-1, new_page, *keys.shape[2:])
+        caches.append(cache)
+    return caches[0], caches[1], order.view(b, width // new_page).to(torch.int32)
 
 
 # ---- linear logprob -------------------------------------------------------------------------------------

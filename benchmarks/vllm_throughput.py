@@ -125,8 +125,13 @@ QWEN3_8B = dict(
 CUDA_GRID = [(512, b) for b in (1, 16, 64, 256)] + [(4000, b) for b in (1, 16, 64)]  # (context, batch)
 PARITY_SEQS = 4
 # cuda: the strict engines, by mode name: FULL_DECODE_ONLY graphs (eager mixed batches), vLLM's torch.compile
-# of the strict model with FULL_AND_PIECEWISE graphs (`strict_llm_kwargs(compile=True)`)
-STRICT_MODES = {"strict": {}, "strict_compiled": {"compile": True}}
+# of the strict model with FULL_AND_PIECEWISE graphs (`strict_llm_kwargs(compile=True)`); the compiled one on
+# vLLM's 16-token KV pages (keys by pointer loads) instead of the strict default's 64 (one TMA box a key chunk)
+STRICT_MODES = {
+    "strict": {},
+    "strict_compiled": {"compile": True},
+    "strict_compiled_pages16": {"compile": True, "block_size": 16},
+}
 # cuda: what every benchmark engine of Qwen3-8B shapes is built with (each adds its share of the GPU)
 CUDA_ENGINE = dict(
     dtype="bfloat16",

@@ -369,6 +369,48 @@ def split_decode(gen: torch.Generator) -> None:
         attention.SPLIT_CHUNKS = saved
 
 
+def paged_tma(gen: torch.Generator) -> None:
+    """A paged cache of 64-token blocks (one chunk a block) is read through TMA descriptors, masked chunks too:
+    prefill, decode and chunked prefill over it == packed prefill, and == its own pointer loads, bitwise, with NaN
+    in every cache slot no sequence wrote (what a masked chunk's TMA box reads past the context). A 16-token
+    cache gets no descriptors (pointer loads)."""
+    heads, kv_heads, d, page = 4, 2, 32, attention.CHUNK
+    lens = [70, 5, 130]
+    cu = torch.tensor([0, 70, 75, 205], dtype=torch.int32)
+    q = torch.randn(205, heads, d, generator=gen).to(F16)
+    k, v = torch.randn(205, kv_heads, d, generator=gen).to(F16), torch.randn(205, kv_heads, d, generator=gen).to(F16)
+    scale = d**-0.5
+    packed = attention.varlen_attention(q, k, v, cu, scale)
+    table = torch.randperm(9, generator=gen)[:9].view(3, 3).to(torch.int32)
+    kc, vc = (torch.full((9, page, kv_heads, d), float("nan")).to(F16) for _ in range(2))
+    for b, (a, n) in enumerate(zip(cu[:-1].tolist(), lens)):
+        slots = table[b, torch.arange(n) // page].long() * page + torch.arange(n) % page
+        kc.view(-1, kv_heads, d)[slots], vc.view(-1, kv_heads, d)[slots] = k[a : a + n], v[a : a + n]
+    check("paged TMA: the last block of sequence 0 holds NaN past its context", bool(vc[table[0, 1], 6:].isnan().all()))
+    check("paged TMA: a 64-token cache gets descriptors", None not in attention._descriptors(kc, vc, page))
+    check(
+        "paged TMA: a 16-token cache gets none",
+        attention._descriptors(kc.view(36, 16, kv_heads, d), vc.view(36, 16, kv_heads, d), 16) == (None, None),
+    )
+    pointer = dict(attention.PAGED, TMA=False)
+    seq_lens = torch.tensor(lens)
+    last = cu[1:].long() - 1
+    for schedule in ("split", "fused"):
+        out = attention.paged_attention(q, kc, vc, table, seq_lens, cu, scale, schedule=schedule)
+        check(f"paged TMA prefill ({schedule}) == packed", same(out, packed))
+        ptr = attention._run(q, kc, vc, cu, seq_lens, table, page, scale, True, schedule, config=pointer)
+        check(f"paged TMA prefill ({schedule}) == its pointer loads", same(out, ptr))
+        dec = attention.paged_attention(
+            q[last], kc, vc, table, seq_lens, torch.arange(4, dtype=torch.int32), scale, schedule=schedule
+        )
+        check(f"paged TMA decode ({schedule}) == packed rows", same(dec, packed[last]))
+    qc = torch.cat([q[30:70], q[75 + 100 : 75 + 130]])
+    out = attention.paged_attention(
+        qc, kc, vc, table[[0, 2]], torch.tensor([70, 130]), torch.tensor([0, 40, 70], dtype=torch.int32), scale
+    )
+    check("paged TMA chunked prefill == packed rows", same(out, torch.cat([packed[30:70], packed[175:205]])))
+
+
 def cp_attention(gen: torch.Generator) -> None:
     """Context parallelism under the Triton contract (`integrations/megatron/cp.py`): each rank's split
     partials, routed as the all-to-all would (a bit copy), folded on the query's rank == CP1 bitwise."""
@@ -955,6 +997,7 @@ PARTS = (
     gemms,
     attentions,
     split_decode,
+    paged_tma,
     cp_attention,
     logprobs,
     logprob_slice_stats,

@@ -334,13 +334,17 @@ def test_qk_norm_rope_op_records_both_contracts():
 # ---- attention ---------------------------------------------------------------------------------------
 
 
-def _paged(k, v, lens, page, gen):
+def _paged(k, v, lens, page, gen, stale: float | None = None):
+    """k, v of packed sequences written into shuffled blocks of paged caches; the slots no sequence writes hold
+    random values, or `stale` (NaN: what a masked chunk read by TMA must not let into a row)."""
     blocks = [-(-n // page) for n in lens]
     total = sum(blocks) + 3
     physical = torch.randperm(total, device=DEV, generator=gen)
     table = torch.zeros(len(lens), max(blocks), dtype=torch.int32, device=DEV)
     kc = randn(total, page, *k.shape[1:], gen=gen)  # garbage everywhere a sequence does not write
     vc = randn(total, page, *v.shape[1:], gen=gen)
+    if stale is not None:
+        kc.fill_(stale), vc.fill_(stale)
     start, used = 0, 0
     for b, n in enumerate(lens):
         table[b, : blocks[b]] = physical[used : used + blocks[b]].to(torch.int32)
@@ -351,8 +355,13 @@ def _paged(k, v, lens, page, gen):
     return kc, vc, table
 
 
-@pytest.mark.parametrize("heads,kv_heads,d,page", [(32, 8, 128, 16), (4, 2, 32, 64), (8, 8, 64, 16)])
+@pytest.mark.parametrize(
+    "heads,kv_heads,d,page", [(32, 8, 128, 16), (32, 8, 128, 64), (4, 2, 32, 64), (8, 8, 64, 16), (8, 8, 64, 128)]
+)
 def test_attention_layouts_bitwise(heads, kv_heads, d, page):
+    """Packed prefill == paged prefill, decode and chunked prefill, bitwise, over caches of 16-token pages (keys by
+    pointer loads through the block table) and of 64 / 128-token pages (each key chunk one TMA box; the slots no
+    sequence wrote hold NaN, which a masked chunk's box reads)."""
     gen = torch.Generator(device=DEV).manual_seed(2)
     lens = [1, 70, 600, 1100, 2]
     cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
@@ -364,7 +373,9 @@ def test_attention_layouts_bitwise(heads, kv_heads, d, page):
     assert torch.isfinite(packed).all()
     ref = native_varlen(q.double(), k.double(), v.double(), cu, scale)
     assert rel_err(packed, ref) < 1e-2  # bf16 output and bf16 p in the p.v dot
-    kc, vc, table = _paged(k, v, lens, page, gen)
+    tma = page % attention.CHUNK == 0
+    kc, vc, table = _paged(k, v, lens, page, gen, stale=float("nan") if tma else None)
+    assert (None not in attention._descriptors(kc, vc, page)) == tma
     seq_lens = torch.tensor(lens, device=DEV)
     for schedule in ("split", "fused"):
         poison()

@@ -25,6 +25,7 @@ import rl_kernel as rk
 from rl_kernel.bits import bits, same_bits
 from rl_kernel.integrations.vllm import (
     LOGITS_PROCESSOR,
+    STRICT_CUDA_BLOCK_SIZE,
     WEIGHT_TRANSFER_BACKEND,
     WORKER_EXTENSION,
     native_llm_kwargs,
@@ -75,12 +76,22 @@ def test_cuda_kwargs(tiny_qwen3_path, transport, backend):
     assert strict["compilation_config"] == {"cudagraph_mode": "FULL_DECODE_ONLY"}
     # the strict model loads in place: vLLM's ipc engine without its layerwise reload (rl_kernel_ipc)
     assert strict["weight_transfer_config"] == {"backend": "rl_kernel_ipc" if backend == "ipc" else backend}
+    # KV blocks of one attention key chunk (one TMA box each) unless the caller picks another size
+    assert strict["block_size"] == STRICT_CUDA_BLOCK_SIZE
+    assert strict_llm_kwargs(tiny_qwen3_path, device="cuda", block_size=16)["block_size"] == 16
     native = native_llm_kwargs(tiny_qwen3_path, device="cuda:0", transport=transport)
-    assert "enforce_eager" not in native and "compilation_config" not in native
+    assert "enforce_eager" not in native and "compilation_config" not in native and "block_size" not in native
     assert native["weight_transfer_config"] == {"backend": backend}
     # vLLM's own config classes take these spellings
     assert CompilationConfig(**strict["compilation_config"]).cudagraph_mode.name == "FULL_DECODE_ONLY"
     assert WeightTransferConfig(**native["weight_transfer_config"]).backend == backend
+
+
+def test_the_strict_cuda_block_is_one_attention_key_chunk():
+    """The strict engine's KV block holds one key chunk of the Triton attention, whose TMA reads need it."""
+    attention = pytest.importorskip("rl_kernel.backends.triton.attention")
+    assert STRICT_CUDA_BLOCK_SIZE == attention.CHUNK
+    assert None not in attention._descriptors(*torch.zeros(2, 3, STRICT_CUDA_BLOCK_SIZE, 2, 16).unbind(), 64)
 
 
 def test_cuda_kwargs_refuse_what_strict_mode_cannot_run(tiny_qwen3_path):

@@ -347,7 +347,9 @@ class RolloutConfig:
     # 0: never; 1: weights offloaded to host memory and KV cache discarded; 2: both discarded (the push
     # reloads every weight)
     sleep_level: int = 0
-    block_size: int = 16  # reference engine: page size
+    # KV page size in tokens. None: 16 in the reference engine; on CUDA each vLLM engine's own default (strict:
+    # 64, a page per attention chunk, which its kernel reads by TMA; native: vLLM's)
+    block_size: int | None = None
     # In-flight weight updates (algo.max_staleness >= 1): a weight push lands between engine steps without
     # waiting for running requests, which go on under the new version over their KV cache of the old one
     # (their tokens carry mixed versions); prefix caching is off.

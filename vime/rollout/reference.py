@@ -40,7 +40,7 @@ class ReferenceRollout:
         request i samples from a generator seeded by (seed, i). `between_steps` (in-flight weight updates):
         `RolloutEngine.generate`'s hook, which may load a new version between engine steps."""
         engine = RolloutEngine(
-            self.model, self.cfg.num_blocks, self.cfg.block_size, self.cfg.max_num_batched_tokens, block_seed=seed
+            self.model, self.cfg.num_blocks, self.cfg.block_size or 16, self.cfg.max_num_batched_tokens, block_seed=seed
         )
         requests = [Request(p, max_new_tokens, temperature, stop_token_ids=tuple(stop_token_ids)) for p in prompts]
         with capture_routes(self.model.model) as captured:

@@ -205,7 +205,9 @@ class VllmRollout:
             _eager_rank_count()
         if self.cuda:  # vLLM's own `ipc` / `nccl` engine: weights come as pushes of trainer rank 0 (`receive_weights`)
             make_kwargs = functools.partial(make_kwargs, device="cuda", transport=self.transport)
-            engine_kwargs |= {"enable_sleep_mode": cfg.sleep_level > 0, "block_size": cfg.block_size}
+            engine_kwargs |= {"enable_sleep_mode": cfg.sleep_level > 0}
+            if cfg.block_size is not None:
+                engine_kwargs["block_size"] = cfg.block_size
         self.sleep_level = cfg.sleep_level
         self.model_path, self.dtype = model_path, dtype
         self.engine_id, self._temp_files, self._closing = engine_id, [], False

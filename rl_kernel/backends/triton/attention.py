@@ -23,7 +23,10 @@ the last split program of a tile and kv head to finish, told by an arrival count
 split order with the same operations). The fused schedule has two loop forms, nested (a loop per
 split) and FLAT (one loop over all chunks, merging and resetting at split boundaries), with the same
 operations in the same order. Packed prefill reads the keys of its unmasked chunks through TMA
-descriptors where k and v allow one (16-byte strides), otherwise by pointer loads: the same values.
+descriptors where k and v allow one (16-byte strides), otherwise by pointer loads: the same values. A paged
+cache whose block size is a multiple of CHUNK (every chunk inside one block: one block-table entry and one TMA
+box per chunk) is read through TMA too, masked chunks included: their key slots past the context hold whatever
+the cache held there, so v is zeroed there (the pointer loads' `other`) and k's scores are masked as before.
 Launch grids depend on tensor shapes only (no host sync).
 """
 
@@ -79,7 +82,7 @@ def pick_schedule(paged: bool, num_splits: int, scratch_bytes: int, programs: in
 # Launch configurations. A row's bits do not depend on the row tile (rows are independent, masked chunks
 # are exact identities): tests/gpu compare packed prefill (PREFILL) with paged decode (PAGED) bit for bit.
 # Picked by benchmarks/kernels.py's prefill sweep on an H200 (kernels_h200.json).
-PAGED = {"BLOCK_M": BLOCK_M, "num_warps": 4, "num_stages": 2}
+PAGED = {"BLOCK_M": BLOCK_M, "num_warps": 4, "num_stages": 2, "TMA": True}
 # H200, 2026-12-01: keys by TMA descriptors 0.358 / 4.45 ms at T = 4k / 16k, against 0.424 / 5.77 ms by pointer
 # loads, 0.465 / 5.83 ms in tile order and 0.506 / 6.23 ms for the 128-row nested form
 # (benchmarks/results/prefill_sweep_h200.txt)
@@ -135,17 +138,26 @@ def _load_kv(
     CHUNK: tl.constexpr,
     TMA: tl.constexpr,
 ):
-    """Chunk c's key positions and k, v [CHUNK, D]. TMA (packed keys, unmasked chunks): by tensor descriptors
-    over [N, Hkv, D] instead of pointer loads (the same values). `kv`: the keys' addressing (`_keys`)."""
+    """Chunk c's key positions and k, v [CHUNK, D]. TMA (packed keys' unmasked chunks; a paged cache's chunks,
+    each inside one block): by tensor descriptors over [N, Hkv, D] instead of pointer loads (the same values;
+    in a masked paged chunk v is zeroed past the context, as the pointer loads' `other`). `kv`: the keys'
+    addressing (`_keys`)."""
     k_ptr, v_ptr, k_desc, v_desc, block_table_ptr, stride_bt, b, kv_base, kvh, ctx_len, strides = kv
     stride_kt, stride_kh, stride_vt, stride_vh = strides
     kpos = c * CHUNK + tl.arange(0, CHUNK)
-    if TMA and not PAGED and not MASKED:
-        k = tl.reshape(k_desc.load([kv_base + c * CHUNK, kvh, 0]), (CHUNK, D))
-        v = tl.reshape(v_desc.load([kv_base + c * CHUNK, kvh, 0]), (CHUNK, D))
+    kv_ok = kpos < ctx_len
+    if TMA and (PAGED or not MASKED):
+        if PAGED:  # the chunk's block (BLOCK_SIZE % CHUNK == 0), allocated: the chunk starts before ctx_len
+            blk = tl.load(block_table_ptr + b.to(tl.int64) * stride_bt + (c * CHUNK) // BLOCK_SIZE)
+            first = blk * BLOCK_SIZE + (c * CHUNK) % BLOCK_SIZE
+        else:
+            first = kv_base + c * CHUNK
+        k = tl.reshape(k_desc.load([first, kvh, 0]), (CHUNK, D))
+        v = tl.reshape(v_desc.load([first, kvh, 0]), (CHUNK, D))
+        if MASKED:  # 0 * a stale NaN would reach o; k needs none: its scores are masked to -inf
+            v = tl.where(kv_ok[:, None], v, 0.0)
         return kpos, k, v
     d = tl.arange(0, D)
-    kv_ok = kpos < ctx_len
     if PAGED:
         blk = tl.load(block_table_ptr + b.to(tl.int64) * stride_bt + kpos // BLOCK_SIZE, mask=kv_ok, other=0)
         row = blk.to(tl.int64) * BLOCK_SIZE + kpos % BLOCK_SIZE
@@ -604,14 +616,19 @@ def _precision(q: torch.Tensor, k: torch.Tensor) -> str:
     return "ieee" if q.dtype == torch.float32 else "tf32"
 
 
-def _descriptors(k: torch.Tensor, v: torch.Tensor):
+def _descriptors(k: torch.Tensor, v: torch.Tensor, block_size: int | None = None):
     """TMA descriptors of packed k, v [N, Hkv, d] with [CHUNK, 1, d] blocks, or (None, None) where TMA cannot
     read them (16-byte strides and base; a Triton without host descriptors); the pointer loads then serve (the
-    same values)."""
+    same values). `block_size`: k, v are a paged cache [blocks, block_size, Hkv, d] with contiguous blocks, read
+    as its [blocks * block_size, Hkv, d] rows; only where every chunk lies inside one block."""
     try:
         from triton.tools.tensor_descriptor import TensorDescriptor
     except ImportError:
         return None, None
+    if block_size is not None:
+        if block_size % CHUNK:
+            return None, None
+        k, v = k.flatten(0, 1), v.flatten(0, 1)
 
     def fits(t):
         return (
@@ -681,7 +698,7 @@ def _run(q, k, v, q_start, ctx_len, block_table, block_size, scale, paged, sched
     split = schedule == "split"
     part = torch.empty(tq * heads * num_splits * _partial_floats(d), dtype=torch.float32, device=dev) if split else None
     counters = _arrival_counters(dev, grid_tiles * kv_heads) if split else None
-    k_desc, v_desc = _descriptors(k, v) if tma and not paged else (None, None)
+    k_desc, v_desc = _descriptors(k, v, block_size if paged else None) if tma else (None, None)
     use_tma = k_desc is not None
     grid = (grid_tiles * kv_heads, 1) if heavy_first else (grid_tiles, kv_heads)
     # `_keys` packs the descriptors and the block table into one tuple, and Triton before 3.9 cannot put a None

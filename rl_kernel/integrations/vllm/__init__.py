@@ -125,6 +125,7 @@ def _check_architecture(model: str | Path) -> str:
 CUDA_WEIGHT_TRANSPORTS = ("ipc", "nccl")  # vLLM's own CUDA weight-transfer engines
 STRICT_CUDAGRAPH_MODE = "FULL_DECODE_ONLY"
 COMPILED_CUDAGRAPH_MODE = "FULL_AND_PIECEWISE"  # strict_llm_kwargs(compile=True): mixed batches under graphs too
+STRICT_CUDA_BLOCK_SIZE = 64  # KV block of strict CUDA engines: one attention key chunk (attention.CHUNK), one TMA box
 
 
 def _compile_config(device: str, compilation: dict, engine_kwargs: dict) -> dict[str, Any]:
@@ -232,6 +233,9 @@ def strict_llm_kwargs(
     "FULL_AND_PIECEWISE"`); on CPU vLLM's CPU compilation instead of eager execution. Default off: the
     eager (CPU) and FULL_DECODE_ONLY (CUDA) engines are unchanged.
 
+    On CUDA the KV cache's block size defaults to STRICT_CUDA_BLOCK_SIZE tokens (one attention key chunk a block,
+    which the strict kernel reads by one TMA box; another `block_size` is taken, read by pointer loads, same bits).
+
     `tp_collective` (`TP_COLLECTIVES`): over which of vLLM's TP groups the strict model gathers its row-parallel
     partials and vocab shards (the rank-order sum that follows is the same kernels either way: equal bits).
     "device", the default: vLLM's device communicator (NCCL on CUDA, which vLLM's CUDA graphs capture); "cpu":
@@ -263,6 +267,7 @@ def strict_llm_kwargs(
     elif compilation:
         engine_kwargs["compilation_config"] = compilation
     if kind == "cuda":
+        engine_kwargs.setdefault("block_size", STRICT_CUDA_BLOCK_SIZE)
         if forced["weight_transfer_config"]["backend"] == "ipc":  # the strict model loads in place (ipc_engine.py)
             forced["weight_transfer_config"] = {"backend": STRICT_IPC_BACKEND}
     for key, value in forced.items():
