@@ -220,6 +220,8 @@ def _launches() -> dict[str, Callable[[], None]]:
         "varlen_lse": varlen_lse,
         "paged_fused": lambda: paged("fused"),
         "paged_split": lambda: paged("split"),
+        "paged_fused_tma": lambda: paged("fused", block_size=64, table_blocks=64),  # strict CUDA engines' pages
+        "paged_split_tma": lambda: paged("split", block_size=64, table_blocks=64),
         "route": lambda: moe.route(torch.randn(64, 128, generator=gen), 8, True),
         "grouped_gate_up": lambda: moe.grouped_linear(
             rand(8, 256), torch.tensor([10, 0, 6]), rand(3, 128, 256), torch.bfloat16, source=torch.arange(16), slots=2
