@@ -27,12 +27,13 @@ in vime's engines, and finds nothing). Both engines get the same prompts in a pa
 Every engine lives in this process at once, CUDA graphs on all (strict: its FULL_DECODE_ONLY graphs, or
 `strict_compiled`: vLLM's torch.compile with FULL_AND_PIECEWISE; native: vLLM's default compile and graphs), so the
 passes interleave: pass p runs every row on every engine, the engines' order alternating from pass to pass. On CUDA
-each engine takes `--memory` of the GPU (0.75) and sleeps (vLLM's sleep mode, level 1: weights to host memory, KV
-cache freed) while another one runs, as in vime's colocated runs; waking and sleeping are not timed. On CPU (no
-sleep mode) they share the memory. Each engine is warmed up first (every batch shape of the rows, mixed prefill and
-decode). Sampling at temperature 1 with each token's logprob returned, as vime samples; no per-request seeds.
-Reported per row and engine: the median generated tokens/s over the passes, its min-max spread, and strict / native
-of the medians; the GPU's SM clock, power and throttle reasons before each pass and at the end.
+each engine takes `--memory` of the GPU (0.75; or a KV cache of `--kv-cache-gib`) and sleeps (vLLM's sleep mode,
+level 1: weights to host memory, KV cache freed) while another one runs, as in vime's colocated runs; waking and
+sleeping are not timed. On CPU (no sleep mode) they share the memory. Each engine is warmed up first (every batch
+shape of the rows, mixed prefill and decode). Sampling at temperature 1 with each token's logprob returned, as
+vime samples; no per-request seeds. Reported per row and engine: the median generated tokens/s over the passes, its
+min-max spread, and strict / native of the medians; the GPU's SM clock, power and throttle reasons before each pass
+and at the end.
 
 Parity: from the first pass, `PARITY_PER_ROW` sequences of every row and engine are teacher-forced by rl_kernel's
 reference (fp32 bits of every sampled token), while the engines sleep: every strict mode must show 0, native must
@@ -300,7 +301,10 @@ def print_table(title: str, table: list[dict], modes: list[str]) -> None:
 def engine_args(device: str, args) -> dict:
     if device == "cpu":
         return dict(seed=0, max_model_len=256, max_num_batched_tokens=128, max_num_seqs=8, gpu_memory_utilization=0.3)
-    return CUDA_ENGINE | {"gpu_memory_utilization": args.memory, "enable_sleep_mode": True}
+    memory = {"gpu_memory_utilization": args.memory}
+    if args.kv_cache_gib is not None:
+        memory["kv_cache_memory_bytes"] = int(args.kv_cache_gib * 2**30)
+    return CUDA_ENGINE | memory | {"enable_sleep_mode": True}
 
 
 def arch_shapes(arch: str, device: str) -> dict:
@@ -573,6 +577,13 @@ def main() -> int:
         "--modes", default="strict,native", help="engines, all alive at once: strict, native, strict_compiled"
     )
     parser.add_argument("--memory", type=float, default=0.75, help="cuda: gpu_memory_utilization of each engine")
+    parser.add_argument(
+        "--kv-cache-gib",
+        type=float,
+        default=None,
+        help="cuda: each engine's KV cache in GiB (vLLM's kv_cache_memory_bytes) instead of what --memory leaves; "
+        "three or more engines on an 80 GB card need it (their profile counts what sleeping engines freed)",
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     unknown = set(args.modes.split(",")) - {*STRICT_MODES, "native"}

@@ -258,6 +258,28 @@ def gemms(gen: torch.Generator) -> None:
         check(f"gemm {m}x{n}x{k} epilogue rounding", same(gemm.linear(x, w, b), (fused + b.float()).to(F16)))
 
 
+def _paged_matches_packed(
+    name: str, q, kc, vc, table, lens: list[int], cu, scale: float, packed, *, tail: int
+) -> dict[str, torch.Tensor]:
+    """Over three sequences in a paged cache: prefill and decode under both schedules, and a chunked prefill (rows
+    30-70 of sequence 0 and the last `tail` rows of sequence 2) == the packed prefill's rows, bitwise. Returns the
+    prefill output of each schedule."""
+    seq_lens, last = torch.tensor(lens), cu[1:].long() - 1
+    prefills = {}
+    for schedule in ("split", "fused"):
+        prefills[schedule] = attention.paged_attention(q, kc, vc, table, seq_lens, cu, scale, schedule=schedule)
+        check(f"{name} prefill ({schedule}) == packed", same(prefills[schedule], packed))
+        dec = attention.paged_attention(
+            q[last], kc, vc, table, seq_lens, torch.arange(4, dtype=torch.int32), scale, schedule=schedule
+        )
+        check(f"{name} decode ({schedule}) == packed rows", same(dec, packed[last]))
+    rows = torch.cat([torch.arange(30, 70), torch.arange(int(cu[3]) - tail, int(cu[3]))])
+    chunks = torch.tensor([0, 40, 40 + tail], dtype=torch.int32)
+    out = attention.paged_attention(q[rows], kc, vc, table[[0, 2]], torch.tensor([lens[0], lens[2]]), chunks, scale)
+    check(f"{name} chunked prefill == packed rows", same(out, packed[rows]))
+    return prefills
+
+
 def attentions(gen: torch.Generator) -> None:
     heads, kv_heads, d, page = 4, 2, 32, 16
     lens = [70, 5, 40]
@@ -316,20 +338,7 @@ def attentions(gen: torch.Generator) -> None:
             pos = torch.arange(n)
             slots = table[b, pos // page].long() * page + pos % page
             kc.view(-1, kv_heads, d)[slots], vc.view(-1, kv_heads, d)[slots] = k[a : a + n], v[a : a + n]
-        seq_lens = torch.tensor(lens)
-        for schedule in ("split", "fused"):
-            out = attention.paged_attention(q, kc, vc, table, seq_lens, cu, scale, schedule=schedule)
-            check(f"attention paged prefill ({schedule}) == packed", same(out, packed))
-            last = cu[1:].long() - 1
-            dec = attention.paged_attention(
-                q[last], kc, vc, table, seq_lens, torch.arange(4, dtype=torch.int32), scale, schedule=schedule
-            )
-            check(f"attention decode ({schedule}) == packed rows", same(dec, packed[last]))
-        qc = torch.cat([q[30:70], q[75 + 20 : 75 + 40]])
-        out = attention.paged_attention(
-            qc, kc, vc, table[[0, 2]], torch.tensor([70, 40]), torch.tensor([0, 40, 60], dtype=torch.int32), scale
-        )
-        check("attention chunked prefill == packed rows", same(out, torch.cat([packed[30:70], packed[95:115]])))
+        _paged_matches_packed("attention paged", q, kc, vc, table, lens, cu, scale, packed, tail=20)
     finally:
         attention.SPLIT_CHUNKS = saved
 
@@ -392,23 +401,11 @@ def paged_tma(gen: torch.Generator) -> None:
         "paged TMA: a 16-token cache gets none",
         attention._descriptors(kc.view(36, 16, kv_heads, d), vc.view(36, 16, kv_heads, d), 16) == (None, None),
     )
+    prefills = _paged_matches_packed("paged TMA", q, kc, vc, table, lens, cu, scale, packed, tail=30)
     pointer = dict(attention.PAGED, TMA=False)
-    seq_lens = torch.tensor(lens)
-    last = cu[1:].long() - 1
-    for schedule in ("split", "fused"):
-        out = attention.paged_attention(q, kc, vc, table, seq_lens, cu, scale, schedule=schedule)
-        check(f"paged TMA prefill ({schedule}) == packed", same(out, packed))
-        ptr = attention._run(q, kc, vc, cu, seq_lens, table, page, scale, True, schedule, config=pointer)
+    for schedule, out in prefills.items():
+        ptr = attention._run(q, kc, vc, cu, torch.tensor(lens), table, page, scale, True, schedule, config=pointer)
         check(f"paged TMA prefill ({schedule}) == its pointer loads", same(out, ptr))
-        dec = attention.paged_attention(
-            q[last], kc, vc, table, seq_lens, torch.arange(4, dtype=torch.int32), scale, schedule=schedule
-        )
-        check(f"paged TMA decode ({schedule}) == packed rows", same(dec, packed[last]))
-    qc = torch.cat([q[30:70], q[75 + 100 : 75 + 130]])
-    out = attention.paged_attention(
-        qc, kc, vc, table[[0, 2]], torch.tensor([70, 130]), torch.tensor([0, 40, 70], dtype=torch.int32), scale
-    )
-    check("paged TMA chunked prefill == packed rows", same(out, torch.cat([packed[30:70], packed[175:205]])))
 
 
 def cp_attention(gen: torch.Generator) -> None:

@@ -18,6 +18,7 @@ import os
 import pytest
 import torch
 
+from rl_kernel.integrations.vllm import STRICT_CUDA_BLOCK_SIZE
 from tests.gpu.engine_tools import close_engine as _close
 from tests.gpu.engine_tools import mismatches as _mismatches
 from tests.gpu.engine_tools import sampled as _tokens_and_logprobs
@@ -36,11 +37,10 @@ ENGINE = dict(
     max_num_seqs=64,
     max_num_batched_tokens=256,
     enable_prefix_caching=True,
-    block_size=16,
     gpu_memory_utilization=0.5,
     disable_log_stats=False,
 )
-SMALL_KV_BLOCKS = 320  # 5120 token slots for 96 sequences of up to ~700 tokens: vLLM must preempt
+SMALL_KV_BLOCKS = 5120 // STRICT_CUDA_BLOCK_SIZE  # 5,120 slots for 96 sequences of up to ~700 tokens: vLLM preempts
 
 
 def _prompts(n: int = PROMPTS, seed: int = 0) -> list[list[int]]:

@@ -20,6 +20,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.rollout_generate import (  # noqa: E402
     Row,
     draw_requests,
+    engine_args,
     request_seed,
     rows_for,
     selected_rows,
@@ -68,6 +69,13 @@ def test_rows_selects_by_name_in_order_and_refuses_unknown_names():
     ]
     with pytest.raises(SystemExit, match="unknown \\['mixed'\\]"):
         selected_rows(args("mixed"))
+
+
+def test_cuda_engines_take_a_fixed_kv_cache_when_asked():
+    args = lambda gib: argparse.Namespace(memory=0.75, kv_cache_gib=gib)  # noqa: E731
+    assert "kv_cache_memory_bytes" not in engine_args("cuda", args(None))
+    fixed = engine_args("cuda", args(20.0))
+    assert fixed["kv_cache_memory_bytes"] == 20 * 2**30 and fixed["enable_sleep_mode"]
 
 
 def test_summary_takes_medians_and_ratios():

@@ -91,6 +91,7 @@ def test_the_strict_cuda_block_is_one_attention_key_chunk():
     """The strict engine's KV block holds one key chunk of the Triton attention, whose TMA reads need it."""
     pytest.importorskip("triton")
     from rl_kernel.backends.triton import attention
+
     assert STRICT_CUDA_BLOCK_SIZE == attention.CHUNK
     assert None not in attention._descriptors(*torch.zeros(2, 3, STRICT_CUDA_BLOCK_SIZE, 2, 16).unbind(), 64)
 
