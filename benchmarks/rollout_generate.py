@@ -35,6 +35,10 @@ vime samples; no per-request seeds. Reported per row and engine: the median gene
 min-max spread, and strict / native of the medians; the GPU's SM clock, power and throttle reasons before each pass
 and at the end.
 
+Before any engine starts on CUDA, a run is refused (one line, with the most layers that fit) when the weights leave
+too little KV cache for the largest row's whole batch (`check_gpu_memory`): vLLM would preempt, and the row would
+not run at its batch.
+
 Parity: from the first pass, `PARITY_PER_ROW` sequences of every row and engine are teacher-forced by rl_kernel's
 reference (fp32 bits of every sampled token), while the engines sleep: every strict mode must show 0, native must
 differ. Exit status 1
@@ -96,6 +100,8 @@ QWEN3_30B_A3B = dict(
 )
 TINY_MOE = dict(num_experts=8, num_experts_per_tok=2)  # the CPU plumbing's tiny Qwen3-MoE
 ARCHS = {"qwen3_8b": (QWEN3_8B, 36), "qwen3_30b_a3b": (QWEN3_30B_A3B, 48)}  # (cuda shape, default layers)
+GIB = 2**30
+RESERVE_BYTES = 3 * GIB  # beside weights and KV cache: activations, CUDA graphs, workspaces (vLLM's profile: ~2)
 
 
 @dataclass(frozen=True)
@@ -296,6 +302,57 @@ def print_table(title: str, table: list[dict], modes: list[str]) -> None:
         ratios = "".join(f" {e['ratio_to_native'][m]:>16.3f}" for m in exact) if "native" in modes else ""
         print(f"{e['row'] + ('' if e['headline'] else '*'):>12} {e['batch']:>5} {cells}{ratios}")
     print("(* secondary rows; prefill counts prompt tokens/s, the others generated tokens/s)")
+
+
+def model_bytes(shape: dict, layers: int) -> tuple[int, int]:
+    """(bf16 weight bytes, KV-cache bytes per token) of a Qwen3 (or Qwen3-MoE) of `shape` at `layers` layers,
+    untied embeddings."""
+    h, d = shape["hidden_size"], shape["head_dim"]
+    attention = h * d * 2 * (shape["num_heads"] + shape["num_kv_heads"]) + 2 * d + 2 * h
+    if "num_experts" in shape:
+        mlp = shape["num_experts"] * (3 * h * shape["moe_intermediate_size"] + h)
+    else:
+        mlp = 3 * h * shape["intermediate_size"]
+    params = layers * (attention + mlp) + 2 * shape["vocab_size"] * h + h
+    return 2 * params, 2 * layers * 2 * shape["num_kv_heads"] * d
+
+
+def largest_row(rows: list[Row], passes: int, vocab: int) -> tuple[Row, int]:
+    """The row whose batch holds the most tokens (prompts + new tokens) in any pass, and that count."""
+    totals = []
+    for i, row in enumerate(rows):
+        for p in range(passes):
+            prompts, lengths = draw_requests(row, request_seed(i, p), vocab)
+            totals.append((sum(map(len, prompts)) + sum(lengths), i))
+    tokens, i = max(totals)
+    return rows[i], tokens
+
+
+def check_gpu_memory(args, rows: list[Row], total_bytes: int) -> None:
+    """Refuse (one line: what to pass instead) a run whose weights leave a GPU of `total_bytes` too little KV
+    cache to hold the largest row's whole batch: vLLM would preempt, and the row would not run at its batch."""
+    shape = ARCHS[args.arch][0]
+    row, tokens = largest_row(rows, args.passes, shape["vocab_size"])
+
+    def kv_room(layers: int) -> tuple[float, float, float]:
+        weights, per_token = model_bytes(shape, layers)
+        if args.kv_cache_gib is not None:
+            room = min(args.kv_cache_gib * GIB, total_bytes - weights - RESERVE_BYTES)
+        else:
+            room = args.memory * total_bytes - weights - RESERVE_BYTES
+        return weights, per_token * tokens, room
+
+    weights, need, room = kv_room(args.layers)
+    if need <= room:
+        return
+    fit = next((n for n in range(args.layers - 1, 0, -1) if kv_room(n)[1] <= kv_room(n)[2]), 0)
+    budget = f"--kv-cache-gib {args.kv_cache_gib}" if args.kv_cache_gib is not None else f"--memory {args.memory}"
+    raise SystemExit(
+        f"rollout_generate: {args.layers} {args.arch} layers take {weights / GIB:.1f} GiB of weights and the row "
+        f"{row.name}@{row.batch} needs {need / GIB:.1f} GiB of KV cache ({tokens:,} tokens); {budget} of this "
+        f"{total_bytes / GIB:.1f} GiB GPU leaves {max(room, 0) / GIB:.1f} GiB for it: pass --layers {fit} (the most "
+        "that fit), smaller rows (--rows), or run on a larger GPU"
+    )
 
 
 def engine_args(device: str, args) -> dict:
@@ -601,6 +658,8 @@ def main() -> int:
         import os
 
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    else:
+        check_gpu_memory(args, selected_rows(args), torch.cuda.mem_get_info()[1])
     return run_sequential(args) if args.weights == "dummy" else run(args)
 
 

@@ -18,9 +18,13 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.rollout_generate import (  # noqa: E402
+    ARCHS,
+    GIB,
     Row,
+    check_gpu_memory,
     draw_requests,
     engine_args,
+    model_bytes,
     request_seed,
     rows_for,
     selected_rows,
@@ -76,6 +80,30 @@ def test_cuda_engines_take_a_fixed_kv_cache_when_asked():
     assert "kv_cache_memory_bytes" not in engine_args("cuda", args(None))
     fixed = engine_args("cuda", args(20.0))
     assert fixed["kv_cache_memory_bytes"] == 20 * 2**30 and fixed["enable_sleep_mode"]
+
+
+def test_model_bytes_match_what_vllm_loaded():
+    """vLLM's own log on an H100: 'Model loading took 15.31 GiB' (Qwen3-8B, 36 layers), '56.88 GiB' (30B-A3B, 48)."""
+    assert abs(model_bytes(ARCHS["qwen3_8b"][0], 36)[0] / GIB - 15.31) < 0.1
+    assert abs(model_bytes(ARCHS["qwen3_30b_a3b"][0], 48)[0] / GIB - 56.88) < 0.1
+    assert model_bytes(ARCHS["qwen3_8b"][0], 36)[1] == 36 * 2 * 8 * 128 * 2  # K and V, bf16, 8 kv heads of 128
+
+
+def test_a_run_whose_kv_cache_cannot_hold_a_row_is_refused_in_one_line():
+    args = lambda arch, layers, gib=None: argparse.Namespace(  # noqa: E731
+        arch=arch, layers=layers, passes=2, memory=0.75, kv_cache_gib=gib, device="cuda", new_tokens=256, rows=""
+    )
+    h100, h200 = int(79.18 * GIB), int(139.8 * GIB)
+    rows = selected_rows(args("qwen3_8b", 36))
+    check_gpu_memory(args("qwen3_8b", 36), rows, h100)
+    check_gpu_memory(args("qwen3_30b_a3b", 48), rows, h200)
+    check_gpu_memory(args("qwen3_30b_a3b", 24), rows, h100)
+    with pytest.raises(SystemExit, match=r"48 qwen3_30b_a3b layers take 56.9 GiB .* pass --layers 35 ") as e:
+        check_gpu_memory(args("qwen3_30b_a3b", 48), rows, h100)
+    assert "\n" not in str(e.value)
+    with pytest.raises(SystemExit, match=r"--kv-cache-gib 20 .* leaves 20.0 GiB"):
+        check_gpu_memory(args("qwen3_8b", 36, 20), rows, h100)
+    check_gpu_memory(args("qwen3_8b", 36, 30), rows, h100)
 
 
 def test_summary_takes_medians_and_ratios():
