@@ -83,6 +83,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.vllm_throughput import CUDA_ENGINE, QWEN3_8B, STRICT_MODES, engine_makers, gpu_state  # noqa: E402
 from rl_kernel.models.qwen3 import Qwen3Reference  # noqa: E402
 from rl_kernel.models.tiny import make_tiny_qwen3  # noqa: E402
+from vime.config.preflight import qwen3_parameters  # noqa: E402
 from vime.loop.consistency import compare  # noqa: E402
 
 PARITY_PER_ROW = 3
@@ -306,15 +307,10 @@ def print_table(title: str, table: list[dict], modes: list[str]) -> None:
 
 def model_bytes(shape: dict, layers: int) -> tuple[int, int]:
     """(bf16 weight bytes, KV-cache bytes per token) of a Qwen3 (or Qwen3-MoE) of `shape` at `layers` layers,
-    untied embeddings."""
-    h, d = shape["hidden_size"], shape["head_dim"]
-    attention = h * d * 2 * (shape["num_heads"] + shape["num_kv_heads"]) + 2 * d + 2 * h
-    if "num_experts" in shape:
-        mlp = shape["num_experts"] * (3 * h * shape["moe_intermediate_size"] + h)
-    else:
-        mlp = 3 * h * shape["intermediate_size"]
-    params = layers * (attention + mlp) + 2 * shape["vocab_size"] * h + h
-    return 2 * params, 2 * layers * 2 * shape["num_kv_heads"] * d
+    untied embeddings (parameters counted by the trainer preflight's `qwen3_parameters`)."""
+    heads = {"num_attention_heads": shape["num_heads"], "num_key_value_heads": shape["num_kv_heads"]}
+    config = shape | heads | {"num_hidden_layers": layers, "tie_word_embeddings": False}
+    return 2 * qwen3_parameters(config), 2 * layers * 2 * shape["num_kv_heads"] * shape["head_dim"]
 
 
 def largest_row(rows: list[Row], passes: int, vocab: int) -> tuple[Row, int]:
@@ -345,7 +341,7 @@ def check_gpu_memory(args, rows: list[Row], total_bytes: int) -> None:
     weights, need, room = kv_room(args.layers)
     if need <= room:
         return
-    fit = next((n for n in range(args.layers - 1, 0, -1) if kv_room(n)[1] <= kv_room(n)[2]), 0)
+    fit = next((n for n in range(args.layers - 1, 0, -1) if (r := kv_room(n))[1] <= r[2]), 0)
     budget = f"--kv-cache-gib {args.kv_cache_gib}" if args.kv_cache_gib is not None else f"--memory {args.memory}"
     raise SystemExit(
         f"rollout_generate: {args.layers} {args.arch} layers take {weights / GIB:.1f} GiB of weights and the row "
@@ -360,7 +356,7 @@ def engine_args(device: str, args) -> dict:
         return dict(seed=0, max_model_len=256, max_num_batched_tokens=128, max_num_seqs=8, gpu_memory_utilization=0.3)
     memory = {"gpu_memory_utilization": args.memory}
     if args.kv_cache_gib is not None:
-        memory["kv_cache_memory_bytes"] = int(args.kv_cache_gib * 2**30)
+        memory["kv_cache_memory_bytes"] = int(args.kv_cache_gib * GIB)
     return CUDA_ENGINE | memory | {"enable_sleep_mode": True}
 
 
