@@ -343,8 +343,10 @@ def _prefill_case(t: int, h: int = 32, hkv: int = 8, d: int = 128) -> None:
 
 def bench_decode(bw: float) -> None:
     # (batch, context, block-table width in tokens): the last as vLLM serves 512-token contexts in an engine of
-    # max_model_len 4096 (a table row of 256 blocks, 8 KV splits of which 7 hold no key)
-    for b, ctx, width in ((1, 4096, 4096), (64, 4096, 4096), (256, 4096, 4096), (128, 512, 512), (128, 512, 4096)):
+    # max_model_len 4096 (a table row of 256 blocks, 8 KV splits of which 7 hold no key); 1280 keys: about the mean
+    # context of the mixed rollout (prompts of 64-2,048 tokens, 256 new)
+    cases = ((1, 4096, 4096), (64, 4096, 4096), (256, 4096, 4096), (128, 512, 512), (128, 512, 4096))
+    for b, ctx, width in cases + ((64, 1280, 4096), (256, 1280, 4096)):
         _decode_case(b, bw, ctx=ctx, width=width)
         torch.cuda.empty_cache()
 
@@ -387,6 +389,15 @@ def _decode_case(
     tma = lambda: attention.paged_attention(q, kc64, vc64, table64, seq_lens, qsl, d**-0.5)  # noqa: E731
     pages64 = bench(tma)
     pages64_same_bits = same_bits(tma(), default)
+    # other launches over the 64-token pages: deeper TMA pipelines, and the FLAT loop (one software pipeline over
+    # every chunk instead of one per KV split); time, and whether the bits equal (they must)
+    launches64 = {}
+    for stages, flat, schedule in ((3, False, None), (4, False, None), (2, False, "fused"), (2, True, "fused"),
+                                   (3, True, "fused")):  # fmt: skip
+        cfg = dict(attention.PAGED, num_stages=stages, FLAT=flat)
+        run = lambda: attention._run(q, kc64, vc64, qsl, seq_lens, table64, 64, d**-0.5, True, schedule, config=cfg)  # noqa: B023, E731
+        name = f"w4s{stages}" + ("_flat" if flat else "") + (f"_{schedule}" if schedule else "")
+        launches64[name] = {"ms": round(bench(run), 4), "same_bits": same_bits(run(), default)}
     # decode runs under CUDA graphs in serving engines: both sides captured, replays timed
     graphs = {
         "strict": graph_ms(lambda: attention.paged_attention(q, kc, vc, table, seq_lens, qsl, d**-0.5)),
@@ -411,6 +422,7 @@ def _decode_case(
         graph_native_over_strict=round(graphs["native"] / graphs["strict"], 3),
         pages64_tma_ms=round(pages64, 4),
         pages64_same_bits=pages64_same_bits,
+        pages64_launches=launches64,
         graph_pages64_ms=round(graphs["pages64"], 4),
         graph_native_over_pages64=round(graphs["native"] / graphs["pages64"], 3),
         kv_gbps_pages64=round(kv_bytes / pages64 * 1e-6, 1),

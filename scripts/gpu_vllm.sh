@@ -28,7 +28,8 @@
 #            strict vs native vLLM at Qwen3-30B-A3B shapes: benchmarks/rollout_generate.py --arch qwen3_30b_a3b;
 #            MOE_GENERATE_LAYERS passes --layers, MOE_GENERATE_ARGS more options), moe_train (vime.train
 #            +experiment=h200_moe strict then native, scripts/gpu_train.sh; MOE_TRAIN_ARGS: its overrides;
-#            MOE_TRAIN_RUNS=strict_1gpu: strict alone, with the stage's whole limit). Native
+#            MOE_TRAIN_RUNS=strict_1gpu: strict alone, with the stage's whole limit; MOE_TRAIN_RUN_S: each run's
+#            limit instead of an equal share, a later run getting what is left). Native
 #            vLLM's MoE needs the bundle's `moe` add-on (scripts/gpu_bundle.py --addon moe, its own transfer);
 #            without it a warning is printed (and `moe_addon missing` in stages.txt) and the parts still run. Limits MOE_TESTS_S (300), MOE_GENERATE_S (540),
 #            MOE_TRAIN_S (560)
@@ -94,7 +95,7 @@ moe_stage() {  # the `moe` stage: MOE_PARTS in order, each its own `stage`
       train) local runs=(${MOE_TRAIN_RUNS:-strict_1gpu native_1gpu})
              stage moe_train "${MOE_TRAIN_S:-560}" env GPU_TRAIN_SKIP_INSTALL=1 GPU_TRAIN_PRESET=h200_moe \
                OUT="$OUT/moe_train" GPU_TRAIN_RUNS="${runs[*]}" GPU_TRAIN_BUDGET_S=$(( ${MOE_TRAIN_S:-560} - 30 )) \
-               GPU_TRAIN_RUN_S=$(( (${MOE_TRAIN_S:-560} - 60) / ${#runs[@]} )) \
+               GPU_TRAIN_RUN_S=${MOE_TRAIN_RUN_S:-$(( (${MOE_TRAIN_S:-560} - 60) / ${#runs[@]} ))} \
                bash scripts/gpu_train.sh ${MOE_TRAIN_ARGS:-} ;;
       *) echo "gpu_vllm: moe: unknown part $part in MOE_PARTS (tests, generate, train)"; exit 2 ;;
     esac

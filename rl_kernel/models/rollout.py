@@ -19,6 +19,8 @@ import torch
 import rl_kernel as rk
 from rl_kernel.models.qwen3 import Qwen3Reference
 
+DEFAULT_BLOCK_SIZE = 16  # tokens per KV page of the reference engine
+
 
 @dataclass(frozen=True)
 class Request:
@@ -68,7 +70,7 @@ class RolloutEngine:
         self,
         model: Qwen3Reference,
         num_blocks: int,
-        block_size: int = 16,
+        block_size: int = DEFAULT_BLOCK_SIZE,
         max_num_batched_tokens: int = 64,
         block_seed: int = 0,
     ):
@@ -224,7 +226,7 @@ def mixed_version_logprobs(
     versions: list[int],
     temperature: float,
     load_version,
-    block_size: int = 16,
+    block_size: int = DEFAULT_BLOCK_SIZE,
 ) -> torch.Tensor:
     """fp32 logprobs of a response whose tokens were produced under different weight versions (a weight
     update landed while the request ran, keeping its KV cache), as a paged engine produced them: the

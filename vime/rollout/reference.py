@@ -9,7 +9,7 @@ import torch
 import rl_kernel as rk
 from rl_kernel.models.qwen3 import Qwen3Reference
 from rl_kernel.models.qwen3_moe import capture_routes, moe_blocks, rollout_routes
-from rl_kernel.models.rollout import Request, RolloutEngine
+from rl_kernel.models.rollout import DEFAULT_BLOCK_SIZE, Request, RolloutEngine
 from vime.config.schema import RolloutConfig
 
 LABEL = "reference (FALLBACK: rl_kernel.models.rollout, not vLLM)"
@@ -40,7 +40,11 @@ class ReferenceRollout:
         request i samples from a generator seeded by (seed, i). `between_steps` (in-flight weight updates):
         `RolloutEngine.generate`'s hook, which may load a new version between engine steps."""
         engine = RolloutEngine(
-            self.model, self.cfg.num_blocks, self.cfg.block_size or 16, self.cfg.max_num_batched_tokens, block_seed=seed
+            self.model,
+            self.cfg.num_blocks,
+            self.cfg.block_size or DEFAULT_BLOCK_SIZE,
+            self.cfg.max_num_batched_tokens,
+            block_seed=seed,
         )
         requests = [Request(p, max_new_tokens, temperature, stop_token_ids=tuple(stop_token_ids)) for p in prompts]
         with capture_routes(self.model.model) as captured:
