@@ -392,11 +392,21 @@ def _decode_case(
     # other launches over the 64-token pages: deeper TMA pipelines, and the FLAT loop (one software pipeline over
     # every chunk instead of one per KV split); time, and whether the bits equal (they must)
     launches64 = {}
-    for stages, flat, schedule in ((3, False, None), (4, False, None), (2, False, "fused"), (2, True, "fused"),
-                                   (3, True, "fused")):  # fmt: skip
-        cfg = dict(attention.PAGED, num_stages=stages, FLAT=flat)
+    # (MASK_ALL: FLAT's one loop with the last, partly masked chunk in the same pipeline)
+    variants = (
+        (3, False, False, None),
+        (4, False, False, None),
+        (2, False, False, "fused"),
+        (2, True, False, "fused"),
+        (3, True, False, "fused"),
+        (2, True, True, "fused"),
+        (3, True, True, "fused"),
+    )
+    for stages, flat, mask_all, schedule in variants:
+        cfg = dict(attention.PAGED, num_stages=stages, FLAT=flat, MASK_ALL=mask_all)
         run = lambda: attention._run(q, kc64, vc64, qsl, seq_lens, table64, 64, d**-0.5, True, schedule, config=cfg)  # noqa: B023, E731
-        name = f"w4s{stages}" + ("_flat" if flat else "") + (f"_{schedule}" if schedule else "")
+        name = f"w4s{stages}" + ("_flat" if flat else "") + ("_maskall" if mask_all else "")
+        name += f"_{schedule}" if schedule else ""
         launches64[name] = {"ms": round(bench(run), 4), "same_bits": same_bits(run(), default)}
     # decode runs under CUDA graphs in serving engines: both sides captured, replays timed
     graphs = {
