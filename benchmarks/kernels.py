@@ -377,11 +377,22 @@ def _decode_case(
     out16 = attention._run(q, kc, vc, qsl, seq_lens, table, page, d**-0.5, True, None, config=small)
     tile16 = bench(lambda: attention._run(q, kc, vc, qsl, seq_lens, table, page, d**-0.5, True, None, config=small))
     default = attention.paged_attention(q, kc, vc, table, seq_lens, qsl, d**-0.5)
-    launches = {}  # other warps / pipeline stages of the default tile: time, and whether the bits equal (they must)
-    for warps, stages in ((4, 3), (8, 2), (8, 3), (2, 2)):
-        cfg = dict(attention.PAGED, num_warps=warps, num_stages=stages)
-        run = lambda: attention._run(q, kc, vc, qsl, seq_lens, table, page, d**-0.5, True, None, config=cfg)  # noqa: B023, E731
-        launches[f"w{warps}s{stages}"] = {"ms": round(bench(run), 4), "same_bits": same_bits(run(), default)}
+
+    def timed_launches(kc, vc, table, page: int, variants: dict[str, tuple[dict, str | None]]) -> dict:
+        """Each named (PAGED overrides, schedule) over the cache kc, vc: time, and whether its bits equal the
+        default launch's (they must)."""
+        times = {}
+        for name, (overrides, schedule) in variants.items():
+            cfg = dict(attention.PAGED, **overrides)
+            run = lambda: attention._run(q, kc, vc, qsl, seq_lens, table, page, d**-0.5, True, schedule, config=cfg)  # noqa: B023, E731
+            times[name] = {"ms": round(bench(run), 4), "same_bits": same_bits(run(), default)}
+        return times
+
+    # other warps / pipeline stages of the default tile
+    launches = timed_launches(
+        kc, vc, table, page,
+        {f"w{w}s{s}": ({"num_warps": w, "num_stages": s}, None) for w, s in ((4, 3), (8, 2), (8, 3), (2, 2))},
+    )  # fmt: skip
     kv_bytes = 2 * b * ctx * hkv * d * 2
     # the strict CUDA engine's pages (STRICT_CUDA_BLOCK_SIZE = attention.CHUNK = 64 tokens): the same keys, each
     # 64-key chunk one block, read by one TMA box (16-token pages: pointer loads through the block table)
@@ -389,25 +400,20 @@ def _decode_case(
     tma = lambda: attention.paged_attention(q, kc64, vc64, table64, seq_lens, qsl, d**-0.5)  # noqa: E731
     pages64 = bench(tma)
     pages64_same_bits = same_bits(tma(), default)
-    # other launches over the 64-token pages: deeper TMA pipelines, and the FLAT loop (one software pipeline over
-    # every chunk instead of one per KV split); time, and whether the bits equal (they must)
-    launches64 = {}
-    # (MASK_ALL: FLAT's one loop with the last, partly masked chunk in the same pipeline)
-    variants = (
-        (3, False, False, None),
-        (4, False, False, None),
-        (2, False, False, "fused"),
-        (2, True, False, "fused"),
-        (3, True, False, "fused"),
-        (2, True, True, "fused"),
-        (3, True, True, "fused"),
-    )
-    for stages, flat, mask_all, schedule in variants:
-        cfg = dict(attention.PAGED, num_stages=stages, FLAT=flat, MASK_ALL=mask_all)
-        run = lambda: attention._run(q, kc64, vc64, qsl, seq_lens, table64, 64, d**-0.5, True, schedule, config=cfg)  # noqa: B023, E731
-        name = f"w4s{stages}" + ("_flat" if flat else "") + ("_maskall" if mask_all else "")
-        name += f"_{schedule}" if schedule else ""
-        launches64[name] = {"ms": round(bench(run), 4), "same_bits": same_bits(run(), default)}
+    # other launches over the 64-token pages: deeper TMA pipelines, the FLAT loop (one software pipeline over every
+    # chunk instead of one per KV split) and FLAT with MASK_ALL (the last, partly masked chunk in that pipeline too)
+    launches64 = timed_launches(
+        kc64, vc64, table64, attention.CHUNK,
+        {
+            "w4s3": ({"num_stages": 3}, None),
+            "w4s4": ({"num_stages": 4}, None),
+            "w4s2_fused": ({}, "fused"),
+            "w4s2_flat_fused": ({"FLAT": True}, "fused"),
+            "w4s3_flat_fused": ({"num_stages": 3, "FLAT": True}, "fused"),
+            "w4s2_flat_maskall_fused": ({"FLAT": True, "MASK_ALL": True}, "fused"),
+            "w4s3_flat_maskall_fused": ({"num_stages": 3, "FLAT": True, "MASK_ALL": True}, "fused"),
+        },
+    )  # fmt: skip
     # decode runs under CUDA graphs in serving engines: both sides captured, replays timed
     graphs = {
         "strict": graph_ms(lambda: attention.paged_attention(q, kc, vc, table, seq_lens, qsl, d**-0.5)),

@@ -402,11 +402,11 @@ def paged_tma(gen: torch.Generator) -> None:
         attention._descriptors(kc.view(36, 16, kv_heads, d), vc.view(36, 16, kv_heads, d), 16) == (None, None),
     )
     prefills = _paged_matches_packed("paged TMA", q, kc, vc, table, lens, cu, scale, packed, tail=30)
-    pointer = dict(attention.PAGED, TMA=False)
+    pointer, seq_lens = dict(attention.PAGED, TMA=False), torch.tensor(lens)
     for schedule, out in prefills.items():
-        ptr = attention._run(q, kc, vc, cu, torch.tensor(lens), table, page, scale, True, schedule, config=pointer)
+        ptr = attention._run(q, kc, vc, cu, seq_lens, table, page, scale, True, schedule, config=pointer)
         check(f"paged TMA prefill ({schedule}) == its pointer loads", same(out, ptr))
-    last, decode_rows, seq_lens = cu[1:].long() - 1, torch.arange(4, dtype=torch.int32), torch.tensor(lens)
+    last, decode_rows = cu[1:].long() - 1, torch.arange(4, dtype=torch.int32)
     for mask_all in (False, True):  # the fused schedule's loop forms: FLAT, and FLAT with every chunk masked
         cfg = dict(attention.PAGED, FLAT=True, MASK_ALL=mask_all)
         for rows, starts, name in ((last, decode_rows, "decode"), (torch.arange(205), cu, "prefill")):

@@ -319,16 +319,13 @@ def _all_splits(
     l = tl.zeros((BLOCK_M,), tl.float32)
     o = tl.zeros((BLOCK_M, D), tl.float32)
     if MASK_ALL:
-        for c in range(0, n_chunks):
-            m_t, l_t, o_t, m, l, o = _split_boundary(c, m_t, l_t, o_t, m, l, o, SPLIT_CHUNKS)
-            m, l, o = _chunk(q, qpos, kv, c, m, l, o, qk_scale, PAGED, True, BLOCK_SIZE, D, CHUNK, PRECISION, TMA)
-    else:
-        for c in range(0, tl.minimum(n_chunks, c_full)):
-            m_t, l_t, o_t, m, l, o = _split_boundary(c, m_t, l_t, o_t, m, l, o, SPLIT_CHUNKS)
-            m, l, o = _chunk(q, qpos, kv, c, m, l, o, qk_scale, PAGED, False, BLOCK_SIZE, D, CHUNK, PRECISION, TMA)
-        for c in range(c_full, n_chunks):
-            m_t, l_t, o_t, m, l, o = _split_boundary(c, m_t, l_t, o_t, m, l, o, SPLIT_CHUNKS)
-            m, l, o = _chunk(q, qpos, kv, c, m, l, o, qk_scale, PAGED, True, BLOCK_SIZE, D, CHUNK, PRECISION, TMA)
+        c_full = 0  # no chunk takes the unmasked update: the masked loop below runs them all
+    for c in range(0, tl.minimum(n_chunks, c_full)):
+        m_t, l_t, o_t, m, l, o = _split_boundary(c, m_t, l_t, o_t, m, l, o, SPLIT_CHUNKS)
+        m, l, o = _chunk(q, qpos, kv, c, m, l, o, qk_scale, PAGED, False, BLOCK_SIZE, D, CHUNK, PRECISION, TMA)
+    for c in range(c_full, n_chunks):
+        m_t, l_t, o_t, m, l, o = _split_boundary(c, m_t, l_t, o_t, m, l, o, SPLIT_CHUNKS)
+        m, l, o = _chunk(q, qpos, kv, c, m, l, o, qk_scale, PAGED, True, BLOCK_SIZE, D, CHUNK, PRECISION, TMA)
     return _merge(m_t, l_t, o_t, m, l, o)
 
 
