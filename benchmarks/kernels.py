@@ -400,8 +400,8 @@ def _decode_case(
     tma = lambda: attention.paged_attention(q, kc64, vc64, table64, seq_lens, qsl, d**-0.5)  # noqa: E731
     pages64 = bench(tma)
     pages64_same_bits = same_bits(tma(), default)
-    # other launches over the 64-token pages: deeper TMA pipelines, the FLAT loop (one software pipeline over every
-    # chunk instead of one per KV split) and FLAT with MASK_ALL (the last, partly masked chunk in that pipeline too)
+    # other launches over the 64-token pages: deeper TMA pipelines and the FLAT loop (one software pipeline over
+    # every chunk instead of one per KV split)
     launches64 = timed_launches(
         kc64, vc64, table64, attention.CHUNK,
         {
@@ -410,8 +410,6 @@ def _decode_case(
             "w4s2_fused": ({}, "fused"),
             "w4s2_flat_fused": ({"FLAT": True}, "fused"),
             "w4s3_flat_fused": ({"num_stages": 3, "FLAT": True}, "fused"),
-            "w4s2_flat_maskall_fused": ({"FLAT": True, "MASK_ALL": True}, "fused"),
-            "w4s3_flat_maskall_fused": ({"num_stages": 3, "FLAT": True, "MASK_ALL": True}, "fused"),
         },
     )  # fmt: skip
     # decode runs under CUDA graphs in serving engines: both sides captured, replays timed

@@ -1,7 +1,7 @@
 """Where strict vLLM's decode time goes, against native vLLM: torch profiler over one decode-heavy `generate`.
 
     python benchmarks/vllm_decode_profile.py [--device cuda] [--arch qwen3_8b] [--layers 8] [--batch 128]
-                                             [--context 512] [--new-tokens 32] [--eager] [--modes strict,native]
+                                             [--context 513] [--new-tokens 32] [--eager] [--modes strict,native]
                                              [--phase decode|prefill]
 
 One engine per process: each mode runs in its own subprocess (this script with `--worker MODE`), whose engine is
@@ -14,7 +14,10 @@ both sides on CUDA (strict as `strict_llm_kwargs` sets them, native vLLM's defau
 torch.compile of the strict model, FULL_AND_PIECEWISE graphs on CUDA) and native.
 
 Per mode: a warm-up `generate` of the same shapes (the prompts are then in the prefix cache), then the profiled
-one decodes `--new-tokens` tokens after a first one for `--batch` cached prompts of `--context` tokens. Device time
+one decodes `--new-tokens` tokens after a first one for `--batch` cached prompts of `--context` tokens. vLLM
+recomputes a cached prompt from its last whole KV page, so the first step prefills 1 to a page of tokens per
+prompt; at 64k + 1 tokens (513 by default on CUDA) both sides recompute one (strict CUDA engines use 64-token pages,
+native 16: at 512, strict would recompute 64 a prompt and native 16, and that prefill lands in the figures). Device time
 per decode step (profiled time / (1 + new tokens)) split into categories (`CATEGORIES`: MoE, GEMM, attention, norm,
 rope/KV-write, logprob/sampling, elementwise, other), kernels executed and host launch calls per step, and the top
 kernels. On CPU "device time" is the profiler's self CPU time of each op and a "kernel" an op. Prints one table,
@@ -316,7 +319,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--layers", type=int, default=None, help="default 8 on CUDA, 2 on CPU")
     parser.add_argument("--batch", type=int, default=None, help="default 128 on CUDA, 4 on CPU")
-    parser.add_argument("--context", type=int, default=None, help="default 512 on CUDA, 32 on CPU")
+    parser.add_argument(
+        "--context", type=int, default=None, help="default 513 on CUDA (decode: 64k + 1, see above), 32 on CPU"
+    )
     parser.add_argument("--new-tokens", type=int, default=None, help="default 32 on CUDA, 4 on CPU")
     parser.add_argument("--eager", action="store_true", help="no CUDA graphs (and no torch.compile) on either side")
     parser.add_argument("--top", type=int, default=25)
@@ -330,7 +335,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--json", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     defaults = (
-        dict(layers=8, batch=128, context=512, new_tokens=32)
+        dict(layers=8, batch=128, context=513 if args.phase == "decode" else 512, new_tokens=32)
         if args.device == "cuda"
         else dict(layers=2, batch=4, context=32, new_tokens=4)
     )
@@ -345,6 +350,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--modes takes {', '.join(MODES)}, got {sorted(bad)}")
     if args.eager and "strict_compiled" in args.modes.split(","):
         parser.error("--eager runs no torch.compile: leave strict_compiled out of --modes")
+    from rl_kernel.integrations.vllm import STRICT_CUDA_BLOCK_SIZE as page  # a multiple of native's 16
+
+    if args.device == "cuda" and args.phase == "decode" and (args.context - 1) % page:
+        print(
+            f"vllm_decode_profile: --context {args.context} is not {page}k + 1: the first step recomputes "
+            "each prompt's last partial page, more tokens on strict's 64-token pages than on native's, and the "
+            "per-step figures include that prefill"
+        )
     return args
 
 

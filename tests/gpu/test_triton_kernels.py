@@ -393,17 +393,15 @@ def test_attention_layouts_bitwise(heads, kv_heads, d, page):
         assert same(attention.varlen_attention(q, k, v, cu, scale, config=config), packed), (
             f"FLAT={flat} HEAVY_FIRST={heavy_first} TMA={tma}"
         )
-    mask_all = dict(attention.PREFILL, MASK_ALL=True)  # FLAT's one loop, every chunk through the masked update
-    assert same(attention.varlen_attention(q, k, v, cu, scale, config=mask_all), packed), "MASK_ALL"
     last = cu[1:] - 1  # decode: the last token of every sequence, one batch
     qsl = torch.arange(len(lens) + 1, dtype=torch.int32, device=DEV)
     for schedule in ("split", "fused"):
         dec = attention.paged_attention(q[last], kc, vc, table, seq_lens, qsl, scale, schedule=schedule)
         assert same(dec, packed[last]), f"decode ({schedule}) differs from packed prefill"
-    for flat, mask_all in ((False, False), (True, False), (True, True)):  # the fused schedule's loop forms
-        config = dict(attention.PAGED, FLAT=flat, MASK_ALL=mask_all)
+    for flat in (False, True):  # the fused schedule's loop forms: a loop per KV split, or one loop over chunks
+        config = dict(attention.PAGED, FLAT=flat)
         dec = attention._run(q[last], kc, vc, qsl, seq_lens, table, page, scale, True, "fused", config=config)
-        assert same(dec, packed[last]), f"paged decode FLAT={flat} MASK_ALL={mask_all} differs from packed prefill"
+        assert same(dec, packed[last]), f"paged decode FLAT={flat} differs from packed prefill"
     # chunked prefill: positions [40, 700) of sequence 3 in one step, together with a decode of sequence 2
     s3, s2 = int(cu[3]), int(cu[2])
     qc = torch.cat([q[s3 + 40 : s3 + 700], q[s2 + 599 : s2 + 600]])

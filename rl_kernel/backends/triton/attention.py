@@ -305,21 +305,16 @@ def _all_splits(
     BLOCK_M: tl.constexpr,
     PRECISION: tl.constexpr,
     TMA: tl.constexpr,
-    MASK_ALL: tl.constexpr,
 ):
     """The fused schedule as one loop over chunks: the same operations as `_split_partial` per split
     followed by `_merge` in split order, with the merge and the reset to an empty state done at each
-    split boundary inside the loop (one software pipeline over all chunks instead of one per split).
-    MASK_ALL: every chunk through the masked update, one loop and one pipeline with the last (partly
-    masked) chunk in it; the mask is an identity on a chunk every row sees whole, so the bits are the same."""
+    split boundary inside the loop (one software pipeline over all chunks instead of one per split)."""
     m_t = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_t = tl.zeros((BLOCK_M,), tl.float32)
     o_t = tl.zeros((BLOCK_M, D), tl.float32)
     m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l = tl.zeros((BLOCK_M,), tl.float32)
     o = tl.zeros((BLOCK_M, D), tl.float32)
-    if MASK_ALL:
-        c_full = 0  # no chunk takes the unmasked update: the masked loop below runs them all
     for c in range(0, tl.minimum(n_chunks, c_full)):
         m_t, l_t, o_t, m, l, o = _split_boundary(c, m_t, l_t, o_t, m, l, o, SPLIT_CHUNKS)
         m, l, o = _chunk(q, qpos, kv, c, m, l, o, qk_scale, PAGED, False, BLOCK_SIZE, D, CHUNK, PRECISION, TMA)
@@ -498,7 +493,6 @@ def _attn_kernel(
     FLAT: tl.constexpr,
     HEAVY_FIRST: tl.constexpr,
     TMA: tl.constexpr,
-    MASK_ALL: tl.constexpr,
 ):
     """Rows of tile `pid` x kv head `kvh` (`_program_tile`; tiles as `_find_tile` over q_start). out: contiguous
     [T, H, D]. SPLIT: grid axis 2 is the split s < NUM_SPLITS; partial rows of PART floats (o, m, l) at
@@ -583,7 +577,6 @@ def _attn_kernel(
                 BLOCK_M,
                 PRECISION,
                 TMA,
-                MASK_ALL,
             )
         else:
             m_t = tl.full((BLOCK_M,), float("-inf"), tl.float32)
@@ -688,7 +681,6 @@ def _run(q, k, v, q_start, ctx_len, block_table, block_size, scale, paged, sched
     cfg = dict(config or (PAGED if paged else PREFILL))
     block_m = cfg.pop("BLOCK_M")
     flat, heavy_first, tma = cfg.pop("FLAT", False), cfg.pop("HEAVY_FIRST", False), cfg.pop("TMA", False)
-    mask_all = cfg.pop("MASK_ALL", False)  # FLAT's one loop with every chunk masked (`_all_splits`)
     g, d = _check(q, kv_heads, block_m)
     precision = _precision(q, k)
     out = (torch.zeros_like if paged else torch.empty_like)(q, memory_format=torch.contiguous_format)
@@ -751,7 +743,6 @@ def _run(q, k, v, q_start, ctx_len, block_table, block_size, scale, paged, sched
         FLAT=flat,
         HEAVY_FIRST=heavy_first,
         TMA=use_tma,
-        MASK_ALL=mask_all,
         **cfg,
         **LAUNCH,
     )
@@ -924,7 +915,6 @@ def split_partials(
     cfg.pop("FLAT", None)  # one split per program here: nothing to flatten
     cfg.pop("HEAVY_FIRST", None)  # (its own grid)
     cfg.pop("TMA", None)
-    cfg.pop("MASK_ALL", None)
     g, d = _check(q, k.shape[1], block_m)
     precision = _precision(q, k)
     dev, i32 = q.device, torch.int32
