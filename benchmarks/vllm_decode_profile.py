@@ -350,15 +350,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--modes takes {', '.join(MODES)}, got {sorted(bad)}")
     if args.eager and "strict_compiled" in args.modes.split(","):
         parser.error("--eager runs no torch.compile: leave strict_compiled out of --modes")
+    if args.device == "cuda" and args.phase == "decode" and not args.worker:  # the driver warns once
+        _warn_unless_one_token_recomputed(args.context)
+    return args
+
+
+def _warn_unless_one_token_recomputed(context: int) -> None:
     from rl_kernel.integrations.vllm import STRICT_CUDA_BLOCK_SIZE as page  # a multiple of native's 16
 
-    if args.device == "cuda" and args.phase == "decode" and (args.context - 1) % page:
+    if (context - 1) % page:
         print(
-            f"vllm_decode_profile: --context {args.context} is not {page}k + 1: the first step recomputes "
+            f"vllm_decode_profile: --context {context} is not {page}k + 1: the first step recomputes "
             "each prompt's last partial page, more tokens on strict's 64-token pages than on native's, and the "
             "per-step figures include that prefill"
         )
-    return args
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,7 +14,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.vllm_decode_profile import CATEGORY_NAMES, categorize, summarize  # noqa: E402
+from benchmarks.vllm_decode_profile import CATEGORY_NAMES, categorize, parse_args, summarize  # noqa: E402
 
 
 @pytest.mark.parametrize(
@@ -61,6 +61,19 @@ def test_summarize_per_step():
     assert s["category_ms_per_step"]["other"] == 0.01
     assert s["device_ms_per_step"] == 1.01 and s["kernels_per_step"] == 11.0 and s["host_launches_per_step"] == 3.0
     assert [k["kernel"] for k in s["top"]] == ["nvjet_tst_x", "_attn_kernel"]
+
+
+def test_cuda_decode_prompts_are_recomputed_one_token_on_both_engines(capsys):
+    """A cached prompt is recomputed from its last whole KV page: the CUDA default of 64k + 1 tokens leaves one
+    token on strict's 64-token pages and native's 16; a length that leaves more (512: 64 on strict) is named."""
+    from rl_kernel.integrations.vllm import STRICT_CUDA_BLOCK_SIZE
+
+    assert (parse_args(["--device", "cuda"]).context - 1) % STRICT_CUDA_BLOCK_SIZE == 0
+    assert capsys.readouterr().out == ""
+    assert parse_args(["--device", "cuda", "--context", "512"]).context == 512
+    assert "--context 512 is not 64k + 1" in capsys.readouterr().out
+    assert parse_args(["--device", "cuda", "--phase", "prefill"]).context == 512  # fresh prompts: no recompute
+    assert capsys.readouterr().out == ""
 
 
 @pytest.mark.slow
