@@ -361,8 +361,8 @@ def _warn_unless_one_token_recomputed(context: int) -> None:
     if (context - 1) % page:
         print(
             f"vllm_decode_profile: --context {context} is not {page}k + 1: the first step recomputes "
-            "each prompt's last partial page, more tokens on strict's 64-token pages than on native's, and the "
-            "per-step figures include that prefill"
+            f"each prompt's last partial page, more tokens on strict's {page}-token pages than on native's, and "
+            "the per-step figures include that prefill"
         )
 
 
