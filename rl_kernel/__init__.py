@@ -30,6 +30,7 @@ from rl_kernel.ops.logprob import log_softmax, logprobs
 from rl_kernel.ops.moe import moe, moe_combine, moe_experts, moe_route
 from rl_kernel.ops.norm import qk_norm, rms_norm
 from rl_kernel.ops.rope import qk_norm_rope, rope
+from rl_kernel.ops.sampling import gumbel_sample_
 
 __all__ = [
     "BOUNDARIES",
@@ -44,6 +45,7 @@ __all__ = [
     "evidence",
     "get_backend",
     "get_mode",
+    "gumbel_sample_",
     "linear",
     "linear_fp32",
     "log_softmax",

@@ -25,6 +25,7 @@ OP_BOUNDARY = {
     "logprobs": "logprob",
     "log_softmax": "logprob",
     "truncation": "logprob",
+    "gumbel_sample": "logprob",
     "all_reduce": "collective",
     "moe_router": "moe",
     "moe_experts": "moe",

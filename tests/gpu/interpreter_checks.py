@@ -41,12 +41,14 @@ from rl_kernel.backends.torch import activation as torch_act  # noqa: E402
 from rl_kernel.backends.torch import moe as torch_moe  # noqa: E402
 from rl_kernel.backends.torch import norm as torch_norm  # noqa: E402
 from rl_kernel.backends.torch import rope as torch_rope  # noqa: E402
+from rl_kernel.backends.torch import sampling as torch_sampling  # noqa: E402
 from rl_kernel.backends.torch.cuda_emulation import CudaScalarDivision  # noqa: E402
 from rl_kernel.backends.torch.numerics import blocked_sum, sqrt32, tree_sum  # noqa: E402
-from rl_kernel.backends.triton import activation, attention, gemm, logprob, moe, norm, rope  # noqa: E402
-from rl_kernel.bits import bit_mismatches  # noqa: E402
+from rl_kernel.backends.triton import activation, attention, gemm, logprob, moe, norm, rope, sampling  # noqa: E402
+from rl_kernel.bits import bit_mismatches, bits  # noqa: E402
 from rl_kernel.ops.norm import native_rms_norm  # noqa: E402
 from rl_kernel.ops.rope import native_rope  # noqa: E402
+from rl_kernel.ops.sampling import row_keys  # noqa: E402
 
 # The interpreter runs one program per position: a 64-row angle table (the GPU's has 32,768) keeps it quick, and
 # positions on both sides of its end take the table's path and the computed one.
@@ -990,6 +992,38 @@ def moes(gen: torch.Generator) -> None:
         )
 
 
+def gumbel_sampling(gen: torch.Generator) -> None:
+    """Gumbel-max sampling over vocabs of one tile, several tiles and a partial last tile, on a row subset: the
+    tokens == the torch contract's on every decisive row (both logs are accurate fp32 logs, which may differ
+    by ulps), the sampled rows one-hot with the token's log-prob bits, the other rows untouched; a NaN entry and
+    an all -inf row as the torch contract treats them."""
+    for vocab in (1000, 2 * sampling.BLOCK, 2 * sampling.BLOCK + 37):
+        rows = 24
+        lp = torch.log_softmax(torch.randn(rows, vocab, generator=gen) * 4, -1)
+        lp[3, 50:] = float("-inf")  # a truncated row
+        lp[5, vocab - 1] = float("nan")
+        lp[7] = float("-inf")
+        chosen = torch.tensor([r for r in range(rows) if r != 11])
+        keys = row_keys(torch.randint(0, 2**62, (len(chosen),), generator=gen), torch.arange(len(chosen)) * 3)
+        got, want = lp.clone(), lp.clone()
+        tokens = sampling.sample_(got, keys, chosen)
+        expect = torch_sampling.sample_(want, keys, chosen)
+        decisive = torch_sampling.decisive(torch_sampling.scores(lp[chosen], keys))
+        finite = got[chosen].isfinite() | got[chosen].isnan()
+        check(
+            f"gumbel sample V={vocab}: tokens == torch contract on {int(decisive.sum())}/{len(chosen)} decisive rows",
+            torch.equal(tokens[decisive], expect[decisive]) and int(decisive.sum()) >= len(chosen) - 1,
+        )
+        check(
+            f"gumbel sample V={vocab}: rows one-hot with the token's bits, row 11 untouched, NaN and -inf rows",
+            torch.equal(bits(got[chosen][decisive]), bits(want[chosen][decisive]))
+            and bool(finite[chosen != 7].sum(-1).eq(1).all())
+            and torch.equal(bits(got[11]), bits(lp[11]))
+            and int(tokens[5]) == vocab - 1
+            and int(tokens[7]) == 0,
+        )
+
+
 PARTS = (
     moes,
     elementwise,
@@ -1006,6 +1040,7 @@ PARTS = (
     logprob_bf16_logits,
     logprob_full_log_softmax,
     far_offsets,
+    gumbel_sampling,
 )
 
 

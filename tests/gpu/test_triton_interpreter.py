@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # Two groups of about equal interpreter time, run side by side: the interpreter is one Python thread per process.
 GROUPS = (
-    ["cp_attention", "gemms", "split_decode", "paged_tma", "moes", "norm_widths"],
+    ["cp_attention", "gemms", "split_decode", "paged_tma", "moes", "norm_widths", "gumbel_sampling"],
     [
         "elementwise",
         "qk_norm_rope",

@@ -607,6 +607,87 @@ def test_log_softmax_pairs_with_logprobs_on_triton(logits):
     assert mismatches(torch_full.gather(1, tg[:, None]).squeeze(1), scored) > 0
 
 
+# ---- sampling ----------------------------------------------------------------------------------------
+
+
+def _qwen3_rows(rows: int, gen: torch.Generator) -> torch.Tensor:
+    """Strict log-prob rows at Qwen3's vocab (151,936; the last 267 columns padded, -inf)."""
+    logits = torch.randn(rows, 151936, device=DEV, generator=gen) * 3
+    return rk.log_softmax(logits, 0.8, vocab_size=151669)
+
+
+def test_gumbel_sample_matches_torch_backend_on_decisive_rows():
+    """Triton vs the torch contract on CUDA at Qwen3's vocab, 256 rows, a row subset: the same tokens and one-hot
+    bits on every decisive row (the backends' fp32 logs may differ by ulps), at least 255 of 256 decisive. A row's
+    winner has a large noise (the max of 151k Gumbels is near 12: u within 1e-5 of 1), where an approximate log
+    (absolute error ~2^-22) would be off by percent: this also checks that the device's log is accurate there."""
+    from rl_kernel.backends.torch import sampling as torch_sampling
+    from rl_kernel.backends.triton import sampling
+    from rl_kernel.ops.sampling import row_keys
+
+    gen = torch.Generator(device=DEV).manual_seed(21)
+    lp = _qwen3_rows(260, gen)
+    rows = torch.arange(2, 258, device=DEV)
+    keys = row_keys(torch.arange(256, device=DEV) * 7919, torch.arange(256, device=DEV) % 9)
+    got, want = lp.clone(), lp.clone()
+    tokens = sampling.sample_(got, keys, rows)
+    expect = torch_sampling.sample_(want, keys, rows)
+    decisive = torch_sampling.decisive(torch_sampling.scores(lp[rows], keys))
+    assert int(decisive.sum()) >= 255
+    assert torch.equal(tokens[decisive], expect[decisive])
+    assert same(got[rows][decisive], want[rows][decisive]) and same(got[:2], lp[:2]) and same(got[258:], lp[258:])
+    assert bool((tokens < 151669).all())
+
+
+def test_gumbel_sample_is_batch_invariant_and_native_twin_is_not():
+    """A row alone and at positions 0, 13 and 63 of a batch of 64: the same token and bits (Triton). Twin: vLLM's
+    race from the CUDA generator, reseeded the same, draws other tokens for the same rows alone."""
+    from rl_kernel.ops.sampling import native_sample_, row_keys
+
+    gen = torch.Generator(device=DEV).manual_seed(22)
+    lp = _qwen3_rows(64, gen)
+    keys = row_keys(torch.arange(64, device=DEV), torch.zeros(64, dtype=torch.int64, device=DEV))
+    with rk.mode("strict"):
+        batch = lp.clone()
+        tokens = rk.gumbel_sample_(batch, keys)
+        for r in (0, 13, 63):
+            alone = lp[r : r + 1].clone()
+            assert torch.equal(rk.gumbel_sample_(alone, keys[r : r + 1]), tokens[r : r + 1]) and same(
+                alone, batch[r : r + 1]
+            )
+    torch.manual_seed(5)
+    together = native_sample_(lp.clone(), keys, torch.arange(64, device=DEV))
+    alone = []
+    for r in range(8):
+        torch.manual_seed(5)
+        alone.append(
+            int(native_sample_(lp[r : r + 1].clone(), keys[:1], torch.zeros(1, dtype=torch.int64, device=DEV)))
+        )
+    assert together[:8].tolist() != alone
+
+
+def test_gumbel_sample_draws_follow_the_probabilities():
+    """200,000 Triton draws of a 7-token distribution (the rest of Qwen3's vocab -inf, so every tile is scored):
+    the chi-square statistic below its 1e-6 tail at 6 degrees of freedom (22.46)."""
+    from rl_kernel.ops.sampling import row_keys
+
+    n, probs = 200_000, torch.tensor([0.3, 0.25, 0.2, 0.1, 0.08, 0.05, 0.02], dtype=torch.float64)
+    lp = torch.full((1, 151936), float("-inf"), device=DEV)
+    ids = torch.tensor([5, 4095, 4096, 70000, 140000, 151000, 151668], device=DEV)
+    lp[0, ids] = probs.log().float().to(DEV)
+    counts = torch.zeros(7, dtype=torch.float64)
+    with rk.mode("strict"):
+        for start in range(0, n, 1000):
+            keys = row_keys(
+                torch.arange(start, start + 1000, device=DEV), torch.zeros(1000, dtype=torch.int64, device=DEV)
+            )
+            tokens = rk.gumbel_sample_(lp.repeat(1000, 1), keys)
+            assert bool(torch.isin(tokens, ids).all())
+            counts += (tokens.unsqueeze(-1) == ids).sum(0).double().cpu()
+    expected = probs * n
+    assert float(((counts - expected) ** 2 / expected).sum()) < 22.46
+
+
 @pytest.mark.parametrize("deterministic", [True, False])
 def test_attention_backward_flash(monkeypatch, deterministic):
     """The strict attention's backward (FlashAttention-2 from the forward's out and lse) against autograd

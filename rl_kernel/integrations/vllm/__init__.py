@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import random
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -35,7 +36,13 @@ from typing import Any
 from rl_kernel.integrations.vllm.attention_op import ATTENTION_OP
 from rl_kernel.integrations.vllm.compat import SUPPORTED_VLLM, check_vllm_version, has_nccl_trainer_engine
 from rl_kernel.integrations.vllm.compat import finish_weight_update as _finish_with_version
-from rl_kernel.integrations.vllm.sampling import FORCED_TOKENS_KEY, TEMPERATURE_KEY, TRUNCATION_KEY, truncation_of
+from rl_kernel.integrations.vllm.sampling import (
+    FORCED_TOKENS_KEY,
+    SAMPLER_KEY,
+    TEMPERATURE_KEY,
+    TRUNCATION_KEY,
+    truncation_of,
+)
 from rl_kernel.modes import full_modes
 from rl_kernel.ops.truncation import Truncation
 
@@ -46,6 +53,7 @@ STRICT_IPC_BACKEND = "rl_kernel_ipc"  # vLLM's ipc engine without its layerwise 
 LOGITS_PROCESSOR = "rl_kernel.integrations.vllm.sampling:StrictLogprobsProcessor"
 WORKER_EXTENSION = "rl_kernel.integrations.vllm.worker.RLKernelWorkerExtension"
 SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM",)
+SAMPLERS = ("auto", "rl_kernel", "vllm")  # strict_sampling_params(sampler=...)
 MODES_KEY = "rl_kernel_modes"  # additional_config entry: {boundary: mode} for every boundary
 COMPILE_KEY = "rl_kernel_compile"  # additional_config entry: True where vLLM compiles the strict model
 TP_COLLECTIVE_KEY = "rl_kernel_tp_collective"  # additional_config entry: how the strict model's TP collectives move
@@ -60,6 +68,8 @@ __all__ = [
     "COMPILE_KEY",
     "FORCED_TOKENS_KEY",
     "MODES_KEY",
+    "SAMPLERS",
+    "SAMPLER_KEY",
     "SUPPORTED_VLLM",
     "TEMPERATURE_KEY",
     "TRUNCATION_KEY",
@@ -313,22 +323,45 @@ def strict_sampling_params(
     logprobs: int = 0,
     *,
     truncation: Truncation | None = None,
+    sampler: str = "auto",
     **kwargs: Any,
 ):
     """SamplingParams for a strict engine: softmax sampling at `temperature` (> 0) over the full vocab, or over
     `truncation`'s exact top-k / top-p / min-p support (`rl_kernel.ops.truncation.Truncation`), returning each
     sampled token's strict fp32 logprob (renormalised over the support) plus the top `logprobs` entries.
-    vLLM's own `top_k` / `top_p` / `min_p` in `kwargs` stay outside the contract (the engine refuses them)."""
+    vLLM's own `top_k` / `top_p` / `min_p` in `kwargs` stay outside the contract (the engine refuses them).
+
+    `sampler`: "rl_kernel" draws each token with `rl_kernel.gumbel_sample_` from `seed` (None: one from Python's
+    `random`) and the token's position, so the tokens do not depend on the batch or the engine's history
+    (needs n == 1 and logprobs == 0); "vllm" leaves the draw to vLLM's sampler over the strict log-probs (its
+    generator: `seed`, else the worker's global one); "auto" (default) picks "rl_kernel" where it can."""
     from vllm import SamplingParams
 
     if not temperature > 0:
         raise ValueError(f"strict sampling needs temperature > 0, got {temperature}")
+    if sampler not in SAMPLERS:
+        raise ValueError(f"sampler={sampler!r}: choose one of {SAMPLERS}")
+    own = kwargs.get("n", 1) == 1 and logprobs == 0
+    if sampler == "rl_kernel" and not own:
+        raise ValueError(
+            f"sampler='rl_kernel' needs n == 1 and logprobs == 0, got n={kwargs.get('n', 1)}, "
+            f"logprobs={logprobs} (use sampler='vllm')"
+        )
     extra = dict(kwargs.pop("extra_args", None) or {}) | {TEMPERATURE_KEY: float(temperature)}
     if truncation is not None and truncation.active:
         extra[TRUNCATION_KEY] = dataclasses.asdict(truncation)
-    return SamplingParams(
-        temperature=1.0, max_tokens=max_tokens, seed=seed, logprobs=logprobs, extra_args=extra, **kwargs
-    )
+    if sampler == "vllm" or not own:
+        return SamplingParams(
+            temperature=1.0, max_tokens=max_tokens, seed=seed, logprobs=logprobs, extra_args=extra, **kwargs
+        )
+    for name, neutral in (("top_k", 0), ("top_p", 1.0), ("min_p", 0.0)):  # vLLM's greedy path would drop them
+        if kwargs.get(name, neutral) not in (neutral, -1 if name == "top_k" else neutral):
+            raise ValueError(
+                f"{name}={kwargs[name]} is vLLM's own, outside the strict contract: exact truncation goes in "
+                "truncation=rl_kernel.ops.truncation.Truncation(...)"
+            )
+    extra[SAMPLER_KEY] = {"seed": int(random.getrandbits(63) if seed is None else seed)}
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=logprobs, extra_args=extra, **kwargs)
 
 
 def forced_sampling_params(tokens: list[int], temperature: float = 1.0, **kwargs: Any):
@@ -338,7 +371,13 @@ def forced_sampling_params(tokens: list[int], temperature: float = 1.0, **kwargs
         raise ValueError("forced decoding needs at least one token")
     extra = dict(kwargs.pop("extra_args", None) or {}) | {FORCED_TOKENS_KEY: [int(t) for t in tokens]}
     return strict_sampling_params(
-        temperature=temperature, max_tokens=len(tokens), logprobs=0, extra_args=extra, ignore_eos=True, **kwargs
+        temperature=temperature,
+        max_tokens=len(tokens),
+        logprobs=0,
+        extra_args=extra,
+        ignore_eos=True,
+        sampler="vllm",
+        **kwargs,
     )
 
 

@@ -18,6 +18,14 @@ prompt logprobs: not supported. Each would change the distribution after the str
 those in its own, non-contract arithmetic), so a request that sets one is rejected with an error at
 submission (`validate_params`), never silently sampled from another distribution.
 
+Batch-invariant sampling (`extra_args[SAMPLER_KEY]`, {"seed": int}; `strict_sampling_params` sets it for
+single-sample requests without top-logprobs): the processor samples the row itself, `rl_kernel.gumbel_sample_` from
+the request's seed and the token's position in its response, and returns the row one-hot: -inf but the sampled
+token, whose strict log-prob bits are kept. vLLM's temperature is 0 for these requests, so its sampler takes the
+argmax (the token) and returns the row's entry unchanged, without its own softmax, exponential draw and division
+over the vocab. The token does not depend on the batch, its order, preemption or what the engine drew before; the
+rank vLLM reports for it is 1 (the row holds one finite entry).
+
 Forced decoding (re-scoring fixed tokens, `vime.audit`): a request whose
 `extra_args[FORCED_TOKENS_KEY]` lists token ids samples exactly those, one per decode step: the
 processor keeps the strict log-prob of the forced token and sets every other entry of the row to
@@ -31,11 +39,13 @@ from __future__ import annotations
 import torch
 
 import rl_kernel as rk
+from rl_kernel.ops.sampling import row_keys, seed_bits
 from rl_kernel.ops.truncation import Truncation, truncate_log_softmax
 
 TEMPERATURE_KEY = "rl_kernel_temperature"
 FORCED_TOKENS_KEY = "rl_kernel_forced_tokens"
 TRUNCATION_KEY = "rl_kernel_truncation"  # {"top_k": int, "top_p": float, "min_p": float}
+SAMPLER_KEY = "rl_kernel_sampler"  # {"seed": int}: rl_kernel samples the request (vLLM's temperature 0)
 
 
 def truncation_of(params) -> Truncation:
@@ -62,11 +72,14 @@ def _rejections(params) -> list[str]:
             f"extra_args[{TEMPERATURE_KEY!r}]={temp!r} must be a number > 0 (greedy decoding is not "
             "part of the strict contract; use a small temperature)"
         )
-    if params.temperature != 1.0:
+    sampler = extra.get(SAMPLER_KEY)
+    if sampler is None and params.temperature != 1.0:
         problems.append(
             f"temperature={params.temperature} must be 1.0 (the real temperature goes in "
             f"extra_args[{TEMPERATURE_KEY!r}])"
         )
+    if sampler is not None:
+        problems += _sampler_rejections(params, sampler)
     own = f" (vLLM's own; exact truncation goes in extra_args[{TRUNCATION_KEY!r}], see strict_sampling_params)"
     if params.top_k not in (0, -1, None):
         problems.append(f"top_k={params.top_k}{own}")
@@ -89,6 +102,23 @@ def _rejections(params) -> list[str]:
             "prompt_logprobs is set (vLLM computes those with its own log_softmax, outside the "
             "contract; teacher-force the prompt with the reference model or the trainer)"
         )
+    return problems
+
+
+def _sampler_rejections(params, sampler) -> list[str]:
+    """What in a request for rl_kernel's sampler (`extra_args[SAMPLER_KEY]`) it cannot honour."""
+    where = f"extra_args[{SAMPLER_KEY!r}]"
+    if not isinstance(sampler, dict) or set(sampler) != {"seed"} or type(sampler["seed"]) is not int:
+        return [f"{where}={sampler!r} must be {{'seed': int}}"]
+    problems = []
+    if params.temperature != 0.0:
+        problems.append(f"temperature={params.temperature} must be 0.0 with {where} (rl_kernel samples the row)")
+    if params.n != 1:
+        problems.append(f"n={params.n} must be 1 with {where} (send one request per sample, each with its seed)")
+    if params.logprobs not in (None, 0):
+        problems.append(f"logprobs={params.logprobs} must be 0 with {where} (its rows hold one finite entry)")
+    if (params.extra_args or {}).get(FORCED_TOKENS_KEY) is not None:
+        problems.append(f"{where} and extra_args[{FORCED_TOKENS_KEY!r}] exclude each other")
     return problems
 
 
@@ -132,6 +162,8 @@ class StrictLogprobsProcessor(LogitsProcessor):
             _warm_up(torch.device(device), vllm_config.model_config.get_vocab_size())
         # batch row -> (forced token ids, the request's running output token list)
         self.forced: dict[int, tuple[list[int], list[int]]] = {}
+        # batch row -> (the seed's int64 bits, the request's running output token list): rows rl_kernel samples
+        self.sampled: dict[int, tuple[int, list[int]]] = {}
 
     def is_argmax_invariant(self) -> bool:
         return False  # it must also run for greedy rows, and before vLLM's temperature
@@ -143,18 +175,22 @@ class StrictLogprobsProcessor(LogitsProcessor):
             self.temperatures.pop(index, None)
             self.forced.pop(index, None)
             self.truncations.pop(index, None)
+            self.sampled.pop(index, None)
         for index, params, _, output_ids in batch_update.added:
             extra = params.extra_args or {}
             self.temperatures[index] = float(extra[TEMPERATURE_KEY])
             self.forced.pop(index, None)
             self.truncations.pop(index, None)
+            self.sampled.pop(index, None)
             truncation = truncation_of(params)
             if truncation.active:
                 self.truncations[index] = truncation
             if extra.get(FORCED_TOKENS_KEY) is not None:
                 self.forced[index] = ([int(t) for t in extra[FORCED_TOKENS_KEY]], output_ids)
+            if extra.get(SAMPLER_KEY) is not None:
+                self.sampled[index] = (seed_bits(extra[SAMPLER_KEY]["seed"]), output_ids)
         for a, b, direction in batch_update.moved:
-            for state in (self.temperatures, self.forced, self.truncations):
+            for state in (self.temperatures, self.forced, self.truncations, self.sampled):
                 ta, tb = state.pop(a, None), state.pop(b, None)
                 if ta is not None:
                     state[b] = ta
@@ -177,7 +213,20 @@ class StrictLogprobsProcessor(LogitsProcessor):
                 keep = logprobs[row, tokens[j]].clone()
                 logprobs[row].fill_(float("-inf"))
                 logprobs[row, tokens[j]] = keep
+        if self.sampled:
+            self._sample(logprobs)
         return logprobs
+
+    def _sample(self, logprobs: torch.Tensor) -> None:
+        """rl_kernel's sampler on its rows: each made one-hot in place at the token its seed and step draw (the
+        step: the tokens the request has generated so far, so preemption and re-scheduling draw the same)."""
+        rows = sorted(r for r in self.sampled if r < logprobs.shape[0])
+        if rows:
+            seeds = torch.tensor([self.sampled[r][0] for r in rows], dtype=torch.int64)
+            steps = torch.tensor([len(self.sampled[r][1]) for r in rows], dtype=torch.int64)
+            host = torch.stack([torch.tensor(rows, dtype=torch.int64), row_keys(seeds, steps)])
+            rows_and_keys = (host.pin_memory() if self.pin else host).to(logprobs.device, non_blocking=True)
+            rk.gumbel_sample_(logprobs, rows_and_keys[1], rows=rows_and_keys[0])
 
     def _temps(self, values: tuple[float, ...]) -> torch.Tensor:
         temps = self._batch_temps.get(values)
