@@ -131,6 +131,8 @@ STRICT_MODES = {
     "strict": {},
     "strict_compiled": {"compile": True},
     "strict_compiled_pages16": {"compile": True, "block_size": 16},
+    # vLLM's own sampler over the strict rows (temperature 1.0), the form before rl_kernel sampled them itself
+    "strict_compiled_vllm_sampler": {"compile": True, "sampler": "vllm"},
 }
 # cuda: what every benchmark engine of Qwen3-8B shapes is built with (each adds its share of the GPU)
 CUDA_ENGINE = dict(
@@ -146,7 +148,12 @@ CUDA_ENGINE = dict(
 def engine_makers(mode: str):
     """(engine kwargs maker, sampling params maker) of a benchmark mode: a strict one of `STRICT_MODES` or native."""
     if mode in STRICT_MODES:
-        return functools.partial(strict_llm_kwargs, **STRICT_MODES[mode]), strict_sampling_params
+        engine = {k: v for k, v in STRICT_MODES[mode].items() if k != "sampler"}
+        sampler = STRICT_MODES[mode].get("sampler", "auto")
+        return (
+            functools.partial(strict_llm_kwargs, **engine),
+            functools.partial(strict_sampling_params, sampler=sampler),
+        )
     return native_llm_kwargs, native_sampling_params
 
 

@@ -55,6 +55,7 @@ def test_strict_audit_keeps_parity_and_names_no_configured_boundary(strict_audit
     assert rescore["tokens"] == base["tokens"]
     assert report["base_parity"] is True and report["verdict"].startswith("PARITY")
     assert report["configured_native"] == {"rollout": [], "trainer": []}
+    assert base["contracts"].pop("gumbel_sample") == "sampling"  # the engine's sampler: picks tokens only
     assert set(base["contracts"].values()) <= {"same", "paired"}
     assert not [x for x in base["ran"] if ":native:" in x]
     assert "verdict: PARITY" in stdout and "trainer:logprob" in stdout

@@ -218,6 +218,21 @@ def test_a_rollout_that_records_the_trainers_op_samples_with_its_partner_on_any_
         check_contracts(other_backend, trainer, STRICT, STRICT)
 
 
+def test_the_engines_sampler_is_a_rollout_only_sampling_op():
+    """`gumbel_sample` (the strict engine's sampler) picks tokens and records no value: on the rollout side alone it
+    is 'sampling'; any other op on one side only stays 'one-side'."""
+    lp = rk.log_softmax(torch.randn(4, 32))
+    with rk.evidence.recording() as sampler:
+        rk.gumbel_sample_(lp, torch.arange(4))
+    with rk.evidence.recording() as norm:
+        rk.rms_norm(torch.randn(4, 8), torch.ones(8), 1e-6)
+    h, head = torch.randn(4, 64, dtype=torch.bfloat16), torch.randn(32, 64, dtype=torch.bfloat16)
+    with rk.evidence.recording() as trainer:
+        rk.logprobs(h, head, torch.tensor([1, 2, 3, 4]), 0.7)
+    verdict = check_contracts(sampler + norm + trainer, trainer, STRICT, STRICT)
+    assert verdict["gumbel_sample"] == "sampling" and verdict["rms_norm"] == "one-side"
+
+
 GPU_GEMM_RECORD = """
 import json, sys
 import rl_kernel as rk

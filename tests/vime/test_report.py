@@ -78,6 +78,10 @@ def test_no_signal_warning_only_when_every_group_is_tied():
     assert report.no_signal_warning(3, [0.0, 0.0, 1.0, 0.0], 2) is None
     msg = report.no_signal_warning(3, [0.1, 0.1, 0.0, 0.0], 2)
     assert msg is not None and "step 3" in msg and "no learning signal" in msg and "2 groups" in msg
+    assert report.no_signal_count([]) == ""
+    assert report.no_signal_count(list(range(10))) == (
+        "; no learning signal (every group tied) on 10 steps: 0, 1, 2, 3, 4, 5, 6, 7, ..."
+    )
 
 
 def test_completion_lines_take_one_sample_per_group():
@@ -90,7 +94,11 @@ def test_summary_says_what_zero_means_and_where_outputs_are(tmp_path):
     lines = "\n".join(report.summary_lines(_records(_rows(10)), tmp_path, tmp_path / "consistency.png", "/m"))
     assert "steps            10" in lines and "1280" in lines and "0 in total" in lines
     assert "the exact fp32 bits" in lines and "0.100 -> 0.900" in lines and "median" in lines
-    assert str(tmp_path) in lines and "consistency.png" in lines and "/m" in lines
+    assert str(tmp_path) in lines and "consistency.png" in lines and "/m" in lines and "no learning signal" not in lines
+    tied = report.summary_lines(_records(_rows(10)), tmp_path, None, "/m", no_signal_steps=[0, 3])
+    assert any(
+        "0.100 -> 0.900" in line and "no learning signal (every group tied) on 2 steps: 0, 3" in line for line in tied
+    )
     native = "\n".join(report.summary_lines(_records(_rows(4, mismatch=128, strict=False)), tmp_path, None, "/m"))
     assert "512 in total" in native and "differ in bits" in native
 

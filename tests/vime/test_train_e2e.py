@@ -62,7 +62,9 @@ def test_strict_run_has_zero_mismatches_every_step(default_run):
         assert r["strict"] is True
         assert r["mismatch_count"] == 0 and r["max_abs_diff"] == 0.0, r
         assert r["train_mismatch_count"] == 0, r  # Megatron's train-mode forward vs the rollout, independently
-        assert set(r["contracts"].values()) <= {"same", "paired"} and r["contracts"]["gemm"] == "same"
+        sampler = r["contracts"].pop("gumbel_sample")  # the engine's sampler: picks tokens, records no value
+        assert sampler == "sampling" and set(r["contracts"].values()) <= {"same", "paired"}
+        assert r["contracts"]["gemm"] == "same"
     assert any(r["grad_norm"] > 0 for r in rows)  # the weights did move
 
 

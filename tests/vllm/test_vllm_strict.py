@@ -108,6 +108,10 @@ def test_strict_sampler_draws_do_not_depend_on_the_batch(llm, reference):
             s[t].logprob for s, t in zip(b.outputs[0].logprobs, b.outputs[0].token_ids)
         ]
     assert len({tuple(t) for t in _tokens(together)}) == 8  # different seeds draw different responses
+    unseeded = [strict_sampling_params(0.9, MAX_TOKENS, ignore_eos=True)] * 4  # one params object, as users pass it
+    first = _tokens(_reseeded(llm, prompts[:1] * 4, unseeded))
+    assert len({tuple(t) for t in first}) == 4, "unseeded requests of one prompt drew the same response"
+    assert _tokens(_reseeded(llm, prompts[:1] * 4, unseeded)) == first  # the worker's generator, reseeded, repeats
 
     by_vllm = [strict_sampling_params(0.9, MAX_TOKENS, ignore_eos=True, sampler="vllm") for _ in range(4)]
     mixed = _reseeded(llm, prompts[:4] + prompts[:4], seeded[:4] + by_vllm)

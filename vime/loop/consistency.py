@@ -181,6 +181,8 @@ def check_comparable(samples: Sequence[Sample], scored: Sequence[Scored], versio
 # Ops whose strict contracts are declared equal entry by entry: a rollout engine that samples from
 # full-vocab strict log-probs (`log_softmax`) and a trainer that scores the chosen token (`logprobs`).
 PAIRED_OPS = {"log_softmax": "logprobs", "logprobs": "log_softmax"}
+# Ops that only pick the rollout's tokens (no value of theirs is recorded or recomputed): the engine's sampler.
+SAMPLING_OPS = frozenset({"gumbel_sample"})
 
 
 def contracts_by_op(records: Sequence[dict]) -> dict[str, set[tuple[str, str, str, str]]]:
@@ -227,7 +229,8 @@ def check_contracts(
     device type) sets are equal; a declared pair (`PAIRED_OPS`) must agree on backend and device type.
     A side that ran both ops of a pair records the values of the one both sides ran (rl_kernel's GPU
     rollout engine samples from `log_softmax` and records `logprobs`, as the trainer computes them); its
-    other op only shaped the sampling distribution: 'sampling'.
+    other op only shaped the sampling distribution: 'sampling', as is a rollout-only op that picks tokens
+    (`SAMPLING_OPS`: the engine's batch-invariant sampler).
     Returns {op: 'same' | 'paired' | 'sampling' | 'one-side' | 'native'}."""
     _check_side("rollout", rollout_records, rollout_modes)
     _check_side("trainer", trainer_records, trainer_modes)
@@ -246,6 +249,8 @@ def check_contracts(
                     "both sides must run the same backend on the same device type"
                 )
             verdict[op] = "same"
+        elif op in SAMPLING_OPS and op not in t_ops:
+            verdict[op] = "sampling"
         elif PAIRED_OPS.get(op) in r_ops and PAIRED_OPS[op] in t_ops:
             verdict[op] = "sampling"  # its side also ran the partner, which the other side ran too ('same' above)
         elif PAIRED_OPS.get(op) in (t_ops if op in r_ops else r_ops):

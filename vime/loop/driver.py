@@ -91,6 +91,7 @@ class Driver:
         self.resumed: dict | None = None  # the driver state of the checkpoint this run continues from
         self.stopped_after: int | None = None  # set when `checkpoint.stop_after` ended the run early
         self.engine_restarts = 0  # rollout engines restarted after dying (vime/faults/restart.py)
+        self.no_signal_steps: list[int] = []  # steps whose groups all tied (the warning is said once)
         self.prompt_batches = 0  # prompt batches consumed (vime.loop.sampling); a resume sets its checkpoint's
 
     # ---- set-up ----------------------------------------------------------------------------
@@ -384,7 +385,9 @@ class Driver:
         rewards = torch.tensor([s.reward for s in samples]).tolist()  # float32, as the record has them
         warning = report.no_signal_warning(step, rewards, self.cfg.algo.group_size)
         if warning:
-            log.warning(warning)
+            if not self.no_signal_steps:  # once: later such steps show in the table's `tied` column and the summary
+                log.warning(warning + "; later steps like it are counted in the summary, not repeated here")
+            self.no_signal_steps.append(step)
         run = RunFacts(self.cfg.algo.group_size, self.tokenizer.decode, self.strict, self.labels)
         versions = (version, self.timeline.trainer_version)
         record = step_record(step, versions, samples, times, run, self.engine_restarts, fields)
@@ -457,7 +460,10 @@ class Driver:
             return None
         plot = self.logger.plot(compare, task=str(self.cfg.data.task))
         last = checkpoint.latest(self.output_dir) if self.output_dir.is_dir() else None
-        for line in report.summary_lines(rows, self.output_dir, plot, self.model_path, compare, self.cfg.steps, last):
+        summary = report.summary_lines(
+            rows, self.output_dir, plot, self.model_path, compare, self.cfg.steps, last, self.no_signal_steps
+        )
+        for line in summary:
             log.info(line)
         return plot
 

@@ -35,6 +35,14 @@ def no_signal_warning(step: int, rewards: Sequence[float], group_size: int) -> s
     return None
 
 
+def no_signal_count(steps: Sequence[int]) -> str:
+    """The summary's note of the steps whose groups all tied ('' when none)."""
+    if not steps:
+        return ""
+    shown = ", ".join(map(str, steps[:8])) + (", ..." if len(steps) > 8 else "")
+    return f"; no learning signal (every group tied) on {len(steps)} steps: {shown}"
+
+
 # ---- the figure -------------------------------------------------------------------------------
 
 
@@ -287,11 +295,12 @@ def summary_lines(
     compare: Sequence[StepRecord] | None = None,
     steps: int | None = None,
     last_checkpoint: Path | None = None,
+    no_signal_steps: Sequence[int] = (),
 ) -> list[str]:
     """The closing block: steps, tokens compared, mismatches and what 0 means, reward first -> last,
     time per step, engine restarts, where the outputs are, and what to do next: a run that did all its
     `steps` is complete (extend it with more `steps`); one stopped early continues from its last checkpoint
-    (`last_checkpoint`, None when it saved none)."""
+    (`last_checkpoint`, None when it saved none). `no_signal_steps`: the steps whose groups all tied."""
     if not rows:
         return ["no step ran"]
     tokens, mism = _tokens(rows), _mismatches(rows)
@@ -323,7 +332,7 @@ def summary_lines(
         *textwrap.wrap(meaning, width=SUMMARY_WIDTH, initial_indent=" " * 19, subsequent_indent=" " * 19),
         f"  reward           {rows[0].rollout.reward_mean:.3f} -> {rows[-1].rollout.reward_mean:.3f} "
         f"(mean of first {k} "
-        f"steps {head:.3f}, last {k} steps {tail:.3f})",
+        f"steps {head:.3f}, last {k} steps {tail:.3f}){no_signal_count(no_signal_steps)}",
         f"  time per step    median {step_s[len(step_s) // 2]:.2f} s (min {step_s[0]:.2f}, max {step_s[-1]:.2f})",
     ]
     if stale:

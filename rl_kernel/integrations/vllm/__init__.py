@@ -28,7 +28,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import random
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -331,8 +330,9 @@ def strict_sampling_params(
     sampled token's strict fp32 logprob (renormalised over the support) plus the top `logprobs` entries.
     vLLM's own `top_k` / `top_p` / `min_p` in `kwargs` stay outside the contract (the engine refuses them).
 
-    `sampler`: "rl_kernel" draws each token with `rl_kernel.gumbel_sample_` from `seed` (None: one from Python's
-    `random`) and the token's position, so the tokens do not depend on the batch or the engine's history
+    `sampler`: "rl_kernel" draws each token with `rl_kernel.gumbel_sample_` from `seed` (None: one the worker draws
+    per request from its generator, which vLLM's engine `seed` seeds) and the token's position, so the tokens do
+    not depend on the batch or the engine's history
     (needs n == 1 and logprobs == 0); "vllm" leaves the draw to vLLM's sampler over the strict log-probs (its
     generator: `seed`, else the worker's global one); "auto" (default) picks "rl_kernel" where it can."""
     from vllm import SamplingParams
@@ -360,7 +360,7 @@ def strict_sampling_params(
                 f"{name}={kwargs[name]} is vLLM's own, outside the strict contract: exact truncation goes in "
                 "truncation=rl_kernel.ops.truncation.Truncation(...)"
             )
-    extra[SAMPLER_KEY] = {"seed": int(random.getrandbits(63) if seed is None else seed)}
+    extra[SAMPLER_KEY] = {"seed": None if seed is None else int(seed)}
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=logprobs, extra_args=extra, **kwargs)
 
 

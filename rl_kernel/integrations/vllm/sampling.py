@@ -18,7 +18,7 @@ prompt logprobs: not supported. Each would change the distribution after the str
 those in its own, non-contract arithmetic), so a request that sets one is rejected with an error at
 submission (`validate_params`), never silently sampled from another distribution.
 
-Batch-invariant sampling (`extra_args[SAMPLER_KEY]`, {"seed": int}; `strict_sampling_params` sets it for
+Batch-invariant sampling (`extra_args[SAMPLER_KEY]`, {"seed": int or None}; `strict_sampling_params` sets it for
 single-sample requests without top-logprobs): the processor samples the row itself, `rl_kernel.gumbel_sample_` from
 the request's seed and the token's position in its response, and returns the row one-hot: -inf but the sampled
 token, whose strict log-prob bits are kept. vLLM's temperature is 0 for these requests, so its sampler takes the
@@ -45,7 +45,7 @@ from rl_kernel.ops.truncation import Truncation, truncate_log_softmax
 TEMPERATURE_KEY = "rl_kernel_temperature"
 FORCED_TOKENS_KEY = "rl_kernel_forced_tokens"
 TRUNCATION_KEY = "rl_kernel_truncation"  # {"top_k": int, "top_p": float, "min_p": float}
-SAMPLER_KEY = "rl_kernel_sampler"  # {"seed": int}: rl_kernel samples the request (vLLM's temperature 0)
+SAMPLER_KEY = "rl_kernel_sampler"  # {"seed": int or None}: rl_kernel samples the request (vLLM's temperature 0)
 
 
 def truncation_of(params) -> Truncation:
@@ -108,8 +108,8 @@ def _rejections(params) -> list[str]:
 def _sampler_rejections(params, sampler) -> list[str]:
     """What in a request for rl_kernel's sampler (`extra_args[SAMPLER_KEY]`) it cannot honour."""
     where = f"extra_args[{SAMPLER_KEY!r}]"
-    if not isinstance(sampler, dict) or set(sampler) != {"seed"} or type(sampler["seed"]) is not int:
-        return [f"{where}={sampler!r} must be {{'seed': int}}"]
+    if not isinstance(sampler, dict) or set(sampler) != {"seed"} or type(sampler["seed"]) not in (int, type(None)):
+        return [f"{where}={sampler!r} must be {{'seed': int or None}}"]
     problems = []
     if params.temperature != 0.0:
         problems.append(f"temperature={params.temperature} must be 0.0 with {where} (rl_kernel samples the row)")
@@ -120,6 +120,14 @@ def _sampler_rejections(params, sampler) -> list[str]:
     if (params.extra_args or {}).get(FORCED_TOKENS_KEY) is not None:
         problems.append(f"{where} and extra_args[{FORCED_TOKENS_KEY!r}] exclude each other")
     return problems
+
+
+def _seed_of(sampler: dict) -> int:
+    """A request's seed bits: its own, else one drawn from this worker's global CPU generator as the request enters
+    the batch (vLLM's engine `seed` seeds it, so unseeded runs repeat; a preempted unseeded request draws anew
+    when it re-enters, still an exact sample)."""
+    seed = sampler["seed"]
+    return seed_bits(int(torch.randint(0, 2**63 - 1, ())) if seed is None else seed)
 
 
 def _warm_up(device: torch.device, vocab_size: int) -> None:
@@ -188,7 +196,7 @@ class StrictLogprobsProcessor(LogitsProcessor):
             if extra.get(FORCED_TOKENS_KEY) is not None:
                 self.forced[index] = ([int(t) for t in extra[FORCED_TOKENS_KEY]], output_ids)
             if extra.get(SAMPLER_KEY) is not None:
-                self.sampled[index] = (seed_bits(extra[SAMPLER_KEY]["seed"]), output_ids)
+                self.sampled[index] = (_seed_of(extra[SAMPLER_KEY]), output_ids)
         for a, b, direction in batch_update.moved:
             for state in (self.temperatures, self.forced, self.truncations, self.sampled):
                 ta, tb = state.pop(a, None), state.pop(b, None)
